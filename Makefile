@@ -1,0 +1,34 @@
+# amp-doctor developer commands. `make install` then `make test` on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch: on this project's machines it is a local wheel and
+# installs in seconds; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install test lint typecheck demo bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+install: $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+
+test:
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint:
+	$(BIN)/python -m ruff check .
+
+typecheck:
+	$(BIN)/python -m mypy amp_doctor
+
+demo:
+	$(BIN)/python -m amp_doctor demo
+
+bench:
+	$(BIN)/python benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs .pytest_cache

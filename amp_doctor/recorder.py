@@ -1,0 +1,341 @@
+"""Step boundary: one host copy of the step's device buffer -> a StepRecord;
+and the per-layer aggregates plus bounded history that become a Session.
+
+This is the only place in the recording path that copies device data to
+the host, once per *recorded* step (see :meth:`StepBuffer.flush`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import stats as S
+from .dtypes import FormatLimits
+from .records import LayerStep, LayerSummary, StepRecord, TensorStats
+
+__all__ = ["StepBuffer", "HostStep", "LayerAggregate", "History", "host_syncs", "decode_rows"]
+
+# Bounded memory: the history keeps at most this many step records; when it
+# is full every other record is dropped, so it always spans the whole run.
+HISTORY_LIMIT = 512
+
+_SYNCS = [0]
+
+
+def host_syncs() -> int:
+    """How many device->host copies amp-doctor has made (for the benchmark)."""
+    return _SYNCS[0]
+
+
+def count_sync() -> None:
+    _SYNCS[0] += 1
+
+
+FIELDS = ("act", "grad", "param_grad")
+
+
+class StepBuffer:
+    """Device-side summaries gathered during one recorded step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.closed = False
+        self._rows: list[torch.Tensor] = []
+        self._scalars: dict[str, torch.Tensor] = {}
+        self.assigned: dict[tuple[str, str], list[int]] = {}
+        self.backward_order: list[str] = []
+        self.param_grads_done: set[str] = set()
+
+    def add(self, summary: torch.Tensor) -> int:
+        self._rows.append(summary)
+        return len(self._rows) - 1
+
+    def assign(self, layer: str, fld: str, idx: int) -> None:
+        self.assigned.setdefault((layer, fld), []).append(idx)
+
+    def note_backward(self, layer: str) -> None:
+        self.backward_order.append(layer)
+
+    def put_scalar(self, key: str, value: torch.Tensor) -> None:
+        """Keep a device scalar (loss, scale) for the step's single host copy."""
+        self._scalars[key] = value.detach().reshape(-1)[:1].to(torch.float64)
+
+    def has_scalar(self, key: str) -> bool:
+        return key in self._scalars
+
+    def flush(self) -> HostStep:
+        """The one host sync of a recorded step: copy every summary and scalar at once."""
+        self.closed = True
+        keys = list(self._scalars)
+        parts: list[torch.Tensor] = []
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for r in self._rows:
+            by_device.setdefault(r.device, []).append(r)
+        rows_host: list[torch.Tensor] = []
+        order: list[tuple[torch.device, int]] = []
+        for dev, rs in by_device.items():
+            parts.append(torch.stack(rs).reshape(-1))
+            order.append((dev, len(rs)))
+        scal = [self._scalars[k].to(parts[0].device if parts else "cpu") for k in keys]
+        if scal:
+            parts.append(torch.cat(scal))
+        if not parts:
+            flat = torch.zeros(0, dtype=torch.float64)
+        else:
+            dev0 = parts[0].device
+            flat = torch.cat([p.to(dev0, non_blocking=True) for p in parts]).cpu()
+            count_sync()
+        pos = 0
+        for _, n in order:
+            rows_host.append(flat[pos : pos + n * S.SUMMARY_LEN].reshape(n, S.SUMMARY_LEN))
+            pos += n * S.SUMMARY_LEN
+        # Rows were grouped by device; put them back in insertion order.
+        matrix = _reorder(rows_host, self._rows)
+        scalars = {k: float(flat[pos + i]) for i, k in enumerate(keys)}
+        self._rows = []
+        self._scalars = {}
+        return HostStep(self.step, matrix, scalars, dict(self.assigned), list(self.backward_order))
+
+
+def _reorder(chunks: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:
+    if not rows:
+        return torch.zeros(0, S.SUMMARY_LEN, dtype=torch.float64)
+    if len(chunks) == 1:
+        return chunks[0]
+    devices: list[torch.device] = []
+    for r in rows:
+        if r.device not in devices:
+            devices.append(r.device)
+    cursor = dict.fromkeys(devices, 0)
+    chunk_of = dict(zip(devices, chunks, strict=True))
+    out = []
+    for r in rows:
+        out.append(chunk_of[r.device][cursor[r.device]])
+        cursor[r.device] += 1
+    return torch.stack(out)
+
+
+@dataclass
+class HostStep:
+    step: int
+    matrix: torch.Tensor  # [rows, SUMMARY_LEN] float64, on the host
+    scalars: dict[str, float]
+    assigned: dict[tuple[str, str], list[int]]
+    backward_order: list[str]
+
+    def merged(self, layer: str, fld: str) -> torch.Tensor | None:
+        """One summary row for a layer's field, merging repeated calls (accumulation)."""
+        idx = self.assigned.get((layer, fld))
+        if not idx:
+            return None
+        rows = self.matrix[idx]
+        if len(idx) == 1:
+            return rows[0]
+        out = rows.sum(0)
+        out[S.MIN] = rows[:, S.MIN].min()
+        out[S.MAX] = rows[:, S.MAX].max()
+        return out
+
+
+def decode_rows(row: torch.Tensor, fmt: FormatLimits, scale_log2: int = 0) -> TensorStats:
+    d = S.decode(row.tolist(), fmt, scale_log2)
+    return TensorStats(
+        numel=d.numel,
+        min=d.min,
+        max=d.max,
+        absmax=d.absmax,
+        zero_frac=d.zero_frac,
+        nonfinite_frac=d.nonfinite_frac,
+        overflow_frac=d.overflow_frac,
+        underflow_frac=d.underflow_frac,
+        headroom=d.headroom,
+    )
+
+
+def scale_log2_of(scale: float | None) -> int:
+    if not scale or not math.isfinite(scale) or scale <= 0:
+        return 0
+    return round(math.log2(scale))
+
+
+def host_step_layers(
+    hs: HostStep, fmt: FormatLimits, grad_scale: float | None, param_grad_scale: float | None
+) -> tuple[dict[str, LayerStep], dict[str, dict[str, torch.Tensor]]]:
+    """Decode a host step into per-layer records and the raw merged rows."""
+    names: dict[str, None] = {}
+    for layer, _ in hs.assigned:
+        names.setdefault(layer)
+    gl2 = scale_log2_of(grad_scale)
+    pl2 = scale_log2_of(param_grad_scale)
+    out: dict[str, LayerStep] = {}
+    raw: dict[str, dict[str, torch.Tensor]] = {}
+    for name in names:
+        rows = {f: r for f in FIELDS if (r := hs.merged(name, f)) is not None}
+        raw[name] = rows
+        act = decode_rows(rows["act"], fmt) if "act" in rows else None
+        grad = decode_rows(rows["grad"], fmt) if "grad" in rows else None
+        grad_u = decode_rows(rows["grad"], fmt, gl2) if "grad" in rows and gl2 else None
+        pg = decode_rows(rows["param_grad"], fmt) if "param_grad" in rows else None
+        pg_u = decode_rows(rows["param_grad"], fmt, pl2) if "param_grad" in rows and pl2 else None
+        out[name] = LayerStep(act=act, grad=grad, grad_unscaled=grad_u, param_grad=pg,
+                              param_grad_unscaled=pg_u)
+    return out, raw
+
+
+def _nanmax(vals: Iterable[float]) -> float:
+    vs = [v for v in vals if not math.isnan(v)]
+    return max(vs) if vs else math.nan
+
+
+@dataclass
+class _Running:
+    """Mean and worst of one figure over recorded steps."""
+
+    total: float = 0.0
+    n: int = 0
+    worst: float = -math.inf
+
+    def add(self, v: float) -> None:
+        if math.isnan(v):
+            return
+        self.total += v
+        self.n += 1
+        self.worst = max(self.worst, v)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+
+@dataclass
+class LayerAggregate:
+    """Everything kept per layer for the whole run: constant size."""
+
+    steps: int = 0
+    absmax: float = 0.0
+    min: float = math.inf
+    max: float = -math.inf
+    headroom: float = math.inf
+    zero: _Running = field(default_factory=_Running)
+    overflow: _Running = field(default_factory=_Running)
+    underflow: _Running = field(default_factory=_Running)
+    nonfinite_steps: int = 0
+    grad_absmax: float | None = None
+    grad_headroom: float | None = None
+    grad_zero: _Running = field(default_factory=_Running)
+    grad_under: _Running = field(default_factory=_Running)
+    grad_under_u: _Running = field(default_factory=_Running)
+    grad_nonfinite_steps: int = 0
+    pg_absmax: float | None = None
+    pg_under: _Running = field(default_factory=_Running)
+    pg_under_u: _Running = field(default_factory=_Running)
+    pg_nonfinite_steps: int = 0
+    act_hist: list[int] = field(default_factory=lambda: [0] * S.N_EXP_BINS)
+    grad_hist: list[int] = field(default_factory=lambda: [0] * S.N_EXP_BINS)
+
+    def add(self, ls: LayerStep, raw: dict[str, torch.Tensor]) -> None:
+        self.steps += 1
+        if (a := ls.act) is not None:
+            if math.isfinite(a.absmax):
+                self.absmax = max(self.absmax, a.absmax)
+            self.min = min(self.min, a.min) if not math.isnan(a.min) else self.min
+            self.max = max(self.max, a.max) if not math.isnan(a.max) else self.max
+            if not math.isnan(a.headroom):
+                self.headroom = min(self.headroom, a.headroom)
+            self.zero.add(a.zero_frac)
+            self.overflow.add(a.overflow_frac)
+            self.underflow.add(a.underflow_frac)
+            self.nonfinite_steps += a.nonfinite_frac > 0
+            _add_hist(self.act_hist, raw["act"])
+        if (g := ls.grad) is not None:
+            if math.isfinite(g.absmax):
+                self.grad_absmax = max(self.grad_absmax or 0.0, g.absmax)
+            if not math.isnan(g.headroom):
+                self.grad_headroom = min(
+                    self.grad_headroom if self.grad_headroom is not None else math.inf,
+                    g.headroom,
+                )
+            self.grad_zero.add(g.zero_frac)
+            self.grad_under.add(g.underflow_frac)
+            self.grad_under_u.add((ls.grad_unscaled or g).underflow_frac)
+            self.grad_nonfinite_steps += g.nonfinite_frac > 0
+            _add_hist(self.grad_hist, raw["grad"])
+        if (p := ls.param_grad) is not None:
+            pu = ls.param_grad_unscaled or p
+            if math.isfinite(pu.absmax):
+                self.pg_absmax = max(self.pg_absmax or 0.0, pu.absmax)
+            self.pg_under.add(p.underflow_frac)
+            self.pg_under_u.add(pu.underflow_frac)
+            self.pg_nonfinite_steps += p.nonfinite_frac > 0
+
+    def summary(self, meta_name: str, meta_type: str, order: int, calls: int,
+                input_dtypes: set[str], output_dtypes: set[str], param_dtypes: set[str],
+                ops: dict[str, dict[str, int]]) -> LayerSummary:
+        lows = {"float16", "bfloat16"}
+        ran_low = bool(output_dtypes & lows)
+        floats = {d for d in output_dtypes if d.startswith(("float", "bfloat"))}
+        return LayerSummary(
+            name=meta_name,
+            type=meta_type,
+            order=order,
+            calls=calls,
+            recorded_steps=self.steps,
+            input_dtypes=sorted(input_dtypes),
+            output_dtypes=sorted(output_dtypes),
+            param_dtypes=sorted(param_dtypes),
+            ran_low_precision=ran_low,
+            what_if=bool(floats) and not ran_low,
+            absmax=self.absmax,
+            min=self.min if self.steps else math.nan,
+            max=self.max if self.steps else math.nan,
+            headroom=self.headroom,
+            zero_frac=self.zero.mean or 0.0,
+            overflow_frac=max(self.overflow.worst, 0.0),
+            underflow_frac=self.underflow.mean or 0.0,
+            nonfinite_steps=self.nonfinite_steps,
+            grad_absmax=self.grad_absmax,
+            grad_headroom=self.grad_headroom,
+            grad_zero_frac=self.grad_zero.mean,
+            grad_underflow_frac=self.grad_under.mean,
+            grad_underflow_frac_unscaled=self.grad_under_u.mean,
+            grad_nonfinite_steps=self.grad_nonfinite_steps,
+            param_grad_absmax=self.pg_absmax,
+            param_grad_underflow_frac=self.pg_under.mean,
+            param_grad_underflow_frac_unscaled=self.pg_under_u.mean,
+            param_grad_nonfinite_steps=self.pg_nonfinite_steps,
+            ops=ops,
+            act_exp_hist=list(self.act_hist),
+            grad_exp_hist=list(self.grad_hist),
+        )
+
+
+def _add_hist(acc: list[int], row: torch.Tensor) -> None:
+    h = row[S.HIST :].tolist()
+    for i, v in enumerate(h):
+        if v:
+            acc[i] += int(v)
+
+
+class History:
+    """Bounded list of step records that keeps spanning the whole run."""
+
+    def __init__(self, limit: int = HISTORY_LIMIT) -> None:
+        self.limit = limit
+        self.stride = 1
+        self.records: list[StepRecord] = []
+        self._seen = 0
+
+    def add(self, rec: StepRecord) -> None:
+        self._seen += 1
+        # Skipped steps are what users ask about: always keep them.
+        if (self._seen - 1) % self.stride and not rec.skipped:
+            return
+        self.records.append(rec)
+        if len(self.records) > self.limit:
+            keep = [r for i, r in enumerate(self.records) if i % 2 == 0 or r.skipped]
+            self.records = keep[-self.limit :]
+            self.stride *= 2

@@ -1,0 +1,1 @@
+"""Renderers of a finished Session: text, JSON, TensorBoard. They never touch hooks."""

@@ -1,0 +1,542 @@
+"""``watch()``: the context manager that owns every hook and patch.
+
+Data flows one way: probes (module hooks) and the AMP API monitor put
+device-side summaries into a per-step buffer; at each recorded step
+boundary the buffer is copied to the host once and folded into per-layer
+aggregates and a bounded history; ``close()`` freezes all of it into an
+immutable :class:`~amp_doctor.records.Session`, runs the analysis and
+writes the sinks. Everything installed is removed in ``close()``, which
+``__exit__`` calls on normal exit, on exceptions and on KeyboardInterrupt.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.amp.grad_scaler import GradScaler
+from torch.optim import Optimizer
+
+from . import stats as S
+from ._version import __version__
+from .dtypes import dtype_name, limits
+from .errors import AmpDoctorError
+from .probes import Probes, iter_tensors
+from .recorder import History, HostStep, LayerAggregate, StepBuffer, count_sync, host_step_layers
+from .records import AmpConfig, Event, RunInfo, ScalerEvent, Session, StepRecord
+from .scaler import AmpMonitor, subscribe
+
+__all__ = ["Watch", "watch", "DEFAULT_EVERY"]
+
+# Record one step in ten: enough to see persistent problems, cheap enough
+# to leave on (see benchmarks/results.md). Skips, backoffs and misuse are
+# tracked on every step regardless.
+DEFAULT_EVERY = 10
+# Judge what-if overflow/underflow against float16 when autocast never ran:
+# it is the format with the narrower range, so the stricter question.
+WHAT_IF_DTYPE = torch.float16
+
+Models = nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module]
+
+
+def _as_models(model: Models) -> dict[str, nn.Module]:
+    if isinstance(model, nn.Module):
+        return {"": model}
+    if isinstance(model, Mapping):
+        out = dict(model)
+    else:
+        items = list(model)
+        names = [type(m).__name__ for m in items]
+        out = {}
+        for i, (n, m) in enumerate(zip(names, items, strict=True)):
+            out[n if names.count(n) == 1 else f"{n}{i}"] = m
+    for k, m in out.items():
+        if not isinstance(m, nn.Module):
+            raise AmpDoctorError(
+                f"watch() got a {type(m).__name__} for {k!r}, not a torch.nn.Module. "
+                "Pass the model (or a list/dict of models) you call in the training loop."
+            )
+    return out
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DDP/DataParallel/torch.compile wrappers: watch the user's module so
+    # layer names carry no "module." / "_orig_mod." prefix.
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(model, attr, None)
+        if isinstance(inner, nn.Module) and type(model).__name__ in (
+            "DistributedDataParallel", "DataParallel", "OptimizedModule"):
+            return _unwrap(inner)
+    return model
+
+
+class Watch:
+    """Records how a model behaves under AMP, per layer and per step.
+
+    Use as a context manager, or call :meth:`close` yourself. Host syncs:
+    one per recorded step (in :meth:`step` or the automatic boundary at
+    ``GradScaler.update`` / ``optimizer.step``), plus one on each step the
+    GradScaler skipped that was not recorded, to name the culprit layers.
+    """
+
+    def __init__(
+        self,
+        model: Models,
+        *,
+        every: int = DEFAULT_EVERY,
+        logdir: str | Path | None = None,
+        scaler: GradScaler | None = None,
+        optimizer: Optimizer | Iterable[Optimizer] | None = None,
+        max_steps: int | None = None,
+        anomaly: bool = False,
+        on_nonfinite: str = "record",
+        anomaly_allow: Iterable[str] = (),
+        top_k: int = 16,
+        tensorboard: bool = True,
+    ) -> None:
+        if not isinstance(every, int) or every < 1:
+            raise AmpDoctorError(f"every must be a positive integer, got {every!r}; e.g. every=10.")
+        if max_steps is not None and max_steps < 1:
+            raise AmpDoctorError(f"max_steps must be >= 1 or None, got {max_steps!r}.")
+        if on_nonfinite not in ("record", "raise"):
+            raise AmpDoctorError(
+                f"on_nonfinite must be 'record' or 'raise', got {on_nonfinite!r}."
+            )
+        self.models = {k: _unwrap(m) for k, m in _as_models(model).items()}
+        self.every = every
+        self.max_steps = max_steps
+        self.logdir = Path(logdir).absolute() if logdir is not None else None
+        self.top_k = top_k
+        self._tensorboard = tensorboard
+        self._anomaly_opts = (anomaly, on_nonfinite, tuple(anomaly_allow))
+        opts: list[Optimizer] = []
+        if isinstance(optimizer, Optimizer):
+            opts = [optimizer]
+        elif optimizer is not None:
+            opts = list(optimizer)
+        self._explicit_scaler = scaler
+        self._explicit_opts = opts
+
+        self.step_index = 0
+        self.recorded = 0
+        self.closed = False
+        self.session_: Session | None = None
+        self._started = time.perf_counter()
+        self._started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        self._device_type: str | None = None
+        self._autocast_dtypes: dict[str, int] = {}
+        self._buffer: StepBuffer | None = None
+        self._activity = False
+        self._grad_scale_key = "grad_scale"
+        self._agg: dict[str, LayerAggregate] = {}
+        self._history = History()
+        self._extra_events: list[Event] = []
+        self._scalers_seen: set[int] = set()
+        self._listeners: list[Callable[[StepRecord, HostStep], None]] = []
+        self._probes: Probes | None = None
+        self._sub: Any = None
+        self._monitor: AmpMonitor | None = None
+        self._anomaly: Any = None
+        self._tb: Any = None
+        self._run_meta: dict[str, Any] = {}
+        self._owned_params: set[int] = set()
+        self._started_flag = False
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> Watch:
+        if self._started_flag:
+            return self
+        self._started_flag = True
+        try:
+            self._owned_params = {id(p) for m in self.models.values() for p in m.parameters()}
+            self._probes = Probes(self.models, self._current_buffer, self._on_root_forward)
+            self._monitor = AmpMonitor(
+                owns_param=lambda p: id(p) in self._owned_params,
+                on_boundary=self._boundary,
+                step_of=lambda: self.step_index,
+                scaler=self._explicit_scaler,
+                optimizers=self._explicit_opts,
+                on_unscale=self._on_param_grads,
+                on_skip=self._on_skip,
+                on_scale=self._on_scale,
+            )
+            self._monitor.autocast_dtype = self._autocast_dtype
+            self._sub = subscribe(self._monitor)
+            anomaly, mode, allow = self._anomaly_opts
+            if anomaly:
+                from .anomaly import AnomalyMode
+
+                self._anomaly = AnomalyMode(
+                    current_module=self._probes.current_module,
+                    step_of=lambda: self.step_index,
+                    mode=mode,
+                    allow=allow,
+                )
+                self._anomaly.start()
+            if self.logdir is not None and self._tensorboard:
+                from .sinks.tensorboard import TensorBoardSink
+
+                self._tb = TensorBoardSink(self.logdir, top_k=self.top_k)
+                self._listeners.append(self._tb.on_step)
+            self._set_recording()
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __enter__(self) -> Watch:
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        outcome = "completed"
+        if exc_type is not None:
+            outcome = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "exception"
+            self._run_meta.setdefault("error", f"{exc_type.__name__}: {exc}")
+        self._run_meta.setdefault("outcome", outcome)
+        self.close()
+
+    def close(self) -> Session:
+        """Stop watching, remove every hook and patch, and build the session."""
+        if self.closed:
+            assert self.session_ is not None
+            return self.session_
+        self.closed = True
+        try:
+            if self._buffer is not None and self._activity:
+                self._finish_step(partial=True)
+        finally:
+            self._teardown()
+        self.session_ = self._build_session()
+        if self.logdir is not None:
+            self._write_outputs(self.session_)
+        return self.session_
+
+    def _teardown(self) -> None:
+        # Each removal is independent: one failing must not leave others behind.
+        for fn in (
+            lambda: self._probes and self._probes.remove(),
+            lambda: self._sub and self._sub.remove(),
+            lambda: self._anomaly and self._anomaly.stop(),
+        ):
+            try:
+                fn()
+            except Exception:  # pragma: no cover - best effort on teardown
+                pass
+        if self._buffer is not None:
+            self._buffer.closed = True
+        self._buffer = None
+
+    # -- public API ------------------------------------------------------------
+    def step(self) -> None:
+        """Mark the end of a training step yourself (custom loops).
+
+        Once called, automatic boundaries at ``GradScaler.update`` and
+        ``optimizer.step`` are ignored for this watch.
+        """
+        if self._monitor is not None:
+            self._monitor.manual_steps = True
+        self._boundary()
+
+    @property
+    def session(self) -> Session:
+        """The finished session (after close), or a snapshot of the run so far."""
+        if self.session_ is not None:
+            return self.session_
+        return self._build_session()
+
+    def report(self, **kwargs: Any) -> str:
+        from .sinks.text import render_text
+
+        return render_text(self.session, **kwargs)
+
+    def set_run_meta(self, **kw: Any) -> None:
+        """Used by the CLI to record the command, exit code and outcome."""
+        self._run_meta.update(kw)
+
+    def add_listener(self, fn: Callable[[StepRecord, HostStep], None]) -> None:
+        self._listeners.append(fn)
+
+    # -- hook callbacks ------------------------------------------------------
+    def _current_buffer(self) -> StepBuffer:
+        assert self._buffer is not None
+        self._activity = True
+        return self._buffer
+
+    def _on_root_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self._activity = True
+        if self._device_type is None:
+            dev = None
+            for t in iter_tensors(args):
+                dev = t.device.type
+                break
+            if dev is None:
+                p = next(module.parameters(), None)
+                dev = p.device.type if p is not None else "cpu"
+            self._device_type = dev
+        dev = self._device_type
+        if torch.is_grad_enabled() and torch.is_autocast_enabled(dev):
+            name = dtype_name(torch.get_autocast_dtype(dev))
+            self._autocast_dtypes[name] = self._autocast_dtypes.get(name, 0) + 1
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        if not self._autocast_dtypes:
+            return None
+        name = max(self._autocast_dtypes, key=lambda k: self._autocast_dtypes[k])
+        return getattr(torch, name)
+
+    def _low_dtype(self) -> torch.dtype:
+        dt = self._autocast_dtype()
+        if dt is not None:
+            return dt
+        lows = self._probes.low_precision_outputs() if self._probes else set()
+        if lows:
+            return torch.float16 if "float16" in lows else torch.bfloat16
+        return WHAT_IF_DTYPE
+
+    def _on_scale(self, scaler: GradScaler, outputs: Any) -> None:
+        self._scalers_seen.add(id(scaler))
+        buf = self._buffer
+        if buf is None:
+            return
+        if scaler._enabled and scaler._scale is not None:
+            buf.put_scalar(self._grad_scale_key, scaler._scale.clone())
+        ts = [t for t in iter_tensors(outputs) if t.is_floating_point() and t.numel() >= 1]
+        if ts:
+            buf.put_scalar("loss", ts[0].detach().float().mean())
+
+    def _on_param_grads(self, params: list[torch.Tensor], scale: float | None) -> None:
+        buf = self._buffer
+        if buf is None or self._probes is None:
+            return
+        if not buf.param_grads_done:
+            buf.put_scalar("param_grads_scaled", torch.tensor(1.0 if scale else 0.0))
+        self._probes.summarize_param_grads(params, buf)
+
+    def _on_skip(self, params: list[torch.Tensor]) -> None:
+        """A GradScaler skipped a step: name the layers whose grads are not finite."""
+        if self._buffer is not None or self._probes is None:
+            return  # a recorded step names culprits from its own summaries
+        by_layer: dict[str, list[torch.Tensor]] = {}
+        for p in params:
+            name = self._probes.param_owner.get(id(p))
+            if name is not None and p.grad is not None:
+                by_layer.setdefault(name, []).append(p.grad)
+        if not by_layer:
+            return
+        names = list(by_layer)
+        flags = torch.stack(
+            [torch.stack([~torch.isfinite(g).all() for g in gs]).any() for gs in by_layer.values()]
+        )
+        bad = flags.tolist()  # the one sync of an unrecorded skipped step
+        count_sync()
+        order = {n: self._probes.layers[n].order for n in names}
+        culprits = sorted((n for n, b in zip(names, bad, strict=True) if b),
+                          key=lambda n: -order[n])
+        self._pending_culprits = culprits
+
+    _pending_culprits: list[str] | None = None
+
+    # -- step boundary ---------------------------------------------------------
+    def _set_recording(self) -> None:
+        rec = self.step_index % self.every == 0 and (
+            self.max_steps is None or self.recorded < self.max_steps
+        )
+        if self._probes is None:
+            return
+        self._probes.new_step()
+        self._probes.recording = rec and not self.closed
+        self._buffer = StepBuffer(self.step_index) if self._probes.recording else None
+        self._activity = False
+
+    def _boundary(self) -> None:
+        if self.closed:
+            return
+        self._finish_step(partial=False)
+        self.step_index += 1
+        self._set_recording()
+
+    def _finish_step(self, partial: bool) -> None:
+        mon = self._monitor
+        outcome = mon.take_outcome() if mon is not None else None
+        culprits = self._pending_culprits or []
+        self._pending_culprits = None
+        step = self.step_index
+        rec: StepRecord | None = None
+        buf = self._buffer
+        if buf is not None:
+            if mon is not None and mon.primary_scaler is not None:
+                st = mon.scalers[mon.primary_scaler]
+                sc = st.ref()
+                if sc is not None and sc._enabled and sc._scale is not None:
+                    buf.put_scalar("scale_after", sc._scale)
+                    if sc._growth_tracker is not None:
+                        buf.put_scalar("growth_tracker", sc._growth_tracker)
+            hs = buf.flush()
+            self.recorded += 1
+            fmt = limits(self._low_dtype())
+            grad_scale = hs.scalars.get(self._grad_scale_key)
+            pg_scaled = hs.scalars.get("param_grads_scaled", 0.0) > 0
+            layers, raw = host_step_layers(hs, fmt, grad_scale, grad_scale if pg_scaled else None)
+            for name, ls in layers.items():
+                self._agg.setdefault(name, LayerAggregate()).add(ls, raw[name])
+            real_scale = hs.scalars.get("scale_after")
+            if mon is not None and real_scale is not None and mon.primary_scaler is not None:
+                tracker = hs.scalars.get("growth_tracker")
+                mon.correct_scale(mon.primary_scaler, real_scale,
+                                  int(tracker) if tracker is not None else None)
+                if outcome is not None:
+                    outcome.scale_after = real_scale
+            skipped = bool(outcome and outcome.skipped)
+            if skipped:
+                culprits = self._culprits(hs, layers)
+            rec = StepRecord(
+                step=step,
+                loss=hs.scalars.get("loss"),
+                scale=outcome.scale_after if outcome else None,
+                skipped=skipped,
+                layers=layers,
+            )
+            self._history.add(rec)
+            for fn in self._listeners:
+                try:
+                    fn(rec, hs)
+                except Exception as e:  # a sink failing must not stop training
+                    self._extra_events.append(
+                        Event(kind="internal_error", step=step, data={"error": repr(e)}))
+        if mon is not None and outcome is not None and not partial:
+            self._note_scaler(step, outcome, culprits)
+
+    def _culprits(self, hs: HostStep, layers: dict[str, Any]) -> list[str]:
+        bad = [
+            n for n, ls in layers.items()
+            if (ls.grad is not None and ls.grad.nonfinite_frac > 0)
+            or (ls.param_grad is not None and ls.param_grad.nonfinite_frac > 0)
+        ]
+        seen: dict[str, int] = {}
+        for i, n in enumerate(hs.backward_order):
+            seen.setdefault(n, i)
+        assert self._probes is not None
+        big = len(hs.backward_order) + 1
+        return sorted(
+            bad,
+            key=lambda n: (seen.get(n, big), -self._probes.layers[n].order
+                           if n in self._probes.layers else 0),
+        )
+
+    def _note_scaler(self, step: int, out: Any, culprits: list[str]) -> None:
+        mon = self._monitor
+        assert mon is not None
+        if out.scale_after is not None:
+            tl = mon.timeline_scale
+            changed = not tl or tl[-1][1] != out.scale_after
+            if changed or self._buffer is not None:
+                tl.append((step, out.scale_after))
+                if len(tl) > 4 * 1024:  # bounded: thin the unchanged points
+                    mon.timeline_scale = _thin_timeline(tl)
+        if out.skipped:
+            mon.skipped_steps.append(step)
+            for name in out.skipped_optimizers:
+                mon.skipped_by_optimizer.setdefault(name, []).append(step)
+            mon.last_step_skipped = True
+        else:
+            mon.last_step_skipped = False
+        mon.last_step_id = step
+        if out.backoff:
+            mon.backoff_steps.append(step)
+            mon.scaler_events.append(ScalerEvent(
+                step=step, kind="backoff", scale_before=out.scale_before or math.nan,
+                scale_after=out.scale_after or math.nan, culprits=culprits))
+        if out.growth:
+            mon.growth_steps.append(step)
+            mon.scaler_events.append(ScalerEvent(
+                step=step, kind="growth", scale_before=out.scale_before or math.nan,
+                scale_after=out.scale_after or math.nan))
+
+    # -- session ---------------------------------------------------------------
+    def _build_session(self) -> Session:
+        from .analysis import analyze
+
+        probes = self._probes
+        fmt_dtype = self._low_dtype()
+        layers = []
+        if probes is not None:
+            ops = self._anomaly.op_dtypes() if self._anomaly is not None else {}
+            for name, meta in probes.layers.items():
+                agg = self._agg.get(name)
+                if agg is None and meta.calls == 0:
+                    continue
+                agg = agg or LayerAggregate()
+                layers.append(agg.summary(
+                    name, meta.type, meta.order, meta.calls, meta.input_dtypes,
+                    meta.output_dtypes, meta.param_dtypes, ops.get(name, {})))
+        mon = self._monitor
+        timeline = mon.timeline() if mon is not None else None
+        events = list(mon.events) if mon is not None else []
+        if self._anomaly is not None:
+            events.extend(self._anomaly.events())
+        events.extend(self._extra_events)
+        scaler_on = bool(timeline and timeline.enabled)
+        amp = AmpConfig(
+            device_type=self._device_type,
+            dtype=dtype_name(fmt_dtype) if (self._autocast_dtypes or (
+                probes and probes.low_precision_outputs())) else None,
+            scaler=scaler_on,
+            autocast_seen=bool(self._autocast_dtypes),
+        )
+        meta = self._run_meta
+        run = RunInfo(
+            torch_version=torch.__version__,
+            started=self._started_at,
+            duration_s=round(time.perf_counter() - self._started, 3),
+            every=self.every,
+            models=[k or type(m).__name__ for k, m in self.models.items()],
+            command=meta.get("command"),
+            exit_code=meta.get("exit_code"),
+            outcome=meta.get("outcome", "completed" if self.closed else "running"),
+            error=meta.get("error"),
+        )
+        draft = Session(
+            version=__version__, amp=amp, steps=self.step_index, recorded_steps=self.recorded,
+            layers=sorted(layers, key=lambda x: (x.order < 0, x.order)),
+            scaler=timeline, history=list(self._history.records), events=events,
+            findings=[], run=run,
+        )
+        return Session(**{**draft.__dict__, "findings": analyze(draft)})
+
+    def _write_outputs(self, session: Session) -> None:
+        from .sinks.jsonfile import write_json
+
+        assert self.logdir is not None
+        write_json(session, self.logdir / "amp_doctor.json")
+        if self._tb is not None:
+            self._tb.finish(session)
+
+
+def _thin_timeline(tl: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    keep = [tl[0]]
+    for i in range(1, len(tl)):
+        if tl[i][1] != tl[i - 1][1] or i % 2 == 0:
+            keep.append(tl[i])
+    return keep
+
+
+def watch(model: Models, **kwargs: Any) -> Watch:
+    """Start watching ``model`` (an ``nn.Module``, or a list/dict of them).
+
+    Returns a :class:`Watch`; use it as a context manager or call
+    ``close()``. Keyword options: ``every`` (record one step in N),
+    ``logdir`` (write JSON and TensorBoard logs there), ``scaler`` and
+    ``optimizer`` (found automatically when omitted), ``max_steps``,
+    ``anomaly`` and ``on_nonfinite`` (``"record"`` or ``"raise"``),
+    ``top_k`` (per-layer TensorBoard scalars for the worst K layers).
+    """
+    return Watch(model, **kwargs).start()
+
+
+_ = S  # stats layout is part of this module's contract with recorder

@@ -1,0 +1,56 @@
+"""Small real training loops shared by the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def train(
+    model: nn.Module,
+    steps: int = 4,
+    dtype: torch.dtype = torch.float16,
+    scaler: torch.amp.GradScaler | None | bool = True,
+    seed: int = 0,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    lr: float = 0.05,
+    autocast: bool = True,
+) -> list[float]:
+    """The seed recipe: autocast forward + loss, scaled backward, step, update."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    if scaler is True:
+        scaler = torch.amp.GradScaler("cpu")
+    losses = []
+    for i in range(steps):
+        if batch is not None:
+            x, y = batch(i)
+        else:
+            x = torch.randn(8, 16, generator=g)
+            y = torch.randint(0, 4, (8,), generator=g)
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            out = model(x)
+            loss = nn.functional.cross_entropy(out.float(), y)
+        opt.zero_grad()
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        losses.append(float(loss.detach()))
+    return losses

@@ -1,0 +1,339 @@
+"""The foundation: per-layer recording, dtypes, stats, sampling, numerics, cleanup."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import amp_doctor
+from amp_doctor import Session
+from amp_doctor.scaler import patches_installed
+from tests.helpers import MLP, train
+
+
+def _hooks_of(model: nn.Module) -> int:
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+        for m in model.modules()
+    )
+
+
+def test_dtypes_and_activation_stats_per_layer() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    with amp_doctor.watch(model, every=1) as doctor:
+        train(model, steps=3)
+    s = doctor.session
+    assert s.amp.device_type == "cpu" and s.amp.dtype == "float16" and s.amp.scaler
+    assert s.steps == 3 and s.recorded_steps == 3
+    fc1 = s.layer("fc1")
+    assert fc1.type == "Linear"
+    assert fc1.input_dtypes == ["float32"] and fc1.output_dtypes == ["float16"]
+    assert fc1.param_dtypes == ["float32"]
+    assert fc1.ran_low_precision and not fc1.what_if
+    # ReLU of N(0,1)-ish pre-activations: about half the values are exactly zero.
+    assert 0.3 < s.layer("act").zero_frac < 0.7
+    assert 0 < fc1.absmax < 10 and fc1.headroom > 12
+    assert fc1.overflow_frac == 0 and fc1.nonfinite_steps == 0
+    assert fc1.grad_absmax is not None and fc1.param_grad_absmax is not None
+    assert s.findings == []
+
+
+def test_overflow_in_fp16_layer_is_an_error_finding() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.fc1.weight.mul_(50000.0)  # |fc1(x)| ~ 1e5: beyond 65504 in fp16
+    with amp_doctor.watch(model, every=1) as doctor:
+        train(model, steps=2)
+    lay = doctor.session.layer("fc1")
+    assert lay.overflow_frac > 0.01 and lay.nonfinite_steps == 2
+    kinds = {(f.kind, f.module, f.severity) for f in doctor.session.findings}
+    assert ("activation_overflow", "fc1", "error") in kinds
+
+
+def test_what_if_for_layers_that_stayed_in_float32() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.big = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            with torch.autocast("cpu", enabled=False):
+                return self.big(h.float())
+
+    model = Model()
+    with torch.no_grad():
+        model.big.weight.fill_(1e5)
+        model.big.bias.zero_()
+    x = torch.ones(2, 4)
+    with amp_doctor.watch(model, every=1) as doctor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x).sum().backward()
+        doctor.step()
+    big = doctor.session.layer("big")
+    assert big.output_dtypes == ["float32"] and big.what_if and not big.ran_low_precision
+    assert big.overflow_frac == 1.0  # every value would overflow if cast to float16
+    assert math.isfinite(big.absmax) and big.absmax > 65504
+    assert not doctor.session.layer("fc").what_if
+
+
+def test_underflow_fraction_counts_nonzero_values_below_smallest_normal() -> None:
+    class Tiny(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 1e-6  # 1e-6 < 2**-14: subnormal in float16
+
+    model = nn.Sequential(nn.Linear(4, 8), Tiny())
+    with amp_doctor.watch(model, every=1) as doctor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(torch.randn(16, 4))
+        doctor.step()
+    tiny = doctor.session.layer("1")
+    assert tiny.output_dtypes == ["float16"]
+    assert tiny.underflow_frac > 0.9
+    f = [f for f in doctor.session.findings if f.kind == "activation_underflow"]
+    assert f and f[0].module == "1" and "%" in f[0].message
+
+
+def test_scaled_and_unscaled_gradient_views() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    with amp_doctor.watch(model, every=1) as doctor:
+        train(model, steps=1)
+    rec = doctor.session.history[0]
+    g = rec.layers["fc2"].grad
+    gu = rec.layers["fc2"].grad_unscaled
+    assert g is not None and gu is not None
+    assert rec.scale == 65536.0
+    assert gu.absmax == pytest.approx(g.absmax / 65536.0)
+    assert gu.headroom == pytest.approx(g.headroom + 16)
+
+
+def test_gradient_underflow_without_scaler_is_found() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    class Shrink(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 1e-4
+
+    net = nn.Sequential(model, Shrink())
+    with amp_doctor.watch(net, every=1) as doctor:
+        train(net, steps=2, scaler=False, batch=batch)
+    # d(loss)/d(fc2 out) is ~1e-2 * 1e-4 = 1e-6 < 2**-14 in float16.
+    lay = doctor.session.layer("0.fc2")
+    assert lay.grad_underflow_frac is not None and lay.grad_underflow_frac > 0.5
+    assert any(f.kind == "missing_scaler" for f in doctor.session.findings)
+
+
+def test_autocast_inactive() -> None:
+    model = MLP()
+    with amp_doctor.watch(model, every=1) as doctor:
+        train(model, steps=2, scaler=False, autocast=False)
+    kinds = [f.kind for f in doctor.session.findings]
+    assert kinds == ["autocast_inactive"]
+    assert doctor.session.layer("fc1").what_if
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("every", [1, 3])
+def test_bit_identical_numerics(dtype: torch.dtype, every: int) -> None:
+    def run(watched: bool) -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(123)
+        model = MLP()
+        if watched:
+            with amp_doctor.watch(model, every=every):
+                losses = train(model, steps=5, dtype=dtype, seed=7)
+        else:
+            losses = train(model, steps=5, dtype=dtype, seed=7)
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    l0, p0 = run(False)
+    l1, p1 = run(True)
+    assert l0 == l1
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))
+
+
+def test_everything_removed_on_exit_and_on_exception() -> None:
+    import torch.nn.utils as nnu
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    originals = (torch.amp.GradScaler.step, torch.amp.GradScaler.update, nnu.clip_grad_norm_,
+                 torch.autograd.backward)
+    model = MLP()
+    with amp_doctor.watch(model, every=1):
+        assert _hooks_of(model) > 0 and patches_installed()
+        train(model, steps=1)
+    assert _hooks_of(model) == 0 and not patches_installed()
+    assert not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
+    with pytest.raises(RuntimeError, match="boom"):
+        with amp_doctor.watch(model, every=1):
+            train(model, steps=1)
+            raise RuntimeError("boom")
+    assert _hooks_of(model) == 0 and not patches_installed()
+    with pytest.raises(KeyboardInterrupt):
+        with amp_doctor.watch(model, every=1) as d:
+            raise KeyboardInterrupt
+    assert d.session.run.outcome == "interrupted"
+    assert (torch.amp.GradScaler.step, torch.amp.GradScaler.update, nnu.clip_grad_norm_,
+            torch.autograd.backward) == originals
+
+
+def test_plain_handle_with_close() -> None:
+    model = MLP()
+    doctor = amp_doctor.watch(model, every=1)
+    train(model, steps=2)
+    session = doctor.close()
+    assert session.steps == 2 and _hooks_of(model) == 0
+    assert doctor.close() is session  # idempotent
+
+
+def test_overlapping_watches_restore_in_any_order() -> None:
+    a, b = MLP(), MLP()
+    wa = amp_doctor.watch(a, every=1)
+    wb = amp_doctor.watch(b, every=1)
+    train(a, steps=1)
+    wa.close()
+    assert patches_installed()
+    train(b, steps=1)
+    wb.close()
+    assert not patches_installed()
+    assert wa.session.steps == 1 and wb.session.steps == 1
+
+
+def test_finished_watch_holds_no_activation() -> None:
+    model = MLP()
+    captured: list[weakref.ref[torch.Tensor]] = []
+    model.fc1.register_forward_hook(lambda m, i, o: captured.append(weakref.ref(o)))
+    with amp_doctor.watch(model, every=1) as doctor:
+        train(model, steps=2)
+    gc.collect()
+    assert captured and all(r() is None for r in captured)
+    assert doctor.session.recorded_steps == 2
+
+
+def test_sampling_every_n_and_max_steps() -> None:
+    model = MLP()
+    with amp_doctor.watch(model, every=3) as doctor:
+        train(model, steps=10)
+    s = doctor.session
+    assert s.steps == 10 and s.recorded_steps == 4  # steps 0, 3, 6, 9
+    assert [r.step for r in s.history] == [0, 3, 6, 9]
+    with amp_doctor.watch(model, every=1, max_steps=2) as doctor:
+        losses = train(model, steps=5)
+    assert doctor.session.recorded_steps == 2 and doctor.session.steps == 5
+    assert len(losses) == 5
+
+
+def test_history_is_bounded_and_spans_the_run() -> None:
+    from amp_doctor.recorder import History
+    from amp_doctor.records import StepRecord
+
+    h = History(limit=16)
+    for i in range(1000):
+        h.add(StepRecord(step=i, loss=None, scale=None, skipped=(i == 777), layers={}))
+    steps = [r.step for r in h.records]
+    assert len(steps) <= 16 and steps[0] == 0 and steps[-1] >= 900 and 777 in steps
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    extra: Any
+
+
+class Odd(nn.Module):
+    """Every odd output shape a user's model may return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.nop = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.lin(x)
+        h = self.lin(h)  # the same module twice in one step
+        return {
+            "tuple": (h, None, 3),
+            "dc": Out(h * 2, [torch.arange(3), torch.tensor([True, False])]),
+            "empty": torch.empty(0, 4),
+            "nested": [[{"deep": h + 1}]],
+            "none": self.nop(None),
+            "int": 7,
+        }
+
+
+def test_odd_outputs_and_modules_never_crash() -> None:
+    model = Odd()
+    with amp_doctor.watch(model, every=1) as doctor:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(torch.randn(3, 4))
+            (out["dc"].logits.float().sum() + out["nested"][0][0]["deep"].float().sum()).backward()
+            doctor.step()
+    s = doctor.session
+    assert s.layer("lin").calls == 4 and s.layer("lin").output_dtypes == ["bfloat16"]
+    assert s.layer("Odd").recorded_steps == 2
+    assert "int64" in s.layer("Odd").output_dtypes and "bool" in s.layer("Odd").output_dtypes
+    nop = s.layer("nop")
+    assert nop.calls == 2 and nop.output_dtypes == []
+    # No parameters at all, and an output of None.
+    empty = nn.Sequential()
+    with amp_doctor.watch(nn.Sequential(nn.ReLU(), empty)) as d2:
+        nn.Sequential(nn.ReLU(), empty)(torch.randn(2))
+    assert d2.session.steps == 0
+
+
+def test_session_json_round_trip(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.fc1.weight.mul_(50000.0)
+    with amp_doctor.watch(model, every=1, logdir=tmp_path, tensorboard=False) as doctor:
+        train(model, steps=3)
+    path = tmp_path / "amp_doctor.json"
+    assert path.exists()
+    loaded = Session.load(path)
+    # NaN != NaN, so compare the serialised forms, and the NaN-free parts directly.
+    assert loaded.to_json() == doctor.session.to_json()
+    assert loaded.layers == doctor.session.layers or any(
+        math.isnan(x.min) for x in loaded.layers)
+    assert loaded.findings == doctor.session.findings
+    assert loaded.scaler == doctor.session.scaler
+    text = path.read_text()
+    import json
+
+    def no_constants(c: str) -> None:
+        raise AssertionError(f"non-strict JSON constant {c}")
+
+    data = json.loads(text, parse_constant=no_constants)
+    for key in ("version", "amp", "steps", "layers", "scaler", "findings"):
+        assert key in data
+    assert set(data["amp"]) >= {"device_type", "dtype", "scaler"}
+    lay = data["layers"][0]
+    for key in ("name", "type", "input_dtypes", "output_dtypes", "param_dtypes", "absmax",
+                "overflow_frac", "underflow_frac", "grad_underflow_frac", "nonfinite_steps"):
+        assert key in lay
+    assert set(data["scaler"]) >= {"scale", "backoff_steps", "growth_steps", "skipped_steps"}
+    f = data["findings"][0]
+    assert set(f) >= {"kind", "severity", "module", "op", "step", "message", "advice"}
+
+
+def test_bad_arguments_get_clear_errors() -> None:
+    with pytest.raises(amp_doctor.AmpDoctorError, match="every must be a positive integer"):
+        amp_doctor.watch(MLP(), every=0)
+    with pytest.raises(amp_doctor.AmpDoctorError, match="not a torch.nn.Module"):
+        amp_doctor.watch("model")  # type: ignore[arg-type]
+    assert not patches_installed()
