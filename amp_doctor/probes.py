@@ -50,6 +50,8 @@ class LayerMeta:
     output_dtypes: set[str] = field(default_factory=set)
     param_dtypes: set[str] = field(default_factory=set)
     params: list[nn.Parameter] = field(default_factory=list, repr=False)
+    root: int = 0
+    qual: str = ""
 
 
 def iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -105,26 +107,62 @@ class Probes:
         # Per step: which summary a tensor got, and which layers own its grad.
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.param_owner: dict[int, str] = {}
-        for prefix, model in models.items():
-            self._roots.add(id(model))
-            for qual, mod in model.named_modules():
-                if id(mod) in self._names:
-                    continue  # shared submodule: first name wins
-                name = ".".join(p for p in (prefix, qual) if p) or type(mod).__name__
-                meta = LayerMeta(name=name, type=type(mod).__name__, order=-1)
-                meta.params = list(mod.parameters(recurse=False))
-                meta.param_dtypes = {dtype_name(p.dtype) for p in meta.params}
-                for p in meta.params:
-                    self.param_owner.setdefault(id(p), name)
-                self.layers[name] = meta
-                self._names[id(mod)] = name
-                self._handles.append(
-                    mod.register_forward_pre_hook(self._pre, with_kwargs=True)
-                )
-                self._handles.append(
-                    mod.register_forward_hook(self._post, with_kwargs=True, always_call=True)
-                )
+        self._root_prefix: dict[int, str] = {}
         self._next_order = 0
+        for prefix, model in models.items():
+            self.add_root(prefix, model)
+
+    @staticmethod
+    def _layer_name(prefix: str, qual: str, mod: nn.Module) -> str:
+        return ".".join(p for p in (prefix, qual) if p) or type(mod).__name__
+
+    def add_root(self, prefix: str, model: nn.Module) -> bool:
+        """Hook every module of ``model``; False if it is already watched."""
+        if id(model) in self._names:
+            return False
+        self._roots.add(id(model))
+        self._root_prefix[id(model)] = prefix
+        for qual, mod in model.named_modules():
+            if id(mod) in self._names:
+                continue  # shared submodule: first name wins
+            name = self._layer_name(prefix, qual, mod)
+            meta = LayerMeta(name=name, type=type(mod).__name__, order=-1, root=id(model),
+                             qual=qual)
+            meta.params = list(mod.parameters(recurse=False))
+            meta.param_dtypes = {dtype_name(p.dtype) for p in meta.params}
+            for p in meta.params:
+                self.param_owner.setdefault(id(p), name)
+            self.layers[name] = meta
+            self._names[id(mod)] = name
+            self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(
+                mod.register_forward_hook(self._post, with_kwargs=True, always_call=True)
+            )
+        return True
+
+    def watches(self, module: nn.Module) -> bool:
+        return id(module) in self._names
+
+    def rename_root(self, model: nn.Module, prefix: str) -> dict[str, str]:
+        """Give an already watched model a prefix; returns old -> new layer names."""
+        rid = id(model)
+        mods = {id(m): (q, m) for q, m in model.named_modules()}
+        mapping: dict[str, str] = {}
+        for mid, name in list(self._names.items()):
+            meta = self.layers[name]
+            if meta.root != rid or mid not in mods:
+                continue
+            qual, mod = mods[mid]
+            new = self._layer_name(prefix, qual, mod)
+            mapping[name] = new
+        self._root_prefix[rid] = prefix
+        self.layers = {mapping.get(k, k): v for k, v in self.layers.items()}
+        for meta in self.layers.values():
+            meta.name = mapping.get(meta.name, meta.name)
+        self._names = {k: mapping.get(v, v) for k, v in self._names.items()}
+        self.param_owner = {k: mapping.get(v, v) for k, v in self.param_owner.items()}
+        self.stack = [mapping.get(v, v) for v in self.stack]
+        return mapping
 
     # -- lifecycle -------------------------------------------------------
     def remove(self) -> None:

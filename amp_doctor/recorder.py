@@ -224,6 +224,7 @@ class LayerAggregate:
     overflow: _Running = field(default_factory=_Running)
     underflow: _Running = field(default_factory=_Running)
     nonfinite_steps: int = 0
+    origin_steps: int = 0
     grad_absmax: float | None = None
     grad_headroom: float | None = None
     grad_zero: _Running = field(default_factory=_Running)
@@ -240,7 +241,7 @@ class LayerAggregate:
     def add(self, ls: LayerStep, raw: dict[str, torch.Tensor]) -> None:
         self.steps += 1
         if (a := ls.act) is not None:
-            if math.isfinite(a.absmax):
+            if not math.isnan(a.absmax):
                 self.absmax = max(self.absmax, a.absmax)
             self.min = min(self.min, a.min) if not math.isnan(a.min) else self.min
             self.max = max(self.max, a.max) if not math.isnan(a.max) else self.max
@@ -297,6 +298,7 @@ class LayerAggregate:
             overflow_frac=max(self.overflow.worst, 0.0),
             underflow_frac=self.underflow.mean or 0.0,
             nonfinite_steps=self.nonfinite_steps,
+            overflow_origin_steps=self.origin_steps,
             grad_absmax=self.grad_absmax,
             grad_headroom=self.grad_headroom,
             grad_zero_frac=self.grad_zero.mean,

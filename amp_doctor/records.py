@@ -106,6 +106,9 @@ class LayerSummary:
     overflow_frac: float  # worst step
     underflow_frac: float  # mean over recorded steps
     nonfinite_steps: int  # recorded steps whose output had NaN/Inf
+    # Recorded steps in which this layer was the first (in completion order) whose output
+    # overflowed or went non-finite: the origin, not a layer that passed it on.
+    overflow_origin_steps: int
     grad_absmax: float | None
     grad_headroom: float | None  # log2(format max / max |scaled grad|)
     grad_zero_frac: float | None
@@ -128,6 +131,9 @@ class ScalerEvent:
     scale_before: float
     scale_after: float
     culprits: list[str] = field(default_factory=list)  # backward order; first = likely origin
+    # The first layer whose forward output overflowed in that step, when it was recorded:
+    # then the non-finite gradients started in the forward pass.
+    forward_origin: str | None = None
 
 
 @dataclass(frozen=True)
@@ -260,6 +266,19 @@ def to_jsonable(obj: Any) -> Any:
 
 
 T = TypeVar("T")
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+def _any_in(data: Any) -> Any:
+    # Free-form values (Event.data, Finding.data) come back with the
+    # non-finite floats that to_jsonable wrote as strings.
+    if isinstance(data, str):
+        return _NONFINITE.get(data, data)
+    if isinstance(data, list):
+        return [_any_in(v) for v in data]
+    if isinstance(data, dict):
+        return {k: _any_in(v) for k, v in data.items()}
+    return data
 
 
 def from_jsonable(tp: Any, data: Any) -> Any:
@@ -275,6 +294,8 @@ def from_jsonable(tp: Any, data: Any) -> Any:
     if origin is list:
         (arg,) = typing.get_args(tp)
         return [from_jsonable(arg, v) for v in data]
+    if tp is Any or tp == "Any":
+        return _any_in(data)
     if origin is tuple:
         args = typing.get_args(tp)
         return tuple(from_jsonable(a, v) for a, v in zip(args, data, strict=True))
@@ -284,7 +305,7 @@ def from_jsonable(tp: Any, data: Any) -> Any:
     if tp is float:
         return float(data)  # float("inf") parses the strings written above
     if tp is Any:
-        return data
+        return _any_in(data)
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
         kwargs = {

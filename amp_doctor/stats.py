@@ -141,7 +141,9 @@ def decode(v: list[float], fmt: FormatLimits, scale_log2: int = 0) -> Decoded:
     infs = hist[N_EXP_BINS - 1] - nans
     mn, mx = v[MIN], v[MAX]
     absmax = max(abs(mn), abs(mx)) if numel else 0.0
-    if nans:
+    if infs:
+        absmax = math.inf
+    elif nans:
         # aminmax propagates NaN; fall back to the top populated finite bin.
         absmax = _absmax_from_hist(hist)
     over = v[OVER_F16] if fmt.name == "float16" else v[OVER_BF16]

@@ -99,6 +99,7 @@ class Watch:
         anomaly_allow: Iterable[str] = (),
         top_k: int = 16,
         tensorboard: bool = True,
+        discover: bool = False,
     ) -> None:
         if not isinstance(every, int) or every < 1:
             raise AmpDoctorError(f"every must be a positive integer, got {every!r}; e.g. every=10.")
@@ -108,7 +109,8 @@ class Watch:
             raise AmpDoctorError(
                 f"on_nonfinite must be 'record' or 'raise', got {on_nonfinite!r}."
             )
-        self.models = {k: _unwrap(m) for k, m in _as_models(model).items()}
+        self.models = {k: _unwrap(m) for k, m in _as_models(model).items()} if model else {}
+        self._discover = discover
         self.every = every
         self.max_steps = max_steps
         self.logdir = Path(logdir).absolute() if logdir is not None else None
@@ -147,6 +149,9 @@ class Watch:
         self._run_meta: dict[str, Any] = {}
         self._owned_params: set[int] = set()
         self._started_flag = False
+        self._global_handles: list[Any] = []
+        self._global_depth = 0
+        self._given_names: dict[int, str] = {}
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> Watch:
@@ -168,6 +173,16 @@ class Watch:
             )
             self._monitor.autocast_dtype = self._autocast_dtype
             self._sub = subscribe(self._monitor)
+            if self._discover:
+                from torch.nn.modules.module import (
+                    register_module_forward_hook,
+                    register_module_forward_pre_hook,
+                )
+
+                self._global_handles = [
+                    register_module_forward_pre_hook(self._global_pre),
+                    register_module_forward_hook(self._global_post, always_call=True),
+                ]
             anomaly, mode, allow = self._anomaly_opts
             if anomaly:
                 from .anomaly import AnomalyMode
@@ -219,6 +234,9 @@ class Watch:
 
     def _teardown(self) -> None:
         # Each removal is independent: one failing must not leave others behind.
+        for h in self._global_handles:
+            h.remove()
+        self._global_handles = []
         for fn in (
             lambda: self._probes and self._probes.remove(),
             lambda: self._sub and self._sub.remove(),
@@ -261,6 +279,74 @@ class Watch:
 
     def add_listener(self, fn: Callable[[StepRecord, HostStep], None]) -> None:
         self._listeners.append(fn)
+
+    # -- discovery (the CLI's way in) ------------------------------------------
+    def add_model(self, model: nn.Module, name: str | None = None) -> None:
+        """Watch one more root model. With several, every layer name gets its model's prefix."""
+        model = _unwrap(model)
+        if self._probes is None or self._probes.watches(model):
+            return
+        if name is None:
+            name = type(model).__name__
+        self._given_names[id(model)] = name
+        if not self.models:
+            prefix = ""
+        else:
+            taken = set(self.models)
+            if "" in self.models:
+                # The first model was unprefixed while it was alone; name it now.
+                first = self.models.pop("")
+                first_name = self._free_name(
+                    self._given_names.get(id(first), type(first).__name__), taken | {name})
+                self._rename(self._probes.rename_root(first, first_name))
+                self.models[first_name] = first
+                taken = set(self.models)
+            prefix = self._free_name(name, taken)
+        self.models[prefix] = model
+        self._probes.add_root(prefix, model)
+        self._owned_params.update(id(p) for p in model.parameters())
+
+    @staticmethod
+    def _free_name(name: str, taken: set[str]) -> str:
+        if name not in taken:
+            return name
+        i = 1
+        while f"{name}{i}" in taken:
+            i += 1
+        return f"{name}{i}"
+
+    def _rename(self, mapping: dict[str, str]) -> None:
+        if not mapping:
+            return
+        self._agg = {mapping.get(k, k): v for k, v in self._agg.items()}
+        self._history.records = [
+            StepRecord(**{**r.__dict__, "layers": {mapping.get(k, k): v
+                                                   for k, v in r.layers.items()}})
+            for r in self._history.records
+        ]
+        buf = self._buffer
+        if buf is not None:
+            buf.assigned = {(mapping.get(k, k), f): v for (k, f), v in buf.assigned.items()}
+            buf.backward_order = [mapping.get(k, k) for k in buf.backward_order]
+            buf.param_grads_done = {mapping.get(k, k) for k in buf.param_grads_done}
+        if self._monitor is not None:
+            self._monitor.scaler_events = [
+                ScalerEvent(**{**e.__dict__, "culprits": [mapping.get(c, c) for c in e.culprits]})
+                for e in self._monitor.scaler_events
+            ]
+
+    def _global_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self._global_depth += 1
+        if self._global_depth != 1 or self._probes is None or self.closed:
+            return
+        if self._probes.watches(module) or next(module.parameters(), None) is None:
+            return  # loss functions and other parameter-free callables are not models
+        self.add_model(module, _variable_name(module))
+        # This call's own pre-hooks were collected before we added ours.
+        self._on_root_forward(module, args)
+
+    def _global_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self._global_depth = max(0, self._global_depth - 1)
 
     # -- hook callbacks ------------------------------------------------------
     def _current_buffer(self) -> StepBuffer:
@@ -385,6 +471,9 @@ class Watch:
             layers, raw = host_step_layers(hs, fmt, grad_scale, grad_scale if pg_scaled else None)
             for name, ls in layers.items():
                 self._agg.setdefault(name, LayerAggregate()).add(ls, raw[name])
+            origin = self._forward_origin(layers)
+            if origin is not None:
+                self._agg[origin].origin_steps += 1
             real_scale = hs.scalars.get("scale_after")
             if mon is not None and real_scale is not None and mon.primary_scaler is not None:
                 tracker = hs.scalars.get("growth_tracker")
@@ -395,6 +484,7 @@ class Watch:
             skipped = bool(outcome and outcome.skipped)
             if skipped:
                 culprits = self._culprits(hs, layers)
+                self._pending_origin = origin
             rec = StepRecord(
                 step=step,
                 loss=hs.scalars.get("loss"),
@@ -411,6 +501,24 @@ class Watch:
                         Event(kind="internal_error", step=step, data={"error": repr(e)}))
         if mon is not None and outcome is not None and not partial:
             self._note_scaler(step, outcome, culprits)
+
+    def _forward_origin(self, layers: dict[str, Any]) -> str | None:
+        """The first layer to finish its forward with an overflowed or non-finite output.
+
+        Hooks run in completion order (children before parents), so the first
+        such layer produced the problem; the ones after it only passed it on.
+        """
+        assert self._probes is not None
+        metas = self._probes.layers
+        bad = [
+            n for n, ls in layers.items()
+            if ls.act is not None and n in metas and (
+                ls.act.nonfinite_frac > 0
+                or (ls.act.overflow_frac > 0 and metas[n].output_dtypes & {"float16", "bfloat16"}))
+        ]
+        return min(bad, key=lambda n: metas[n].order) if bad else None
+
+    _pending_origin: str | None = None
 
     def _culprits(self, hs: HostStep, layers: dict[str, Any]) -> list[str]:
         bad = [
@@ -451,7 +559,9 @@ class Watch:
             mon.backoff_steps.append(step)
             mon.scaler_events.append(ScalerEvent(
                 step=step, kind="backoff", scale_before=out.scale_before or math.nan,
-                scale_after=out.scale_after or math.nan, culprits=culprits))
+                scale_after=out.scale_after or math.nan, culprits=culprits,
+                forward_origin=self._pending_origin))
+        self._pending_origin = None
         if out.growth:
             mon.growth_steps.append(step)
             mon.scaler_events.append(ScalerEvent(
@@ -516,6 +626,24 @@ class Watch:
         write_json(session, self.logdir / "amp_doctor.json")
         if self._tb is not None:
             self._tb.finish(session)
+
+
+def _variable_name(module: nn.Module) -> str | None:
+    """The name the user's code binds ``module`` to ("gen", "disc"), for layer prefixes."""
+    import os
+    import sys
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    frame = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            break
+        if not frame.f_code.co_filename.startswith(skip):
+            for name, value in frame.f_locals.items():
+                if value is module and not name.startswith("_") and name != "self":
+                    return name
+        frame = frame.f_back
+    return None
 
 
 def _thin_timeline(tl: list[tuple[int, float]]) -> list[tuple[int, float]]:

@@ -96,9 +96,14 @@ def _scaler_line(s: Session) -> str | None:
     last = sc.scale[-1][1] if sc.scale else sc.init_scale
     bo = sc.backoff_steps
     shown = ", ".join(str(x) for x in bo[:8]) + ("..." if len(bo) > 8 else "")
-    return (f"Scaler: scale {_num(first)} -> {_num(last)}; {len(bo)} backoffs"
+    return (f"Scaler: scale {_scale(first)} -> {_scale(last)}; {len(bo)} backoffs"
             + (f" (steps {shown})" if bo else "") + f"; {len(sc.growth_steps)} growths; "
             f"{len(sc.skipped_steps)} skipped optimizer steps.")
+
+
+def _scale(x: float | None) -> str:
+    # Scales are powers of two; print them whole so 65536 reads as 65536.
+    return "-" if x is None else f"{x:.7g}"
 
 
 def _dtype_cell(lay: LayerSummary) -> str:

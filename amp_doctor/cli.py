@@ -1,0 +1,320 @@
+"""The ``amp-doctor`` command: ``diagnose``, ``report``, ``view``.
+
+The CLI only arranges things: it runs the user's script faithfully
+(:mod:`amp_doctor.runner`) under a :class:`~amp_doctor.watch.Watch` that
+discovers models, scalers and optimizers by itself, then renders the same
+session. It has no analysis of its own.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from . import runner
+from ._version import __version__
+from .errors import AmpDoctorError
+from .recorder import HostStep
+from .records import SEVERITIES, Session, StepRecord
+
+__all__ = ["main", "cli"]
+
+# A report longer than this many lines is written to a file and only its
+# path and the findings' headlines are printed.
+MAX_PRINTED_LINES = 60
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+JSON_NAME = "amp_doctor.json"
+TEXT_NAME = "report.txt"
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    click.echo(f"amp-doctor: error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="amp-doctor")
+def cli() -> None:
+    """Find out why mixed-precision (AMP) training misbehaves, and where."""
+
+
+def _default_logdir(target: runner.Target) -> Path:
+    stem = Path(target.name).stem if target.kind == "path" else target.name.replace(".", "_")
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / "amp-doctor" / f"{stem}-{stamp}"
+
+
+def _check_writable(d: Path) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / ".amp-doctor-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        _fail(
+            f"cannot write to logdir {str(d)!r} ({e.strerror or e}); "
+            "pass a writable directory with --logdir DIR."
+        )
+
+
+class _Progress:
+    """A live status line on stderr for long runs (TTY only)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._last = 0.0
+        self.shown = False
+
+    def __call__(self, rec: StepRecord, hs: HostStep) -> None:
+        del hs
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last < 0.5:
+            return
+        self._last = now
+        scale = f"{rec.scale:g}" if rec.scale is not None else "-"
+        loss = f"{rec.loss:.4g}" if rec.loss is not None else "-"
+        bad = sum(
+            1 for ls in rec.layers.values()
+            if ls.act is not None and (ls.act.nonfinite_frac > 0 or ls.act.overflow_frac > 0)
+        )
+        sys.stderr.write(
+            f"\r\x1b[2Kamp-doctor: step {rec.step}  loss {loss}  scale {scale}  "
+            f"layers overflowing {bad}"
+        )
+        sys.stderr.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+
+
+def _severity_reached(session: Session, level: str) -> bool:
+    if level == "never":
+        return False
+    worst = SEVERITIES.index(level)
+    return any(SEVERITIES.index(f.severity) <= worst for f in session.findings)
+
+
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    short_help="Run a training script under amp-doctor.",
+)
+@click.option("-m", "module", metavar="MODULE", help="Run a module, as `python -m MODULE`.")
+@click.option("--logdir", type=click.Path(path_type=Path), default=None,
+              help="Where the JSON and TensorBoard logs go "
+                   "[default: runs/amp-doctor/<script>-<timestamp>].")
+@click.option("--every", type=click.IntRange(min=1), default=None,
+              help="Record one training step in N [default: 10].")
+@click.option("--anomaly", is_flag=True,
+              help="Find the first op that produced NaN/Inf (slower).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the JSON report here.")
+@click.option("--report", "report_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the text report here.")
+@click.option("--fail-on", type=click.Choice(["never", "warning", "error"]), default="never",
+              show_default=True, help="Exit 1 when findings reach this severity.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None,
+              help="Record only the first N recorded steps; training runs on untouched.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line; print only the report.")
+@click.option("--no-tensorboard", is_flag=True, help="Write no TensorBoard event files.")
+@click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED)
+def diagnose(
+    module: str | None,
+    logdir: Path | None,
+    every: int | None,
+    anomaly: bool,
+    json_path: Path | None,
+    report_path: Path | None,
+    fail_on: str,
+    max_steps: int | None,
+    quiet: bool,
+    no_tensorboard: bool,
+    script_and_args: tuple[str, ...],
+) -> None:
+    """Run SCRIPT [ARGS]... (or -m MODULE [ARGS]...) as python would, and diagnose its AMP.
+
+    Everything after the script or module belongs to it:
+
+        amp-doctor diagnose --every 1 train.py --epochs 3
+    """
+    if module is not None:
+        target = runner.Target("module", module, tuple(script_and_args))
+    elif script_and_args:
+        target = runner.Target("path", script_and_args[0], tuple(script_and_args[1:]))
+    else:
+        _fail("no script given; usage: amp-doctor diagnose [OPTIONS] SCRIPT [ARGS]... "
+              "or -m MODULE [ARGS]...")
+    try:
+        resolved = runner.resolve(target)
+    except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
+        _fail(str(e))
+    except SyntaxError as e:
+        click.echo(runner.user_traceback(e), err=True, nl=False)
+        sys.exit(1)
+    # Absolute before the script runs: it may chdir.
+    logdir = (logdir or _default_logdir(target)).absolute()
+    _check_writable(logdir)
+    json_out = json_path.absolute() if json_path else None
+    report_out = report_path.absolute() if report_path else None
+    for p in (json_out, report_out):
+        if p is not None:
+            _check_writable(p.parent)
+    code = _diagnose(resolved, target, logdir, every, anomaly, json_out, report_out, fail_on,
+                     max_steps, quiet, not no_tensorboard)
+    sys.exit(code)
+
+
+def _diagnose(
+    resolved: Any, target: runner.Target, logdir: Path, every: int | None, anomaly: bool,
+    json_out: Path | None, report_out: Path | None, fail_on: str, max_steps: int | None,
+    quiet: bool, tensorboard: bool,
+) -> int:
+    from .sinks.text import render_text
+    from .watch import DEFAULT_EVERY, Watch
+
+    doctor = Watch(None, every=every or DEFAULT_EVERY, logdir=logdir, anomaly=anomaly,
+                   max_steps=max_steps, discover=True, tensorboard=tensorboard)
+    progress = _Progress(enabled=not quiet and sys.stderr.isatty())
+    command = ["python", *(["-m", target.name] if target.kind == "module" else [target.name]),
+               *target.args]
+    exc: BaseException | None = None
+    doctor.start()
+    doctor.add_listener(progress)
+    try:
+        runner.run(resolved)
+    except BaseException as e:  # the user's exit path, whatever it is, is ours to report
+        exc = e
+    finally:
+        progress.clear()
+    code = runner.exit_code(exc)
+    outcome = "completed"
+    error = None
+    if isinstance(exc, KeyboardInterrupt):
+        outcome = "interrupted"
+    elif isinstance(exc, SystemExit):
+        outcome = "exit"
+    elif exc is not None:
+        outcome = "exception"
+        error = f"{type(exc).__name__}: {exc}"
+    doctor.set_run_meta(command=command, exit_code=code, outcome=outcome, error=error)
+    try:
+        session = doctor.close()
+    except OSError as e:
+        click.echo(f"amp-doctor: error: could not write the logs in {logdir} ({e}); "
+                   "check free space and permissions.", err=True)
+        session = doctor.session
+    # The user's own error first, as python would print it.
+    if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        click.echo(runner.user_traceback(exc), err=True, nl=False)
+    elif isinstance(exc, SystemExit) and exc.code is not None and not isinstance(
+            exc.code, int):
+        click.echo(str(exc.code), err=True)
+    elif isinstance(exc, KeyboardInterrupt):
+        click.echo("KeyboardInterrupt", err=True)
+    text = render_text(session)
+    text_file = logdir / TEXT_NAME
+    text_file.write_text(text)
+    if report_out is not None:
+        report_out.write_text(text)
+    if json_out is not None:
+        session.save(json_out)
+    _print_report(text, text_file)
+    click.echo(f"amp-doctor: JSON report: {logdir / JSON_NAME}", err=True)
+    if tensorboard:
+        click.echo(f"amp-doctor: view the dashboards: tensorboard --logdir {shlex.quote(str(logdir))}"
+                   f"   (or: amp-doctor view {shlex.quote(str(logdir))})", err=True)
+    if code == 0 and _severity_reached(session, fail_on):
+        click.echo(f"amp-doctor: exit 1: findings at or above '{fail_on}' (--fail-on).",
+                   err=True)
+        return 1
+    return code
+
+
+def _print_report(text: str, path: Path) -> None:
+    lines = text.splitlines()
+    if len(lines) <= MAX_PRINTED_LINES:
+        click.echo("\n" + text, err=True, nl=False)
+        return
+    head = []
+    for line in lines:
+        if line.startswith("Layers, worst first"):
+            break
+        head.append(line)
+    if len(head) > MAX_PRINTED_LINES:
+        head = head[:MAX_PRINTED_LINES] + ["..."]
+    click.echo("\n" + "\n".join(head), err=True)
+    click.echo(f"amp-doctor: full report ({len(lines)} lines): {path}", err=True)
+
+
+def _load_session(path: Path) -> Session:
+    p = path / JSON_NAME if path.is_dir() else path
+    if not p.exists():
+        _fail(f"no amp-doctor report at {str(p)!r}; pass a run directory written by "
+              "`amp-doctor diagnose` (it holds amp_doctor.json) or a JSON report file.")
+    try:
+        return Session.load(p)
+    except (ValueError, KeyError, TypeError) as e:
+        _fail(f"{str(p)!r} is not an amp-doctor JSON report ({type(e).__name__}: {e}).")
+
+
+@cli.command(short_help="Render a saved run again.")
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]), default="text",
+              show_default=True)
+def report(run: Path, fmt: str) -> None:
+    """Render RUN (a run directory or its amp_doctor.json) from the JSON alone."""
+    from .sinks.text import render_markdown, render_text
+
+    session = _load_session(run)
+    if fmt == "json":
+        click.echo(session.to_json())
+    elif fmt == "markdown":
+        click.echo(render_markdown(session), nl=False)
+    else:
+        click.echo(render_text(session), nl=False)
+
+
+@cli.command(short_help="Open a run's dashboards in TensorBoard.")
+@click.argument("run", type=click.Path(path_type=Path, exists=False))
+@click.option("--port", type=int, default=6006, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+def view(run: Path, port: int, host: str) -> None:
+    """Start TensorBoard on RUN and print its URL; Ctrl-C stops it."""
+    if not run.is_dir():
+        _fail(f"no run directory at {str(run)!r}; pass the --logdir of a diagnose run "
+              "(default runs/amp-doctor/<script>-<timestamp>).")
+    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(run), "--host", host,
+           "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    click.echo(f"amp-doctor: TensorBoard on {run} at http://{host}:{port}/  (Ctrl-C to stop)")
+    try:
+        _, err = proc.communicate()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        return
+    if proc.returncode:
+        _fail(f"tensorboard exited with {proc.returncode}: "
+              f"{(err or '').strip().splitlines()[-1:] or ''}; is port {port} free? "
+              "Try --port.", code=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="amp-doctor", standalone_mode=True)
+    except AmpDoctorError as e:
+        _fail(str(e))
+
+
