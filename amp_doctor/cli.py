@@ -160,9 +160,10 @@ def diagnose(
         resolved = runner.resolve(target)
     except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
         _fail(str(e))
-    except SyntaxError as e:
-        click.echo(runner.user_traceback(e), err=True, nl=False)
-        sys.exit(1)
+    except BaseException as e:
+        # A SyntaxError in the script, or whatever `-m pkg.mod` raised while
+        # importing pkg: python reports these before anything runs, and so do we.
+        sys.exit(runner.report_exit(e))
     # Absolute before the script runs: it may chdir.
     logdir = (logdir or _default_logdir(target)).absolute()
     _check_writable(logdir)
@@ -215,14 +216,8 @@ def _diagnose(
         click.echo(f"amp-doctor: error: could not write the logs in {logdir} ({e}); "
                    "check free space and permissions.", err=True)
         session = doctor.session
-    # The user's own error first, as python would print it.
-    if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
-        click.echo(runner.user_traceback(exc), err=True, nl=False)
-    elif isinstance(exc, SystemExit) and exc.code is not None and not isinstance(
-            exc.code, int):
-        click.echo(str(exc.code), err=True)
-    elif isinstance(exc, KeyboardInterrupt):
-        click.echo("KeyboardInterrupt", err=True)
+    # The user's own error first, exactly as python would print it.
+    runner.report_exit(exc, sys.stderr)
     text = render_text(session)
     text_file = logdir / TEXT_NAME
     text_file.write_text(text)

@@ -49,6 +49,7 @@ class StepBuffer:
         self.assigned: dict[tuple[str, str], list[int]] = {}
         self.backward_order: list[str] = []
         self.param_grads_done: set[str] = set()
+        self.param_grads_scaled = False
 
     def add(self, summary: torch.Tensor) -> int:
         self._rows.append(summary)

@@ -287,13 +287,13 @@ def from_jsonable(tp: Any, data: Any) -> Any:
         return None
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return from_jsonable(args[0], data) if len(args) == 1 else data
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        return from_jsonable(members[0], data) if len(members) == 1 else data
     if origin is Literal:
         return data
     if origin is list:
-        (arg,) = typing.get_args(tp)
-        return [from_jsonable(arg, v) for v in data]
+        (item_tp,) = typing.get_args(tp)
+        return [from_jsonable(item_tp, v) for v in data]
     if tp is Any or tp == "Any":
         return _any_in(data)
     if origin is tuple:
@@ -313,5 +313,5 @@ def from_jsonable(tp: Any, data: Any) -> Any:
             for f in dataclasses.fields(tp)
             if f.name in data
         }
-        return tp(**kwargs)
+        return tp(**kwargs)  # type: ignore[operator]
     return data

@@ -87,7 +87,7 @@ class Watch:
 
     def __init__(
         self,
-        model: Models,
+        model: Models | None,
         *,
         every: int = DEFAULT_EVERY,
         logdir: str | Path | None = None,
@@ -234,14 +234,13 @@ class Watch:
 
     def _teardown(self) -> None:
         # Each removal is independent: one failing must not leave others behind.
-        for h in self._global_handles:
-            h.remove()
+        removers: list[Callable[[], Any]] = [h.remove for h in self._global_handles]
+        for owner, method in ((self._probes, "remove"), (self._sub, "remove"),
+                              (self._anomaly, "stop")):
+            if owner is not None:
+                removers.append(getattr(owner, method))
         self._global_handles = []
-        for fn in (
-            lambda: self._probes and self._probes.remove(),
-            lambda: self._sub and self._sub.remove(),
-            lambda: self._anomaly and self._anomaly.stop(),
-        ):
+        for fn in removers:
             try:
                 fn()
             except Exception:  # pragma: no cover - best effort on teardown
@@ -401,7 +400,8 @@ class Watch:
         if buf is None or self._probes is None:
             return
         if not buf.param_grads_done:
-            buf.put_scalar("param_grads_scaled", torch.tensor(1.0 if scale else 0.0))
+            # A host flag, not a tensor: a CPU tensor copied to the GPU would sync.
+            buf.param_grads_scaled = bool(scale)
         self._probes.summarize_param_grads(params, buf)
 
     def _on_skip(self, params: list[torch.Tensor]) -> None:
@@ -467,7 +467,7 @@ class Watch:
             self.recorded += 1
             fmt = limits(self._low_dtype())
             grad_scale = hs.scalars.get(self._grad_scale_key)
-            pg_scaled = hs.scalars.get("param_grads_scaled", 0.0) > 0
+            pg_scaled = buf.param_grads_scaled
             layers, raw = host_step_layers(hs, fmt, grad_scale, grad_scale if pg_scaled else None)
             for name, ls in layers.items():
                 self._agg.setdefault(name, LayerAggregate()).add(ls, raw[name])
@@ -530,11 +530,10 @@ class Watch:
         for i, n in enumerate(hs.backward_order):
             seen.setdefault(n, i)
         assert self._probes is not None
+        metas = self._probes.layers
         big = len(hs.backward_order) + 1
         return sorted(
-            bad,
-            key=lambda n: (seen.get(n, big), -self._probes.layers[n].order
-                           if n in self._probes.layers else 0),
+            bad, key=lambda n: (seen.get(n, big), -metas[n].order if n in metas else 0)
         )
 
     def _note_scaler(self, step: int, out: Any, culprits: list[str]) -> None:
@@ -599,17 +598,17 @@ class Watch:
             scaler=scaler_on,
             autocast_seen=bool(self._autocast_dtypes),
         )
-        meta = self._run_meta
+        rm = self._run_meta
         run = RunInfo(
             torch_version=torch.__version__,
             started=self._started_at,
             duration_s=round(time.perf_counter() - self._started, 3),
             every=self.every,
             models=[k or type(m).__name__ for k, m in self.models.items()],
-            command=meta.get("command"),
-            exit_code=meta.get("exit_code"),
-            outcome=meta.get("outcome", "completed" if self.closed else "running"),
-            error=meta.get("error"),
+            command=rm.get("command"),
+            exit_code=rm.get("exit_code"),
+            outcome=rm.get("outcome", "completed" if self.closed else "running"),
+            error=rm.get("error"),
         )
         draft = Session(
             version=__version__, amp=amp, steps=self.step_index, recorded_steps=self.recorded,
@@ -634,7 +633,7 @@ def _variable_name(module: nn.Module) -> str | None:
     import sys
 
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     for _ in range(40):
         if frame is None:
             break
