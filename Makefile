@@ -25,7 +25,7 @@ typecheck:
 	$(BIN)/python -m mypy amp_doctor
 
 demo:
-	$(BIN)/python -m amp_doctor demo
+	$(BIN)/python sample_models/gallery.py
 
 bench:
 	$(BIN)/python benchmarks/run.py

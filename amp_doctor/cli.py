@@ -204,7 +204,7 @@ def _diagnose(
     error = None
     if isinstance(exc, KeyboardInterrupt):
         outcome = "interrupted"
-    elif isinstance(exc, SystemExit):
+    elif isinstance(exc, SystemExit) and code != 0:
         outcome = "exit"
     elif exc is not None:
         outcome = "exception"

@@ -52,6 +52,8 @@ class LayerMeta:
     params: list[nn.Parameter] = field(default_factory=list, repr=False)
     root: int = 0
     qual: str = ""
+    # Calls whose output was the very tensor a sublayer returned (a container).
+    passthrough_calls: int = 0
 
 
 def iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -211,17 +213,20 @@ class Probes:
             if not t.is_floating_point() or t.numel() == 0:
                 continue
             entry = self._seen.get(t)
-            if entry is None:
+            # An in-place op (x.mul_(gamma)) returns the same tensor with new
+            # values: only an unchanged version counter means "already seen".
+            if entry is None or entry[2] != t._version:
                 idx = buf.add(summarize(t))
                 owners = [name]
-                self._seen[t] = (idx, owners)
+                self._seen[t] = (idx, owners, t._version)
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(owners, buf))
             else:
-                idx, owners = entry
+                idx, owners, _ = entry
                 if name in owners:
                     continue  # same tensor returned twice in one output
                 owners.append(name)
+                meta.passthrough_calls += 1
             buf.assign(name, "act", idx)
 
     def _grad_hook(self, owners: list[str], buf: StepBuffer) -> Callable[[torch.Tensor], None]:

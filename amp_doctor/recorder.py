@@ -233,6 +233,7 @@ class LayerAggregate:
     grad_under_u: _Running = field(default_factory=_Running)
     grad_nonfinite_steps: int = 0
     pg_absmax: float | None = None
+    pg_zero: _Running = field(default_factory=_Running)
     pg_under: _Running = field(default_factory=_Running)
     pg_under_u: _Running = field(default_factory=_Running)
     pg_nonfinite_steps: int = 0
@@ -270,13 +271,14 @@ class LayerAggregate:
             pu = ls.param_grad_unscaled or p
             if math.isfinite(pu.absmax):
                 self.pg_absmax = max(self.pg_absmax or 0.0, pu.absmax)
+            self.pg_zero.add(p.zero_frac)
             self.pg_under.add(p.underflow_frac)
             self.pg_under_u.add(pu.underflow_frac)
             self.pg_nonfinite_steps += p.nonfinite_frac > 0
 
     def summary(self, meta_name: str, meta_type: str, order: int, calls: int,
                 input_dtypes: set[str], output_dtypes: set[str], param_dtypes: set[str],
-                ops: dict[str, dict[str, int]]) -> LayerSummary:
+                ops: dict[str, dict[str, int]], passthrough: bool = False) -> LayerSummary:
         lows = {"float16", "bfloat16"}
         ran_low = bool(output_dtypes & lows)
         floats = {d for d in output_dtypes if d.startswith(("float", "bfloat"))}
@@ -307,9 +309,11 @@ class LayerAggregate:
             grad_underflow_frac_unscaled=self.grad_under_u.mean,
             grad_nonfinite_steps=self.grad_nonfinite_steps,
             param_grad_absmax=self.pg_absmax,
+            param_grad_zero_frac=self.pg_zero.mean,
             param_grad_underflow_frac=self.pg_under.mean,
             param_grad_underflow_frac_unscaled=self.pg_under_u.mean,
             param_grad_nonfinite_steps=self.pg_nonfinite_steps,
+            passthrough=passthrough,
             ops=ops,
             act_exp_hist=list(self.act_hist),
             grad_exp_hist=list(self.grad_hist),

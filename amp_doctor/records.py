@@ -116,9 +116,13 @@ class LayerSummary:
     grad_underflow_frac_unscaled: float | None  # mean, as if unscaled
     grad_nonfinite_steps: int
     param_grad_absmax: float | None
+    # Exact zeros in the parameters' gradients: values that flushed all the way.
+    param_grad_zero_frac: float | None
     param_grad_underflow_frac: float | None
     param_grad_underflow_frac_unscaled: float | None
     param_grad_nonfinite_steps: int
+    # Its output was always the same tensor a sublayer returned (e.g. a Sequential).
+    passthrough: bool = False
     ops: dict[str, dict[str, int]] = field(default_factory=dict)  # op -> dtype -> count
     act_exp_hist: list[int] = field(default_factory=list)  # summed float32-exponent bins
     grad_exp_hist: list[int] = field(default_factory=list)

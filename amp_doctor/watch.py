@@ -583,7 +583,8 @@ class Watch:
                 agg = agg or LayerAggregate()
                 layers.append(agg.summary(
                     name, meta.type, meta.order, meta.calls, meta.input_dtypes,
-                    meta.output_dtypes, meta.param_dtypes, ops.get(name, {})))
+                    meta.output_dtypes, meta.param_dtypes, ops.get(name, {}),
+                    passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls))
         mon = self._monitor
         timeline = mon.timeline() if mon is not None else None
         events = list(mon.events) if mon is not None else []
