@@ -9,6 +9,7 @@ session. It has no analysis of its own.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import shlex
 import subprocess
 import sys
@@ -30,6 +31,8 @@ __all__ = ["main", "cli"]
 # path and the findings' headlines are printed.
 MAX_PRINTED_LINES = 60
 EXIT_USAGE = 2
+# Set for the rank processes a `diagnose --nproc-per-node` launcher starts: it merges.
+_LAUNCHER_ENV = "AMP_DOCTOR_LAUNCHER"
 EXIT_INTERRUPTED = 130
 JSON_NAME = "amp_doctor.json"
 TEXT_NAME = "report.txt"
@@ -129,6 +132,9 @@ def _severity_reached(session: Session, level: str) -> bool:
               help="Record only the first N recorded steps; training runs on untouched.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line; print only the report.")
 @click.option("--no-tensorboard", is_flag=True, help="Write no TensorBoard event files.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
+              help="Launch N processes with torch.distributed.run (torchrun), each under "
+                   "amp-doctor; logs go to <logdir>/rank<k>/ and one merged report.")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED)
 def diagnose(
     module: str | None,
@@ -141,6 +147,7 @@ def diagnose(
     max_steps: int | None,
     quiet: bool,
     no_tensorboard: bool,
+    nproc_per_node: int | None,
     script_and_args: tuple[str, ...],
 ) -> None:
     """Run SCRIPT [ARGS]... (or -m MODULE [ARGS]...) as python would, and diagnose its AMP.
@@ -172,6 +179,13 @@ def diagnose(
     for p in (json_out, report_out):
         if p is not None:
             _check_writable(p.parent)
+    if nproc_per_node is not None and nproc_per_node > 1:
+        forwarded = [*(["--every", str(every)] if every else []),
+                     *(["--anomaly"] if anomaly else []),
+                     *(["--max-steps", str(max_steps)] if max_steps else []),
+                     *(["--no-tensorboard"] if no_tensorboard else [])]
+        sys.exit(_launch(nproc_per_node, target, logdir, forwarded, json_out, report_out,
+                         fail_on, not no_tensorboard))
     code = _diagnose(resolved, target, logdir, every, anomaly, json_out, report_out, fail_on,
                      max_steps, quiet, not no_tensorboard)
     sys.exit(code)
@@ -182,12 +196,16 @@ def _diagnose(
     json_out: Path | None, report_out: Path | None, fail_on: str, max_steps: int | None,
     quiet: bool, tensorboard: bool,
 ) -> int:
-    from .sinks.text import render_text
+    from .merge import merge_run_dir, rank_dir, rank_env
     from .watch import DEFAULT_EVERY, Watch
 
-    doctor = Watch(None, every=every or DEFAULT_EVERY, logdir=logdir, anomaly=anomaly,
+    ranks = rank_env()
+    under_launcher = bool(os.environ.get(_LAUNCHER_ENV))
+    run_dir = rank_dir(logdir, ranks[0]) if ranks else logdir
+    doctor = Watch(None, every=every or DEFAULT_EVERY, logdir=run_dir, anomaly=anomaly,
                    max_steps=max_steps, discover=True, tensorboard=tensorboard)
-    progress = _Progress(enabled=not quiet and sys.stderr.isatty())
+    speaks = ranks is None or (ranks[0] == 0 and not under_launcher)
+    progress = _Progress(enabled=speaks and not quiet and sys.stderr.isatty())
     command = ["python", *(["-m", target.name] if target.kind == "module" else [target.name]),
                *target.args]
     exc: BaseException | None = None
@@ -209,16 +227,36 @@ def _diagnose(
     elif exc is not None:
         outcome = "exception"
         error = f"{type(exc).__name__}: {exc}"
-    doctor.set_run_meta(command=command, exit_code=code, outcome=outcome, error=error)
+    doctor.set_run_meta(command=command, exit_code=code, outcome=outcome, error=error,
+                        rank=ranks[0] if ranks else None, world_size=ranks[1] if ranks else None)
     try:
         session = doctor.close()
     except OSError as e:
-        click.echo(f"amp-doctor: error: could not write the logs in {logdir} ({e}); "
+        click.echo(f"amp-doctor: error: could not write the logs in {run_dir} ({e}); "
                    "check free space and permissions.", err=True)
         session = doctor.session
     # The user's own error first, exactly as python would print it.
     runner.report_exit(exc, sys.stderr)
-    text = render_text(session)
+    if ranks is not None:
+        (run_dir / TEXT_NAME).write_text(_render(session))
+        if not speaks:
+            return code
+        # Direct `torchrun -m amp_doctor diagnose`: rank 0 merges what the others wrote.
+        merged = merge_run_dir(logdir, ranks[1])
+        session = merged or session
+    return _publish(session, logdir, json_out, report_out, fail_on, tensorboard, code)
+
+
+def _render(session: Session) -> str:
+    from .sinks.text import render_text
+
+    return render_text(session)
+
+
+def _publish(session: Session, logdir: Path, json_out: Path | None, report_out: Path | None,
+             fail_on: str, tensorboard: bool, code: int) -> int:
+    """Write and print the report; the exit code, raised to 1 by --fail-on."""
+    text = _render(session)
     text_file = logdir / TEXT_NAME
     text_file.write_text(text)
     if report_out is not None:
@@ -228,13 +266,36 @@ def _diagnose(
     _print_report(text, text_file)
     click.echo(f"amp-doctor: JSON report: {logdir / JSON_NAME}", err=True)
     if tensorboard:
-        click.echo(f"amp-doctor: view the dashboards: tensorboard --logdir {shlex.quote(str(logdir))}"
-                   f"   (or: amp-doctor view {shlex.quote(str(logdir))})", err=True)
+        q = shlex.quote(str(logdir))
+        click.echo(f"amp-doctor: view the dashboards: tensorboard --logdir {q}"
+                   f"   (or: amp-doctor view {q})", err=True)
     if code == 0 and _severity_reached(session, fail_on):
         click.echo(f"amp-doctor: exit 1: findings at or above '{fail_on}' (--fail-on).",
                    err=True)
         return 1
     return code
+
+
+def _launch(nproc: int, target: runner.Target, logdir: Path, forwarded: list[str],
+            json_out: Path | None, report_out: Path | None, fail_on: str,
+            tensorboard: bool) -> int:
+    """Run every rank under amp-doctor with PyTorch's own launcher, then merge the ranks."""
+    from .merge import merge_run_dir
+
+    what = ["-m", target.name] if target.kind == "module" else [target.name]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "amp_doctor", "diagnose", "--quiet",
+           "--logdir", str(logdir), *forwarded, *what, *target.args]
+    env = {**os.environ, _LAUNCHER_ENV: "1"}
+    try:
+        rc = subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        rc = EXIT_INTERRUPTED
+    merged = merge_run_dir(logdir, nproc, timeout=5.0)
+    if merged is None:
+        _fail(f"no rank wrote a report in {logdir}; see the errors above.", code=rc or 1)
+    code = merged.run.exit_code or rc
+    return _publish(merged, logdir, json_out, report_out, fail_on, tensorboard, code)
 
 
 def _print_report(text: str, path: Path) -> None:

@@ -123,6 +123,8 @@ class LayerSummary:
     param_grad_nonfinite_steps: int
     # Its output was always the same tensor a sublayer returned (e.g. a Sequential).
     passthrough: bool = False
+    # Multi-process runs: the rank whose figures these are (the worst one).
+    worst_rank: int | None = None
     ops: dict[str, dict[str, int]] = field(default_factory=dict)  # op -> dtype -> count
     act_exp_hist: list[int] = field(default_factory=list)  # summed float32-exponent bins
     grad_exp_hist: list[int] = field(default_factory=list)
@@ -186,6 +188,9 @@ class Finding:
     count: int = 1
     steps: list[int] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
+    # In a multi-process run: the rank it was first seen on, and every rank that saw it.
+    rank: int | None = None
+    ranks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -207,6 +212,8 @@ class RunInfo:
     exit_code: int | None = None
     outcome: str = "completed"  # completed | exception | interrupted | exit
     error: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
 
 
 @dataclass(frozen=True)

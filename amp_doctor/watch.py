@@ -610,6 +610,8 @@ class Watch:
             exit_code=rm.get("exit_code"),
             outcome=rm.get("outcome", "completed" if self.closed else "running"),
             error=rm.get("error"),
+            rank=rm.get("rank"),
+            world_size=rm.get("world_size"),
         )
         draft = Session(
             version=__version__, amp=amp, steps=self.step_index, recorded_steps=self.recorded,

@@ -1,0 +1,76 @@
+"""torchrun/DDP on CPU with gloo: per-rank records, one merged report, exit codes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from amp_doctor import Session
+
+FIX = Path(__file__).parent / "fixtures" / "cli" / "ddp_train.py"
+AMP_DOCTOR = shutil.which("amp-doctor") or "amp-doctor"
+
+
+def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240,
+                          env={**env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture()
+def work(tmp_path: Path) -> Path:
+    shutil.copy(FIX, tmp_path / FIX.name)
+    return tmp_path
+
+
+def test_only_rank_1_overflows_and_the_merged_report_says_so(work: Path) -> None:
+    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--no-tensorboard", "--logdir", "out",
+             "--nproc-per-node", "2", "ddp_train.py", "--bad-rank", "1"], work)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for k in (0, 1):
+        s = Session.load(work / "out" / f"rank{k}" / "amp_doctor.json")
+        assert s.run.rank == k and s.run.world_size == 2
+    rank0 = Session.load(work / "out" / "rank0" / "amp_doctor.json")
+    assert not any(f.kind == "activation_overflow" for f in rank0.findings)
+    merged = Session.load(work / "out" / "amp_doctor.json")
+    over = [f for f in merged.findings if f.kind == "activation_overflow" and f.module == "0"]
+    assert over and over[0].rank == 1 and over[0].ranks == [1]
+    assert "[rank 1]" in over[0].message
+    assert merged.layer("0").worst_rank == 1 and merged.layer("0").overflow_frac > 0
+    # The layer names carry no DDP "module." prefix.
+    assert not any(lay.name.startswith("module") for lay in merged.layers)
+    # DDP all-reduces the inf into both ranks' gradients: both skip, one timeline.
+    assert merged.scaler is not None and merged.scaler.skipped_steps == [0, 1, 2]
+    assert "activation_overflow" in r.stderr and "[rank 1]" in r.stderr
+
+
+def test_healthy_two_process_run_has_no_findings(work: Path) -> None:
+    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--no-tensorboard", "--logdir", "out",
+             "--nproc-per-node", "2", "ddp_train.py"], work)
+    assert r.returncode == 0, r.stderr[-3000:]
+    merged = Session.load(work / "out" / "amp_doctor.json")
+    assert merged.findings == [] and merged.run.world_size == 2 and merged.steps == 3
+
+
+def test_exit_code_of_a_failing_rank_propagates(work: Path) -> None:
+    r = run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "--logdir", "out",
+             "--nproc-per-node", "2", "ddp_train.py", "--fail-rank", "1"], work)
+    assert r.returncode == 7, r.stderr[-3000:]
+    merged = Session.load(work / "out" / "amp_doctor.json")
+    assert merged.run.exit_code == 7
+
+
+def test_plain_torchrun_with_amp_doctor_module(work: Path) -> None:
+    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node=2", "-m", "amp_doctor", "diagnose", "--every", "1",
+             "--no-tensorboard", "--logdir", "out", "ddp_train.py", "--bad-rank", "0"], work)
+    assert r.returncode == 0, r.stderr[-3000:]
+    merged = Session.load(work / "out" / "amp_doctor.json")
+    over = [f for f in merged.findings if f.kind == "activation_overflow" and f.module == "0"]
+    assert over and over[0].ranks == [0]
