@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-from .records import Event, Finding, LayerSummary, Session
+from .records import Event, Finding, LayerSummary, ScalerEvent, Session
 
 __all__ = [
     "analyze",
@@ -18,9 +18,11 @@ __all__ = [
     "HEADROOM_WARN_BITS",
     "ACT_UNDERFLOW_WARN",
     "GRAD_UNDERFLOW_WARN",
+    "GRAD_FLUSHED_WARN",
     "SCALE_COLLAPSE_MIN",
     "BACKOFF_SHARE_COLLAPSE",
     "BACKOFF_RUN_COLLAPSE",
+    "CALIBRATION_START",
     "CALIBRATION_STEPS",
     "STUCK_INTERVALS",
 ]
@@ -34,14 +36,19 @@ HEADROOM_WARN_BITS = 1.0
 ACT_UNDERFLOW_WARN = 0.05
 # Share of a layer's gradient values that flush to zero in the low-precision format.
 GRAD_UNDERFLOW_WARN = 0.10
+# Share of exact zeros in the output gradient of a layer that runs before (in
+# forward order) one whose gradients underflow: they arrived flushed to zero.
+GRAD_FLUSHED_WARN = 0.90
 # The scale has no business below 1: the loss is then scaled *down*.
 SCALE_COLLAPSE_MIN = 1.0
 # Backoffs in more than this share of steps (after calibration) is a collapse.
 BACKOFF_SHARE_COLLAPSE = 0.2
 # Or this many backoffs in a row.
 BACKOFF_RUN_COLLAPSE = 5
-# GradScaler starts at 2**16 and backs off until the scale fits: backoffs in
-# the first steps are normal calibration, not a problem.
+# GradScaler starts at 2**16 and backs off until the scale fits: a short run of
+# backoffs that starts in the first few steps is normal calibration, not a problem.
+CALIBRATION_START = 3
+# Backoffs in the first steps are not counted in the share of backoffs below.
 CALIBRATION_STEPS = 20
 # No growth across this many growth intervals means the scale is stuck.
 STUCK_INTERVALS = 3
@@ -94,9 +101,11 @@ ADVICE: dict[str, str] = {
         "fine-tune it in bf16 (`dtype=torch.bfloat16`) rather than float16."
     ),
     "scale_stuck": (
-        "The scale never grows: some gradient always sits near float16's max. Find the "
-        "layer with the smallest grad headroom in the table; lower `growth_interval` only "
-        "if gradients underflow as well."
+        "The scale cannot grow because some scaled gradient keeps reaching float16's max. "
+        "Look at the layer named in the message (least gradient headroom, or first culprit): "
+        "run it in float32 with `with torch.autocast(device_type, enabled=False): "
+        "y = layer(x.float())`, normalise its input, or train in bfloat16 "
+        "(`dtype=torch.bfloat16`). Harmless if no gradient underflows at the current scale."
     ),
     "clip_before_unscale": (
         "Call `scaler.unscale_(optimizer)` before `torch.nn.utils.clip_grad_norm_(...)`: "
@@ -104,23 +113,26 @@ ADVICE: dict[str, str] = {
         "(or everything)."
     ),
     "missing_update": (
-        "Call `scaler.update()` once per iteration after `scaler.step(optimizer)`; without "
-        "it the scale never adapts and the next `scaler.step` raises."
+        "Call `scaler.update()` once per iteration, after `scaler.step(optimizer)` for every "
+        "optimizer (with gradient accumulation: after the last micro-step's `scaler.step`). "
+        "Without it the scale never adapts and the next `scaler.step` raises."
     ),
     "scaler_with_bf16": (
         "bfloat16 has float32's exponent range, so a GradScaler is not needed: remove it, or "
         "construct it with `enabled=False` (`torch.amp.GradScaler(device_type, enabled=False)`)."
     ),
     "fp16_params": (
-        "Keep parameters in float32 and let autocast cast them: remove `model.half()` "
-        "(or `.to(torch.float16)`). GradScaler's `unscale_` refuses float16 gradients "
-        "('Attempting to unscale FP16 gradients') because unscaling in float16 would "
-        "itself underflow/overflow. For pure-fp16 training keep an fp32 master copy."
+        "Keep parameters in float32 and let autocast cast them: remove `model.half()` (or "
+        "`.to(torch.float16)`; use `model.float()`), keep `torch.autocast(device_type, "
+        "dtype=torch.float16)` around the forward pass and the GradScaler as is. GradScaler's "
+        "`unscale_` refuses float16 gradients ('Attempting to unscale FP16 gradients') because "
+        "unscaling in float16 would itself underflow/overflow. For pure-float16 weights keep a "
+        "float32 master copy, or use bfloat16 without a scaler."
     ),
     "scheduler_on_skipped_step": (
-        "The LR scheduler stepped although GradScaler skipped the optimizer step. Usually "
-        "harmless after calibration; if it matters, step the scheduler only when "
-        "`scaler.get_scale()` did not decrease in `scaler.update()`."
+        "Step the scheduler only when the optimizer stepped: `scale = scaler.get_scale(); "
+        "scaler.update(); if scaler.get_scale() >= scale: scheduler.step()`. Usually harmless "
+        "for a few skips during calibration."
     ),
     "loss_not_scaled": (
         "Call `scaler.scale(loss).backward()`, not `loss.backward()`, while a GradScaler is "
@@ -128,8 +140,10 @@ ADVICE: dict[str, str] = {
         "divides them by the scale."
     ),
     "backward_in_autocast": (
-        "Call `backward()` outside the `torch.autocast` block: autocast should wrap only the "
-        "forward pass and the loss; backward ops run in the dtype chosen in forward."
+        "Call backward outside the autocast block: `with torch.autocast(device_type, "
+        "dtype=...): loss = loss_fn(model(x), y)` and then, dedented, "
+        "`scaler.scale(loss).backward()`. Autocast should wrap only the forward pass and the "
+        "loss; backward ops already run in the dtype their forward used."
     ),
     "nonfinite_forward": (
         "Keep this op in float32: wrap it in `with torch.autocast(device_type, "
@@ -194,11 +208,25 @@ def _low(session: Session) -> str:
 
 def _layers_rules(session: Session) -> Iterable[Finding]:
     fmt = _low(session)
+    # Gradients that underflowed in one layer reach the layers before it as
+    # exact zeros: those layers are flushed, not merely subnormal.
+    under = [lay for lay in session.layers if lay.recorded_steps and
+             (_grad_under(lay) or 0.0) > GRAD_UNDERFLOW_WARN]
+
+    def same_output(a: LayerSummary, b: LayerSummary) -> bool:
+        # A container returning its last child's output is credited the same tensor.
+        return (a.absmax, a.grad_absmax, a.grad_underflow_frac) == (
+            b.absmax, b.grad_absmax, b.grad_underflow_frac)
+
+    leaves = [c for c in under
+              if not any(u.order < c.order and same_output(u, c) for u in under)]
+    source = max(leaves, key=lambda x: x.order) if leaves else None
     for lay in session.layers:
-        yield from _layer_findings(session, lay, fmt)
+        yield from _layer_findings(session, lay, fmt, source)
 
 
-def _layer_findings(session: Session, lay: LayerSummary, fmt: str) -> Iterable[Finding]:
+def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
+                    source: LayerSummary | None = None) -> Iterable[Finding]:
     if lay.recorded_steps == 0:
         return
     if lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR:
@@ -240,16 +268,52 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str) -> Iterable[F
             data={"underflow_frac": lay.underflow_frac, "dtype": fmt},
         )
     gu = _grad_under(lay)
-    if gu is not None and gu > GRAD_UNDERFLOW_WARN and fmt == "float16":
-        kind = "missing_scaler" if not session.amp.scaler else "gradient_underflow"
+    flushed = (source is not None and source is not lay and lay.order < source.order
+               and lay.ran_low_precision and bool(lay.param_dtypes)
+               and (lay.grad_zero_frac or 0.0) > GRAD_FLUSHED_WARN)
+    if session.amp.dtype == "float16" and (
+            (gu is not None and gu > GRAD_UNDERFLOW_WARN) or flushed):
+        scaled = session.amp.scaler
+        kind = "missing_scaler" if not scaled else "gradient_underflow"
+        big = max((v for v in (lay.grad_absmax, lay.param_grad_absmax)
+                   if v is not None and math.isfinite(v)), default=None)
+        if scaled:
+            gu_u = _grad_under_unscaled(lay)
+            tail = (f" even with the loss scale ({_pct(gu_u)} would without it)"
+                    if gu_u is not None else " even with the loss scale")
+        else:
+            sc = session.scaler
+            tail = (", and the GradScaler is disabled (enabled=False"
+                    + ("; torch.cuda.amp.GradScaler disables itself without CUDA"
+                       if session.amp.device_type != "cuda" else "") + ")"
+                    if sc is not None and not sc.enabled else ", and no GradScaler is in use")
+        if gu is not None and gu > GRAD_UNDERFLOW_WARN:
+            what = (f"{_pct(gu)} of its gradient values are below float16's smallest normal "
+                    f"({_fmt(_F16_TINY)}) and lose precision or flush to zero{tail}"
+                    + (f"; its largest |gradient| is {_fmt(big)}" if big else ""))
+        else:
+            assert source is not None
+            what = (f"{_pct(lay.grad_zero_frac)} of its output-gradient values are exactly "
+                    f"zero: the gradient had already underflowed float16 in {source.name} "
+                    f"({_pct(_grad_under(source))} below the smallest normal), which runs "
+                    f"before it in backward, and reached this layer flushed to zero{tail}")
         yield Finding(
             kind=kind, severity="warning", module=lay.name, op=None, step=None,
-            message=(f"{lay.name} ({lay.type}): {_pct(gu)} of its gradient values are below "
-                     f"float16's smallest normal"
-                     + ("" if session.amp.scaler else ", and no GradScaler is in use") + "."),
+            message=f"{lay.name} ({lay.type}): {what}.",
             advice=ADVICE[kind],
-            data={"grad_underflow_frac": gu, "scaled": session.amp.scaler},
+            data={"grad_underflow_frac": gu, "grad_zero_frac": lay.grad_zero_frac,
+                  "flushed_after": source.name if flushed and source else None,
+                  "scaled": scaled, "grad_absmax": big},
         )
+
+
+_F16_TINY = 2.0 ** -14
+
+
+def _grad_under_unscaled(lay: LayerSummary) -> float | None:
+    vals = [v for v in (lay.grad_underflow_frac_unscaled if lay.ran_low_precision else None,
+                        lay.param_grad_underflow_frac_unscaled) if v is not None]
+    return max(vals) if vals else None
 
 
 def _grad_under(lay: LayerSummary) -> float | None:
@@ -277,76 +341,259 @@ def _autocast_rule(session: Session) -> Iterable[Finding]:
         )
 
 
-def _scaler_rules(session: Session) -> Iterable[Finding]:
-    sc = session.scaler
-    if sc is None or not sc.enabled:
-        return
-    backoffs = [e for e in sc.events if e.kind == "backoff"]
-    groups: list[list] = []
+def _scale_str(x: float | None) -> str:
+    """Loss scales are powers of two in practice: print 65536 as 65536, not 6.55e+04."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "?"
+    if math.isinf(x):
+        return "inf"
+    if x >= 1 and x == int(x) and x < 1e12:
+        return str(int(x))
+    return f"{x:.4g}"
+
+
+def _steps_str(steps: list[int], limit: int = 8) -> str:
+    shown = ", ".join(str(s) for s in steps[:limit])
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
+
+
+def _group_backoffs(backoffs: list[ScalerEvent]) -> list[list[ScalerEvent]]:
+    """Backoffs in consecutive steps form one group (one episode of overflow)."""
+    groups: list[list[ScalerEvent]] = []
     for e in backoffs:
         if groups and e.step - groups[-1][-1].step <= 1:
             groups[-1].append(e)
         else:
             groups.append([e])
-    for g in groups:
-        culprits: list[str] = []
-        for e in g:
-            for c in e.culprits:
-                if c not in culprits:
-                    culprits.append(c)
-        calibrating = g[0].step < CALIBRATION_STEPS and len(backoffs) <= 3 * 1
-        first, last = g[0], g[-1]
-        where = (f"; first culprit {culprits[0]} (of {len(culprits)} layers with non-finite "
-                 f"gradients: {', '.join(culprits[:5])}{'...' if len(culprits) > 5 else ''})"
-                 if culprits else "")
-        span = f"step {first.step}" if len(g) == 1 else f"steps {first.step}-{last.step}"
+    return groups
+
+
+def _culprits_of(group: list[ScalerEvent]) -> list[str]:
+    out: list[str] = []
+    for e in group:
+        for c in e.culprits:
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def _normal_backoff(i: int, g: list[ScalerEvent], growths: list[ScalerEvent],
+                    last_step: int) -> str | None:
+    """Why a group of backoffs is GradScaler working as designed, or None.
+
+    * calibration: the scale starts high (2**16) and halves in the first steps
+      until the gradients fit: a short run, starting at once, that ends and
+      leaves the scale >= 1;
+    * probe: the scale grew, the next step overflowed, and one backoff put the
+      scale back where it was before the growth.
+    """
+    after = g[-1].scale_after
+    prev = [x for x in growths if x.step < g[0].step]
+    if (i == 0 and not prev and g[0].step < CALIBRATION_START
+            and len(g) < BACKOFF_RUN_COLLAPSE and g[-1].step < last_step
+            and not (after < SCALE_COLLAPSE_MIN)):
+        return "calibration"
+    if len(g) == 1 and prev and not (after < prev[-1].scale_before):
+        return "probe"
+    return None
+
+
+def _skips_per_optimizer(session: Session, steps: list[int]) -> str:
+    sc = session.scaler
+    if sc is None:
+        return ""
+    want = set(steps)
+    parts = [f"{name} {len(want.intersection(v))}"
+             for name, v in sc.skipped_by_optimizer.items() if want.intersection(v)]
+    return f" (skipped per optimizer: {', '.join(parts)})" if parts else ""
+
+
+def _culprit_text(culprits: list[str], origin: str | None) -> str:
+    if not culprits:
+        text = ("; no watched layer had non-finite gradients (the inf/NaN was in parameters "
+                "outside the watched model(s), or the optimizer checks for inf on the device, "
+                "e.g. fused=True, so the gradients were not inspected)")
+    else:
+        shown = ", ".join(culprits[:6]) + ("..." if len(culprits) > 6 else "")
+        text = (f"; non-finite gradients in {len(culprits)} layer(s), in backward order: "
+                f"{shown}. The first, {culprits[0]}, is where they appeared: look there")
+    if origin:
+        text += (f"; the inf/NaN started in the forward pass: {origin}'s output overflowed "
+                 "first")
+    return text
+
+
+def _scaler_rules(session: Session) -> Iterable[Finding]:
+    sc = session.scaler
+    if sc is None or not sc.enabled:
+        return
+    backoffs = sorted((e for e in sc.events if e.kind == "backoff"), key=lambda e: e.step)
+    growths = sorted((e for e in sc.events if e.kind == "growth"), key=lambda e: e.step)
+    groups = _group_backoffs(backoffs)
+    last_step = session.steps - 1
+    normal: list[tuple[str, list[ScalerEvent]]] = []
+    # Episodes with the same culprits are one finding: a recurring overflow
+    # in the same layer is one problem, however often it strikes.
+    by_culprits: dict[tuple[str, ...], list[list[ScalerEvent]]] = {}
+    for i, g in enumerate(groups):
+        why = _normal_backoff(i, g, growths, last_step)
+        if why is not None:
+            normal.append((why, g))
+        else:
+            by_culprits.setdefault(tuple(_culprits_of(g)), []).append(g)
+    for key, episodes in by_culprits.items():
+        culprits = list(key)
+        evs = [e for g in episodes for e in g]
+        first, last = evs[0], evs[-1]
+        steps = [e.step for e in evs]
+        if len(episodes) == 1:
+            span = f"step {first.step}" if len(evs) == 1 else f"steps {first.step}-{last.step}"
+            head = (f"GradScaler backed off {len(evs)}x at {span}: the scale fell from "
+                    f"{_scale_str(first.scale_before)} to {_scale_str(last.scale_after)}")
+        else:
+            head = (f"GradScaler backed off {len(evs)}x in {len(episodes)} separate episodes "
+                    f"(steps {_steps_str(steps)}): the scale went from "
+                    f"{_scale_str(first.scale_before)} before step {first.step} to "
+                    f"{_scale_str(last.scale_after)} after step {last.step}")
+        origin = next((e.forward_origin for e in evs if e.forward_origin), None)
         yield Finding(
-            kind="scaler_backoff", severity="info" if calibrating and not culprits else "warning",
+            kind="scaler_backoff", severity="warning",
             module=culprits[0] if culprits else None, op=None, step=first.step,
-            message=(f"GradScaler backed off {len(g)}x at {span} (scale "
-                     f"{_fmt(first.scale_before)} -> {_fmt(last.scale_after)}), skipping "
-                     f"{len(g)} optimizer step(s){where}."),
+            message=(f"{head}, and {len(evs)} optimizer step(s) were skipped"
+                     f"{_skips_per_optimizer(session, steps)}"
+                     f"{_culprit_text(culprits, origin)}."),
             advice=ADVICE["scaler_backoff"],
-            steps=[e.step for e in g],
+            steps=steps[:50],
             data={"culprits": culprits, "scale_before": first.scale_before,
-                  "scale_after": last.scale_after},
+                  "scale_after": last.scale_after, "backoffs": len(evs),
+                  "episodes": [[g[0].step, g[-1].step] for g in episodes][:50],
+                  "forward_origin": origin},
+        )
+    if normal:
+        steps = [e.step for _, g in normal for e in g]
+        culprits = _culprits_of([e for _, g in normal for e in g])
+        cal = [g for why, g in normal if why == "calibration"]
+        probes = [g for why, g in normal if why == "probe"]
+        parts = []
+        if cal:
+            g = cal[0]
+            parts.append(f"{len(g)} while calibrating at the start (steps {g[0].step}-"
+                         f"{g[-1].step}, scale {_scale_str(g[0].scale_before)} -> "
+                         f"{_scale_str(g[-1].scale_after)})")
+        if probes:
+            parts.append(f"{len(probes)} right after a growth, each undoing it (steps "
+                         f"{_steps_str([g[0].step for g in probes])})")
+        yield Finding(
+            kind="scaler_backoff", severity="info",
+            module=culprits[0] if culprits else None, op=None, step=steps[0],
+            message=(f"GradScaler backed off {len(steps)}x as designed: " + "; ".join(parts)
+                     + ". Each skipped one optimizer step"
+                     + (f"; layers with non-finite gradients then, in backward order: "
+                        f"{', '.join(culprits[:6])}" if culprits else "") + "."),
+            advice=("Nothing to fix: GradScaler searches for the largest scale that does not "
+                    "overflow. If the start matters, pass a lower `init_scale` to "
+                    "`torch.amp.GradScaler(device_type, init_scale=...)`."),
+            steps=steps[:50],
+            data={"culprits": culprits, "calibration": sum(len(g) for g in cal),
+                  "probes": len(probes)},
         )
     # Collapse: below 1, or too many backoffs after calibration, or long runs of them.
     final = sc.scale[-1][1] if sc.scale else None
     min_scale = min((s for _, s in sc.scale), default=None)
+    for e in backoffs:  # the timeline may be thinned; events are not
+        if not math.isnan(e.scale_after):
+            min_scale = e.scale_after if min_scale is None else min(min_scale, e.scale_after)
     post = [e for e in backoffs if e.step >= CALIBRATION_STEPS]
     eligible = max(session.steps - CALIBRATION_STEPS, 0)
-    longest = max((len(g) for g in groups), default=0)
+    runs = [g for i, g in enumerate(groups) if len(g) >= BACKOFF_RUN_COLLAPSE and (
+        i > 0 or g[0].step >= CALIBRATION_STEPS or g[-1].step >= last_step
+        or g[-1].scale_after < (sc.init_scale or 65536.0) / 2 ** (2 * BACKOFF_RUN_COLLAPSE))]
     reasons = []
     if min_scale is not None and min_scale < SCALE_COLLAPSE_MIN:
-        reasons.append(f"the scale fell to {_fmt(min_scale)} (< {SCALE_COLLAPSE_MIN:g})")
+        below = next((e.step for e in backoffs if e.scale_after < SCALE_COLLAPSE_MIN), None)
+        reasons.append(f"the scale fell to {_scale_str(min_scale)} (below "
+                       f"{SCALE_COLLAPSE_MIN:g}" + (f", first at step {below}" if below is not
+                                                    None else "") + ")")
     if eligible >= 10 and len(post) / eligible > BACKOFF_SHARE_COLLAPSE:
-        reasons.append(f"{len(post)} backoffs in {eligible} steps after calibration")
-    if longest >= BACKOFF_RUN_COLLAPSE and (min_scale is None or min_scale < (
-            sc.init_scale or 65536.0) / 2 ** BACKOFF_RUN_COLLAPSE):
-        reasons.append(f"{longest} backoffs in a row")
+        reasons.append(f"{len(post)} backoffs in the {eligible} steps after the first "
+                       f"{CALIBRATION_STEPS} ({100 * len(post) / eligible:.0f}%)")
+    if runs:
+        g = max(runs, key=len)
+        reasons.append(f"{len(g)} backoffs in a row at steps {g[0].step}-{g[-1].step} (scale "
+                       f"{_scale_str(g[0].scale_before)} -> {_scale_str(g[-1].scale_after)})")
     if reasons:
-        culprits = [c for e in backoffs for c in e.culprits]
-        top = max(set(culprits), key=culprits.count) if culprits else None
+        culprits = [e.culprits[0] for e in backoffs if e.culprits]
+        top = max(dict.fromkeys(culprits), key=culprits.count) if culprits else None
         yield Finding(
             kind="scale_collapse", severity="error", module=top, op=None,
             step=backoffs[0].step if backoffs else None,
-            message=(f"Loss scale collapsed: {'; '.join(reasons)}; {len(sc.skipped_steps)} of "
-                     f"{session.steps} optimizer steps skipped; final scale {_fmt(final)}"
-                     + (f"; most frequent culprit {top}" if top else "") + "."),
+            message=(f"Loss scale collapsed: {'; '.join(reasons)}. {len(sc.skipped_steps)} of "
+                     f"{session.steps} optimizer steps were skipped; final scale "
+                     f"{_scale_str(final)}"
+                     + (f"; the first culprit layer was {top} in {culprits.count(top)} of "
+                        f"{len(backoffs)} backoffs" if top else "") + "."),
             advice=ADVICE["scale_collapse"],
             steps=[e.step for e in backoffs][:50],
-            data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs)},
+            data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
+                  "skipped": len(sc.skipped_steps), "culprit": top},
         )
     gi = sc.growth_interval or 2000
-    if not sc.growth_steps and session.steps >= STUCK_INTERVALS * gi and not reasons:
+    if reasons or (sc.growth_factor is not None and sc.growth_factor <= 1):
+        return
+    last_growth = growths[-1].step if growths else -1
+    stretch = session.steps - (last_growth + 1)
+    since = [e for e in backoffs if e.step > last_growth]
+    if stretch >= STUCK_INTERVALS * gi and since:
+        worst = _least_grad_headroom(session, final)
+        culprits = [e.culprits[0] for e in since if e.culprits]
+        top = max(dict.fromkeys(culprits), key=culprits.count) if culprits else None
+        why = (f" The scaled gradients come closest to {_low(session)}'s max in {worst[0]}: "
+               f"{worst[1]:.2f} bits of headroom, so doubling the scale leaves "
+               f"{worst[1] - 1:.2f}." if worst else "")
         yield Finding(
-            kind="scale_stuck", severity="warning", module=None, op=None, step=None,
-            message=(f"The loss scale never grew in {session.steps} steps "
-                     f"({session.steps / gi:.1f} growth intervals of {gi}); it stayed at "
-                     f"{_fmt(final)}."),
+            kind="scale_stuck", severity="warning", module=top or (worst[0] if worst else None),
+            op=None, step=since[0].step,
+            message=(f"The loss scale did not grow in the last {stretch} steps "
+                     f"({stretch / gi:.1f} growth intervals of {gi}"
+                     + (", since the growth at step " + str(last_growth) if growths else
+                        ", i.e. never") + f"); it is {_scale_str(final)}. {len(since)} "
+                     f"backoff(s) (steps {_steps_str([e.step for e in since])}) each reset "
+                     f"GradScaler's count of clean steps before it reached {gi}"
+                     + (f"; the first culprit was {top}" if top else "") + "." + why),
             advice=ADVICE["scale_stuck"],
+            steps=[e.step for e in since][:50],
+            data={"steps_without_growth": stretch, "growth_interval": gi,
+                  "backoffs": len(since), "scale": final,
+                  "least_headroom_layer": worst[0] if worst else None,
+                  "least_headroom_bits": worst[1] if worst else None},
         )
+
+
+def _least_grad_headroom(session: Session, scale: float | None) -> tuple[str, float] | None:
+    """The layer whose scaled gradients come closest to the format's max, in bits.
+
+    Output gradients are recorded as they ran (scaled). Parameter gradients are
+    recorded unscaled; under autocast the weight gradient is computed in the
+    low-precision format before it reaches the float32 ``.grad``, so it is
+    judged at the current scale.
+    """
+    fmax = _FMT_MAX.get(_low(session), 65504.0)
+    best: tuple[str, float] | None = None
+    for lay in session.layers:
+        cands = []
+        if lay.grad_headroom is not None and math.isfinite(lay.grad_headroom):
+            cands.append(lay.grad_headroom)
+        pg = lay.param_grad_absmax
+        if (lay.ran_low_precision and pg and math.isfinite(pg) and scale
+                and math.isfinite(scale) and scale > 0):
+            cands.append(math.log2(fmax / (pg * scale)))
+        for h in cands:
+            if best is None or h < best[1]:
+                best = (lay.name, h)
+    return best
+
+
+_FMT_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 
 
 _EVENT_SEVERITY = {
@@ -364,26 +611,93 @@ _EVENT_SEVERITY = {
 }
 
 
-def _event_message(e: Event, n: int) -> str:
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
+def _event_message(e: Event, n: int, steps: list[int] | None = None) -> str:
     d = e.data
+    at = f"first at step {e.step}" if n > 1 else f"at step {e.step}"
     if e.kind == "clip_before_unscale":
-        return (f"{d.get('func', 'clip_grad_norm_')} ran on gradients still multiplied by the "
-                f"loss scale ({_fmt(d.get('scale'))}) in {n} step(s), first at step {e.step}.")
+        func = d.get("func", "clip_grad_norm_")
+        scale = d.get("scale")
+        msg = (f"{func} ran on gradients still multiplied by the loss scale "
+               f"({_scale_str(scale)}): {_times(n)}, {at}, with no "
+               "scaler.unscale_(optimizer) before it.")
+        mx, tn = d.get("max_norm"), d.get("total_norm")
+        if mx is not None and tn is not None and scale and math.isfinite(tn):
+            msg += (f" The total norm it saw was {_fmt(tn)} (scaled; {_fmt(tn / scale)} "
+                    f"unscaled) against max_norm={_fmt(mx)}")
+            msg += (f", so the gradients were cut to norm {_fmt(mx / scale)} instead of "
+                    f"{_fmt(mx)}." if tn > mx else
+                    f": clipping would start only at an unscaled norm of {_fmt(mx / scale)}.")
+        elif mx is not None and scale:
+            msg += (f" max_norm={_fmt(mx)} applied to scaled gradients means an unscaled "
+                    f"max_norm of {_fmt(mx / scale)}.")
+        elif d.get("clip_value") is not None and scale:
+            cv = d["clip_value"]
+            msg += (f" clip_value={_fmt(cv)} applied to scaled gradients means the unscaled "
+                    f"gradients were clipped at {_fmt(cv / scale)}.")
+        return msg
     if e.kind == "scaler_with_bf16":
-        return "A GradScaler is enabled while autocast runs in bfloat16."
+        return (f"A GradScaler (scale {_scale_str(d.get('scale'))}) is enabled while autocast "
+                "runs in bfloat16, whose range equals float32's: the scaler only costs a "
+                "host sync per step.")
     if e.kind == "fp16_params":
-        return (f"{d.get('count', '?')} parameters are float16 while a GradScaler is in use; "
-                "unscale_ raises 'Attempting to unscale FP16 gradients'.")
+        numel = d.get("numel")
+        size = f" ({numel:,} values)" if isinstance(numel, int) else ""
+        return (f"{d.get('count', '?')} of the {d.get('total', '?')} parameters of "
+                f"{d.get('optimizer', 'the optimizer')}{size} have float16 gradients (the "
+                "parameters are float16, e.g. after model.half()) while a GradScaler is "
+                "enabled: scaler.unscale_ (which scaler.step calls) raises 'Attempting to "
+                f"unscale FP16 gradients.' ({at}). GradScaler refuses them because unscaling "
+                "in float16 would underflow or overflow, and float16 weights lose the small "
+                "updates anyway.")
     if e.kind == "scheduler_on_skipped_step":
-        return (f"{d.get('scheduler', 'LR scheduler')}.step() ran after GradScaler skipped the "
-                f"optimizer step {d.get('skipped_step')} ({n} time(s)).")
+        steps = steps or [e.step]
+        sk = d.get("skipped_step")
+        scale = ""
+        if d.get("scale_before") is not None:
+            scale = f" (scale {_scale_str(d.get('scale_before'))}"
+            scale += (f" -> {_scale_str(d.get('scale_after'))})" if d.get("scale_after")
+                      is not None else ")")
+        return (f"{d.get('scheduler', 'LR scheduler')}.step() ran for "
+                f"{d.get('optimizer', 'the optimizer')} after GradScaler skipped its optimizer "
+                f"step: {_times(n)}, first for the skipped step {sk}{scale}. The learning-rate "
+                "schedule advanced although the parameters did not change.")
     if e.kind == "loss_not_scaled":
-        return "backward() was called on a loss that was not passed through scaler.scale()."
+        scale = d.get("scale")
+        return (f"backward() ran on a loss that did not go through scaler.scale() while "
+                f"GradScaler was enabled (scale {_scale_str(scale)}): in {n} step(s), {at}. "
+                f"scaler.step then divides those gradients by {_scale_str(scale)}, so the "
+                "update is that many times too small"
+                + (" (the step mixed scaled and unscaled gradients)" if d.get("scaled_too")
+                   else "") + ".")
     if e.kind == "backward_in_autocast":
-        return f"backward() was called inside an autocast region ({d.get('device')})."
+        return (f"backward() was called inside an enabled torch.autocast region "
+                f"(device {d.get('device')}, dtype {d.get('dtype')}) in {n} step(s), {at}.")
     if e.kind == "missing_update":
-        return (f"scaler.step() ran {d.get('count', 2)} times for the same optimizer without "
-                "scaler.update() in between.")
+        reason = d.get("reason")
+        opt = d.get("optimizer", "the optimizer")
+        if reason == "never updated":
+            return (f"scaler.step() ran {d.get('steps_total')} time(s) but scaler.update() "
+                    f"never ran: the scale stayed at {_scale_str(d.get('scale'))} and never "
+                    "adapted; the next scaler.step would raise 'step() has already been called "
+                    "since the last update()'.")
+        if reason == "step twice":
+            return (f"scaler.step({opt}) was called again at step {e.step} without "
+                    "scaler.update() since the previous scaler.step: torch raises 'step() has "
+                    "already been called since the last update()'"
+                    + (f" ({n} times)" if n > 1 else "") + ".")
+        if reason == "unscale_ after step":
+            return (f"scaler.unscale_({opt}) was called at step {e.step} after "
+                    "scaler.step() without scaler.update() in between: torch raises "
+                    "'unscale_() is being called after step()'.")
+        return (f"scaler.unscale_({opt}) was called twice at step {e.step} without "
+                "scaler.update() in between (e.g. in every micro-step of gradient "
+                "accumulation): torch raises 'unscale_() has already been called on this "
+                "optimizer since the last update()'. Call unscale_ once, right before "
+                "clipping and scaler.step.")
     msg = d.get("message")
     if msg:
         return str(msg) + (f" ({n - 1} more like it)" if n > 1 else "")
@@ -398,12 +712,14 @@ def _events_rule(session: Session) -> Iterable[Finding]:
         grouped.setdefault((e.kind, e.module, e.op), []).append(e)
     for (kind, module, op), es in grouped.items():
         first = es[0]
+        n = max(len(es), int(first.data.get("occurrences") or 0))
         sev = first.data.get("severity") or _EVENT_SEVERITY[kind]
+        steps = [e.step for e in es]
         yield Finding(
             kind=kind, severity=sev, module=module, op=op, step=first.step,
-            message=_event_message(first, len(es)),
+            message=_event_message(first, n, steps),
             advice=first.data.get("advice") or ADVICE.get(kind, ""),
-            frame=first.frame, count=len(es), steps=[e.step for e in es][:50],
+            frame=first.frame, count=n, steps=steps[:50],
             data={k: v for k, v in first.data.items() if k not in ("message", "advice")},
         )
 

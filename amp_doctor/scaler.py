@@ -7,19 +7,38 @@ watch stops, so several watches can overlap in any order. The hub only
 forwards calls to subscribers; what they mean for one watch is decided by
 :class:`AmpMonitor`.
 
+What is patched, and why at that level:
+
+* ``GradScaler.scale/unscale_/step/update`` on the class (and on every
+  subclass that overrides one of them), so every scaler is seen: passed to
+  ``watch``, created before the watch or after it, and the deprecated
+  ``torch.cuda.amp.GradScaler`` / ``torch.cpu.amp.GradScaler`` spellings,
+  which are subclasses;
+* global optimizer step pre/post hooks (every ``torch.optim.Optimizer``);
+* ``torch.nn.utils.clip_grad``'s inner functions, which ``clip_grad_norm_``
+  and ``clip_grad_value_`` look up at call time, so a clip is seen even when
+  the user's code imported the function before the watch started;
+* ``LRScheduler.step`` (and subclasses that override it) and
+  ``torch.autograd.backward`` (which ``Tensor.backward`` calls).
+
 Nothing here adds a host sync on a healthy step. Whether GradScaler skipped
 an optimizer step is known without reading a device value: ``scaler.step``
 calls ``optimizer.step`` only when no inf/NaN was found (GradScaler's own
 sync decides that), so an optimizer step that did not happen *is* the skip.
 The scale itself is tracked on the host by replaying GradScaler's
-growth/backoff rule, and corrected from the real device value on every
-recorded step, whose single host copy includes it.
+growth/backoff rule in float32, and corrected from the real device value on
+every recorded step, whose single host copy includes it. Optimizers that
+check for inf themselves on the device (``fused=True``) give no such sync:
+their inf flags are kept on the device and read in one batch when the
+session is built.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import struct
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -35,40 +54,38 @@ from torch.optim.optimizer import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .recorder import count_sync
 from .records import Event, ScalerEvent, ScalerTimeline
 
 __all__ = ["AmpMonitor", "ApiSubscriber", "StepOutcome", "subscribe", "patches_installed"]
 
-_CLIP_FUNCS = ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm")
-_LOW = (torch.float16, torch.bfloat16)
+# Events of one kind kept with their details; further ones are only counted.
+MAX_EVENTS_PER_KIND = 50
+# Device-side inf flags of fused optimizers are read in one batch at this many.
+DEFERRED_LIMIT = 1024
+# Autograd graph nodes visited to decide whether an unscaled backward reached
+# the watched parameters (only done when an enabled scaler then steps them).
+GRAPH_WALK_LIMIT = 200_000
+
+_SCALER_METHODS = ("scale", "unscale_", "step", "update")
 
 
 class ApiSubscriber(Protocol):
+    """What the hub forwards; :class:`AmpMonitor` is the one implementation."""
+
+    def on_scale_begin(self, scaler: GradScaler) -> None: ...
     def on_scale(self, scaler: GradScaler, outputs: Any, result: Any) -> None: ...
     def on_unscale(self, scaler: GradScaler, optimizer: Optimizer) -> None: ...
+    def on_scaler_step_begin(self, scaler: GradScaler, optimizer: Optimizer) -> None: ...
     def on_scaler_step(self, scaler: GradScaler, optimizer: Optimizer, stepped: bool) -> None: ...
-    def on_update_begin(self, scaler: GradScaler) -> None: ...
-    def on_update_end(self, scaler: GradScaler) -> None: ...
+    def on_update_begin(self, scaler: GradScaler, new_scale: Any) -> None: ...
+    def on_update_end(self, scaler: GradScaler, new_scale: Any) -> None: ...
     def on_optimizer_pre(self, optimizer: Optimizer) -> None: ...
     def on_optimizer_post(self, optimizer: Optimizer) -> None: ...
-    def on_clip(self, func: str, parameters: list[torch.Tensor]) -> None:
-        for st in self.scalers.values():
-            scaler = st.ref()
-            if scaler is None or not scaler._enabled or not st.scaled_since_update:
-                continue
-            states = scaler._per_optimizer_states
-            if any(ost.get("stage") is OptState.UNSCALED for ost in list(states.values())):
-                continue
-            # A scaled backward ran and no optimizer was unscaled since: the
-            # gradients being clipped still carry the loss scale.
-            self._event(
-                "clip_before_unscale",
-                data={"func": func, "scale": st.scale},
-            )
-            return
-
+    def on_clip(self, func: str, parameters: list[torch.Tensor], info: dict[str, Any]) -> None: ...
     def on_scheduler_step(self, scheduler: Any) -> None: ...
     def on_backward(self, tensors: Any) -> None: ...
+    def on_backward_end(self, tensors: Any, through_scaler: bool) -> None: ...
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -76,6 +93,20 @@ def _all_subclasses(cls: type) -> list[type]:
     for sub in cls.__subclasses__():
         out.extend(_all_subclasses(sub))
     return out
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32, as GradScaler's scale tensor holds it."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
+def _is_deferred(opt: Any) -> bool:
+    """Optimizers whose skip GradScaler does not decide on the host."""
+    return bool(getattr(opt, "_step_supports_amp_scaling", False)) or not isinstance(
+        opt, Optimizer)
 
 
 class _ApiHub:
@@ -86,7 +117,16 @@ class _ApiHub:
         self._restore: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.step_counts: dict[int, int] = {}
-        self._in_scaler_step = 0
+        self.in_scaler_step = 0
+        # Re-entrancy per patched function: a subclass method that calls
+        # super(), or clip_grad_norm (deprecated) calling clip_grad_norm_,
+        # is forwarded once.
+        self._depth: dict[str, int] = {}
+        # Backward passes that went through a scaled output, per scaler id.
+        self.flows: dict[int, int] = {}
+        self.total_flows = 0
+        self.scaled_outputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.backward_depth = 0
 
     # -- subscription ------------------------------------------------------
     def add(self, sub: ApiSubscriber) -> None:
@@ -109,6 +149,14 @@ class _ApiHub:
             except Exception as e:  # never let amp-doctor break a training run
                 _internal_error(sub, method, e)
 
+    def _enter(self, key: str) -> bool:
+        d = self._depth.get(key, 0)
+        self._depth[key] = d + 1
+        return d == 0
+
+    def _leave(self, key: str) -> None:
+        self._depth[key] -= 1
+
     # -- installation ------------------------------------------------------
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         had = name in vars(owner)
@@ -125,36 +173,44 @@ class _ApiHub:
 
     def _install(self) -> None:
         self.step_counts.clear()
+        self._depth.clear()
+        self.in_scaler_step = 0
+        self.backward_depth = 0
+        wrappers = {"scale": self._wrap_scale, "unscale_": self._wrap_unscale,
+                    "step": self._wrap_step, "update": self._wrap_update}
         # Subclasses that override a method (e.g. FSDP's ShardedGradScaler)
         # need their own patch; the deprecated torch.cuda.amp / torch.cpu.amp
         # spellings inherit and are covered by the base class.
         for cls in _all_subclasses(GradScaler):
-            for meth, wrapper in (
-                ("scale", self._wrap_scale),
-                ("unscale_", self._wrap_unscale),
-                ("step", self._wrap_step),
-                ("update", self._wrap_update),
-            ):
+            for meth in _SCALER_METHODS:
                 if meth in vars(cls):
-                    self._patch(cls, meth, wrapper)
+                    self._patch(cls, meth, wrappers[meth])
         h1 = register_optimizer_step_pre_hook(self._opt_pre)
         h2 = register_optimizer_step_post_hook(self._opt_post)
         self._restore.extend([h1.remove, h2.remove])
         import torch.nn.utils as nnu
         import torch.nn.utils.clip_grad as cg
 
-        for mod in (nnu, cg):
-            for fn in _CLIP_FUNCS:
-                if hasattr(mod, fn):
-                    self._patch(mod, fn, functools.partial(self._wrap_clip, fn))
+        # clip_grad_norm_ calls these through its module's globals, so the
+        # patch sees the clip even through a reference imported earlier.
+        self._patch(cg, "_clip_grads_with_norm_", self._wrap_clip_norm)
+        if getattr(nnu, "clip_grads_with_norm_", None) is not None:
+            self._patch(nnu, "clip_grads_with_norm_", self._wrap_clip_norm)
+        if hasattr(cg, "_group_tensors_by_device_and_dtype"):
+            self._patch(cg, "_group_tensors_by_device_and_dtype", self._wrap_clip_value_probe)
         from torch.optim.lr_scheduler import LRScheduler
 
-        self._patch(LRScheduler, "step", self._wrap_sched)
+        for cls in _all_subclasses(LRScheduler):
+            if "step" in vars(cls):
+                self._patch(cls, "step", self._wrap_sched)
         self._patch(torch.autograd, "backward", self._wrap_backward)
 
     def _uninstall(self) -> None:
         while self._restore:
-            self._restore.pop()()
+            try:
+                self._restore.pop()()
+            except Exception:  # pragma: no cover - restore the others regardless
+                pass
 
     # -- wrappers ------------------------------------------------------------
     def _wrap_scale(self, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -162,20 +218,46 @@ class _ApiHub:
 
         @functools.wraps(orig)
         def scale(scaler: GradScaler, outputs: Any) -> Any:
-            result = orig(scaler, outputs)
-            hub.emit("on_scale", scaler, outputs, result)
-            return result
+            if not hub._enter("scale"):
+                try:
+                    return orig(scaler, outputs)
+                finally:
+                    hub._leave("scale")
+            try:
+                hub.emit("on_scale_begin", scaler)
+                result = orig(scaler, outputs)
+                if scaler._enabled:
+                    hub._mark_scaled(scaler, result)
+                hub.emit("on_scale", scaler, outputs, result)
+                return result
+            finally:
+                hub._leave("scale")
 
         return scale
+
+    def _mark_scaled(self, scaler: GradScaler, result: Any) -> None:
+        sid = id(scaler)
+        hook = functools.partial(_flow_hook, sid)
+        for t in _tensors(result):
+            if t.requires_grad:
+                self.scaled_outputs[t] = sid
+                t.register_hook(hook)
 
     def _wrap_unscale(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         hub = self
 
         @functools.wraps(orig)
-        def unscale_(scaler: GradScaler, optimizer: Optimizer) -> Any:
-            if scaler._enabled:
-                hub.emit("on_unscale", scaler, optimizer)
-            return orig(scaler, optimizer)
+        def unscale_(scaler: GradScaler, optimizer: Any) -> Any:
+            outer = hub._enter("unscale_")
+            try:
+                # Before the call: unscale_ raises on float16 gradients and
+                # on a second unscale_ without update(); the event must exist
+                # by then so that the report explains the exception.
+                if outer and scaler._enabled:
+                    hub.emit("on_unscale", scaler, optimizer)
+                return orig(scaler, optimizer)
+            finally:
+                hub._leave("unscale_")
 
         return unscale_
 
@@ -183,16 +265,26 @@ class _ApiHub:
         hub = self
 
         @functools.wraps(orig)
-        def step(scaler: GradScaler, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-            before = hub.step_counts.get(id(optimizer), 0)
-            hub._in_scaler_step += 1
+        def step(scaler: GradScaler, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if not hub._enter("step"):
+                try:
+                    return orig(scaler, optimizer, *args, **kwargs)
+                finally:
+                    hub._leave("step")
             try:
-                result = orig(scaler, optimizer, *args, **kwargs)
+                # Before the call: a second step() without update() raises.
+                hub.emit("on_scaler_step_begin", scaler, optimizer)
+                before = hub.step_counts.get(id(optimizer), 0)
+                hub.in_scaler_step += 1
+                try:
+                    result = orig(scaler, optimizer, *args, **kwargs)
+                finally:
+                    hub.in_scaler_step -= 1
+                stepped = hub.step_counts.get(id(optimizer), 0) != before
+                hub.emit("on_scaler_step", scaler, optimizer, stepped)
+                return result
             finally:
-                hub._in_scaler_step -= 1
-            stepped = hub.step_counts.get(id(optimizer), 0) != before
-            hub.emit("on_scaler_step", scaler, optimizer, stepped)
-            return result
+                hub._leave("step")
 
         return step
 
@@ -201,10 +293,18 @@ class _ApiHub:
 
         @functools.wraps(orig)
         def update(scaler: GradScaler, new_scale: Any = None) -> Any:
-            hub.emit("on_update_begin", scaler)
-            result = orig(scaler, new_scale)
-            hub.emit("on_update_end", scaler)
-            return result
+            if not hub._enter("update"):
+                try:
+                    return orig(scaler, new_scale)
+                finally:
+                    hub._leave("update")
+            try:
+                hub.emit("on_update_begin", scaler, new_scale)
+                result = orig(scaler, new_scale)
+                hub.emit("on_update_end", scaler, new_scale)
+                return result
+            finally:
+                hub._leave("update")
 
         return update
 
@@ -215,27 +315,64 @@ class _ApiHub:
         self.step_counts[id(optimizer)] = self.step_counts.get(id(optimizer), 0) + 1
         self.emit("on_optimizer_post", optimizer)
 
-    def _wrap_clip(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_clip_norm(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         hub = self
 
         @functools.wraps(orig)
-        def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(parameters, torch.Tensor):
-                params = [parameters]
-            else:
-                params = list(parameters)
-            hub.emit("on_clip", name, params)
-            return orig(params, *args, **kwargs)
+        def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Any,
+                                  *args: Any, **kwargs: Any) -> Any:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            if hub._enter("clip"):
+                try:
+                    caller = sys._getframe(1).f_code.co_name
+                    name = "clip_grad_norm_" if caller == "clip_grad_norm_" else \
+                        "clip_grads_with_norm_"
+                    hub.emit("on_clip", name, params,
+                             {"max_norm": max_norm, "total_norm": total_norm})
+                    return orig(params, max_norm, total_norm, *args, **kwargs)
+                finally:
+                    hub._leave("clip")
+            try:
+                return orig(params, max_norm, total_norm, *args, **kwargs)
+            finally:
+                hub._leave("clip")
 
-        return clip
+        return clip_grads_with_norm_
+
+    def _wrap_clip_value_probe(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        # clip_grad_value_ has no helper of its own to patch; it groups the
+        # gradients with this one, which it looks up at call time.
+        hub = self
+
+        @functools.wraps(orig)
+        def group(*args: Any, **kwargs: Any) -> Any:
+            try:
+                frame = sys._getframe(1)
+                if frame.f_code.co_name == "clip_grad_value_" and hub._depth.get("clip", 0) == 0:
+                    # Its parameters may be a spent generator by now: pass the grads.
+                    loc = frame.f_locals
+                    grads = [g for g in loc.get("grads") or [] if isinstance(g, torch.Tensor)]
+                    hub.emit("on_clip", "clip_grad_value_", [],
+                             {"clip_value": loc.get("clip_value"), "grads": grads})
+            except Exception:  # pragma: no cover - observing must never break clipping
+                pass
+            return orig(*args, **kwargs)
+
+        return group
 
     def _wrap_sched(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         hub = self
 
         @functools.wraps(orig)
         def sched_step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-            hub.emit("on_scheduler_step", scheduler)
-            return orig(scheduler, *args, **kwargs)
+            # SequentialLR / ChainedScheduler step their children: one emit.
+            outer = hub._enter("sched")
+            try:
+                if outer:
+                    hub.emit("on_scheduler_step", scheduler)
+                return orig(scheduler, *args, **kwargs)
+            finally:
+                hub._leave("sched")
 
         return sched_step
 
@@ -244,10 +381,28 @@ class _ApiHub:
 
         @functools.wraps(orig)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            hub.emit("on_backward", tensors)
-            return orig(tensors, *args, **kwargs)
+            hub.backward_depth += 1
+            try:
+                if hub.backward_depth > 1:
+                    # Reentrant checkpointing runs backward inside backward.
+                    return orig(tensors, *args, **kwargs)
+                flows = hub.total_flows
+                hub.emit("on_backward", tensors)
+                result = orig(tensors, *args, **kwargs)
+                through = hub.total_flows != flows or any(
+                    t in hub.scaled_outputs for t in _tensors(tensors))
+                hub.emit("on_backward_end", tensors, through)
+                return result
+            finally:
+                hub.backward_depth -= 1
 
         return backward
+
+
+def _flow_hook(scaler_id: int, grad: torch.Tensor) -> None:
+    """Tensor hook on a scaled output: a backward went through the scaler."""
+    _HUB.flows[scaler_id] = _HUB.flows.get(scaler_id, 0) + 1
+    _HUB.total_flows += 1
 
 
 _HUB = _ApiHub()
@@ -302,6 +457,16 @@ def patches_installed() -> bool:
 
 
 @dataclass
+class _Deferred:
+    """Updates whose skip is known only on the device (fused optimizers), in order."""
+
+    scale: float | None
+    tracker: int | None
+    # (step, {optimizer name: device inf flag, or host bool when known})
+    entries: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+
+
+@dataclass
 class _ScalerState:
     """Host mirror of one GradScaler's scale, replaying its update rule."""
 
@@ -309,17 +474,31 @@ class _ScalerState:
     name: str
     enabled: bool
     scale: float | None = None
-    growth_tracker: int = 0
-    stepped_this_step: set[int] = field(default_factory=set)
-    skipped_this_step: set[int] = field(default_factory=set)
-    found_inf_pending: bool = False
-    scaled_since_update: bool = False
+    tracker: int | None = 0
+    steps_total: int = 0
+    updates: int = 0
+    steps_since_update: int = 0
+    # This step's inf flags per optimizer name: a bool, or a device tensor (fused).
+    flags: dict[str, Any] = field(default_factory=dict)
+    skipped: dict[int, str] = field(default_factory=dict)  # optimizer id -> name
+    flows_at_update: int = 0
+    deferred: _Deferred | None = None
+    # The scaler's settings, kept for the report after the scaler is gone.
+    init_scale: float | None = None
+    settings: tuple[float, float, int] = (2.0, 0.5, 2000)
+    # It stepped or unscaled an optimizer of the watched models.
+    relevant: bool = False
 
     def params(self) -> tuple[float, float, int]:
         s = self.ref()
-        if s is None:
-            return (2.0, 0.5, 2000)
-        return (s._growth_factor, s._backoff_factor, s._growth_interval)
+        if s is not None and s._enabled:  # a disabled scaler has no settings
+            self.settings = (s._growth_factor, s._backoff_factor, s._growth_interval)
+        return self.settings
+
+    @property
+    def scaled_since_update(self) -> bool:
+        """A backward went through this scaler's scaled outputs since the last update()."""
+        return _HUB.flows.get(id(self.ref()), 0) != self.flows_at_update
 
 
 @dataclass
@@ -334,11 +513,27 @@ class StepOutcome:
     growth: bool = False
 
 
+def _replay(scale: float | None, tracker: int | None, found_inf: bool,
+            growth: float, backoff: float, interval: int) -> tuple[float | None, int | None]:
+    """GradScaler's ``_amp_update_scale_`` on the host, in float32 like the kernel."""
+    if found_inf:
+        return (_f32(scale * backoff) if scale is not None else None), 0
+    t = (tracker or 0) + 1
+    if t >= interval:
+        if scale is not None:
+            grown = _f32(scale * growth)
+            if math.isfinite(grown):
+                scale = grown
+        t = 0
+    return scale, t
+
+
 class AmpMonitor:
     """Turns AMP API calls into step boundaries, a scale timeline and misuse events.
 
-    ``owns_optimizer`` filters optimizers to those that update the watched
-    models. ``on_boundary`` is called when a training step ends.
+    ``owns_param`` tells parameters of the watched models. ``on_boundary`` is
+    called when a training step ends (at the primary scaler's ``update()``,
+    or at the primary optimizer's step when no scaler is in use).
     """
 
     def __init__(
@@ -363,11 +558,13 @@ class AmpMonitor:
         self.scalers: dict[int, _ScalerState] = {}
         self._opt_names: dict[int, str] = {}
         self._opt_relevant: dict[int, bool] = {}
+        self._opts: dict[int, weakref.ref[Any]] = {}
         self._primary_opt: int | None = None
         self.primary_scaler: int | None = None
         self.manual_steps = False
-        self.events: list[Event] = []
-        self._event_keys: set[tuple[str, str | None]] = set()
+        self._events: list[Event] = []
+        self._event_keys: set[tuple[str, str]] = set()
+        self._event_counts: dict[str, int] = {}
         self.timeline_scale: list[tuple[int, float]] = []
         self.scaler_events: list[ScalerEvent] = []
         self.backoff_steps: list[int] = []
@@ -375,21 +572,23 @@ class AmpMonitor:
         self.skipped_steps: list[int] = []
         self.skipped_by_optimizer: dict[str, list[int]] = {}
         self.outcome = StepOutcome()
+        # Written by the watch at each boundary; kept for its use.
         self.last_step_skipped = False
         self.last_step_id = -1
-        self._unscaled: set[int] = set()
-        self._stepped_since_update: dict[int, set[int]] = {}
-        # Identity-keyed: tensors compare elementwise, so a WeakSet would not do.
-        self._scaled_outputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.low_param_dtypes: set[str] = set()
-        self.scaled_loss_seen = False
+        # The primary scaler's last update: (step, skipped optimizer ids, before, after).
+        self._last_update: tuple[int, set[int], float | None, float | None] | None = None
+        self._sched_flagged: set[tuple[int, int]] = set()
+        # Root autograd nodes of this step's backward passes that did not go
+        # through scaler.scale(); judged when an enabled scaler steps.
+        self._unscaled_roots: list[Any] = []
+        self._bwd_autocast_step = -1
+        self._fp16_checked: set[int] = set()
         self.autocast_dtype: Callable[[], torch.dtype | None] = lambda: None
         self.step_params: dict[int, list[torch.Tensor]] = {}
         if scaler is not None:
             self._state(scaler)
-        if optimizers:
-            for o in optimizers:
-                self._relevant(o)
+        for o in optimizers:
+            self._relevant(o)
 
     # -- bookkeeping -------------------------------------------------------
     def _state(self, scaler: GradScaler) -> _ScalerState | None:
@@ -397,31 +596,66 @@ class AmpMonitor:
             return None
         st = self.scalers.get(id(scaler))
         if st is None or st.ref() is not scaler:
-            st = _ScalerState(
-                ref=weakref.ref(scaler),
-                name=f"scaler{len(self.scalers)}",
-                enabled=bool(scaler._enabled),
-                scale=scaler._init_scale if scaler._enabled else None,
-            )
+            enabled = bool(scaler._enabled)
+            scale: float | None = None
+            tracker: int | None = 0
+            if enabled:
+                if scaler._scale is None:
+                    # Not used yet: the first scale() creates it from these.
+                    scale = _f32(float(scaler._init_scale))
+                    tracker = int(getattr(scaler, "_init_growth_tracker", 0))
+                elif scaler._scale.device.type == "cpu" and scaler._growth_tracker is not None:
+                    # Host memory already: reading it is not a device sync.
+                    scale = float(scaler._scale)
+                    tracker = int(scaler._growth_tracker)
+                else:
+                    # Used before the watch, on a device: the first recorded
+                    # step's host copy corrects it (see correct_scale).
+                    tracker = None
+            st = _ScalerState(ref=weakref.ref(scaler), name=f"scaler{len(self.scalers)}",
+                              enabled=enabled, scale=scale, tracker=tracker,
+                              flows_at_update=_HUB.flows.get(id(scaler), 0),
+                              init_scale=scale if scale is not None else float(
+                                  getattr(scaler, "_init_scale", 2.0 ** 16)))
+            st.params()
             self.scalers[id(scaler)] = st
-            if self.primary_scaler is None:
-                self.primary_scaler = id(scaler)
+            if self.primary_scaler == id(scaler):  # a new scaler at a dead one's address
+                self.primary_scaler = None
+            if scaler is self._explicit_scaler:
+                self._claim(scaler, st)
         return st
 
-    def _relevant(self, opt: Optimizer) -> bool:
+    def _claim(self, scaler: GradScaler, st: _ScalerState) -> None:
+        """``scaler`` works for the watched models (it stepped or unscaled one of
+        their optimizers). The first such scaler drives step boundaries; a new
+        one takes over when that one is gone (a training function called again).
+        Scalers of other models, seen by an overlapping watch, never do."""
+        st.relevant = True
+        cur = self.scalers.get(self.primary_scaler) if self.primary_scaler is not None \
+            else None
+        if cur is None or cur.ref() is None or not cur.relevant:
+            self.primary_scaler = id(scaler)
+
+    def _known(self, opt: Any) -> None:
+        if id(opt) not in self._opts or self._opts[id(opt)]() is not opt:
+            try:
+                self._opts[id(opt)] = weakref.ref(opt)
+            except TypeError:  # pragma: no cover - optimizer wrappers without __weakref__
+                pass
+
+    def _relevant(self, opt: Any) -> bool:
         key = id(opt)
+        self._known(opt)
         if key not in self._opt_relevant:
             if self._explicit_opts:
                 rel = key in self._explicit_opts
             else:
-                rel = any(
-                    self._owns_param(p) for g in opt.param_groups for p in g["params"]
-                )
+                rel = any(self._owns_param(p) for p in self._params(opt))
             self._opt_relevant[key] = rel
             self._opt_names[key] = f"{type(opt).__name__}#{len(self._opt_names)}"
         return self._opt_relevant[key]
 
-    def opt_name(self, opt: Optimizer) -> str:
+    def opt_name(self, opt: Any) -> str:
         self._relevant(opt)
         return self._opt_names[id(opt)]
 
@@ -430,103 +664,200 @@ class AmpMonitor:
             if (kind, once_key) in self._event_keys:
                 return
             self._event_keys.add((kind, once_key))
-        self.events.append(Event(kind=kind, step=self._step_of(), **kw))
+        n = self._event_counts.get(kind, 0) + 1
+        self._event_counts[kind] = n
+        if n <= MAX_EVENTS_PER_KIND:
+            self._events.append(Event(kind=kind, step=self._step_of(), **kw))
 
     @staticmethod
-    def _params(opt: Optimizer) -> list[torch.Tensor]:
-        return [p for g in opt.param_groups for p in g["params"]]
+    def _params(opt: Any) -> list[torch.Tensor]:
+        groups = getattr(opt, "param_groups", None) or []
+        return [p for g in groups for p in g.get("params", [])]
 
-    # -- subscriber interface ---------------------------------------------
+    @staticmethod
+    def _stage(scaler: GradScaler, opt: Any) -> Any:
+        # _per_optimizer_states is a defaultdict: .get never adds an entry.
+        ost = scaler._per_optimizer_states.get(id(opt))
+        return ost.get("stage") if ost else OptState.READY
+
+    def _enabled_states(self) -> list[tuple[GradScaler, _ScalerState]]:
+        out = []
+        for st in self.scalers.values():
+            s = st.ref()
+            if s is not None and s._enabled:
+                out.append((s, st))
+        return out
+
+    # -- GradScaler --------------------------------------------------------
+    def on_scale_begin(self, scaler: GradScaler) -> None:
+        # Before the first scale() creates the scale tensor: the mirror
+        # starts from init_scale without reading a device value.
+        self._state(scaler)
+
     def on_scale(self, scaler: GradScaler, outputs: Any, result: Any) -> None:
         st = self._state(scaler)
         if st is None:
             return
-        if scaler._enabled:
-            self.scaled_loss_seen = True
-            st.scaled_since_update = True
-            for t in _tensors(result):
-                self._scaled_outputs[t] = True
+        if self.primary_scaler not in (None, id(scaler)) and not st.relevant:
+            return  # another model's scaler, seen by an overlapping watch
         if self._on_scale_cb is not None:
             self._on_scale_cb(scaler, outputs)
-        dt = self.autocast_dtype()
-        if scaler._enabled and dt == torch.bfloat16:
-            self._event("scaler_with_bf16", once_key="bf16", data={"dtype": "bfloat16"})
 
-    def on_unscale(self, scaler: GradScaler, optimizer: Optimizer) -> None:
+    def on_unscale(self, scaler: GradScaler, optimizer: Any) -> None:
         st = self._state(scaler)
         if st is None or not self._relevant(optimizer):
             return
-        params = self._params(optimizer)
-        halfs = sorted({str(p.grad.dtype).removeprefix("torch.") for p in params
-                        if p.grad is not None and p.grad.dtype in (torch.float16,)})
-        if halfs:
-            self._event("fp16_params", once_key="fp16", data={"dtypes": halfs,
-                        "count": sum(1 for p in params if p.dtype == torch.float16)})
+        self._claim(scaler, st)
+        stage = self._stage(scaler, optimizer)
+        if stage is OptState.UNSCALED:
+            self._event("missing_update", data={
+                "call": "unscale_", "optimizer": self.opt_name(optimizer),
+                "steps_since_update": st.steps_since_update, "scale": st.scale,
+                "reason": "unscale_ twice"})
+        elif stage is OptState.STEPPED:
+            self._event("missing_update", data={
+                "call": "unscale_", "optimizer": self.opt_name(optimizer),
+                "steps_since_update": st.steps_since_update, "scale": st.scale,
+                "reason": "unscale_ after step"})
+        if id(optimizer) not in self._fp16_checked:
+            self._fp16_checked.add(id(optimizer))
+            self._check_fp16(optimizer, st)
+        self._judge_unscaled_backward(scaler, st, optimizer)
         if self._on_unscale is not None:
-            self._on_unscale(params, st.scale)
+            self._on_unscale(self._params(optimizer), st.scale)
 
-    def on_scaler_step(self, scaler: GradScaler, optimizer: Optimizer, stepped: bool) -> None:
+    def _check_fp16(self, optimizer: Any, st: _ScalerState) -> None:
+        params = self._params(optimizer)
+        halfs = [p for p in params if p.grad is not None and p.grad.dtype == torch.float16]
+        if halfs:
+            self._event("fp16_params", once_key="fp16", data={
+                "optimizer": self.opt_name(optimizer),
+                "count": len(halfs), "total": len(params),
+                "numel": sum(p.numel() for p in halfs),
+                "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in halfs}),
+                "scale": st.scale})
+
+    def on_scaler_step_begin(self, scaler: GradScaler, optimizer: Any) -> None:
         st = self._state(scaler)
-        if st is None or not self._relevant(optimizer) or not scaler._enabled:
+        if st is None or not self._relevant(optimizer):
             return
+        self._claim(scaler, st)
+        if not scaler._enabled:
+            return
+        if self.autocast_dtype() == torch.bfloat16:
+            self._event("scaler_with_bf16", once_key="bf16",
+                        data={"dtype": "bfloat16", "scale": st.scale, "scaler": st.name})
+        if self._stage(scaler, optimizer) is OptState.STEPPED:
+            # torch raises "step() has already been called since the last update()".
+            self._event("missing_update", data={
+                "call": "step", "optimizer": self.opt_name(optimizer),
+                "steps_since_update": st.steps_since_update, "scale": st.scale,
+                "updates": st.updates, "reason": "step twice"})
+        self._judge_unscaled_backward(scaler, st, optimizer)
+
+    def on_scaler_step(self, scaler: GradScaler, optimizer: Any, stepped: bool) -> None:
+        st = self._state(scaler)
+        if st is None or not scaler._enabled:
+            return
+        relevant = self._relevant(optimizer)
+        name = self.opt_name(optimizer)
+        st.steps_total += 1
+        st.steps_since_update += 1
+        if _is_deferred(optimizer):
+            ost = scaler._per_optimizer_states.get(id(optimizer)) or {}
+            infs = list((ost.get("found_inf_per_device") or {}).values())
+            if infs:
+                dev = infs[0].device
+                st.flags[name] = torch.stack([f.to(dev) for f in infs]).sum()
+            return
+        st.flags[name] = not stepped
         if not stepped:
-            st.skipped_this_step.add(id(optimizer))
-            if self._on_skip is not None:
+            st.skipped[id(optimizer)] = name
+            if relevant and self._on_skip is not None:
                 self._on_skip(self._params(optimizer))
-        else:
-            st.stepped_this_step.add(id(optimizer))
-        st.found_inf_pending = True
 
-    def on_update_begin(self, scaler: GradScaler) -> None:
+    def on_update_begin(self, scaler: GradScaler, new_scale: Any) -> None:
+        pass
+
+    def on_update_end(self, scaler: GradScaler, new_scale: Any) -> None:
         st = self._state(scaler)
         if st is None:
             return
-        self.outcome.scale_before = st.scale
-
-    def on_update_end(self, scaler: GradScaler) -> None:
-        st = self._state(scaler)
-        if st is None:
-            return
-        step = self._step_of()
-        if scaler._enabled and st.scale is not None:
-            growth, backoff, interval = st.params()
-            before = st.scale
-            if st.skipped_this_step:
-                st.scale = before * backoff
-                st.growth_tracker = 0
+        primary = id(scaler) == self.primary_scaler
+        if scaler._enabled:
+            step = self._step_of()
+            st.updates += 1
+            before, after = st.scale, st.scale
+            if new_scale is not None:
+                self._resolve(st)
+                before = st.scale
+                st.scale = self._manual_scale(new_scale)
+                after = st.scale
+            elif st.deferred is not None or any(
+                    isinstance(v, torch.Tensor) for v in st.flags.values()):
+                if st.deferred is None:
+                    st.deferred = _Deferred(st.scale, st.tracker)
+                st.deferred.entries.append((step, dict(st.flags)))
+                before = after = None
+                if len(st.deferred.entries) >= DEFERRED_LIMIT:
+                    self._resolve(st)
             else:
-                st.growth_tracker += 1
-                if st.growth_tracker >= interval:
-                    st.scale = before * growth
-                    st.growth_tracker = 0
-            if st.skipped_this_step:
-                self.outcome.backoff = True
-                self.outcome.skipped = True
-                for oid in st.skipped_this_step:
-                    self.outcome.skipped_optimizers.append(self._opt_names.get(oid, "?"))
-            elif st.scale != before:
-                self.outcome.growth = True
-            self.outcome.scale_before = before
-            self.outcome.scale_after = st.scale
-        st.skipped_this_step = set()
-        st.stepped_this_step = set()
-        st.found_inf_pending = False
-        st.scaled_since_update = False
-        if not self.manual_steps and id(scaler) == self.primary_scaler:
-            self._unscaled.clear()
+                found = any(st.flags.values())
+                st.scale, st.tracker = _replay(st.scale, st.tracker, found, *st.params())
+                after = st.scale
+            if primary:
+                out = self.outcome
+                if out.scale_before is None:
+                    out.scale_before = before
+                out.scale_after = after
+                if st.skipped:
+                    out.backoff = out.skipped = True
+                    out.skipped_optimizers.extend(st.skipped.values())
+                elif new_scale is None and after is not None and after != before:
+                    out.growth = True
+                self._last_update = (step, set(st.skipped), before, after)
+        st.flags = {}
+        st.skipped = {}
+        st.steps_since_update = 0
+        st.flows_at_update = _HUB.flows.get(id(scaler), 0)
+        self._unscaled_roots = []
+        if not self.manual_steps and primary:
             self._on_boundary()
-        del step
 
+    @staticmethod
+    def _manual_scale(new_scale: Any) -> float | None:
+        if isinstance(new_scale, (int, float)):
+            return _f32(float(new_scale))
+        if isinstance(new_scale, torch.Tensor) and new_scale.device.type == "cpu":
+            return float(new_scale.reshape(-1)[0])  # host memory: no device sync
+        return None  # corrected on the next recorded step
+
+    # -- optimizers --------------------------------------------------------
     def on_optimizer_pre(self, optimizer: Optimizer) -> None:
         if not self._relevant(optimizer):
             return
-        self.step_params[id(optimizer)] = self._params(optimizer)
-        if self._on_unscale is not None and not self._scaler_active():
-            self._on_unscale(self._params(optimizer), None)
+        params = self._params(optimizer)
+        self.step_params[id(optimizer)] = params
+        if self._on_unscale is None:
+            return
+        if _HUB.in_scaler_step == 0:
+            self._on_unscale(params, None)
+            return
+        # Inside scaler.step: unscale_ has summarised the gradients, unless
+        # the optimizer unscales them itself (fused) or the scaler is disabled.
+        for scaler, st in self._enabled_states():
+            if id(optimizer) in scaler._per_optimizer_states:
+                if _is_deferred(optimizer) and self._stage(scaler, optimizer) is OptState.READY:
+                    self._on_unscale(params, st.scale)
+                return
+        self._on_unscale(params, None)
 
     def on_optimizer_post(self, optimizer: Optimizer) -> None:
         if not self._relevant(optimizer):
             return
+        if _HUB.in_scaler_step == 0:
+            # A plain optimizer.step(): those backward passes are not a scaler's.
+            self._unscaled_roots = []
         if self._primary_opt is None:
             self._primary_opt = id(optimizer)
         if (
@@ -536,65 +867,216 @@ class AmpMonitor:
         ):
             self._on_boundary()
 
-    def on_clip(self, func: str, parameters: list[torch.Tensor]) -> None:
+    # -- clipping ------------------------------------------------------------
+    def on_clip(self, func: str, parameters: list[torch.Tensor], info: dict[str, Any]) -> None:
+        grads = info.get("grads")
+        if grads is None:
+            grads = [p.grad for p in parameters
+                     if isinstance(p, torch.Tensor) and p.grad is not None]
+        if not grads:
+            return
         ids = {id(p) for p in parameters}
-        for sid, st in self.scalers.items():
-            scaler = st.ref()
-            if scaler is None or not scaler._enabled or not self.scaled_loss_seen:
+        gids = {id(g) for g in grads}
+
+        def clipped(p: torch.Tensor) -> bool:
+            return id(p) in ids or (p.grad is not None and id(p.grad) in gids)
+
+        for scaler, st in self._enabled_states():
+            if not st.scaled_since_update:
                 continue
-            for state_opt_id, ostate in scaler._per_optimizer_states.items():
-                del state_opt_id
-                if ostate["stage"] is OptState.UNSCALED:
-                    return
-            # No optimizer has been unscaled this step: the grads being
-            # clipped still carry the loss scale.
-            if any(id(p) in ids for p in self._all_watched_params()):
-                self._event(
-                    "clip_before_unscale",
-                    once_key=None if len(self.events) < 200 else "many",
-                    data={"func": func, "scale": st.scale},
-                )
-            del sid
+            owners = []
+            for oid, ref in list(self._opts.items()):
+                opt = ref()
+                if opt is not None and any(clipped(p) for p in self._params(opt)):
+                    owners.append((oid, opt))
+            if owners and not any(self._relevant(o) for _, o in owners):
+                continue  # another model's gradients (an overlapping watch's business)
+            owners = [(oid, o) for oid, o in owners if self._relevant(o)]
+            if owners:
+                still_scaled = [self.opt_name(o) for _, o in owners
+                                if self._stage(scaler, o) is OptState.READY]
+            else:
+                # The optimizer is not known yet (first step): unscale_ would
+                # have marked some optimizer UNSCALED by now.
+                if parameters and not any(self._owns_param(p) for p in parameters):
+                    continue
+                stages = [v.get("stage") for v in scaler._per_optimizer_states.values()]
+                still_scaled = [] if any(s is not OptState.READY for s in stages) else ["?"]
+            if not still_scaled:
+                continue
+            data: dict[str, Any] = {"func": func, "scale": st.scale, "scaler": st.name,
+                                    "optimizers": [n for n in still_scaled if n != "?"]}
+            for k in ("max_norm", "clip_value"):
+                if info.get(k) is not None:
+                    data[k] = float(info[k])
+            tn = info.get("total_norm")
+            if isinstance(tn, torch.Tensor):
+                data["total_norm"] = tn.detach()  # read when the session is built
+            self._event("clip_before_unscale", data=data)
             return
 
+    # -- LR schedulers -------------------------------------------------------
     def on_scheduler_step(self, scheduler: Any) -> None:
         opt = getattr(scheduler, "optimizer", None)
         if opt is None or not self._relevant(opt):
             return
-        if self.last_step_skipped and self._step_of() - 1 == self.last_step_id:
-            self._event(
-                "scheduler_on_skipped_step",
-                once_key=None,
-                data={"scheduler": type(scheduler).__name__, "skipped_step": self.last_step_id},
-            )
+        oid = id(opt)
+        hit: tuple[int, float | None, float | None] | None = None
+        for _, st in self._enabled_states():
+            if oid in st.skipped:  # stepped after scaler.step, before scaler.update
+                hit = (self._step_of(), st.scale, None)
+                break
+        if hit is None and self._last_update is not None and oid in self._last_update[1]:
+            step, _, before, after = self._last_update
+            hit = (step, before, after)
+        if hit is None:
+            return
+        key = (id(scheduler), hit[0])
+        if key in self._sched_flagged:
+            return
+        self._sched_flagged.add(key)
+        lrs = [g.get("lr") for g in getattr(opt, "param_groups", [])]
+        self._event("scheduler_on_skipped_step", data={
+            "scheduler": type(scheduler).__name__, "optimizer": self.opt_name(opt),
+            "skipped_step": hit[0], "scale_before": hit[1], "scale_after": hit[2],
+            "lr": float(lrs[0]) if lrs and isinstance(lrs[0], (int, float)) else None})
 
+    # -- backward ------------------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
+        step = self._step_of()
+        if step == self._bwd_autocast_step:
+            return
         for dev in ("cuda", "cpu"):
             try:
                 on = torch.is_autocast_enabled(dev)
-            except Exception:
+            except Exception:  # devices this torch build does not know
                 on = False
             if on:
-                self._event("backward_in_autocast", once_key="bwd", data={"device": dev})
+                self._bwd_autocast_step = step
+                try:
+                    dt = str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+                except Exception:  # pragma: no cover
+                    dt = None
+                self._event("backward_in_autocast", data={"device": dev, "dtype": dt})
                 break
-        if not self.scaled_loss_seen or not self._any_enabled_scaler():
+
+    def on_backward_end(self, tensors: Any, through_scaler: bool) -> None:
+        if through_scaler:
             return
         ts = _tensors(tensors)
-        if ts and not any(t in self._scaled_outputs for t in ts):
-            if all(t.numel() == 1 for t in ts) and any(t.requires_grad for t in ts):
-                self._event("loss_not_scaled", once_key="loss")
+        # A loss: scalar tensors with a graph. backward(gradient) on a
+        # non-scalar output is a different pattern and is not judged.
+        if not ts or not all(t.numel() == 1 and t.grad_fn is not None for t in ts):
+            return
+        if len(self._unscaled_roots) < 8:
+            self._unscaled_roots.extend(t.grad_fn for t in ts)
 
-    # -- helpers ------------------------------------------------------------
-    def _scaler_active(self) -> bool:
-        return any((s := st.ref()) is not None and s._enabled and self._in_scaler_step()
-                   for st in self.scalers.values())
+    def _judge_unscaled_backward(self, scaler: GradScaler, st: _ScalerState, opt: Any) -> None:
+        """An enabled scaler is about to unscale gradients; were some never scaled?"""
+        roots, self._unscaled_roots = self._unscaled_roots, []
+        if not roots or not scaler._enabled or not self._relevant(opt):
+            return
+        # Usually a few nodes: the loss's graph reaches the last layer's weights at once.
+        if not self._reaches_watched_params(roots):
+            return  # e.g. a separate float32 model's backward
+        self._event("loss_not_scaled", data={
+            "scale": st.scale, "optimizer": self.opt_name(opt), "scaler": st.name,
+            "backwards": len(roots), "scaled_too": st.scaled_since_update})
 
-    @staticmethod
-    def _in_scaler_step() -> bool:
-        return _HUB._in_scaler_step > 0
+    def _reaches_watched_params(self, roots: list[Any]) -> bool:
+        seen: set[int] = set()
+        todo = [r for r in roots if r is not None]
+        while todo and len(seen) < GRAPH_WALK_LIMIT:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            var = getattr(node, "variable", None)
+            if isinstance(var, torch.Tensor) and self._owns_param(var):
+                return True
+            for nxt, _ in getattr(node, "next_functions", ()):
+                if nxt is not None:
+                    todo.append(nxt)
+        return False
 
-    def _any_enabled_scaler(self) -> bool:
-        return any((s := st.ref()) is not None and s._enabled for st in self.scalers.values())
+    # -- results ------------------------------------------------------------
+    @property
+    def events(self) -> list[Event]:
+        """Misuse events so far, with device values (clip norms) read in one batch."""
+        self._resolve_event_tensors()
+        out = list(self._events)
+        for kind, n in self._event_counts.items():
+            kept = [e for e in out if e.kind == kind]
+            if kept and n > len(kept):
+                kept[0].data["occurrences"] = n
+        for st in self.scalers.values():
+            if st.relevant and st.enabled and st.steps_total and not st.updates and not any(
+                    e.kind == "missing_update" for e in out):
+                out.append(Event(kind="missing_update", step=self._step_of(), data={
+                    "call": "end", "steps_total": st.steps_total, "scale": st.scale,
+                    "scaler": st.name, "reason": "never updated", "severity": "warning"}))
+        return out
+
+    def _resolve_event_tensors(self) -> None:
+        pending = [(e, k) for e in self._events for k, v in e.data.items()
+                   if isinstance(v, torch.Tensor)]
+        if not pending:
+            return
+        dev = pending[0][0].data[pending[0][1]].device
+        vals = torch.stack([e.data[k].reshape(()).float().to(dev) for e, k in pending])
+        host = vals.tolist()
+        count_sync()
+        for (e, k), v in zip(pending, host, strict=True):
+            e.data[k] = float(v)
+
+    def _resolve(self, st: _ScalerState) -> None:
+        """Read the deferred inf flags in one host copy and replay their updates."""
+        d = st.deferred
+        if d is None:
+            return
+        st.deferred = None
+        tensors = [v for _, flags in d.entries for v in flags.values()
+                   if isinstance(v, torch.Tensor)]
+        host: list[float] = []
+        if tensors:
+            dev = tensors[0].device
+            host = torch.stack([t.reshape(()).float().to(dev) for t in tensors]).tolist()
+            count_sync()
+        it = iter(host)
+        primary = self.primary_scaler is not None and self.scalers.get(
+            self.primary_scaler) is st
+        scale, tracker = d.scale, d.tracker
+        points: dict[int, float] = dict(self.timeline_scale)
+        for step, flags in d.entries:
+            skipped = [n for n, v in flags.items()
+                       if (next(it) > 0 if isinstance(v, torch.Tensor) else bool(v))]
+            before = scale
+            scale, tracker = _replay(scale, tracker, bool(skipped), *st.params())
+            if not primary:
+                continue
+            if scale is not None:
+                points[step] = scale
+            if skipped:
+                self.skipped_steps.append(step)
+                self.backoff_steps.append(step)
+                for n in skipped:
+                    self.skipped_by_optimizer.setdefault(n, []).append(step)
+                self.scaler_events.append(ScalerEvent(
+                    step=step, kind="backoff", scale_before=_nan(before),
+                    scale_after=_nan(scale)))
+            elif scale != before:
+                self.growth_steps.append(step)
+                self.scaler_events.append(ScalerEvent(
+                    step=step, kind="growth", scale_before=_nan(before),
+                    scale_after=_nan(scale)))
+        st.scale, st.tracker = scale, tracker
+        if primary:
+            for lst in (self.skipped_steps, self.backoff_steps, self.growth_steps):
+                lst.sort()
+            for v in self.skipped_by_optimizer.values():
+                v.sort()
+            self.scaler_events.sort(key=lambda e: e.step)
+            self.timeline_scale = sorted(points.items())
 
     def take_outcome(self) -> StepOutcome:
         out, self.outcome = self.outcome, StepOutcome()
@@ -602,16 +1084,18 @@ class AmpMonitor:
 
     def correct_scale(self, scaler_id: int, real_scale: float, tracker: int | None) -> None:
         st = self.scalers.get(scaler_id)
-        if st is not None and math.isfinite(real_scale):
+        if st is not None and st.deferred is None and math.isfinite(real_scale):
             st.scale = real_scale
             if tracker is not None:
-                st.growth_tracker = tracker
+                st.tracker = tracker
 
     def timeline(self) -> ScalerTimeline | None:
         if self.primary_scaler is None:
             return None
         st = self.scalers[self.primary_scaler]
-        s = st.ref()
+        self._resolve(st)
+        growth, backoff, interval = st.params()
+        on = st.enabled
         return ScalerTimeline(
             scale=list(self.timeline_scale),
             backoff_steps=list(self.backoff_steps),
@@ -619,17 +1103,21 @@ class AmpMonitor:
             skipped_steps=list(self.skipped_steps),
             skipped_by_optimizer={k: list(v) for k, v in self.skipped_by_optimizer.items()},
             events=list(self.scaler_events),
-            init_scale=s._init_scale if s is not None else None,
-            growth_interval=s._growth_interval if s is not None else None,
-            growth_factor=s._growth_factor if s is not None else None,
-            backoff_factor=s._backoff_factor if s is not None else None,
-            enabled=st.enabled,
+            init_scale=st.init_scale if on else None,
+            growth_interval=interval if on else None,
+            growth_factor=growth if on else None,
+            backoff_factor=backoff if on else None,
+            enabled=on,
         )
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else x
+
+
+def _tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for t in obj if isinstance(t, torch.Tensor)]
+    if isinstance(obj, (list, tuple)) and depth < 3:
+        return [t for o in obj for t in _tensors(o, depth + 1)]
     return []

@@ -54,3 +54,17 @@ def train(
             opt.step()
         losses.append(float(loss.detach()))
     return losses
+
+
+def console_script(name: str = "amp-doctor") -> str:
+    """The installed console script, found next to the interpreter running the tests.
+
+    ``make test`` runs ``.venv/bin/python -m pytest`` without the venv's bin/ on PATH.
+    """
+    import os
+    import shutil
+    import sys
+    from pathlib import Path
+
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return shutil.which(name, path=path) or ""

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from amp_doctor import Session
+from tests.helpers import console_script
 
 FIX = Path(__file__).parent / "fixtures" / "cli" / "ddp_train.py"
-AMP_DOCTOR = shutil.which("amp-doctor") or "amp-doctor"
+AMP_DOCTOR = console_script() or "amp-doctor"
 
 
 def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:

@@ -1,0 +1,130 @@
+"""The variants timed side by side: what is attached to a trainer for one block of steps.
+
+Each variant is attached at the start of a block and removed at its end, so
+while one variant is timed nothing of any other is installed (amp-doctor's
+GradScaler/optimizer patches are process-wide while any watch is open; a
+watch left open across blocks would slow the plain reference too).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from bench_models import Trainer
+from naive_hooks import NaiveStatsHooks
+
+import amp_doctor
+from amp_doctor.recorder import host_syncs
+from amp_doctor.watch import DEFAULT_EVERY
+
+
+class Attached:
+    """A variant attached to one trainer. Counters are cumulative since attach."""
+
+    def recorded(self) -> int:
+        """Steps whose statistics were recorded so far (0 for plain)."""
+        return 0
+
+    def syncs(self) -> int | None:
+        """The variant's own device->host copies so far; None when not instrumented."""
+        return 0
+
+    def close(self) -> None:
+        return None
+
+
+class _Watch(Attached):
+    def __init__(self, trainer: Trainer, every: int, anomaly: bool) -> None:
+        self._syncs0 = host_syncs()
+        # Default options otherwise: scaler and optimizer are found automatically,
+        # as in a user's loop. No logdir, so nothing is written on close.
+        self.watch = amp_doctor.watch(trainer.model, every=every, anomaly=anomaly)
+
+    def recorded(self) -> int:
+        return self.watch.recorded
+
+    def syncs(self) -> int | None:
+        return host_syncs() - self._syncs0
+
+    def close(self) -> None:
+        self.watch.close()
+
+
+class _Naive(Attached):
+    def __init__(self, trainer: Trainer) -> None:
+        self.hooks = NaiveStatsHooks(trainer.model)
+
+    def recorded(self) -> int:
+        return self.hooks.steps
+
+    def syncs(self) -> int | None:
+        return self.hooks.syncs
+
+    def close(self) -> None:
+        self.hooks.remove()
+
+
+class _DetectAnomaly(Attached):
+    def __init__(self, trainer: Trainer) -> None:
+        self._prev = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        self._steps0 = trainer.steps
+        self._trainer = trainer
+        # Same effect as wrapping the loop in ``with torch.autograd.detect_anomaly():``
+        # without its "enabled" warning on every block.
+        torch.autograd.set_detect_anomaly(True, check_nan=True)
+
+    def recorded(self) -> int:
+        return self._trainer.steps - self._steps0  # it checks every step
+
+    def syncs(self) -> int | None:
+        return None  # its NaN checks are inside autograd's C++: not countable on CPU
+
+    def close(self) -> None:
+        torch.autograd.set_detect_anomaly(*self._prev)
+
+
+@dataclass(frozen=True)
+class Variant:
+    key: str
+    label: str
+    # Target as a ratio to plain AMP step time (issue 8); None: a baseline, no target.
+    target: float | None
+    # Record one step in ``every``: sampled steps are weighted accordingly.
+    every: int = 1
+
+    def unavailable(self) -> str | None:
+        """Why this variant cannot run in this checkout, or None."""
+        if self.key == "anomaly" and importlib.util.find_spec("amp_doctor.anomaly") is None:
+            return "amp_doctor/anomaly.py is not there yet"
+        return None
+
+    def attach(self, trainer: Trainer) -> Attached:
+        if self.key == "plain":
+            return Attached()
+        if self.key == "default":
+            return _Watch(trainer, every=DEFAULT_EVERY, anomaly=False)
+        if self.key == "every1":
+            return _Watch(trainer, every=1, anomaly=False)
+        if self.key == "anomaly":
+            return _Watch(trainer, every=DEFAULT_EVERY, anomaly=True)
+        if self.key == "naive":
+            return _Naive(trainer)
+        if self.key == "detect_anomaly":
+            return _DetectAnomaly(trainer)
+        raise ValueError(f"unknown variant {self.key!r}")
+
+
+_EVERY = DEFAULT_EVERY
+VARIANTS: dict[str, Variant] = {
+    v.key: v
+    for v in (
+        Variant("plain", "plain AMP", None),
+        Variant("default", f"watch() default (every={_EVERY})", 1.03, every=_EVERY),
+        Variant("every1", "watch(every=1)", 1.25),
+        Variant("anomaly", f"watch(anomaly=True) (every={_EVERY})", 1.5, every=_EVERY),
+        Variant("naive", "naive hooks + .item()", None),
+        Variant("detect_anomaly", "autograd.detect_anomaly", None),
+    )
+}

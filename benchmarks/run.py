@@ -1,0 +1,530 @@
+"""amp-doctor overhead benchmark (issue 8): ``python benchmarks/run.py`` / ``make bench``.
+
+Times one training step (forward + backward + optimizer step, with
+``GradScaler`` under float16) of the sample models with nothing attached
+(plain AMP, the 1.00x reference), with amp-doctor attached in its modes, and
+with two baselines: a naive per-module stats hook that calls ``.item()`` per
+statistic, and ``torch.autograd.detect_anomaly``. All variants run in one
+process, interleaved in rounds, each on its own copy of the same initial
+model and the same fixed batches. See ``benchmarks/results.md``.
+
+Method, in short (the module docstrings of the helpers say more):
+
+* per round, per variant (order rotated each round): attach, ``--warmup``
+  untimed steps, ``--steps`` timed steps, detach;
+* a step is timed whole with ``time.perf_counter`` (CUDA: synchronized at
+  the end of the step, for timing only);
+* step cost: the median step time; for a variant that records one step in
+  N it is the amortized cost ``(1/N) * median(recorded) + (1-1/N) *
+  median(unrecorded)``, i.e. the average per-step cost of a long run;
+* ratio: cost / plain's cost; spread: min-max of the per-round ratios;
+* peak memory: a separate untimed pass per variant; peak live tensor bytes of the
+  whole run from the torch profiler's allocator events (CPU) or
+  ``torch.cuda.max_memory_allocated`` (CUDA), see ``bench_memory``;
+* host syncs: CPU, amp-doctor's own counter (``recorder.host_syncs``) and
+  the naive hook's own ``.item()`` count; CUDA, ``torch.cuda.set_sync_debug_mode``
+  warnings in a separate untimed pass, minus plain's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import bench_memory
+import torch
+from bench_models import DTYPES, SPECS, Trainer, Workload
+from bench_variants import VARIANTS, Attached, Variant
+from tabulate import tabulate
+
+MEMORY_TARGET = 0.10  # peak memory overhead vs plain, issue 8
+SYNC_TARGET = 1.0  # host syncs per recorded step
+AMP_DOCTOR_VARIANTS = ("default", "every1", "anomaly")
+COLUMNS = ["model", "dtype", "variant", "ms/step", "x plain", "spread (rounds)",
+           "peak mem vs plain", "host syncs / recorded step", "recorded", "targets"]
+
+
+# -- measurement ---------------------------------------------------------------
+@dataclass
+class VariantRun:
+    """Everything measured for one variant in one (device, model, dtype) cell."""
+
+    variant: Variant
+    rounds: list[list[float]] = field(default_factory=list)  # seconds, per timed step
+    flags: list[list[bool]] = field(default_factory=list)  # step was recorded
+    syncs: int | None = 0
+    recorded: int = 0
+    attach_s: list[float] = field(default_factory=list)
+    close_s: list[float] = field(default_factory=list)
+    memory: dict[str, Any] | None = None
+    cuda_syncs_beyond_plain: int | None = None
+    cuda_recorded: int = 0
+
+    @property
+    def times(self) -> list[float]:
+        return [t for r in self.rounds for t in r]
+
+    @property
+    def all_flags(self) -> list[bool]:
+        return [f for r in self.flags for f in r]
+
+    def cost(self, times: list[float] | None = None, flags: list[bool] | None = None) -> float:
+        return step_cost(self.times if times is None else times,
+                         self.all_flags if flags is None else flags, self.variant.every)
+
+    def split_medians(self) -> tuple[float | None, float | None]:
+        """Median of recorded and of unrecorded step times (seconds), for sampled variants."""
+        rec = [t for t, f in zip(self.times, self.all_flags, strict=True) if f]
+        un = [t for t, f in zip(self.times, self.all_flags, strict=True) if not f]
+        return (statistics.median(rec) if rec else None, statistics.median(un) if un else None)
+
+
+def step_cost(times: list[float], flags: list[bool], every: int) -> float:
+    """Median step time; amortized over recorded/unrecorded steps for a sampled variant.
+
+    A plain median would hide the 1-in-N recorded step entirely; a plain mean
+    would let one stray scheduler hiccup dominate. Weighting the two medians
+    by the sampling rate gives the long-run average cost, robustly.
+    """
+    rec = [t for t, f in zip(times, flags, strict=True) if f]
+    un = [t for t, f in zip(times, flags, strict=True) if not f]
+    if every <= 1 or not rec or not un:
+        return statistics.median(times)
+    share = 1.0 / every
+    return share * statistics.median(rec) + (1.0 - share) * statistics.median(un)
+
+
+@dataclass
+class Cell:
+    device: str
+    model: str
+    dtype: str
+    batch_size: int
+    runs: dict[str, VariantRun]
+    notes: list[str] = field(default_factory=list)
+
+    def ratio(self, key: str) -> float:
+        return self.runs[key].cost() / self.runs["plain"].cost()
+
+    def round_ratios(self, key: str) -> list[float]:
+        run, plain = self.runs[key], self.runs["plain"]
+        return [
+            run.cost(rt, rf) / plain.cost(pt, pf)
+            for rt, rf, pt, pf in zip(run.rounds, run.flags, plain.rounds, plain.flags,
+                                      strict=True)
+        ]
+
+    def mem_overhead(self, key: str) -> float | None:
+        m, p = self.runs[key].memory, self.runs["plain"].memory
+        if not m or not p or p["tensor_peak"] <= 0:
+            return None
+        return float(m["tensor_peak"] / p["tensor_peak"] - 1.0)
+
+    def syncs_per_recorded(self, key: str) -> float | None:
+        run = self.runs[key]
+        if self.device == "cuda":
+            if run.cuda_syncs_beyond_plain is None or not run.cuda_recorded:
+                return None
+            return run.cuda_syncs_beyond_plain / run.cuda_recorded
+        if run.syncs is None or not run.recorded:
+            return None
+        return run.syncs / run.recorded
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_block(run: VariantRun, trainer: Trainer, warmup: int, steps: int) -> None:
+    """Attach, warm up, time ``steps`` whole steps, detach: one block of one round."""
+    gc.collect()  # garbage of the previous block is not this variant's cost
+    dev = trainer.device
+    t0 = time.perf_counter()
+    attached: Attached = run.variant.attach(trainer)
+    run.attach_s.append(time.perf_counter() - t0)
+    try:
+        for _ in range(warmup):
+            trainer.step()
+        _sync(dev)
+        rec0, syncs0 = attached.recorded(), attached.syncs()
+        times: list[float] = []
+        flags: list[bool] = []
+        for _ in range(steps):
+            before = attached.recorded()
+            t = time.perf_counter()
+            trainer.step()
+            _sync(dev)
+            times.append(time.perf_counter() - t)
+            flags.append(attached.recorded() > before)
+        syncs1 = attached.syncs()
+        run.recorded += attached.recorded() - rec0
+        if syncs0 is None or syncs1 is None or run.syncs is None:
+            run.syncs = None
+        else:
+            run.syncs += syncs1 - syncs0
+        run.rounds.append(times)
+        run.flags.append(flags)
+    finally:
+        t0 = time.perf_counter()
+        attached.close()
+        run.close_s.append(time.perf_counter() - t0)
+
+
+def count_cuda_syncs(variant: Variant, trainer: Trainer, steps: int) -> tuple[int, int]:
+    """Synchronizing CUDA calls in ``steps`` steps (untimed pass) and steps recorded."""
+    attached = variant.attach(trainer)
+    try:
+        for _ in range(2):
+            trainer.step()
+        torch.cuda.synchronize()
+        rec0 = attached.recorded()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(steps):
+                    trainer.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        n = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+        return n, attached.recorded() - rec0
+    finally:
+        attached.close()
+
+
+def run_cell(device: torch.device, model: str, dtype: str, variants: list[Variant],
+             args: argparse.Namespace, log: Callable[[str], None]) -> Cell:
+    work = Workload(SPECS[model], dtype, device, args.batch_size)
+    trainers = {v.key: work.trainer() for v in variants}
+    cell = Cell(device.type, model, dtype, work.batch_size,
+                {v.key: VariantRun(v) for v in variants})
+    for r in range(args.rounds):
+        # Rotate the order so no variant always runs right after the same one.
+        k = r % len(variants)
+        for v in variants[k:] + variants[:k]:
+            time_block(cell.runs[v.key], trainers[v.key], args.warmup, args.steps)
+        plain = cell.runs["plain"]
+        log(f"  {device.type} {model} {dtype}: round {r + 1}/{args.rounds} done "
+            f"(plain {1e3 * statistics.median(plain.rounds[-1]):.1f} ms/step)")
+    if device.type == "cuda":
+        n_steps = max(v.every for v in variants)
+        counts = {v.key: count_cuda_syncs(v, trainers[v.key], n_steps) for v in variants}
+        plain_n = counts["plain"][0]
+        for v in variants:
+            n, rec = counts[v.key]
+            cell.runs[v.key].cuda_syncs_beyond_plain = n - plain_n
+            cell.runs[v.key].cuda_recorded = rec
+    if not args.no_memory:
+        for v in variants:
+            cell.runs[v.key].memory = bench_memory.measure(work, v, args.mem_steps)
+        log(f"  {device.type} {model} {dtype}: memory pass done")
+    for v in variants:
+        sampled = v.every > 1
+        if sampled and args.steps % v.every:
+            cell.notes.append(
+                f"{v.label}: --steps {args.steps} is not a multiple of {v.every}; "
+                f"its recorded share in the timed steps is not 1/{v.every}.")
+        run = cell.runs[v.key]
+        if sampled and not any(run.all_flags):
+            cell.notes.append(f"{v.label}: no recorded step among the timed steps; "
+                              "its figure is the unrecorded-step cost only.")
+    return cell
+
+
+# -- output --------------------------------------------------------------------
+def _fmt_mem(cell: Cell, key: str) -> str:
+    run = cell.runs[key]
+    plain = cell.runs["plain"].memory
+    if run.memory is None or plain is None:
+        return "not measured"
+    if key == "plain":
+        return f"{run.memory['tensor_peak'] / 2**20:.1f} MB (ref)"
+    over = cell.mem_overhead(key)
+    if over is None:
+        return "n/a"
+    delta = run.memory["tensor_peak"] - plain["tensor_peak"]
+    return f"{100 * over:+.1f}% ({delta / 2**20:+.2f} MB)"
+
+
+def _fmt_syncs(cell: Cell, key: str) -> str:
+    if key == "plain":
+        return "0 (ref)" if cell.device == "cuda" else "0"
+    value = cell.syncs_per_recorded(key)
+    if value is None:
+        if key == "detect_anomaly" and cell.device == "cpu":
+            return "not countable on CPU"
+        return "n/a"
+    return f"{value:.2f}" if value < 10 else f"{value:.0f}"
+
+
+def _fmt_recorded(cell: Cell, key: str) -> str:
+    run = cell.runs[key]
+    if key == "plain":
+        return "-"
+    return f"{sum(run.all_flags)}/{len(run.times)}"
+
+
+def targets_missed(cell: Cell, key: str) -> list[str]:
+    """Issue 8's targets this variant misses, as short phrases ([] = all met)."""
+    v = cell.runs[key].variant
+    if v.target is None or key not in AMP_DOCTOR_VARIANTS:
+        return []
+    missed = []
+    ratio = cell.ratio(key)
+    if ratio > v.target:
+        missed.append(f"time {ratio:.2f}x > {v.target:.2f}x")
+    mem = cell.mem_overhead(key)
+    if mem is not None and mem > MEMORY_TARGET:
+        missed.append(f"mem {100 * mem:+.0f}% > +{100 * MEMORY_TARGET:.0f}%")
+    syncs = cell.syncs_per_recorded(key)
+    if syncs is not None and syncs > SYNC_TARGET:
+        missed.append(f"syncs {syncs:.2f} > {SYNC_TARGET:.0f}")
+    return missed
+
+
+def _fmt_targets(cell: Cell, key: str) -> str:
+    v = cell.runs[key].variant
+    if v.target is None:
+        return "reference" if key == "plain" else "baseline"
+    missed = targets_missed(cell, key)
+    return "met" if not missed else "MISSED: " + "; ".join(missed)
+
+
+def table_rows(cells: list[Cell]) -> list[list[str]]:
+    rows = []
+    for cell in cells:
+        dtype = cell.dtype if cell.device == "cpu" else f"{cell.device} {cell.dtype}"
+        for key, run in cell.runs.items():
+            ratios = cell.round_ratios(key)
+            rows.append([
+                f"{cell.model} (bs {cell.batch_size})", dtype, run.variant.label,
+                f"{1e3 * run.cost():.1f}",
+                f"{cell.ratio(key):.2f}x",
+                "-" if key == "plain" else f"{min(ratios):.2f}-{max(ratios):.2f}x",
+                _fmt_mem(cell, key), _fmt_syncs(cell, key), _fmt_recorded(cell, key),
+                _fmt_targets(cell, key),
+            ])
+    return rows
+
+
+def detail_rows(cells: list[Cell]) -> list[list[str]]:
+    """Recorded vs unrecorded step medians, one-off attach/close costs, Python heap."""
+    rows = []
+    for cell in cells:
+        plain = cell.runs["plain"].cost()
+        for key, run in cell.runs.items():
+            if key == "plain":
+                continue
+            rec, un = run.split_medians()
+            rows.append([
+                cell.model, cell.dtype if cell.device == "cpu" else f"{cell.device} {cell.dtype}",
+                run.variant.label,
+                "-" if un is None else f"{1e3 * un:.1f} ({un / plain:.2f}x)",
+                "-" if rec is None else f"{1e3 * rec:.1f} ({rec / plain:.2f}x)",
+                f"{1e3 * statistics.median(run.attach_s):.1f}",
+                f"{1e3 * statistics.median(run.close_s):.1f}",
+                _fmt_py_heap(cell, key),
+            ])
+    return rows
+
+
+DETAIL_COLUMNS = ["model", "dtype", "variant", "unrecorded step ms (x plain)",
+                  "recorded step ms (x plain)", "attach ms", "close ms",
+                  "Python heap peak vs plain"]
+
+
+def _fmt_py_heap(cell: Cell, key: str) -> str:
+    m, p = cell.runs[key].memory, cell.runs["plain"].memory
+    if m is None or p is None:
+        return "not measured"
+    return f"{(m['python_peak'] - p['python_peak']) / 2**20:+.2f} MB"
+
+
+def environment() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "nproc": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "loadavg_start": os.getloadavg()[0],
+    }
+
+
+def markdown(env: dict[str, Any], args: argparse.Namespace, cells: list[Cell]) -> str:
+    lines = [
+        "# amp-doctor overhead benchmark: measured run",
+        "",
+        f"- date: {env['date']}",
+        f"- machine: {env['cpu']}, {env['nproc']} CPUs (torch threads: {env['torch_threads']}), "
+        f"{env['platform']}",
+        f"- GPU: {env['cuda'] or 'none'}",
+        f"- torch {env['torch']}, Python {env['python']}",
+        f"- load average (1 min) at start / end: {env['loadavg_start']:.2f} / "
+        f"{env['loadavg_end']:.2f}",
+        f"- command: `{env['command']}`",
+        f"- settings: {args.rounds} rounds x {args.steps} timed steps per variant "
+        f"(after {args.warmup} warm-up steps per block), memory: {args.mem_steps} steps "
+        "per variant in a subprocess",
+        "",
+        tabulate(table_rows(cells), headers=COLUMNS, tablefmt="github"),
+        "",
+        "Recorded and unrecorded steps, and one-off costs per attach/close:",
+        "",
+        tabulate(detail_rows(cells), headers=DETAIL_COLUMNS, tablefmt="github"),
+        "",
+    ]
+    notes = [n for c in cells for n in c.notes]
+    if notes:
+        lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def as_json(env: dict[str, Any], cells: list[Cell]) -> dict[str, Any]:
+    out_cells = []
+    for cell in cells:
+        variants = {}
+        for key, run in cell.runs.items():
+            rec, un = run.split_medians()
+            variants[key] = {
+                "label": run.variant.label,
+                "cost_ms": 1e3 * run.cost(),
+                "ratio": cell.ratio(key),
+                "round_ratios": cell.round_ratios(key),
+                "recorded_step_ms": None if rec is None else 1e3 * rec,
+                "unrecorded_step_ms": None if un is None else 1e3 * un,
+                "timed_steps": len(run.times),
+                "recorded_steps": sum(run.all_flags),
+                "syncs": run.syncs,
+                "syncs_per_recorded_step": cell.syncs_per_recorded(key),
+                "memory": run.memory,
+                "memory_overhead": cell.mem_overhead(key),
+                "targets_missed": targets_missed(cell, key),
+                "attach_ms": [1e3 * s for s in run.attach_s],
+                "close_ms": [1e3 * s for s in run.close_s],
+                "times_ms": [[1e3 * t for t in r] for r in run.rounds],
+            }
+        out_cells.append({"device": cell.device, "model": cell.model, "dtype": cell.dtype,
+                          "batch_size": cell.batch_size, "notes": cell.notes,
+                          "variants": variants})
+    return {"environment": env, "cells": out_cells}
+
+
+# -- CLI -----------------------------------------------------------------------
+def _csv(choices: list[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [s for s in items if s not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}; got {text!r}")
+        return items
+
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="amp-doctor overhead benchmark (issue 8)")
+    p.add_argument("--models", type=_csv(list(SPECS)), default=list(SPECS))
+    p.add_argument("--dtypes", type=_csv(list(DTYPES)), default=list(DTYPES))
+    p.add_argument("--variants", type=_csv(list(VARIANTS)), default=list(VARIANTS),
+                   help="subset to time; plain is always included")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CPU, plus CUDA when a GPU is present")
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed steps per variant per round (a multiple of 10 keeps the "
+                        "1-in-10 sampling of watch() default exact)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="override the per-model batch size (cnn 128, transformer 32)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--mem-steps", type=int, default=3,
+                   help="steps of the memory pass (step 0 of a watch is a recorded step)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    p.add_argument("--markdown", type=Path, default=None, help="also write a markdown report")
+    p.add_argument("--json", type=Path, default=None, help="also write the raw figures")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.mem_steps < 1:
+        p.error("--steps, --rounds and --mem-steps must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    devices = ["cpu"]
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise SystemExit("benchmark: --device cuda but torch.cuda.is_available() is False")
+        devices = ["cuda"] if args.device == "cuda" else ["cpu", "cuda"]
+
+    variants = [VARIANTS["plain"]]
+    for key in args.variants:
+        v = VARIANTS[key]
+        if key == "plain":
+            continue
+        reason = v.unavailable()
+        if reason:
+            print(f"note: skipping {v.label}: {reason}")
+            continue
+        variants.append(v)
+
+    env = environment()
+    if env["loadavg_start"] > 0.5 * (env["nproc"] or 1):
+        # Other processes on the cores stretch OpenMP barriers: ratios become noise.
+        print(f"note: load average {env['loadavg_start']:.2f} on {env['nproc']} CPUs: the "
+              "machine is busy and timings will be noisy (--threads 1 is more robust).")
+    env["command"] = " ".join(["python", "benchmarks/run.py", *(argv or sys.argv[1:])])
+    cells: list[Cell] = []
+    for device in devices:
+        for model in args.models:
+            for dtype in args.dtypes:
+                cells.append(run_cell(torch.device(device), model, dtype, variants, args, log))
+
+    env["loadavg_end"] = os.getloadavg()[0]
+
+    print(tabulate(table_rows(cells), headers=COLUMNS, tablefmt="github"))
+    print()
+    print(tabulate(detail_rows(cells), headers=DETAIL_COLUMNS, tablefmt="github"))
+    for note in (n for c in cells for n in c.notes):
+        print(f"note: {note}")
+    print(f"\n{env['date']}; torch {env['torch']}; {env['cpu']}, {env['nproc']} CPUs; "
+          f"load average {env['loadavg_start']:.2f} -> {env['loadavg_end']:.2f}. "
+          "ms/step of sampled variants is the amortized per-step cost.")
+    if args.markdown:
+        args.markdown.write_text(markdown(env, args, cells))
+    if args.json:
+        args.json.write_text(json.dumps(as_json(env, cells), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Smoke test of the overhead benchmark harness (``benchmarks/run.py``, issue 8).
+
+It runs the harness the way ``make bench`` does, with tiny settings, and checks
+the structure of what it prints and the facts that do not depend on timing:
+which rows appear, how many steps were recorded, host syncs per recorded step,
+that memory was measured. Timings on a shared CI machine are noise at this
+size, so no assertion here ever looks at a time or a time ratio.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+STEPS = 10  # one full sampling period of watch() default (every=10)
+
+
+def _anomaly_available() -> bool:
+    return importlib.util.find_spec("amp_doctor.anomaly") is not None
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    # One intra-op thread: on a machine shared with other jobs, OpenMP's
+    # spinning barriers otherwise stretch tiny steps from ms to seconds.
+    cmd = [sys.executable, str(BENCH / "run.py"), "--steps", str(STEPS), "--warmup", "1",
+           "--rounds", "1", "--models", "cnn", "--dtypes", "bfloat16", "--batch-size", "16",
+           "--device", "cpu", "--threads", "1", "--json", str(out)]
+    # The timeout only guards against a hang; it is not a performance check.
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_prints_a_table_with_one_row_per_variant(smoke: tuple[str, dict]) -> None:
+    stdout, _ = smoke
+    lines = stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| model"))
+    for col in ("ms/step", "x plain", "spread", "peak mem vs plain",
+                "host syncs / recorded step", "targets"):
+        assert col in header
+    rows = [line for line in lines if line.startswith("| cnn (bs 16) | bfloat16")]
+    labels = ["plain AMP", "watch() default (every=10)", "watch(every=1)",
+              "naive hooks + .item()", "autograd.detect_anomaly"]
+    if _anomaly_available():
+        labels.append("watch(anomaly=True) (every=10)")
+    else:
+        assert "note: skipping watch(anomaly=True)" in stdout
+    assert len(rows) == len(labels)
+    for label in labels:
+        assert sum(f"| {label} " in r for r in rows) == 1, label
+    plain_row = next(r for r in rows if "| plain AMP " in r)
+    assert "| 1.00x " in plain_row and "(ref)" in plain_row
+
+
+def test_recorded_steps_and_host_syncs(smoke: tuple[str, dict]) -> None:
+    _, data = smoke
+    (cell,) = data["cells"]
+    assert (cell["model"], cell["dtype"], cell["device"]) == ("cnn", "bfloat16", "cpu")
+    v = cell["variants"]
+    assert all(x["timed_steps"] == STEPS for x in v.values())
+    # every=1 records every step and copies to the host once per recorded step.
+    assert v["every1"]["recorded_steps"] == STEPS
+    assert v["every1"]["syncs_per_recorded_step"] <= 1
+    # The default records one step in ten: exactly one in a 10-step window.
+    assert v["default"]["recorded_steps"] == 1
+    assert v["default"]["syncs"] <= v["default"]["recorded_steps"]
+    assert v["default"]["syncs_per_recorded_step"] <= 1
+    if "anomaly" in v:
+        assert v["anomaly"]["syncs_per_recorded_step"] is None or \
+            v["anomaly"]["syncs_per_recorded_step"] <= 1
+    # The naive baseline syncs once per statistic per tensor, every step.
+    naive = v["naive"]
+    assert naive["recorded_steps"] == STEPS
+    assert naive["syncs"] % 8 == 0 and naive["syncs_per_recorded_step"] > 1
+    assert v["plain"]["syncs"] == 0 and v["plain"]["recorded_steps"] == 0
+    assert v["detect_anomaly"]["syncs"] is None  # not countable on CPU, and says so
+
+
+def test_structure_of_figures(smoke: tuple[str, dict]) -> None:
+    _, data = smoke
+    env = data["environment"]
+    for key in ("date", "cpu", "nproc", "torch"):
+        assert env[key]
+    (cell,) = data["cells"]
+    for key, x in cell["variants"].items():
+        assert math.isfinite(x["cost_ms"]) and len(x["round_ratios"]) == 1
+        assert x["memory"]["tensor_peak"] > 0
+        assert x["memory"]["python_peak"] >= 0
+        assert isinstance(x["targets_missed"], list)
+        if key == "plain":
+            assert x["ratio"] == 1.0 and x["memory_overhead"] == 0.0
+        else:
+            assert x["memory_overhead"] is not None
+
+
+def test_amortized_cost_weights_recorded_steps_by_the_sampling_rate() -> None:
+    from run import step_cost
+
+    times = [1.0] * 9 + [11.0]
+    flags = [False] * 9 + [True]
+    assert step_cost(times, flags, every=10) == pytest.approx(0.1 * 11.0 + 0.9 * 1.0)
+    assert step_cost(times, flags, every=1) == 1.0  # unsampled: the plain median
+    assert step_cost([1.0, 2.0, 3.0], [False] * 3, every=10) == 2.0
+
+
+def test_naive_baseline_counts_one_sync_per_stat_per_tensor() -> None:
+    from naive_hooks import STATS, NaiveStatsHooks
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    hooks = NaiveStatsHooks(model)
+    try:
+        model(torch.randn(3, 4)).sum().backward()
+    finally:
+        hooks.remove()
+    # 4 module outputs (3 layers + the Sequential), each with a gradient.
+    assert hooks.steps == 1 and hooks.syncs == len(STATS) * 4 * 2
+    assert all(len(model[i]._forward_hooks) == 0 for i in range(3))
