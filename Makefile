@@ -28,7 +28,7 @@ demo:
 	$(BIN)/python sample_models/gallery.py
 
 bench:
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/run.py --markdown benchmarks/results.md --json benchmarks/results.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs .pytest_cache

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-from .records import Event, Finding, LayerSummary, ScalerEvent, Session
+from .records import Event, Finding, LayerSummary, ScalerEvent, Session, Severity
 
 __all__ = [
     "analyze",
@@ -25,6 +25,7 @@ __all__ = [
     "CALIBRATION_START",
     "CALIBRATION_STEPS",
     "STUCK_INTERVALS",
+    "SCALED_GRAD_OVERFLOW_INFO_STEPS",
 ]
 
 # Any value beyond the format's max in a layer that ran in low precision is
@@ -52,6 +53,10 @@ CALIBRATION_START = 3
 CALIBRATION_STEPS = 20
 # No growth across this many growth intervals means the scale is stuck.
 STUCK_INTERVALS = 3
+# Anomaly mode: a backward op whose float16 output overflowed to inf (no NaN)
+# while a GradScaler was on is the scaler's own business, as long as it
+# happens in at most this many steps (calibration); more is a warning.
+SCALED_GRAD_OVERFLOW_INFO_STEPS = 3
 # At most this many findings of one kind are itemised; the rest are counted.
 MAX_PER_KIND = 8
 
@@ -596,7 +601,7 @@ def _least_grad_headroom(session: Session, scale: float | None) -> tuple[str, fl
 _FMT_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 
 
-_EVENT_SEVERITY = {
+_EVENT_SEVERITY: dict[str, Severity] = {
     "clip_before_unscale": "error",
     "missing_update": "error",
     "scaler_with_bf16": "info",
@@ -698,10 +703,75 @@ def _event_message(e: Event, n: int, steps: list[int] | None = None) -> str:
                 "accumulation): torch raises 'unscale_() has already been called on this "
                 "optimizer since the last update()'. Call unscale_ once, right before "
                 "clipping and scaler.step.")
-    msg = d.get("message")
-    if msg:
-        return str(msg) + (f" ({n - 1} more like it)" if n > 1 else "")
+    if e.kind in ("nonfinite_forward", "nonfinite_backward", "nonfinite_input") or (
+            e.kind == "activation_overflow" and d.get("hidden")):
+        return _anomaly_message(e, n, at)
+    text = d.get("message")
+    if text:
+        return str(text) + (f" ({n - 1} more like it)" if n > 1 else "")
     return f"{e.kind} at step {e.step}"
+
+
+def _what(d: dict[str, object]) -> str:
+    parts = [w for w, k in (("NaN", "nan"), ("+inf", "pos_inf"), ("-inf", "neg_inf")) if d.get(k)]
+    return "/".join(parts) or "non-finite values"
+
+
+def _anomaly_message(e: Event, n: int, at: str) -> str:
+    """Op-level origins from anomaly mode: what the op made, from what, and where."""
+    d = e.data
+    where = f"in {e.module}" if e.module else "outside the watched model (in the training loop)"
+    rng = ""
+    if d.get("input_absmax") is not None:
+        rng = (f" from finite {d.get('dtype')} inputs (min {_fmt(d.get('input_min'))}, "
+               f"max {_fmt(d.get('input_max'))}, absmax {_fmt(d.get('input_absmax'))})")
+    steps = f"in {n} step(s), {at}" if n > 1 else at
+    if e.kind == "nonfinite_input":
+        return (f"The batch passed to {e.module} already holds {_what(d)} ({steps}): it came "
+                "from the data, not from a layer.")
+    if e.kind == "nonfinite_backward":
+        return (f"In the backward pass, {e.op} (part of {d.get('node')}, the backward of "
+                f"{d.get('forward_op')} {where}) produced {_what(d)}{rng}, {steps}. This is "
+                "the first backward op to go non-finite; the layers before it in backward "
+                "order only passed it on.")
+    if e.kind == "activation_overflow":
+        return (f"{e.op} {where} overflowed to {_what(d)}{rng}, {steps}, while {e.module}'s "
+                "output stayed finite: a later op saturated it, so module-level stats miss "
+                "it. The backward of this op is where NaN usually appears next.")
+    tail = ""
+    if d.get("module_output_finite"):
+        tail = f" {e.module}'s output stayed finite."
+    return (f"{e.op} {where} was the first op to produce {_what(d)}{rng}, {steps}; every op "
+            f"after it only passed it on.{tail}")
+
+
+# Op-specific fixes for an op that produced NaN/Inf in the forward pass.
+_OP_ADVICE: dict[str, str] = {
+    "aten.log": "use `torch.log_softmax` instead of `log(softmax(x))`, or "
+                "`torch.log(p.float().clamp_min(1e-12))`",
+    "aten.div": "add an epsilon that float16 can hold (>= 1e-5; 1e-8 rounds to 0) or compute "
+                "the denominator in float32: `x / torch.sqrt(var.float() + eps)`",
+    "aten.rsqrt": "add an epsilon that float16 can hold (>= 1e-5) before rsqrt, or compute it "
+                  "in float32",
+    "aten.pow": "compute the power in float32: `torch.pow(x.float(), p)` inside "
+                "`with torch.autocast(device_type, enabled=False):`",
+    "aten.exp": "subtract the max before exp (or use `torch.softmax`/`logsumexp`), or compute "
+                "it in float32",
+}
+
+
+def _event_advice(e: Event) -> str:
+    op_fix = _OP_ADVICE.get(e.op or "")
+    if e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix:
+        where = f" in {e.module}" if e.module else ""
+        return (f"For {e.op}{where}: {op_fix}. Or keep the op in float32 with "
+                "`with torch.autocast(device_type, enabled=False):` around it and `.float()` "
+                "inputs, or train with `dtype=torch.bfloat16`.")
+    if e.kind == "activation_overflow" and e.data.get("hidden"):
+        return (f"Compute {e.op} in float32: wrap it in `with torch.autocast(device_type, "
+                "enabled=False):` and cast its input with `.float()`, or train with "
+                "`dtype=torch.bfloat16`.")
+    return ADVICE.get(e.kind, "")
 
 
 def _events_rule(session: Session) -> Iterable[Finding]:
@@ -713,12 +783,16 @@ def _events_rule(session: Session) -> Iterable[Finding]:
     for (kind, module, op), es in grouped.items():
         first = es[0]
         n = max(len(es), int(first.data.get("occurrences") or 0))
-        sev = first.data.get("severity") or _EVENT_SEVERITY[kind]
+        sev: Severity = first.data.get("severity") or _EVENT_SEVERITY[kind]
+        if kind == "nonfinite_backward" and session.amp.scaler and not any(
+                e.data.get("nan") for e in es):
+            # Scaled gradients overflowing is what GradScaler detects and skips.
+            sev = "info" if n <= SCALED_GRAD_OVERFLOW_INFO_STEPS else "warning"
         steps = [e.step for e in es]
         yield Finding(
             kind=kind, severity=sev, module=module, op=op, step=first.step,
             message=_event_message(first, n, steps),
-            advice=first.data.get("advice") or ADVICE.get(kind, ""),
+            advice=first.data.get("advice") or _event_advice(first),
             frame=first.frame, count=n, steps=steps[:50],
             data={k: v for k, v in first.data.items() if k not in ("message", "advice")},
         )

@@ -173,6 +173,9 @@ class Probes:
         self._handles.clear()
         self._seen = WeakIdKeyDictionary()
 
+    def name_of(self, module: nn.Module) -> str | None:
+        return self._names.get(id(module))
+
     def current_module(self) -> str | None:
         return self.stack[-1] if self.stack else None
 

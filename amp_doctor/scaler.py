@@ -90,6 +90,7 @@ class ApiSubscriber(Protocol):
 
 def _all_subclasses(cls: type) -> list[type]:
     out = [cls]
+    sub: type
     for sub in cls.__subclasses__():
         out.extend(_all_subclasses(sub))
     return out

@@ -192,6 +192,7 @@ class Watch:
                     step_of=lambda: self.step_index,
                     mode=mode,
                     allow=allow,
+                    module_name=self._probes.name_of,
                 )
                 self._anomaly.start()
             if self.logdir is not None and self._tensorboard:
@@ -355,6 +356,8 @@ class Watch:
 
     def _on_root_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self._activity = True
+        if self._anomaly is not None and self._probes is not None:
+            self._anomaly.check_inputs(self._probes.name_of(module) or type(module).__name__, args)
         if self._device_type is None:
             dev = None
             for t in iter_tensors(args):
@@ -463,7 +466,12 @@ class Watch:
                     buf.put_scalar("scale_after", sc._scale)
                     if sc._growth_tracker is not None:
                         buf.put_scalar("growth_tracker", sc._growth_tracker)
+            flagged = self._anomaly.flagged_count() if self._anomaly is not None else None
+            if flagged is not None:
+                buf.put_scalar("anomaly_flagged", flagged)
             hs = buf.flush()
+            if self._anomaly is not None:
+                self._anomaly.resolve(hs.scalars.get("anomaly_flagged"))
             self.recorded += 1
             fmt = limits(self._low_dtype())
             grad_scale = hs.scalars.get(self._grad_scale_key)

@@ -1,0 +1,603 @@
+"""Anomaly mode: the first op that produced a NaN/Inf, forward or backward.
+
+``torch.autograd.detect_anomaly`` is backward-only, captures a Python
+traceback for every autograd node, aborts the run and names a node rather
+than a module. A forward hook only sees module outputs, so an op that
+overflows *inside* a module whose output stays finite (a cube in a tanh-GELU)
+goes unseen until its backward turns NaN.
+
+This mode instead runs a private :class:`TorchDispatchMode`. It sees every
+aten op after autocast has cast its inputs, backward ops included, and for
+each one keeps a two-number summary (min, max) of every floating output.
+Those two numbers tell NaN (both NaN), +inf (max), -inf (min) and the range,
+from a single reduction. A summary is cached per tensor (weakly, keyed by
+identity and version), so an op's inputs are almost always looked up rather
+than reduced again.
+
+An op is an *origin* (a producer, not a propagator) when an output is
+non-finite while every floating input was finite, and no infinity came in as
+a constant (``masked_fill(mask, -inf)``, ``full(..., -inf)``, ``where``):
+intentional infinities, and the ``max``/``softmax`` that consume them, are
+therefore never reported. The user can allow more ops or modules by name.
+
+Host syncs: none per op. The summaries stay on the device; at a recorded
+step boundary one device scalar (how many entries were flagged) rides along
+in the step's single host copy (:meth:`AnomalyMode.flagged_count`). Only when
+it is non-zero, an abnormal step, a second copy fetches the details. In
+``on_nonfinite="raise"`` mode every op is checked at once, one sync per op,
+so that the exception is raised where the NaN/Inf appears.
+
+Backward ops are mapped to their forward module and op through the autograd
+node running them (``torch._C._current_autograd_node()``): each forward op's
+node is tagged in its ``metadata`` with the module, the op and the user's
+frames. Torch's own anomaly mode is not switched on (its per-node traceback
+is what makes it slow); its flags are saved and restored all the same.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import sys
+import sysconfig
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .dtypes import dtype_name
+from .errors import AmpDoctorError, NonFiniteError
+from .recorder import count_sync
+from .records import Event
+
+__all__ = ["AnomalyMode", "MAX_PENDING_ENTRIES", "MAX_ORIGINS_PER_CHECK", "MAX_USER_FRAMES"]
+
+# Bounded memory between recorded steps: past this many pending op entries
+# the check runs early (one extra sync) instead of growing without limit.
+MAX_PENDING_ENTRIES = 200_000
+# On an abnormal step, report at most this many distinct (kind, module, op) origins.
+MAX_ORIGINS_PER_CHECK = 8
+# The user's own frames kept per op, innermost first.
+MAX_USER_FRAMES = 4
+# Events kept per (kind, module, op); later ones are only counted.
+MAX_EVENTS_PER_KEY = 50
+
+_TAG = "amp_doctor"
+# Ops whose output is garbage or constant by design: never an origin.
+_UNINITIALIZED = frozenset({
+    "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
+    "aten.new_empty_strided", "aten.empty_permuted",
+})
+# In-place ops that overwrite their first argument: its old values are not an input.
+_OVERWRITES = frozenset({
+    "aten.copy_", "aten.fill_", "aten.zero_", "aten.normal_", "aten.uniform_",
+    "aten.bernoulli_", "aten.random_", "aten.exponential_", "aten.set_",
+})
+
+_SKIP_DIRS = tuple(
+    os.path.dirname(p) + os.sep
+    for p in (torch.__file__, __file__)
+) + tuple(
+    d + os.sep for d in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
+)
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith("<"):
+        return False
+    if "site-packages" + os.sep + "click" + os.sep in filename:
+        return False
+    return not filename.startswith(_SKIP_DIRS)
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One op call (or one root-model input), waiting for the next check."""
+
+    kind: str  # "forward" | "backward" | "input"
+    op: str | None
+    module: str | None
+    step: int
+    dtype: str
+    outs: list[torch.Tensor]  # [min, max] float32 summaries, on the device
+    ins: list[torch.Tensor]
+    frames: tuple[tuple[str, int, str], ...]
+    node: str | None = None
+    forward_op: str | None = None
+
+
+@dataclass(slots=True)
+class _ModuleCall:
+    name: str
+    end: int  # index of the first entry after this call
+    outs: list[torch.Tensor]
+
+
+@dataclass
+class _Pending:
+    entries: list[_Entry] = field(default_factory=list)
+    calls: list[_ModuleCall] = field(default_factory=list)
+    flags: torch.Tensor | None = None  # per-entry "origin" flags, computed at the boundary
+
+
+class _NonFiniteMode(TorchDispatchMode):
+    """Private: hands every aten op to its owner."""
+
+    def __init__(self, owner: AnomalyMode) -> None:
+        super().__init__()
+        self._owner = owner
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        return self._owner._on_op(func, args, kwargs or {})
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    # Op arguments are flat, with the odd list (cat, stack, foreach ops).
+    for a in obj:
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def _summarizable(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() and t.layout is torch.strided and t.numel() > 0
+            and t.device.type != "meta")
+
+
+class AnomalyMode:
+    """Finds the first op whose output went non-finite from finite inputs.
+
+    Owned by :class:`~amp_doctor.watch.Watch`; ``start``/``stop`` install and
+    remove everything (the dispatch mode, one global module hook, the tags
+    on autograd nodes are plain dict entries that die with the graph).
+    """
+
+    def __init__(
+        self,
+        current_module: Callable[[], str | None],
+        step_of: Callable[[], int],
+        mode: str = "record",
+        allow: Iterable[str] = (),
+        module_name: Callable[[nn.Module], str | None] | None = None,
+    ) -> None:
+        self._current_module = current_module
+        self._module_name = module_name
+        self._step_of = step_of
+        self._raise = mode == "raise"
+        self._allow = tuple(allow)
+        self._allow_cache: dict[str | None, bool] = {}
+        self._mode: _NonFiniteMode | None = None
+        self._handle: RemovableHandle | None = None
+        self._saved_anomaly: tuple[bool, bool] | None = None
+        self._cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._pending = _Pending()
+        self._to_tag: tuple[list[torch.Tensor], tuple[Any, ...]] | None = None
+        self._names: dict[Any, str] = {}
+        self._user_code: dict[Any, bool] = {}
+        self._op_dtypes: dict[str, dict[str, dict[str, int]]] = {}
+        self._events: dict[tuple[str, str | None, str | None], list[Event]] = {}
+        self._counts: dict[tuple[str, str | None, str | None], int] = {}
+        self._internal_error: str | None = None
+        self.checks = 0
+
+    # -- lifecycle -------------------------------------------------------------
+    # Dispatch modes form a stack that only unwinds from the top: two anomaly
+    # watches closed out of order would pop each other's mode.
+    _active: AnomalyMode | None = None
+
+    def start(self) -> None:
+        from torch.nn.modules.module import register_module_forward_hook
+
+        if AnomalyMode._active is not None:
+            raise AmpDoctorError(
+                "only one watch(..., anomaly=True) can run at a time; close the other one "
+                "first, or watch several models with one call: watch([model_a, model_b], "
+                "anomaly=True).")
+        AnomalyMode._active = self
+        self._saved_anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        self._handle = register_module_forward_hook(self._module_post, always_call=True)
+        self._mode = _NonFiniteMode(self)
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        """Remove the mode and the hook, check what is pending, drop every tensor reference."""
+        try:
+            if self._mode is not None:
+                mode, self._mode = self._mode, None
+                mode.__exit__(None, None, None)
+        finally:
+            if AnomalyMode._active is self:
+                AnomalyMode._active = None
+            if self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+            if self._saved_anomaly is not None:
+                torch.autograd.set_detect_anomaly(*self._saved_anomaly)
+                self._saved_anomaly = None
+            self._tag_previous()
+            try:
+                self.check_now()
+            finally:
+                self._pending = _Pending()
+                self._cache = WeakIdKeyDictionary()
+                self._to_tag = None
+
+    # -- results ---------------------------------------------------------------
+    def op_dtypes(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per layer: each forward aten op and the dtypes its outputs had, with counts."""
+        return {m: {op: dict(d) for op, d in ops.items()} for m, ops in self._op_dtypes.items()}
+
+    def events(self) -> list[Event]:
+        out: list[Event] = []
+        for key, es in self._events.items():
+            n = self._counts[key]
+            first = es[0]
+            out.append(Event(kind=first.kind, step=first.step, module=first.module, op=first.op,
+                             frame=first.frame, data={**first.data, "occurrences": n}))
+            out.extend(es[1:])
+        if self._internal_error:
+            out.append(Event(kind="internal_error", step=0,
+                             data={"error": self._internal_error, "where": "anomaly"}))
+        return out
+
+    # -- the step boundary -------------------------------------------------------
+    def flagged_count(self) -> torch.Tensor | None:
+        """A device scalar: how many pending entries are origins. No sync.
+
+        The owner copies it to the host with the step's other summaries and
+        passes the value to :meth:`resolve`.
+        """
+        self._tag_previous()
+        p = self._pending
+        if not p.entries:
+            return None
+        p.flags = self._origin_flags(p.entries)
+        return p.flags.sum()
+
+    def resolve(self, flagged: float | None) -> None:
+        """Turn the flagged entries into events (a second sync, only if any were flagged)."""
+        p, self._pending = self._pending, _Pending()
+        if flagged and p.flags is not None:
+            self._report(p, p.flags)
+
+    def check_now(self) -> None:
+        """Check what is pending with a sync of its own (unrecorded stretch, close)."""
+        self._tag_previous()
+        p = self._pending
+        if not p.entries:
+            return
+        flags = p.flags if p.flags is not None else self._origin_flags(p.entries)
+        self._pending = _Pending()
+        count_sync()
+        if bool(flags.any()):
+            self._report(p, flags)
+
+    # -- per op ------------------------------------------------------------------
+    def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._to_tag is not None:
+            self._tag_previous()
+        try:
+            pre = self._before(func, args, kwargs)
+        except Exception as e:  # our bookkeeping must never break the user's run
+            self._note_internal(e)
+            pre = None
+        out = func(*args, **kwargs)
+        if pre is not None:
+            try:
+                self._after(pre, out)
+            except NonFiniteError:
+                raise
+            except Exception as e:
+                self._note_internal(e)
+        return out
+
+    def _before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        name = self._names.get(func)
+        if name is None:
+            name = self._names[func] = str(func.overloadpacket)
+        if func.is_view:
+            return (name, None, True, False, args)
+        constant_inf = False
+        ins: list[torch.Tensor] = []
+        leaves: Iterable[Any] = _leaves(args)
+        if name in _OVERWRITES:
+            leaves = list(leaves)[1:]
+        for a in leaves:
+            if isinstance(a, torch.Tensor):
+                if _summarizable(a):
+                    ins.append(self._summary(a))
+            elif isinstance(a, float) and not math.isfinite(a):
+                constant_inf = True
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor) and _summarizable(a):
+                ins.append(self._summary(a))
+            elif isinstance(a, float) and not math.isfinite(a):
+                constant_inf = True
+        allowed = constant_inf or name in _UNINITIALIZED
+        return (name, ins, False, allowed, None)
+
+    def _after(self, pre: Any, out: Any) -> None:
+        name, ins, is_view, allowed, args = pre
+        outs = [t for t in (out if isinstance(out, (list, tuple)) else (out,))
+                if isinstance(t, torch.Tensor)]
+        node = torch._C._current_autograd_node()
+        forward = node is None
+        if is_view:
+            # Same values as the viewed tensor: share its summary, record nothing.
+            base = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            entry = self._cache.get(base) if base is not None else None
+            if base is not None and entry is not None and entry[1] == base._version:
+                for t in outs:
+                    if _summarizable(t) and not t.is_inference():
+                        self._cache[t] = (entry[0], t._version)
+            if forward and torch.is_grad_enabled():
+                self._to_tag = (outs, (self._current_module(), name, ()))
+            return
+        summaries: list[torch.Tensor] = []
+        dtype = ""
+        for t in outs:
+            if not _summarizable(t) or name in _UNINITIALIZED:
+                continue
+            s = self._summarize(t)
+            summaries.append(s)
+            dtype = dtype or dtype_name(t.dtype)
+        if forward:
+            module = self._current_module()
+            frames = self._user_frames()
+            if dtype:
+                per = self._op_dtypes.setdefault(module or "<outside>", {}).setdefault(name, {})
+                per[dtype] = per.get(dtype, 0) + 1
+            if torch.is_grad_enabled():
+                self._to_tag = (outs, (module, name, frames))
+            kind, fwd_op, node_name = "forward", None, None
+        else:
+            tag = cast(dict[str, Any], node.metadata).get(_TAG)
+            module, fwd_op, frames = tag if tag is not None else (None, None, ())
+            kind, node_name = "backward", node.name()
+        if not summaries or allowed or self._allowed(name, module):
+            return
+        entry_ = _Entry(kind=kind, op=name, module=module, step=self._step_of(), dtype=dtype,
+                        outs=summaries, ins=ins, frames=frames, node=node_name,
+                        forward_op=fwd_op)
+        self._add(entry_)
+
+    def _add(self, entry: _Entry) -> None:
+        p = self._pending
+        p.entries.append(entry)
+        if self._raise:
+            self._check_one(p)
+        elif len(p.entries) >= MAX_PENDING_ENTRIES:
+            self.check_now()
+
+    def _check_one(self, p: _Pending) -> None:
+        flags = self._origin_flags(p.entries[-1:])
+        count_sync()
+        if bool(flags[0]):
+            # The module has not finished yet: whether its output stays finite is unknown.
+            ev = self._report(_Pending(entries=p.entries[-1:]), flags)
+            self._pending = _Pending()
+            if ev is not None:
+                raise NonFiniteError(_one_line(ev))
+        p.entries.clear()
+        p.calls.clear()
+
+    def check_inputs(self, module: str, args: Any) -> None:
+        """A root model is being called: note its floating inputs (the batch)."""
+        from .probes import iter_tensors
+
+        try:
+            outs = [self._summary(t) for t in iter_tensors(args) if _summarizable(t)]
+            if outs:
+                self._add(_Entry(kind="input", op=None, module=module, step=self._step_of(),
+                                 dtype=dtype_name(next(t for t in iter_tensors(args)
+                                                       if _summarizable(t)).dtype),
+                                 outs=outs, ins=[], frames=self._user_frames()))
+        except NonFiniteError:
+            raise
+        except Exception as e:
+            self._note_internal(e)
+
+    def _module_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._mode is None:
+            return
+        name = self._module_name(module) if self._module_name is not None else None
+        if name is None:
+            return
+        from .probes import iter_tensors
+
+        outs = []
+        for t in iter_tensors(output):
+            if _summarizable(t) and not t.is_inference():
+                e = self._cache.get(t)
+                if e is not None and e[1] == t._version:
+                    outs.append(e[0])
+        if outs:
+            self._pending.calls.append(_ModuleCall(name, len(self._pending.entries), outs))
+
+    # -- helpers ---------------------------------------------------------------
+    def _summarize(self, t: torch.Tensor) -> torch.Tensor:
+        lo, hi = torch.aminmax(t)
+        s = torch.stack((lo, hi)).float()
+        if not t.is_inference():
+            self._cache[t] = (s, t._version)
+        return s
+
+    def _summary(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_inference():
+            e = self._cache.get(t)
+            if e is not None and e[1] == t._version:
+                return e[0]
+        return self._summarize(t)
+
+    def _tag_previous(self) -> None:
+        pending, self._to_tag = self._to_tag, None
+        if pending is None:
+            return
+        outs, info = pending
+        for t in outs:
+            gf = t.grad_fn
+            if gf is not None:
+                md = cast(dict[str, Any], gf.metadata)
+                if _TAG not in md:
+                    md[_TAG] = info
+
+    def _user_frames(self) -> tuple[tuple[str, int, str], ...]:
+        out: list[tuple[str, int, str]] = []
+        f: Any = sys._getframe(2)
+        known = self._user_code
+        while f is not None and len(out) < MAX_USER_FRAMES:
+            code = f.f_code
+            user = known.get(code)
+            if user is None:
+                user = known[code] = _is_user_file(code.co_filename)
+            if user:
+                out.append((code.co_filename, f.f_lineno, code.co_name))
+            f = f.f_back
+        return tuple(out)
+
+    def _allowed(self, op: str, module: str | None) -> bool:
+        if not self._allow:
+            return False
+        key = f"{op}|{module}"
+        hit = self._allow_cache.get(key)
+        if hit is None:
+            names = [op, op.removeprefix("aten.")] + ([module] if module else [])
+            hit = any(fnmatch.fnmatchcase(n, pat) for n in names for pat in self._allow)
+            self._allow_cache[key] = hit
+        return hit
+
+    def _note_internal(self, e: Exception) -> None:
+        if self._internal_error is None:
+            self._internal_error = f"{type(e).__name__}: {e}"
+
+    @staticmethod
+    def _origin_flags(entries: list[_Entry]) -> torch.Tensor:
+        """Per entry, on the device: an origin of non-finite values? No sync."""
+        dev = entries[0].outs[0].device
+        outs: list[torch.Tensor] = []
+        out_idx: list[int] = []
+        ins: list[torch.Tensor] = []
+        in_idx: list[int] = []
+        is_input: list[bool] = []
+        for i, e in enumerate(entries):
+            outs.extend(e.outs)
+            out_idx.extend([i] * len(e.outs))
+            ins.extend(e.ins)
+            in_idx.extend([i] * len(e.ins))
+            is_input.append(e.kind == "input")
+        n = len(entries)
+        o = torch.stack([t.to(dev) for t in outs])
+        # Inputs to the model: NaN or +inf is bad data; -inf is how masks are written.
+        bad_any = ~torch.isfinite(o).all(1)
+        bad_data = torch.isnan(o).any(1) | (o[:, 1] == math.inf)
+        sel = torch.tensor(is_input, device=dev)[torch.tensor(out_idx, device=dev)]
+        bad_out = torch.where(sel, bad_data, bad_any)
+        out_bad = torch.zeros(n, device=dev).index_add_(
+            0, torch.tensor(out_idx, device=dev), bad_out.float())
+        if ins:
+            x = torch.stack([t.to(dev) for t in ins])
+            in_bad = torch.zeros(n, device=dev).index_add_(
+                0, torch.tensor(in_idx, device=dev), (~torch.isfinite(x).all(1)).float())
+            return (out_bad > 0) & (in_bad == 0)
+        return out_bad > 0
+
+    def _report(self, p: _Pending, flags: torch.Tensor) -> Event | None:
+        """Events for the first distinct origins among the flagged entries (syncs)."""
+        idx = flags.nonzero().flatten().tolist()
+        count_sync()
+        # Per step and direction, only the first origin: the ones after it in the same
+        # pass are usually knock-on effects (a scaled gradient overflowing in layer
+        # after layer). Steps with the same first origin are grouped.
+        firsts: dict[tuple[int, str], int] = {}
+        for i in idx:
+            e = p.entries[i]
+            firsts.setdefault((e.step, e.kind), i)
+        groups: dict[tuple[str, str | None, str | None], list[int]] = {}
+        for i in firsts.values():
+            e = p.entries[i]
+            groups.setdefault((e.kind, e.module, e.op), []).append(i)
+        first: Event | None = None
+        for members in list(groups.values())[:MAX_ORIGINS_PER_CHECK]:
+            ev = self._event_for(p, members[0])
+            self._store(ev, sorted({p.entries[i].step for i in members}))
+            first = first or ev
+        return first
+
+    def _store(self, ev: Event, steps: list[int]) -> None:
+        """Keep one event per step an origin showed up in, and count them all."""
+        key = (ev.kind, ev.module, ev.op)
+        es = self._events.setdefault(key, [])
+        seen = {e.step for e in es}
+        new = [s for s in steps if s not in seen]
+        self._counts[key] = self._counts.get(key, 0) + len(new)
+        for s in new:
+            if len(es) >= MAX_EVENTS_PER_KEY:
+                break
+            es.append(ev if s == ev.step else Event(
+                kind=ev.kind, step=s, module=ev.module, op=ev.op, frame=ev.frame,
+                data=ev.data))
+
+    def _event_for(self, p: _Pending, i: int) -> Event:
+        e = p.entries[i]
+        o = torch.stack([t.float().cpu() for t in e.outs])
+        x = torch.stack([t.float().cpu() for t in e.ins]) if e.ins else None
+        has_nan = bool(torch.isnan(o).any())
+        has_pos_inf = bool((o[:, 1] == math.inf).any())
+        has_neg_inf = bool((o[:, 0] == -math.inf).any())
+        data: dict[str, Any] = {
+            "dtype": e.dtype, "nan": has_nan, "pos_inf": has_pos_inf, "neg_inf": has_neg_inf,
+            "frames": [f"{f}:{ln} in {fn}" for f, ln, fn in e.frames],
+        }
+        if x is not None:
+            lo, hi = float(x[:, 0].min()), float(x[:, 1].max())
+            data.update(input_min=lo, input_max=hi, input_absmax=max(abs(lo), abs(hi)))
+        if e.kind == "input":
+            kind = "nonfinite_input"
+            data["output_min"], data["output_max"] = float(o[:, 0].min()), float(o[:, 1].max())
+        elif e.kind == "backward":
+            kind = "nonfinite_backward"
+            data.update(node=e.node, forward_op=e.forward_op)
+        else:
+            kind = "nonfinite_forward"
+            finite_after = self._module_output_finite(p, e.module, i)
+            data["module_output_finite"] = finite_after
+            if finite_after and not has_nan:
+                kind = "activation_overflow"
+                data["hidden"] = True
+        frame = data["frames"][0] if data["frames"] else None
+        return Event(kind=kind, step=e.step, module=e.module, op=e.op, frame=frame, data=data)
+
+    @staticmethod
+    def _module_output_finite(p: _Pending, module: str | None, i: int) -> bool | None:
+        if module is None:
+            return None
+        for c in p.calls:
+            if c.name == module and c.end > i:
+                return bool(torch.isfinite(torch.stack([t.float().cpu() for t in c.outs])).all())
+        return None
+
+
+def _one_line(ev: Event) -> str:
+    d = ev.data
+    where = f"module {ev.module!r}" if ev.module else "code outside the watched model"
+    what = "NaN" if d.get("nan") else "inf"
+    at = f" at {ev.frame}" if ev.frame else ""
+    if ev.kind == "nonfinite_input":
+        return (f"the batch passed to {ev.module!r} holds {what} at step {ev.step}{at}: "
+                "check the data pipeline with torch.isfinite(x).all().")
+    if ev.kind == "nonfinite_backward":
+        return (f"{ev.op} in the backward of {d.get('forward_op')} ({d.get('node')}, {where}) "
+                f"produced {what} from finite inputs at step {ev.step}{at}: run that forward op "
+                "in float32 with torch.autocast(device_type, enabled=False), or use bfloat16.")
+    return (f"{ev.op} in {where} produced {what} from finite {d.get('dtype')} inputs at step "
+            f"{ev.step}{at}: run it in float32 with torch.autocast(device_type, enabled=False) "
+            "and .float() inputs, or use bfloat16.")

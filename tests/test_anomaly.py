@@ -1,0 +1,297 @@
+"""Anomaly mode: the first NaN/Inf origin, at op level, forward and backward, in real loops."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import amp_doctor
+from amp_doctor.errors import AmpDoctorError, NonFiniteError
+from amp_doctor.recorder import host_syncs
+from tests.helpers import MLP, train
+
+THIS_FILE = __file__
+
+
+class LogProbHead(nn.Module):
+    """log(softmax(x / T)): probabilities that underflow in float16 give log(0) = -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.fc(x) / 0.01, dim=-1)
+        return torch.log(probs)  # LOG_LINE
+
+
+class CubeGELU(nn.Module):
+    """tanh-GELU: the cube overflows in float16, tanh saturates it back to a finite 1."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))  # POW_LINE
+        return 0.5 * x * (1.0 + torch.tanh(inner))
+
+
+class Net(nn.Module):
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16)
+        self.act = act
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _line_of(marker: str) -> int:
+    with open(THIS_FILE) as f:
+        for i, line in enumerate(f, 1):
+            if line.rstrip().endswith("# " + marker):
+                return i
+    raise AssertionError(marker)
+
+
+def _loop(model: nn.Module, steps: int, x_fn, dtype=torch.float16, scaler=True) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu") if scaler else None
+    losses = []
+    for i in range(steps):
+        x = x_fn(i)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = model(x).float().mean()
+        opt.zero_grad()
+        if sc is not None:
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+        else:
+            loss.backward()
+            opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _big_x(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(8, 16, generator=g)
+    x[:, :4] = 400.0
+    return x
+
+
+def test_forward_origin_names_module_op_line_and_input_range() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), LogProbHead())
+    with torch.no_grad():
+        model[0].weight.mul_(20)
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        _loop(model, 3, lambda i: torch.randn(8, 16))
+    ev = [e for e in doctor.session.events if e.kind == "nonfinite_forward"]
+    assert ev, doctor.report()
+    first = ev[0]
+    assert (first.module, first.op, first.step) == ("2", "aten.log", 0)
+    assert first.frame == f"{THIS_FILE}:{_line_of('LOG_LINE')} in forward"
+    # log's input was the softmax output: finite probabilities in [0, 1].
+    assert first.data["input_min"] == 0.0 and 0 < first.data["input_max"] <= 1.0
+    assert first.data["neg_inf"] and not first.data["nan"] and first.data["dtype"] == "float16"
+    # The softmax before it stayed finite: it is not blamed, nor is any later op.
+    assert not [e for e in ev if e.op != "aten.log"]
+    f = doctor.session.findings_of("nonfinite_forward")[0]
+    assert f.severity == "error" and f.module == "2" and f.op == "aten.log"
+    assert "log_softmax" in f.advice and "-inf" in f.message and "absmax 1" in f.message
+
+
+def test_hidden_overflow_inside_a_module_with_finite_output() -> None:
+    torch.manual_seed(0)
+    model = Net(CubeGELU())
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        _loop(model, 2, _big_x)
+    s = doctor.session
+    hidden = s.findings_of("activation_overflow")
+    op_level = [f for f in hidden if f.op == "aten.pow"]
+    assert op_level, doctor.report()
+    f = op_level[0]
+    assert f.module == "act" and f.data["module_output_finite"] is True
+    assert "output stayed finite" in f.message
+    assert f.frame == f"{THIS_FILE}:{_line_of('POW_LINE')} in forward"
+    # The module-level stats really do see a finite output for act.
+    assert s.layer("act").nonfinite_steps == 0
+    # And the backward pass goes non-finite, mapped back to a forward module and op.
+    back = [e for e in s.events if e.kind == "nonfinite_backward"]
+    assert back and all(e.data["node"] and e.data["forward_op"] for e in back)
+
+
+def test_backward_only_origin_is_mapped_to_its_forward_op() -> None:
+    class SqrtLayer(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sqrt(torch.relu(x))  # SQRT_LINE: d/dx sqrt(0) = inf
+
+    torch.manual_seed(0)
+    model = Net(SqrtLayer())
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        _loop(model, 1, lambda i: torch.randn(8, 16), dtype=torch.bfloat16, scaler=False)
+    s = doctor.session
+    assert not [e for e in s.events if e.kind == "nonfinite_forward"]
+    back = [e for e in s.events if e.kind == "nonfinite_backward"]
+    assert back, doctor.report()
+    e = back[0]
+    assert e.module == "act" and e.data["forward_op"] == "aten.sqrt"
+    assert e.data["node"] == "SqrtBackward0" and e.step == 0
+    assert e.frame is not None and e.frame.startswith(f"{THIS_FILE}:")
+    f = s.findings_of("nonfinite_backward")[0]
+    assert f.severity == "error" and "SqrtBackward0" in f.message
+
+
+def test_intentional_infinities_are_not_reported() -> None:
+    class MaskedAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scores = self.q(x) @ x.t()
+            n = scores.shape[-1]
+            causal = torch.triu(torch.full((n, n), float("-inf")), diagonal=1)
+            pad = torch.zeros(n, n, dtype=torch.bool)
+            pad[:, -1] = True
+            scores = scores + causal
+            scores = scores.masked_fill(pad, float("-inf"))
+            scores = torch.where(pad, float("-inf"), scores)
+            return torch.softmax(scores.float(), dim=-1) @ x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MaskedAttention(), nn.Linear(16, 4))
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        _loop(model, 3, lambda i: torch.randn(8, 16), dtype=torch.bfloat16, scaler=False)
+    s = doctor.session
+    nonfinite = [e for e in s.events if e.kind.startswith("nonfinite") or e.data.get("hidden")]
+    assert nonfinite == [], nonfinite
+    assert not [f for f in s.findings if f.severity in ("error", "warning")], doctor.report()
+
+
+def test_nan_in_the_batch_is_blamed_on_the_input() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+
+    def x_fn(i: int) -> torch.Tensor:
+        x = torch.randn(8, 16)
+        if i == 1:
+            x[3, 5] = float("nan")
+        return x
+
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        _loop(model, 3, x_fn, dtype=torch.bfloat16, scaler=False)
+    s = doctor.session
+    inputs = [e for e in s.events if e.kind == "nonfinite_input"]
+    assert [(e.module, e.step) for e in inputs] == [("MLP", 1)]
+    assert inputs[0].data["nan"]
+    # No layer is blamed for what the data brought in (later steps have NaN weights).
+    assert not [e for e in s.events if e.kind in ("nonfinite_forward", "nonfinite_backward")]
+    f = s.findings_of("nonfinite_input")[0]
+    assert f.severity == "error" and "isfinite" in f.advice
+
+
+def test_raise_mode_stops_at_the_op_and_restores_everything() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), LogProbHead())
+    with torch.no_grad():
+        model[0].weight.mul_(20)
+    before = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    with pytest.raises(NonFiniteError, match=r"aten\.log in module '1'") as info:
+        with amp_doctor.watch(model, anomaly=True, on_nonfinite="raise") as doctor:
+            _loop(model, 3, lambda i: torch.randn(8, 16))
+    assert f"{THIS_FILE}:{_line_of('LOG_LINE')}" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert _get_current_dispatch_mode() is None
+    assert (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) == before
+    assert doctor.session.run.outcome == "exception"
+    assert doctor.session.findings_of("nonfinite_forward")
+
+
+def test_allowlist_by_op_or_module() -> None:
+    torch.manual_seed(0)
+    for allow in (["aten.log"], ["log"], ["1"]):
+        model = nn.Sequential(nn.Linear(16, 16), LogProbHead())
+        with torch.no_grad():
+            model[0].weight.mul_(20)
+        with amp_doctor.watch(model, anomaly=True, anomaly_allow=allow, every=1) as doctor:
+            _loop(model, 2, lambda i: torch.randn(8, 16))
+        assert not [e for e in doctor.session.events if e.kind == "nonfinite_forward"], allow
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_anomaly_mode_keeps_numerics_bit_identical(dtype: torch.dtype) -> None:
+    def run(watched: bool) -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(5)
+        model = Net(CubeGELU())
+        if watched:
+            with amp_doctor.watch(model, anomaly=True, every=2):
+                losses = _loop(model, 4, _big_x, dtype=dtype)
+        else:
+            losses = _loop(model, 4, _big_x, dtype=dtype)
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    l0, p0 = run(False)
+    l1, p1 = run(True)
+    assert l0 == l1 or all(math.isnan(a) and math.isnan(b) for a, b in zip(l0, l1, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))
+
+
+def test_op_dtypes_record_what_autocast_ran() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        train(model, steps=2, dtype=torch.bfloat16)
+    fc1 = doctor.session.layer("fc1")
+    assert fc1.ops["aten.addmm"] == {"bfloat16": 2}
+    # The casts autocast inserted for the weight and bias ran inside fc1 too.
+    assert fc1.ops["aten._to_copy"]["bfloat16"] >= 4
+    assert doctor.session.layer("act").ops["aten.relu"] == {"bfloat16": 2}
+
+
+def test_healthy_run_costs_at_most_one_sync_per_recorded_step() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    start = host_syncs()
+    with amp_doctor.watch(model, anomaly=True, every=2) as doctor:
+        train(model, steps=8)
+    syncs = host_syncs() - start
+    assert doctor.session.recorded_steps == 4
+    # GradScaler's own per-step sync is not ours; ours: 4 recorded steps + the close.
+    assert syncs <= doctor.session.recorded_steps + 1, syncs
+    assert not [e for e in doctor.session.events if e.kind.startswith("nonfinite")]
+
+
+def test_teardown_on_exception_and_interrupt_leaves_nothing() -> None:
+    from torch.nn.modules.module import _global_forward_hooks
+
+    model = MLP()
+    hooks_before = len(_global_forward_hooks)
+    for exc in (RuntimeError("boom"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)):
+            with amp_doctor.watch(model, anomaly=True, every=1):
+                train(model, steps=1)
+                raise exc
+        assert _get_current_dispatch_mode() is None
+        assert len(_global_forward_hooks) == hooks_before
+    # And a finished anomaly watch keeps no activation alive.
+    captured: list[weakref.ref[torch.Tensor]] = []
+    model.fc1.register_forward_hook(lambda m, i, o: captured.append(weakref.ref(o)))
+    with amp_doctor.watch(model, anomaly=True, every=1):
+        train(model, steps=2)
+    gc.collect()
+    assert captured and all(r() is None for r in captured)
+
+
+def test_one_anomaly_watch_at_a_time() -> None:
+    a, b = MLP(), MLP()
+    with amp_doctor.watch(a, anomaly=True):
+        with pytest.raises(AmpDoctorError, match="one watch.*anomaly=True"):
+            amp_doctor.watch(b, anomaly=True)
+    assert _get_current_dispatch_mode() is None
