@@ -463,7 +463,8 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
         origin = next((e.forward_origin for e in evs if e.forward_origin), None)
         yield Finding(
             kind="scaler_backoff", severity="warning",
-            module=culprits[0] if culprits else None, op=None, step=first.step,
+            # An overflow in the forward pass is where the non-finite gradients came from.
+            module=origin or (culprits[0] if culprits else None), op=None, step=first.step,
             message=(f"{head}, and {len(evs)} optimizer step(s) were skipped"
                      f"{_skips_per_optimizer(session, steps)}"
                      f"{_culprit_text(culprits, origin)}."),
@@ -527,7 +528,8 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
         reasons.append(f"{len(g)} backoffs in a row at steps {g[0].step}-{g[-1].step} (scale "
                        f"{_scale_str(g[0].scale_before)} -> {_scale_str(g[-1].scale_after)})")
     if reasons:
-        culprits = [e.culprits[0] for e in backoffs if e.culprits]
+        culprits = [e.forward_origin or e.culprits[0] for e in backoffs
+                    if e.forward_origin or e.culprits]
         top = max(dict.fromkeys(culprits), key=culprits.count) if culprits else None
         yield Finding(
             kind="scale_collapse", severity="error", module=top, op=None,
@@ -535,8 +537,9 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
             message=(f"Loss scale collapsed: {'; '.join(reasons)}. {len(sc.skipped_steps)} of "
                      f"{session.steps} optimizer steps were skipped; final scale "
                      f"{_scale_str(final)}"
-                     + (f"; the first culprit layer was {top} in {culprits.count(top)} of "
-                        f"{len(backoffs)} backoffs" if top else "") + "."),
+                     + (f"; the layer where the non-finite values started was {top} in "
+                        f"{culprits.count(top)} of {len(backoffs)} backoffs" if top else "")
+                     + "."),
             advice=ADVICE["scale_collapse"],
             steps=[e.step for e in backoffs][:50],
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),

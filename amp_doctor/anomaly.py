@@ -41,6 +41,7 @@ import math
 import os
 import sys
 import sysconfig
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -49,7 +50,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .dtypes import dtype_name
 from .errors import AmpDoctorError, NonFiniteError
@@ -96,6 +96,10 @@ def _is_user_file(filename: str) -> bool:
     return not filename.startswith(_SKIP_DIRS)
 
 
+# (min, max) of a tensor: two 0-d device tensors from one aminmax reduction.
+_Summary = tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass(slots=True)
 class _Entry:
     """One op call (or one root-model input), waiting for the next check."""
@@ -105,8 +109,8 @@ class _Entry:
     module: str | None
     step: int
     dtype: str
-    outs: list[torch.Tensor]  # [min, max] float32 summaries, on the device
-    ins: list[torch.Tensor]
+    outs: list[_Summary]  # (min, max) of each floating output, on the device
+    ins: list[_Summary]
     frames: tuple[tuple[str, int, str], ...]
     node: str | None = None
     forward_op: str | None = None
@@ -116,7 +120,7 @@ class _Entry:
 class _ModuleCall:
     name: str
     end: int  # index of the first entry after this call
-    outs: list[torch.Tensor]
+    outs: list[_Summary]
 
 
 @dataclass
@@ -149,8 +153,8 @@ def _leaves(obj: Any) -> Iterator[Any]:
 
 
 def _summarizable(t: torch.Tensor) -> bool:
-    return (t.is_floating_point() and t.layout is torch.strided and t.numel() > 0
-            and t.device.type != "meta")
+    return (t.is_floating_point() and t.layout is torch.strided and not t.is_meta
+            and t.numel() > 0)
 
 
 class AnomalyMode:
@@ -178,7 +182,11 @@ class AnomalyMode:
         self._mode: _NonFiniteMode | None = None
         self._handle: RemovableHandle | None = None
         self._saved_anomaly: tuple[bool, bool] | None = None
-        self._cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # id(tensor) -> (summary, version, weakref): a plain dict is several times cheaper
+        # per op than WeakIdKeyDictionary; the weakref guards against a reused id, and
+        # the dict is emptied at every step boundary, so it stays small.
+        self._cache: dict[int, tuple[_Summary, int, weakref.ref[torch.Tensor]]] = {}
+        self._cache_step = -1
         self._pending = _Pending()
         self._to_tag: tuple[list[torch.Tensor], tuple[Any, ...]] | None = None
         self._names: dict[Any, str] = {}
@@ -228,7 +236,7 @@ class AnomalyMode:
                 self.check_now()
             finally:
                 self._pending = _Pending()
-                self._cache = WeakIdKeyDictionary()
+                self._cache = {}
                 self._to_tag = None
 
     # -- results ---------------------------------------------------------------
@@ -285,6 +293,10 @@ class AnomalyMode:
     def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._to_tag is not None:
             self._tag_previous()
+        if not torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
+            # Neither a training forward nor backward: optimizer updates, GradScaler's
+            # unscale, evaluation under no_grad. Checking them would double the cost.
+            return func(*args, **kwargs)
         try:
             pre = self._before(func, args, kwargs)
         except Exception as e:  # our bookkeeping must never break the user's run
@@ -301,6 +313,11 @@ class AnomalyMode:
         return out
 
     def _before(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        step = self._step_of()
+        if step != self._cache_step:
+            # Parameters changed in the optimizer step; last step's tensors are gone.
+            self._cache = {}
+            self._cache_step = step
         name = self._names.get(func)
         if name is None:
             name = self._names[func] = str(func.overloadpacket)
@@ -334,15 +351,15 @@ class AnomalyMode:
         if is_view:
             # Same values as the viewed tensor: share its summary, record nothing.
             base = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            entry = self._cache.get(base) if base is not None else None
-            if base is not None and entry is not None and entry[1] == base._version:
+            known = self._cached(base) if base is not None else None
+            if known is not None:
                 for t in outs:
-                    if _summarizable(t) and not t.is_inference():
-                        self._cache[t] = (entry[0], t._version)
+                    if not t.is_inference():
+                        self._cache[id(t)] = (known, t._version, weakref.ref(t))
             if forward and torch.is_grad_enabled():
                 self._to_tag = (outs, (self._current_module(), name, ()))
             return
-        summaries: list[torch.Tensor] = []
+        summaries: list[_Summary] = []
         dtype = ""
         for t in outs:
             if not _summarizable(t) or name in _UNINITIALIZED:
@@ -416,27 +433,28 @@ class AnomalyMode:
 
         outs = []
         for t in iter_tensors(output):
-            if _summarizable(t) and not t.is_inference():
-                e = self._cache.get(t)
-                if e is not None and e[1] == t._version:
-                    outs.append(e[0])
+            known = self._cached(t)
+            if known is not None:
+                outs.append(known)
         if outs:
             self._pending.calls.append(_ModuleCall(name, len(self._pending.entries), outs))
 
     # -- helpers ---------------------------------------------------------------
-    def _summarize(self, t: torch.Tensor) -> torch.Tensor:
+    def _summarize(self, t: torch.Tensor) -> _Summary:
         lo, hi = torch.aminmax(t)
-        s = torch.stack((lo, hi)).float()
+        s = (lo, hi)
         if not t.is_inference():
-            self._cache[t] = (s, t._version)
+            self._cache[id(t)] = (s, t._version, weakref.ref(t))
         return s
 
-    def _summary(self, t: torch.Tensor) -> torch.Tensor:
-        if not t.is_inference():
-            e = self._cache.get(t)
-            if e is not None and e[1] == t._version:
-                return e[0]
-        return self._summarize(t)
+    def _cached(self, t: torch.Tensor) -> _Summary | None:
+        e = self._cache.get(id(t))
+        if e is not None and e[2]() is t and not t.is_inference() and e[1] == t._version:
+            return e[0]
+        return None
+
+    def _summary(self, t: torch.Tensor) -> _Summary:
+        return self._cached(t) or self._summarize(t)
 
     def _tag_previous(self) -> None:
         pending, self._to_tag = self._to_tag, None
@@ -482,10 +500,10 @@ class AnomalyMode:
     @staticmethod
     def _origin_flags(entries: list[_Entry]) -> torch.Tensor:
         """Per entry, on the device: an origin of non-finite values? No sync."""
-        dev = entries[0].outs[0].device
-        outs: list[torch.Tensor] = []
+        dev = entries[0].outs[0][0].device
+        outs: list[_Summary] = []
         out_idx: list[int] = []
-        ins: list[torch.Tensor] = []
+        ins: list[_Summary] = []
         in_idx: list[int] = []
         is_input: list[bool] = []
         for i, e in enumerate(entries):
@@ -495,7 +513,7 @@ class AnomalyMode:
             in_idx.extend([i] * len(e.ins))
             is_input.append(e.kind == "input")
         n = len(entries)
-        o = torch.stack([t.to(dev) for t in outs])
+        o = _stack(outs, dev)
         # Inputs to the model: NaN or +inf is bad data; -inf is how masks are written.
         bad_any = ~torch.isfinite(o).all(1)
         bad_data = torch.isnan(o).any(1) | (o[:, 1] == math.inf)
@@ -504,7 +522,7 @@ class AnomalyMode:
         out_bad = torch.zeros(n, device=dev).index_add_(
             0, torch.tensor(out_idx, device=dev), bad_out.float())
         if ins:
-            x = torch.stack([t.to(dev) for t in ins])
+            x = _stack(ins, dev)
             in_bad = torch.zeros(n, device=dev).index_add_(
                 0, torch.tensor(in_idx, device=dev), (~torch.isfinite(x).all(1)).float())
             return (out_bad > 0) & (in_bad == 0)
@@ -548,8 +566,8 @@ class AnomalyMode:
 
     def _event_for(self, p: _Pending, i: int) -> Event:
         e = p.entries[i]
-        o = torch.stack([t.float().cpu() for t in e.outs])
-        x = torch.stack([t.float().cpu() for t in e.ins]) if e.ins else None
+        o = _stack(e.outs, torch.device("cpu"))
+        x = _stack(e.ins, torch.device("cpu")) if e.ins else None
         has_nan = bool(torch.isnan(o).any())
         has_pos_inf = bool((o[:, 1] == math.inf).any())
         has_neg_inf = bool((o[:, 0] == -math.inf).any())
@@ -582,8 +600,15 @@ class AnomalyMode:
             return None
         for c in p.calls:
             if c.name == module and c.end > i:
-                return bool(torch.isfinite(torch.stack([t.float().cpu() for t in c.outs])).all())
+                return bool(torch.isfinite(_stack(c.outs, torch.device("cpu"))).all())
         return None
+
+
+def _stack(summaries: list[_Summary], dev: torch.device) -> torch.Tensor:
+    """[n, 2] float32 (min, max) rows; stack promotes float16/bfloat16 to float32."""
+    lo = torch.stack([s[0] for s in summaries]).to(dev, torch.float32)
+    hi = torch.stack([s[1] for s in summaries]).to(dev, torch.float32)
+    return torch.stack((lo, hi), 1)
 
 
 def _one_line(ev: Event) -> str:
