@@ -324,7 +324,7 @@ class AnomalyMode:
         if func.is_view:
             return (name, None, True, False, args)
         constant_inf = False
-        ins: list[torch.Tensor] = []
+        ins: list[_Summary] = []
         leaves: Iterable[Any] = _leaves(args)
         if name in _OVERWRITES:
             leaves = list(leaves)[1:]
