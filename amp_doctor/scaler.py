@@ -558,6 +558,7 @@ class AmpMonitor:
         self._explicit_opts = {id(o) for o in optimizers}
         self.scalers: dict[int, _ScalerState] = {}
         self._opt_names: dict[int, str] = {}
+        self._opt_count = 0
         self._opt_relevant: dict[int, bool] = {}
         self._opts: dict[int, weakref.ref[Any]] = {}
         self._primary_opt: int | None = None
@@ -639,6 +640,11 @@ class AmpMonitor:
 
     def _known(self, opt: Any) -> None:
         if id(opt) not in self._opts or self._opts[id(opt)]() is not opt:
+            if id(opt) in self._opts:
+                # A new optimizer at a dead one's address: forget what was decided about it.
+                self._opt_relevant.pop(id(opt), None)
+                self._opt_names.pop(id(opt), None)
+                self._fp16_checked.discard(id(opt))
             try:
                 self._opts[id(opt)] = weakref.ref(opt)
             except TypeError:  # pragma: no cover - optimizer wrappers without __weakref__
@@ -653,7 +659,8 @@ class AmpMonitor:
             else:
                 rel = any(self._owns_param(p) for p in self._params(opt))
             self._opt_relevant[key] = rel
-            self._opt_names[key] = f"{type(opt).__name__}#{len(self._opt_names)}"
+            self._opt_names[key] = f"{type(opt).__name__}#{self._opt_count}"
+            self._opt_count += 1
         return self._opt_relevant[key]
 
     def opt_name(self, opt: Any) -> str:
