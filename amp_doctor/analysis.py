@@ -13,6 +13,7 @@ from .records import Event, Finding, LayerSummary, ScalerEvent, Session, Severit
 
 __all__ = [
     "analyze",
+    "event_advice",
     "ADVICE",
     "OVERFLOW_FRAC_ERROR",
     "HEADROOM_WARN_BITS",
@@ -763,7 +764,8 @@ _OP_ADVICE: dict[str, str] = {
 }
 
 
-def _event_advice(e: Event) -> str:
+def event_advice(e: Event) -> str:
+    """The fix for one run-time event (also used for anomaly mode's exception)."""
     op_fix = _OP_ADVICE.get(e.op or "")
     if e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix:
         where = f" in {e.module}" if e.module else ""
@@ -795,7 +797,7 @@ def _events_rule(session: Session) -> Iterable[Finding]:
         yield Finding(
             kind=kind, severity=sev, module=module, op=op, step=first.step,
             message=_event_message(first, n, steps),
-            advice=first.data.get("advice") or _event_advice(first),
+            advice=first.data.get("advice") or event_advice(first),
             frame=first.frame, count=n, steps=steps[:50],
             data={k: v for k, v in first.data.items() if k not in ("message", "advice")},
         )

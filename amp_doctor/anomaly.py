@@ -322,7 +322,7 @@ class AnomalyMode:
         if name is None:
             name = self._names[func] = str(func.overloadpacket)
         if func.is_view:
-            return (name, None, True, False, args)
+            return (name, None, True, False, args, step)
         constant_inf = False
         ins: list[_Summary] = []
         leaves: Iterable[Any] = _leaves(args)
@@ -340,10 +340,10 @@ class AnomalyMode:
             elif isinstance(a, float) and not math.isfinite(a):
                 constant_inf = True
         allowed = constant_inf or name in _UNINITIALIZED
-        return (name, ins, False, allowed, None)
+        return (name, ins, False, allowed, None, step)
 
     def _after(self, pre: Any, out: Any) -> None:
-        name, ins, is_view, allowed, args = pre
+        name, ins, is_view, allowed, args, step = pre
         outs = [t for t in (out if isinstance(out, (list, tuple)) else (out,))
                 if isinstance(t, torch.Tensor)]
         node = torch._C._current_autograd_node()
@@ -382,7 +382,7 @@ class AnomalyMode:
             kind, node_name = "backward", node.name()
         if not summaries or allowed or self._allowed(name, module):
             return
-        entry_ = _Entry(kind=kind, op=name, module=module, step=self._step_of(), dtype=dtype,
+        entry_ = _Entry(kind=kind, op=name, module=module, step=step, dtype=dtype,
                         outs=summaries, ins=ins, frames=frames, node=node_name,
                         forward_op=fwd_op)
         self._add(entry_)
@@ -543,10 +543,25 @@ class AnomalyMode:
         for i in firsts.values():
             e = p.entries[i]
             groups.setdefault((e.kind, e.module, e.op), []).append(i)
+        chosen = [members[0] for members in list(groups.values())[:MAX_ORIGINS_PER_CHECK]]
+        # One host copy for everything the chosen events report: their outputs, their
+        # inputs and, in the forward pass, the output of the module they ran in.
+        needs: list[tuple[list[_Summary], list[_Summary], list[_Summary]]] = []
+        for i in chosen:
+            e = p.entries[i]
+            call = self._module_call(p, e.module, i) if e.kind == "forward" else None
+            needs.append((e.outs, e.ins, call.outs if call is not None else []))
+        host = _stack([s for need in needs for part in need for s in part], torch.device("cpu"))
+        count_sync()
         first: Event | None = None
-        for members in list(groups.values())[:MAX_ORIGINS_PER_CHECK]:
-            ev = self._event_for(p, members[0])
-            self._store(ev, sorted({p.entries[i].step for i in members}))
+        pos = 0
+        for i, members, need in zip(chosen, groups.values(), needs, strict=False):
+            rows = []
+            for part in need:
+                rows.append(host[pos:pos + len(part)])
+                pos += len(part)
+            ev = self._event_for(p.entries[i], *rows)
+            self._store(ev, sorted({p.entries[j].step for j in members}))
             first = first or ev
         return first
 
@@ -564,10 +579,9 @@ class AnomalyMode:
                 kind=ev.kind, step=s, module=ev.module, op=ev.op, frame=ev.frame,
                 data=ev.data))
 
-    def _event_for(self, p: _Pending, i: int) -> Event:
-        e = p.entries[i]
-        o = _stack(e.outs, torch.device("cpu"))
-        x = _stack(e.ins, torch.device("cpu")) if e.ins else None
+    @staticmethod
+    def _event_for(e: _Entry, o: torch.Tensor, x: torch.Tensor, call: torch.Tensor) -> Event:
+        """An event from host rows: ``o``/``x`` the op's outputs/inputs, ``call`` its module's."""
         has_nan = bool(torch.isnan(o).any())
         has_pos_inf = bool((o[:, 1] == math.inf).any())
         has_neg_inf = bool((o[:, 0] == -math.inf).any())
@@ -575,7 +589,7 @@ class AnomalyMode:
             "dtype": e.dtype, "nan": has_nan, "pos_inf": has_pos_inf, "neg_inf": has_neg_inf,
             "frames": [f"{f}:{ln} in {fn}" for f, ln, fn in e.frames],
         }
-        if x is not None:
+        if len(x):
             lo, hi = float(x[:, 0].min()), float(x[:, 1].max())
             data.update(input_min=lo, input_max=hi, input_absmax=max(abs(lo), abs(hi)))
         if e.kind == "input":
@@ -586,7 +600,7 @@ class AnomalyMode:
             data.update(node=e.node, forward_op=e.forward_op)
         else:
             kind = "nonfinite_forward"
-            finite_after = self._module_output_finite(p, e.module, i)
+            finite_after = bool(torch.isfinite(call).all()) if len(call) else None
             data["module_output_finite"] = finite_after
             if finite_after and not has_nan:
                 kind = "activation_overflow"
@@ -595,34 +609,42 @@ class AnomalyMode:
         return Event(kind=kind, step=e.step, module=e.module, op=e.op, frame=frame, data=data)
 
     @staticmethod
-    def _module_output_finite(p: _Pending, module: str | None, i: int) -> bool | None:
+    def _module_call(p: _Pending, module: str | None, i: int) -> _ModuleCall | None:
+        """The call of ``module`` that entry ``i`` ran in (the first to end after it)."""
         if module is None:
             return None
-        for c in p.calls:
-            if c.name == module and c.end > i:
-                return bool(torch.isfinite(_stack(c.outs, torch.device("cpu"))).all())
-        return None
+        return next((c for c in p.calls if c.name == module and c.end > i), None)
 
 
 def _stack(summaries: list[_Summary], dev: torch.device) -> torch.Tensor:
-    """[n, 2] float32 (min, max) rows; stack promotes float16/bfloat16 to float32."""
-    lo = torch.stack([s[0] for s in summaries]).to(dev, torch.float32)
-    hi = torch.stack([s[1] for s in summaries]).to(dev, torch.float32)
-    return torch.stack((lo, hi), 1)
+    """[n, 2] float32 (min, max) rows on ``dev``, in one copy.
+
+    ``stack`` promotes float16/bfloat16 to float32. A CUDA op may take a 0-d CPU tensor,
+    so a summary can live elsewhere than the rest: it is moved first.
+    """
+    if not summaries:
+        return torch.zeros(0, 2)
+    home = summaries[0][0].device
+    pairs = [s if s[0].device == home else (s[0].to(home), s[1].to(home)) for s in summaries]
+    lo = torch.stack([s[0] for s in pairs])
+    hi = torch.stack([s[1] for s in pairs])
+    return torch.stack((lo, hi), 1).to(dev, torch.float32)
 
 
 def _one_line(ev: Event) -> str:
+    """The ``NonFiniteError`` message: where, what, and analysis's fix for it."""
+    from .analysis import event_advice
+
     d = ev.data
     where = f"module {ev.module!r}" if ev.module else "code outside the watched model"
-    what = "NaN" if d.get("nan") else "inf"
+    what = "NaN" if d.get("nan") else ("+inf" if d.get("pos_inf") else "-inf")
     at = f" at {ev.frame}" if ev.frame else ""
     if ev.kind == "nonfinite_input":
-        return (f"the batch passed to {ev.module!r} holds {what} at step {ev.step}{at}: "
-                "check the data pipeline with torch.isfinite(x).all().")
-    if ev.kind == "nonfinite_backward":
-        return (f"{ev.op} in the backward of {d.get('forward_op')} ({d.get('node')}, {where}) "
-                f"produced {what} from finite inputs at step {ev.step}{at}: run that forward op "
-                "in float32 with torch.autocast(device_type, enabled=False), or use bfloat16.")
-    return (f"{ev.op} in {where} produced {what} from finite {d.get('dtype')} inputs at step "
-            f"{ev.step}{at}: run it in float32 with torch.autocast(device_type, enabled=False) "
-            "and .float() inputs, or use bfloat16.")
+        head = f"the batch passed to {ev.module!r} holds {what} at step {ev.step}{at}"
+    elif ev.kind == "nonfinite_backward":
+        head = (f"{ev.op} in the backward of {d.get('forward_op')} ({d.get('node')}, {where}) "
+                f"produced {what} from finite inputs at step {ev.step}{at}")
+    else:
+        head = (f"{ev.op} in {where} produced {what} from finite {d.get('dtype')} inputs at "
+                f"step {ev.step}{at}")
+    return f"{head}. Fix: {' '.join(event_advice(ev).split())}"
