@@ -237,8 +237,11 @@ class LayerAggregate:
     pg_under: _Running = field(default_factory=_Running)
     pg_under_u: _Running = field(default_factory=_Running)
     pg_nonfinite_steps: int = 0
-    act_hist: list[int] = field(default_factory=lambda: [0] * S.N_EXP_BINS)
-    grad_hist: list[int] = field(default_factory=lambda: [0] * S.N_EXP_BINS)
+    # Summed exponent bins, float64 on the host (exact for counts below 2**53).
+    act_hist: torch.Tensor = field(default_factory=lambda: torch.zeros(S.N_EXP_BINS,
+                                                                       dtype=torch.float64))
+    grad_hist: torch.Tensor = field(default_factory=lambda: torch.zeros(S.N_EXP_BINS,
+                                                                        dtype=torch.float64))
 
     def add(self, ls: LayerStep, raw: dict[str, torch.Tensor]) -> None:
         self.steps += 1
@@ -253,7 +256,7 @@ class LayerAggregate:
             self.overflow.add(a.overflow_frac)
             self.underflow.add(a.underflow_frac)
             self.nonfinite_steps += a.nonfinite_frac > 0
-            _add_hist(self.act_hist, raw["act"])
+            self.act_hist += raw["act"][S.HIST :]
         if (g := ls.grad) is not None:
             if math.isfinite(g.absmax):
                 self.grad_absmax = max(self.grad_absmax or 0.0, g.absmax)
@@ -266,7 +269,7 @@ class LayerAggregate:
             self.grad_under.add(g.underflow_frac)
             self.grad_under_u.add((ls.grad_unscaled or g).underflow_frac)
             self.grad_nonfinite_steps += g.nonfinite_frac > 0
-            _add_hist(self.grad_hist, raw["grad"])
+            self.grad_hist += raw["grad"][S.HIST :]
         if (p := ls.param_grad) is not None:
             pu = ls.param_grad_unscaled or p
             if math.isfinite(pu.absmax):
@@ -315,16 +318,9 @@ class LayerAggregate:
             param_grad_nonfinite_steps=self.pg_nonfinite_steps,
             passthrough=passthrough,
             ops=ops,
-            act_exp_hist=list(self.act_hist),
-            grad_exp_hist=list(self.grad_hist),
+            act_exp_hist=[int(v) for v in self.act_hist.tolist()],
+            grad_exp_hist=[int(v) for v in self.grad_hist.tolist()],
         )
-
-
-def _add_hist(acc: list[int], row: torch.Tensor) -> None:
-    h = row[S.HIST :].tolist()
-    for i, v in enumerate(h):
-        if v:
-            acc[i] += int(v)
 
 
 class History:

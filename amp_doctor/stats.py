@@ -116,7 +116,6 @@ class Decoded:
     overflow_frac: float
     underflow_frac: float
     headroom: float  # log2(format max / absmax); inf for an all-zero tensor
-    hist: tuple[int, ...]
 
 
 def _underflow_count(hist: list[float], zeros: float, fmt: FormatLimits, shift: int) -> float:
@@ -170,7 +169,6 @@ def decode(v: list[float], fmt: FormatLimits, scale_log2: int = 0) -> Decoded:
         overflow_frac=over / n,
         underflow_frac=under / n,
         headroom=headroom,
-        hist=tuple(int(h) for h in hist),
     )
 
 
