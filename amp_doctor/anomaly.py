@@ -56,7 +56,13 @@ from .errors import AmpDoctorError, NonFiniteError
 from .recorder import count_sync
 from .records import Event
 
-__all__ = ["AnomalyMode", "MAX_PENDING_ENTRIES", "MAX_ORIGINS_PER_CHECK", "MAX_USER_FRAMES"]
+__all__ = [
+    "AnomalyMode",
+    "own_ops",
+    "MAX_PENDING_ENTRIES",
+    "MAX_ORIGINS_PER_CHECK",
+    "MAX_USER_FRAMES",
+]
 
 # Bounded memory between recorded steps: past this many pending op entries
 # the check runs early (one extra sync) instead of growing without limit.
@@ -109,8 +115,8 @@ class _Entry:
     module: str | None
     step: int
     dtype: str
-    outs: list[_Summary]  # (min, max) of each floating output, on the device
-    ins: list[_Summary]
+    outs: list[int]  # indices into the window's summaries: each floating output
+    ins: list[int]  # and each floating input
     frames: tuple[tuple[str, int, str], ...]
     node: str | None = None
     forward_op: str | None = None
@@ -120,14 +126,24 @@ class _Entry:
 class _ModuleCall:
     name: str
     end: int  # index of the first entry after this call
-    outs: list[_Summary]
+    outs: list[int]
 
 
 @dataclass
 class _Pending:
+    """One window of op entries between two checks.
+
+    Each tensor's summary is stored once in ``sums`` and referred to by index, so an
+    op's inputs (earlier ops' outputs) cost nothing more to keep, or to check.
+    """
+
     entries: list[_Entry] = field(default_factory=list)
     calls: list[_ModuleCall] = field(default_factory=list)
-    flags: torch.Tensor | None = None  # per-entry "origin" flags, computed at the boundary
+    sums: list[_Summary] = field(default_factory=list)
+    # Computed at the boundary, on the device: per-entry "origin" flags, and the
+    # summaries stacked as [n, 2] (min, max) float32 rows.
+    flags: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
 
 
 class _NonFiniteMode(TorchDispatchMode):
@@ -141,6 +157,26 @@ class _NonFiniteMode(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         return self._owner._on_op(func, args, kwargs or {})
+
+
+class _OwnOps:
+    """``with own_ops:`` marks amp-doctor's own tensor work (stats, the step's host
+    copy, the scaler observer), which the dispatch mode must neither check nor count.
+
+    A plain counter, not a thread-local: on CUDA the backward pass runs on another
+    thread while the caller waits, and amp-doctor's gradient hooks run there.
+    """
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        _OwnOps.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _OwnOps.depth -= 1
+
+
+own_ops = _OwnOps()
 
 
 def _leaves(obj: Any) -> Iterator[Any]:
@@ -185,7 +221,7 @@ class AnomalyMode:
         # id(tensor) -> (summary, version, weakref): a plain dict is several times cheaper
         # per op than WeakIdKeyDictionary; the weakref guards against a reused id, and
         # the dict is emptied at every step boundary, so it stays small.
-        self._cache: dict[int, tuple[_Summary, int, weakref.ref[torch.Tensor]]] = {}
+        self._cache: dict[int, tuple[_Summary, int, weakref.ref[torch.Tensor], _Pending, int]] = {}
         self._cache_step = -1
         self._pending = _Pending()
         self._to_tag: tuple[list[torch.Tensor], tuple[Any, ...]] | None = None
@@ -268,14 +304,14 @@ class AnomalyMode:
         p = self._pending
         if not p.entries:
             return None
-        p.flags = self._origin_flags(p.entries)
+        p.flags, p.rows = self._origin_flags(p, p.entries)
         return p.flags.sum()
 
     def resolve(self, flagged: float | None) -> None:
         """Turn the flagged entries into events (a second sync, only if any were flagged)."""
         p, self._pending = self._pending, _Pending()
-        if flagged and p.flags is not None:
-            self._report(p, p.flags)
+        if flagged and p.flags is not None and p.rows is not None:
+            self._report(p, p.flags, p.rows)
 
     def check_now(self) -> None:
         """Check what is pending with a sync of its own (unrecorded stretch, close)."""
@@ -283,19 +319,21 @@ class AnomalyMode:
         p = self._pending
         if not p.entries:
             return
-        flags = p.flags if p.flags is not None else self._origin_flags(p.entries)
+        if p.flags is None or p.rows is None:
+            p.flags, p.rows = self._origin_flags(p, p.entries)
         self._pending = _Pending()
         count_sync()
-        if bool(flags.any()):
-            self._report(p, flags)
+        if bool(p.flags.any()):
+            self._report(p, p.flags, p.rows)
 
     # -- per op ------------------------------------------------------------------
     def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._to_tag is not None:
             self._tag_previous()
-        if not torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
-            # Neither a training forward nor backward: optimizer updates, GradScaler's
-            # unscale, evaluation under no_grad. Checking them would double the cost.
+        if _OwnOps.depth or (
+                not torch.is_grad_enabled() and torch._C._current_autograd_node() is None):
+            # amp-doctor's own work; or neither a training forward nor backward:
+            # optimizer updates, GradScaler's unscale, evaluation under no_grad.
             return func(*args, **kwargs)
         try:
             pre = self._before(func, args, kwargs)
@@ -324,7 +362,7 @@ class AnomalyMode:
         if func.is_view:
             return (name, None, True, False, args, step)
         constant_inf = False
-        ins: list[_Summary] = []
+        ins: list[int] = []
         leaves: Iterable[Any] = _leaves(args)
         if name in _OVERWRITES:
             leaves = list(leaves)[1:]
@@ -351,15 +389,16 @@ class AnomalyMode:
         if is_view:
             # Same values as the viewed tensor: share its summary, record nothing.
             base = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            known = self._cached(base) if base is not None else None
-            if known is not None:
+            known = self._cache.get(id(base)) if base is not None else None
+            if base is not None and known is not None and self._valid(base, known):
                 for t in outs:
                     if not t.is_inference():
-                        self._cache[id(t)] = (known, t._version, weakref.ref(t))
+                        self._cache[id(t)] = (known[0], t._version, weakref.ref(t), known[3],
+                                              known[4])
             if forward and torch.is_grad_enabled():
                 self._to_tag = (outs, (self._current_module(), name, ()))
             return
-        summaries: list[_Summary] = []
+        summaries: list[int] = []
         dtype = ""
         for t in outs:
             if not _summarizable(t) or name in _UNINITIALIZED:
@@ -396,28 +435,26 @@ class AnomalyMode:
             self.check_now()
 
     def _check_one(self, p: _Pending) -> None:
-        flags = self._origin_flags(p.entries[-1:])
+        flags, rows = self._origin_flags(p, p.entries[-1:])
         count_sync()
+        self._pending = _Pending()
         if bool(flags[0]):
             # The module has not finished yet: whether its output stays finite is unknown.
-            ev = self._report(_Pending(entries=p.entries[-1:]), flags)
-            self._pending = _Pending()
+            ev = self._report(_Pending(entries=p.entries[-1:], sums=p.sums), flags, rows)
             if ev is not None:
                 raise NonFiniteError(_one_line(ev))
-        p.entries.clear()
-        p.calls.clear()
 
     def check_inputs(self, module: str, args: Any) -> None:
         """A root model is being called: note its floating inputs (the batch)."""
         from .probes import iter_tensors
 
         try:
-            outs = [self._summary(t) for t in iter_tensors(args) if _summarizable(t)]
-            if outs:
+            tensors = [t for t in iter_tensors(args) if _summarizable(t)]
+            if tensors:
+                outs = [self._summary(t) for t in tensors]
                 self._add(_Entry(kind="input", op=None, module=module, step=self._step_of(),
-                                 dtype=dtype_name(next(t for t in iter_tensors(args)
-                                                       if _summarizable(t)).dtype),
-                                 outs=outs, ins=[], frames=self._user_frames()))
+                                 dtype=dtype_name(tensors[0].dtype), outs=outs, ins=[],
+                                 frames=self._user_frames()))
         except NonFiniteError:
             raise
         except Exception as e:
@@ -433,28 +470,40 @@ class AnomalyMode:
 
         outs = []
         for t in iter_tensors(output):
-            known = self._cached(t)
-            if known is not None:
-                outs.append(known)
+            e = self._cache.get(id(t))
+            if e is not None and self._valid(t, e):
+                outs.append(self._index(e))
         if outs:
             self._pending.calls.append(_ModuleCall(name, len(self._pending.entries), outs))
 
     # -- helpers ---------------------------------------------------------------
-    def _summarize(self, t: torch.Tensor) -> _Summary:
-        lo, hi = torch.aminmax(t)
-        s = (lo, hi)
+    def _summarize(self, t: torch.Tensor) -> int:
+        """Reduce ``t`` to (min, max) on its device; its index in the window's summaries."""
+        p = self._pending
+        s = torch.aminmax(t)
+        p.sums.append((s[0], s[1]))
+        i = len(p.sums) - 1
         if not t.is_inference():
-            self._cache[id(t)] = (s, t._version, weakref.ref(t))
-        return s
+            self._cache[id(t)] = (p.sums[i], t._version, weakref.ref(t), p, i)
+        return i
 
-    def _cached(self, t: torch.Tensor) -> _Summary | None:
+    @staticmethod
+    def _valid(t: torch.Tensor, e: tuple[Any, ...]) -> bool:
+        return e[2]() is t and not t.is_inference() and e[1] == t._version
+
+    def _index(self, e: tuple[_Summary, int, Any, _Pending, int]) -> int:
+        """The index of a cached summary in the current window (added once if it is new)."""
+        p = self._pending
+        if e[3] is p:
+            return e[4]
+        p.sums.append(e[0])
+        return len(p.sums) - 1
+
+    def _summary(self, t: torch.Tensor) -> int:
         e = self._cache.get(id(t))
-        if e is not None and e[2]() is t and not t.is_inference() and e[1] == t._version:
-            return e[0]
-        return None
-
-    def _summary(self, t: torch.Tensor) -> _Summary:
-        return self._cached(t) or self._summarize(t)
+        if e is not None and self._valid(t, e):
+            return self._index(e)
+        return self._summarize(t)
 
     def _tag_previous(self) -> None:
         pending, self._to_tag = self._to_tag, None
@@ -498,37 +547,42 @@ class AnomalyMode:
             self._internal_error = f"{type(e).__name__}: {e}"
 
     @staticmethod
-    def _origin_flags(entries: list[_Entry]) -> torch.Tensor:
-        """Per entry, on the device: an origin of non-finite values? No sync."""
-        dev = entries[0].outs[0][0].device
-        outs: list[_Summary] = []
+    def _origin_flags(p: _Pending, entries: list[_Entry]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per entry, on the device: an origin of non-finite values? No sync.
+
+        Also returns the window's summaries stacked as [n, 2] rows, for the report.
+        """
+        rows = _stack(p.sums)
+        dev = rows.device
         out_idx: list[int] = []
-        ins: list[_Summary] = []
+        out_owner: list[int] = []
         in_idx: list[int] = []
+        in_owner: list[int] = []
         is_input: list[bool] = []
         for i, e in enumerate(entries):
-            outs.extend(e.outs)
-            out_idx.extend([i] * len(e.outs))
-            ins.extend(e.ins)
-            in_idx.extend([i] * len(e.ins))
+            out_idx.extend(e.outs)
+            out_owner.extend([i] * len(e.outs))
+            in_idx.extend(e.ins)
+            in_owner.extend([i] * len(e.ins))
             is_input.append(e.kind == "input")
         n = len(entries)
-        o = _stack(outs, dev)
+        bad_any = ~torch.isfinite(rows).all(1)
         # Inputs to the model: NaN or +inf is bad data; -inf is how masks are written.
-        bad_any = ~torch.isfinite(o).all(1)
-        bad_data = torch.isnan(o).any(1) | (o[:, 1] == math.inf)
-        sel = torch.tensor(is_input, device=dev)[torch.tensor(out_idx, device=dev)]
-        bad_out = torch.where(sel, bad_data, bad_any)
-        out_bad = torch.zeros(n, device=dev).index_add_(
-            0, torch.tensor(out_idx, device=dev), bad_out.float())
-        if ins:
-            x = _stack(ins, dev)
+        bad_data = torch.isnan(rows).any(1) | (rows[:, 1] == math.inf)
+        oi = torch.tensor(out_idx, device=dev)
+        oo = torch.tensor(out_owner, device=dev)
+        sel = torch.tensor(is_input, device=dev)[oo]
+        bad_out = torch.where(sel, bad_data[oi], bad_any[oi])
+        out_bad = torch.zeros(n, device=dev).index_add_(0, oo, bad_out.float())
+        flags = out_bad > 0
+        if in_idx:
             in_bad = torch.zeros(n, device=dev).index_add_(
-                0, torch.tensor(in_idx, device=dev), (~torch.isfinite(x).all(1)).float())
-            return (out_bad > 0) & (in_bad == 0)
-        return out_bad > 0
+                0, torch.tensor(in_owner, device=dev),
+                bad_any[torch.tensor(in_idx, device=dev)].float())
+            flags &= in_bad == 0
+        return flags, rows
 
-    def _report(self, p: _Pending, flags: torch.Tensor) -> Event | None:
+    def _report(self, p: _Pending, flags: torch.Tensor, rows: torch.Tensor) -> Event | None:
         """Events for the first distinct origins among the flagged entries (syncs)."""
         idx = flags.nonzero().flatten().tolist()
         count_sync()
@@ -546,21 +600,22 @@ class AnomalyMode:
         chosen = [members[0] for members in list(groups.values())[:MAX_ORIGINS_PER_CHECK]]
         # One host copy for everything the chosen events report: their outputs, their
         # inputs and, in the forward pass, the output of the module they ran in.
-        needs: list[tuple[list[_Summary], list[_Summary], list[_Summary]]] = []
+        needs: list[tuple[list[int], list[int], list[int]]] = []
         for i in chosen:
             e = p.entries[i]
             call = self._module_call(p, e.module, i) if e.kind == "forward" else None
             needs.append((e.outs, e.ins, call.outs if call is not None else []))
-        host = _stack([s for need in needs for part in need for s in part], torch.device("cpu"))
+        wanted = [j for need in needs for part in need for j in part]
+        host = rows[torch.tensor(wanted, dtype=torch.long, device=rows.device)].cpu()
         count_sync()
         first: Event | None = None
         pos = 0
         for i, members, need in zip(chosen, groups.values(), needs, strict=False):
-            rows = []
+            parts = []
             for part in need:
-                rows.append(host[pos:pos + len(part)])
+                parts.append(host[pos:pos + len(part)])
                 pos += len(part)
-            ev = self._event_for(p.entries[i], *rows)
+            ev = self._event_for(p.entries[i], *parts)
             self._store(ev, sorted({p.entries[j].step for j in members}))
             first = first or ev
         return first
@@ -616,19 +671,31 @@ class AnomalyMode:
         return next((c for c in p.calls if c.name == module and c.end > i), None)
 
 
-def _stack(summaries: list[_Summary], dev: torch.device) -> torch.Tensor:
-    """[n, 2] float32 (min, max) rows on ``dev``, in one copy.
+def _stack(summaries: list[_Summary]) -> torch.Tensor:
+    """[n, 2] float32 (min, max) rows, on the device of the first summary.
 
-    ``stack`` promotes float16/bfloat16 to float32. A CUDA op may take a 0-d CPU tensor,
-    so a summary can live elsewhere than the rest: it is moved first.
+    Summaries are stacked per dtype (stacking mixed dtypes is several times slower)
+    and put back in order. A CUDA op may take a 0-d CPU tensor, so a summary can
+    live elsewhere than the rest: it is moved first.
     """
-    if not summaries:
-        return torch.zeros(0, 2)
     home = summaries[0][0].device
-    pairs = [s if s[0].device == home else (s[0].to(home), s[1].to(home)) for s in summaries]
-    lo = torch.stack([s[0] for s in pairs])
-    hi = torch.stack([s[1] for s in pairs])
-    return torch.stack((lo, hi), 1).to(dev, torch.float32)
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, s in enumerate(summaries):
+        groups.setdefault((s[0].dtype, s[0].device), []).append(i)
+    parts = []
+    order: list[int] = []
+    for (_, dev), idx in groups.items():
+        lo = torch.stack([summaries[i][0] for i in idx])
+        hi = torch.stack([summaries[i][1] for i in idx])
+        part = torch.stack((lo, hi), 1).to(torch.float32)
+        parts.append(part if dev == home else part.to(home))
+        order.extend(idx)
+    cat = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if order == list(range(len(order))):
+        return cat
+    out = torch.empty_like(cat)
+    out[torch.tensor(order, device=home)] = cat
+    return out
 
 
 def _one_line(ev: Event) -> str:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .anomaly import own_ops
 from .dtypes import LOW_PRECISION_DTYPES, dtype_name
 from .recorder import StepBuffer
 from .stats import summarize
@@ -219,7 +220,8 @@ class Probes:
             # An in-place op (x.mul_(gamma)) returns the same tensor with new
             # values: only an unchanged version counter means "already seen".
             if entry is None or entry[2] != t._version:
-                idx = buf.add(summarize(t))
+                with own_ops:
+                    idx = buf.add(summarize(t))
                 owners = [name]
                 self._seen[t] = (idx, owners, t._version)
                 if t.requires_grad:
@@ -238,7 +240,8 @@ class Probes:
         def hook(grad: torch.Tensor) -> None:
             if buf.closed or grad is None or not grad.is_floating_point() or grad.numel() == 0:
                 return
-            idx = buf.add(summarize(grad))
+            with own_ops:
+                idx = buf.add(summarize(grad))
             for n in owners:
                 buf.assign(n, "grad", idx)
             buf.note_backward(owners[0])
@@ -257,10 +260,11 @@ class Probes:
             if g.is_sparse or not g.is_floating_point() or g.numel() == 0:
                 continue
             by_layer.setdefault(name, []).append(g.detach().reshape(-1))
-        for name, grads in by_layer.items():
-            buf.param_grads_done.add(name)
-            flat = grads[0] if len(grads) == 1 else torch.cat([g.float() for g in grads])
-            buf.assign(name, "param_grad", buf.add(summarize(flat)))
+        with own_ops:
+            for name, grads in by_layer.items():
+                buf.param_grads_done.add(name)
+                flat = grads[0] if len(grads) == 1 else torch.cat([g.float() for g in grads])
+                buf.assign(name, "param_grad", buf.add(summarize(flat)))
 
     def low_precision_outputs(self) -> set[str]:
         lows = {dtype_name(d) for d in LOW_PRECISION_DTYPES}

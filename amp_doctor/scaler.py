@@ -54,6 +54,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .anomaly import own_ops
 from .recorder import count_sync
 from .records import Event, ScalerEvent, ScalerTimeline
 
@@ -144,11 +145,12 @@ class _ApiHub:
                 self._uninstall()
 
     def emit(self, method: str, *args: Any) -> None:
-        for sub in list(self.subscribers):
-            try:
-                getattr(sub, method)(*args)
-            except Exception as e:  # never let amp-doctor break a training run
-                _internal_error(sub, method, e)
+        with own_ops:
+            for sub in list(self.subscribers):
+                try:
+                    getattr(sub, method)(*args)
+                except Exception as e:  # never let amp-doctor break a training run
+                    _internal_error(sub, method, e)
 
     def _enter(self, key: str) -> bool:
         d = self._depth.get(key, 0)

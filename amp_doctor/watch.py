@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from . import stats as S
 from ._version import __version__
+from .anomaly import own_ops
 from .dtypes import dtype_name, limits
 from .errors import AmpDoctorError
 from .probes import Probes, iter_tensors
@@ -451,6 +452,10 @@ class Watch:
         self._set_recording()
 
     def _finish_step(self, partial: bool) -> None:
+        with own_ops:
+            self._finish_step_quiet(partial)
+
+    def _finish_step_quiet(self, partial: bool) -> None:
         mon = self._monitor
         outcome = mon.take_outcome() if mon is not None else None
         culprits = self._pending_culprits or []
