@@ -222,8 +222,9 @@ def _diagnose(
     error = None
     if isinstance(exc, KeyboardInterrupt):
         outcome = "interrupted"
-    elif isinstance(exc, SystemExit) and code != 0:
-        outcome = "exit"
+    elif isinstance(exc, SystemExit):
+        # sys.exit(0) / sys.exit(None), as in `sys.exit(main())`, is a normal end.
+        outcome = "exit" if code != 0 else "completed"
     elif exc is not None:
         outcome = "exception"
         error = f"{type(exc).__name__}: {exc}"

@@ -661,9 +661,18 @@ class AmpMonitor:
             else:
                 rel = any(self._owns_param(p) for p in self._params(opt))
             self._opt_relevant[key] = rel
+        if key not in self._opt_names:
             self._opt_names[key] = f"{type(opt).__name__}#{self._opt_count}"
             self._opt_count += 1
         return self._opt_relevant[key]
+
+    def models_changed(self) -> None:
+        """The watch gained a model: optimizers judged "not ours" before may be ours now.
+
+        An LR scheduler's constructor, for one, shows us the optimizer before the
+        ``diagnose`` CLI has seen the model's first forward pass.
+        """
+        self._opt_relevant = {k: v for k, v in self._opt_relevant.items() if v}
 
     def opt_name(self, opt: Any) -> str:
         self._relevant(opt)

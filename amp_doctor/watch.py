@@ -306,6 +306,8 @@ class Watch:
         self.models[prefix] = model
         self._probes.add_root(prefix, model)
         self._owned_params.update(id(p) for p in model.parameters())
+        if self._monitor is not None:
+            self._monitor.models_changed()
 
     @staticmethod
     def _free_name(name: str, taken: set[str]) -> str:

@@ -71,7 +71,9 @@ def _report(work: Path, logdir: str = "out") -> Session:
 
 @pytest.mark.parametrize(
     ("args", "code", "outcome"),
-    [([], 0, "completed"), (["--exit", "3"], 3, "exit"), (["--raise-error"], 1, "exception")],
+    [([], 0, "completed"), (["--exit", "3"], 3, "exit"), (["--raise-error"], 1, "exception"),
+     # sys.exit(main()) returning 0 is the usual way a script ends.
+     (["--exit", "0"], 0, "completed")],
 )
 def test_exit_codes_and_report_on_every_path(work: Path, args: list[str], code: int,
                                              outcome: str) -> None:
@@ -208,3 +210,14 @@ def test_view_serves_tensorboard(work: Path) -> None:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_scheduler_made_before_the_first_forward_does_not_hide_the_scaler(work: Path) -> None:
+    # LinearLR's constructor shows the optimizer before the model is discovered.
+    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "with_scheduler.py"],
+            work)
+    assert r.returncode == 0, r.stderr
+    s = _report(work)
+    assert s.amp.scaler and s.steps == 6 and s.recorded_steps == 6
+    assert s.scaler is not None and s.scaler.scale[-1][1] == 65536.0
+    assert not s.findings_of("missing_scaler")
