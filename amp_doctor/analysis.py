@@ -189,7 +189,9 @@ def analyze(session: Session) -> list[Finding]:
     for fn in _RULES:
         out.extend(fn(session))
     out = _cap(out)
-    out.sort(key=lambda f: (SEVERITY_RANK[f.severity], f.step if f.step is not None else 0))
+    # Same severity and step: causes before their consequences on the loss scale.
+    out.sort(key=lambda f: (SEVERITY_RANK[f.severity], f.step if f.step is not None else 0,
+                            f.kind in ("scale_collapse", "scaler_backoff", "scale_stuck")))
     return out
 
 
@@ -414,7 +416,47 @@ def _skips_per_optimizer(session: Session, steps: list[int]) -> str:
     return f" (skipped per optimizer: {', '.join(parts)})" if parts else ""
 
 
-def _culprit_text(culprits: list[str], origin: str | None) -> str:
+# Anomaly-mode origins, in the order they happen within a step.
+_ORIGIN_RANK = {"nonfinite_input": 0, "nonfinite_forward": 1, "activation_overflow": 2,
+                "nonfinite_backward": 3}
+
+
+def _origins_by_step(session: Session) -> dict[int, tuple[str, str]]:
+    """Per step, where anomaly mode saw the NaN/Inf begin: (module, how, in words)."""
+    best: dict[int, tuple[int, str, str]] = {}
+    for e in session.events:
+        rank = _ORIGIN_RANK.get(e.kind)
+        if rank is None or not e.module or (
+                e.kind == "activation_overflow" and not e.data.get("hidden")):
+            continue
+        if e.kind == "nonfinite_input":
+            how = f"the batch given to {e.module} already held NaN/Inf"
+        elif e.kind == "nonfinite_backward":
+            how = (f"the backward of {e.data.get('forward_op')} in {e.module} ({e.op}) was "
+                   "the first op to go non-finite")
+        elif e.kind == "activation_overflow":
+            how = f"{e.op} overflowed inside {e.module} in the forward pass"
+        else:
+            how = f"{e.op} in {e.module} was the first op to produce NaN/Inf"
+        if e.step not in best or rank < best[e.step][0]:
+            best[e.step] = (rank, e.module, how)
+    return {step: (m, how) for step, (_, m, how) in best.items()}
+
+
+def _origin_of(evs: list[ScalerEvent], origins: dict[int, tuple[str, str]]
+               ) -> tuple[str, str] | None:
+    """Where the non-finite gradients of these backoffs began, if anything says so."""
+    for e in evs:
+        if e.step in origins:
+            return origins[e.step]
+    for e in evs:
+        if e.forward_origin:
+            return (e.forward_origin, f"{e.forward_origin}'s output went non-finite first, "
+                    "in the forward pass")
+    return None
+
+
+def _culprit_text(culprits: list[str], origin: tuple[str, str] | None) -> str:
     if not culprits:
         text = ("; no watched layer had non-finite gradients (the inf/NaN was in parameters "
                 "outside the watched model(s), or the optimizer checks for inf on the device, "
@@ -422,10 +464,11 @@ def _culprit_text(culprits: list[str], origin: str | None) -> str:
     else:
         shown = ", ".join(culprits[:6]) + ("..." if len(culprits) > 6 else "")
         text = (f"; non-finite gradients in {len(culprits)} layer(s), in backward order: "
-                f"{shown}. The first, {culprits[0]}, is where they appeared: look there")
+                f"{shown}")
+        if not origin:
+            text += f". The first, {culprits[0]}, is where they appeared: look there"
     if origin:
-        text += (f"; the inf/NaN started in the forward pass: {origin}'s output overflowed "
-                 "first")
+        text += f". They began at {origin[0]}: {origin[1]}; look there"
     return text
 
 
@@ -437,6 +480,7 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
     growths = sorted((e for e in sc.events if e.kind == "growth"), key=lambda e: e.step)
     groups = _group_backoffs(backoffs)
     last_step = session.steps - 1
+    origins = _origins_by_step(session)
     normal: list[tuple[str, list[ScalerEvent]]] = []
     # Episodes with the same culprits are one finding: a recurring overflow
     # in the same layer is one problem, however often it strikes.
@@ -461,11 +505,12 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
                     f"(steps {_steps_str(steps)}): the scale went from "
                     f"{_scale_str(first.scale_before)} before step {first.step} to "
                     f"{_scale_str(last.scale_after)} after step {last.step}")
-        origin = next((e.forward_origin for e in evs if e.forward_origin), None)
+        origin = _origin_of(evs, origins)
         yield Finding(
             kind="scaler_backoff", severity="warning",
-            # An overflow in the forward pass is where the non-finite gradients came from.
-            module=origin or (culprits[0] if culprits else None), op=None, step=first.step,
+            # Where the non-finite values began, when known, is where to look.
+            module=origin[0] if origin else (culprits[0] if culprits else None), op=None,
+            step=first.step,
             message=(f"{head}, and {len(evs)} optimizer step(s) were skipped"
                      f"{_skips_per_optimizer(session, steps)}"
                      f"{_culprit_text(culprits, origin)}."),
@@ -474,7 +519,7 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
             data={"culprits": culprits, "scale_before": first.scale_before,
                   "scale_after": last.scale_after, "backoffs": len(evs),
                   "episodes": [[g[0].step, g[-1].step] for g in episodes][:50],
-                  "forward_origin": origin},
+                  "forward_origin": origin[0] if origin else None},
         )
     if normal:
         steps = [e.step for _, g in normal for e in g]
@@ -529,8 +574,14 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
         reasons.append(f"{len(g)} backoffs in a row at steps {g[0].step}-{g[-1].step} (scale "
                        f"{_scale_str(g[0].scale_before)} -> {_scale_str(g[-1].scale_after)})")
     if reasons:
-        culprits = [e.forward_origin or e.culprits[0] for e in backoffs
-                    if e.forward_origin or e.culprits]
+        # Unrecorded steps have no forward origin of their own: a backoff with the same
+        # first culprit as a recorded one is taken to have begun in the same place.
+        learned = {e.culprits[0]: e.forward_origin for e in backoffs
+                   if e.forward_origin and e.culprits}
+        culprits = [
+            origins[e.step][0] if e.step in origins else e.forward_origin
+            or learned.get(e.culprits[0], e.culprits[0])
+            for e in backoffs if e.step in origins or e.forward_origin or e.culprits]
         top = max(dict.fromkeys(culprits), key=culprits.count) if culprits else None
         yield Finding(
             kind="scale_collapse", severity="error", module=top, op=None,
@@ -789,6 +840,12 @@ def _events_rule(session: Session) -> Iterable[Finding]:
         first = es[0]
         n = max(len(es), int(first.data.get("occurrences") or 0))
         sev: Severity = first.data.get("severity") or _EVENT_SEVERITY[kind]
+        skipped = set(session.scaler.skipped_steps) if session.scaler else set()
+        if kind == "activation_overflow" and first.data.get("hidden") and (
+                skipped.intersection(e.step for e in es)
+                or any(x.kind == "nonfinite_backward" for x in session.events)):
+            # The hidden overflow did harm (skipped steps, NaN in backward): it is the cause.
+            sev = "error"
         if kind == "nonfinite_backward" and session.amp.scaler and not any(
                 e.data.get("nan") for e in es):
             # Scaled gradients overflowing is what GradScaler detects and skips.
