@@ -337,3 +337,14 @@ def test_bad_arguments_get_clear_errors() -> None:
     with pytest.raises(amp_doctor.AmpDoctorError, match="not a torch.nn.Module"):
         amp_doctor.watch("model")  # type: ignore[arg-type]
     assert not patches_installed()
+
+
+def test_a_run_that_recorded_nothing_is_not_called_healthy() -> None:
+    model = MLP()
+    with amp_doctor.watch(model) as doctor:
+        pass
+    text = doctor.report()
+    assert "nothing was recorded" in text and "looks healthy" not in text
+    with amp_doctor.watch(model, every=1) as doctor:
+        train(model, steps=2)
+    assert "AMP looks healthy" in doctor.report()

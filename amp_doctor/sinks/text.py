@@ -145,6 +145,11 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
         for f in s.findings:
             out.append("")
             out.append(_finding_block(f))
+    elif s.recorded_steps == 0 or not s.layers:
+        out.append(_wrap("Findings: none, because nothing was recorded: no watched model ran "
+                         "a training step (forward with grad, then backward and an optimizer "
+                         "step). Check that the script trains, or pass the model to "
+                         "amp_doctor.watch().", 0))
     else:
         out.append("Findings: none. AMP looks healthy in the recorded steps.")
     sl = _scaler_line(s)
