@@ -237,7 +237,14 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                     source: LayerSummary | None = None) -> Iterable[Finding]:
     if lay.recorded_steps == 0:
         return
-    if lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR:
+    # Its output is a sublayer's tensor (a container), and that sublayer is reported; or
+    # anomaly mode found the op in it that made NaN/-inf from finite inputs (log(0),
+    # 0/0), which that finding explains better than "overflow".
+    explained = lay.passthrough or any(
+        e.kind == "nonfinite_forward" and e.module == lay.name for e in session.events)
+    if explained:
+        pass
+    elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR:
         yield Finding(
             kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
             message=(f"{lay.name} ({lay.type}) output overflows {fmt}: "
