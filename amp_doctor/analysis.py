@@ -827,9 +827,14 @@ def event_advice(e: Event) -> str:
     op_fix = _OP_ADVICE.get(e.op or "")
     if e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix:
         where = f" in {e.module}" if e.module else ""
-        return (f"For {e.op}{where}: {op_fix}. Or keep the op in float32 with "
-                "`with torch.autocast(device_type, enabled=False):` around it and `.float()` "
-                "inputs, or train with `dtype=torch.bfloat16`.")
+        f32 = ("" if "autocast" in op_fix else " Or keep the op in float32 with `with "
+               "torch.autocast(device_type, enabled=False):` around it and `.float()` inputs.")
+        return (f"For {e.op}{where}: {op_fix}.{f32} Or train with `dtype=torch.bfloat16`.")
+    if e.kind == "nonfinite_backward" and not e.module:
+        return ("The gradient went non-finite where the loss is computed, outside the model: "
+                "keep the loss O(1) (a mean rather than a sum reduction, targets normalised "
+                "to unit scale), compute it in float32 (`loss_fn(out.float(), y.float())`), "
+                "or start the GradScaler lower (`init_scale=...`).")
     if e.kind == "activation_overflow" and e.data.get("hidden"):
         return (f"Compute {e.op} in float32: wrap it in `with torch.autocast(device_type, "
                 "enabled=False):` and cast its input with `.float()`, or train with "
