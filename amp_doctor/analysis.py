@@ -292,7 +292,14 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         kind = "missing_scaler" if not scaled else "gradient_underflow"
         big = max((v for v in (lay.grad_absmax, lay.param_grad_absmax)
                    if v is not None and math.isfinite(v)), default=None)
-        if scaled:
+        top = max((v for _, v in session.scaler.scale), default=None) if (
+            scaled and session.scaler) else None
+        if scaled and top is not None and top <= 1.0:
+            # A scale that never rose above 1 lifts nothing: "with" and "without" coincide.
+            tail = (f" although a GradScaler is on: its scale never rose above "
+                    f"{_scale_str(top)}, so it lifts nothing (raise `init_scale`, e.g. "
+                    "`torch.amp.GradScaler(device_type, init_scale=2.0**16)`)")
+        elif scaled:
             gu_u = _grad_under_unscaled(lay)
             tail = (f" even with the loss scale ({_pct(gu_u)} would without it)"
                     if gu_u is not None else " even with the loss scale")
