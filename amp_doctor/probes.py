@@ -84,11 +84,15 @@ def _first_tensors(obj: Any) -> list[torch.Tensor]:
 
 
 class Probes:
-    """Forward hooks on every module of the watched models.
+    """Forward hooks on the modules of the watched models.
 
-    ``recording`` gates all work: on steps that are not sampled a hook does
-    one attribute check and returns. ``on_forward`` lets the owner see each
-    root call (autocast state, step starts) without hooks of its own.
+    Roots (the models given to ``watch``) are hooked for the whole watch:
+    ``on_root_forward`` lets the owner see each root call (autocast state,
+    step starts) without hooks of its own. Every other module is hooked only
+    while :meth:`set_armed` says so, which the owner does for recorded steps
+    (and for anomaly mode, which needs the module stack on every step): once
+    a module has any hook, torch calls it through its slow path, and on an
+    unrecorded step even an idle hook would be pure cost.
     """
 
     def __init__(
@@ -101,6 +105,11 @@ class Probes:
         self._names: dict[int, str] = {}
         self._roots: set[int] = set()
         self._handles: list[RemovableHandle] = []
+        # Hooks on non-root modules, present only while armed.
+        self._sub_handles: list[RemovableHandle] = []
+        self._subs: list[nn.Module] = []
+        self.armed = False
+        self._want_armed = False
         self._buffer = buffer_provider
         self._on_root_forward = on_root_forward
         self.recording = False
@@ -137,11 +146,39 @@ class Probes:
                 self.param_owner.setdefault(id(p), name)
             self.layers[name] = meta
             self._names[id(mod)] = name
-            self._handles.append(mod.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self._handles.append(
-                mod.register_forward_hook(self._post, with_kwargs=True, always_call=True)
-            )
+            if mod is model:
+                self._handles.extend(self._hook(mod))
+            else:
+                self._subs.append(mod)
+                if self.armed:
+                    self._sub_handles.extend(self._hook(mod))
         return True
+
+    def _hook(self, mod: nn.Module) -> tuple[RemovableHandle, RemovableHandle]:
+        return (mod.register_forward_pre_hook(self._pre, with_kwargs=True),
+                mod.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+
+    def set_armed(self, armed: bool) -> None:
+        """Hook (or unhook) every non-root module; applied between forward passes.
+
+        A request made while a forward is running waits for the next root
+        call: removing a hook mid-forward would lose its module's post-hook.
+        """
+        self._want_armed = armed
+        if self._depth == 0:
+            self._apply_armed()
+
+    def _apply_armed(self) -> None:
+        if self._want_armed == self.armed:
+            return
+        if self._want_armed:
+            for mod in self._subs:
+                self._sub_handles.extend(self._hook(mod))
+        else:
+            for h in self._sub_handles:
+                h.remove()
+            self._sub_handles.clear()
+        self.armed = self._want_armed
 
     def watches(self, module: nn.Module) -> bool:
         return id(module) in self._names
@@ -169,9 +206,11 @@ class Probes:
 
     # -- lifecycle -------------------------------------------------------
     def remove(self) -> None:
-        for h in self._handles:
+        for h in (*self._handles, *self._sub_handles):
             h.remove()
         self._handles.clear()
+        self._sub_handles.clear()
+        self.armed = self._want_armed = False
         self._seen = WeakIdKeyDictionary()
 
     def name_of(self, module: nn.Module) -> str | None:
@@ -185,6 +224,8 @@ class Probes:
 
     # -- hooks -----------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._depth == 0 and self._want_armed != self.armed:
+            self._apply_armed()
         self._depth += 1
         self.stack.append(self._names[id(module)])
         if id(module) in self._roots and self._depth == 1:
@@ -221,7 +262,7 @@ class Probes:
             # values: only an unchanged version counter means "already seen".
             if entry is None or entry[2] != t._version:
                 with own_ops:
-                    idx = buf.add(summarize(t))
+                    idx = buf.add(summarize(t), t.numel())
                 owners = [name]
                 self._seen[t] = (idx, owners, t._version)
                 if t.requires_grad:
@@ -241,7 +282,7 @@ class Probes:
             if buf.closed or grad is None or not grad.is_floating_point() or grad.numel() == 0:
                 return
             with own_ops:
-                idx = buf.add(summarize(grad))
+                idx = buf.add(summarize(grad), grad.numel())
             for n in owners:
                 buf.assign(n, "grad", idx)
             buf.note_backward(owners[0])
@@ -264,7 +305,7 @@ class Probes:
             for name, grads in by_layer.items():
                 buf.param_grads_done.add(name)
                 flat = grads[0] if len(grads) == 1 else torch.cat([g.float() for g in grads])
-                buf.assign(name, "param_grad", buf.add(summarize(flat)))
+                buf.assign(name, "param_grad", buf.add(summarize(flat), flat.numel()))
 
     def low_precision_outputs(self) -> set[str]:
         lows = {dtype_name(d) for d in LOW_PRECISION_DTYPES}

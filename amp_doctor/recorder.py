@@ -45,14 +45,18 @@ class StepBuffer:
         self.step = step
         self.closed = False
         self._rows: list[torch.Tensor] = []
+        self._numels: list[int] = []
         self._scalars: dict[str, torch.Tensor] = {}
         self.assigned: dict[tuple[str, str], list[int]] = {}
         self.backward_order: list[str] = []
         self.param_grads_done: set[str] = set()
         self.param_grads_scaled = False
 
-    def add(self, summary: torch.Tensor) -> int:
+    def add(self, summary: torch.Tensor, numel: int) -> int:
+        """File the device part of a summary (see :func:`stats.summarize`); ``numel``
+        is host metadata and never travels to the device and back."""
         self._rows.append(summary)
+        self._numels.append(numel)
         return len(self._rows) - 1
 
     def assign(self, layer: str, fld: str, idx: int) -> None:
@@ -92,19 +96,22 @@ class StepBuffer:
             count_sync()
         pos = 0
         for _, n in order:
-            rows_host.append(flat[pos : pos + n * S.SUMMARY_LEN].reshape(n, S.SUMMARY_LEN))
-            pos += n * S.SUMMARY_LEN
+            rows_host.append(flat[pos : pos + n * S.DEVICE_LEN].reshape(n, S.DEVICE_LEN))
+            pos += n * S.DEVICE_LEN
         # Rows were grouped by device; put them back in insertion order.
-        matrix = _reorder(rows_host, self._rows)
+        device_part = _reorder(rows_host, self._rows)
+        numels = torch.tensor(self._numels, dtype=torch.float64).reshape(-1, 1)
+        matrix = torch.cat([numels, device_part], dim=1)
         scalars = {k: float(flat[pos + i]) for i, k in enumerate(keys)}
         self._rows = []
+        self._numels = []
         self._scalars = {}
         return HostStep(self.step, matrix, scalars, dict(self.assigned), list(self.backward_order))
 
 
 def _reorder(chunks: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:
     if not rows:
-        return torch.zeros(0, S.SUMMARY_LEN, dtype=torch.float64)
+        return torch.zeros(0, S.DEVICE_LEN, dtype=torch.float64)
     if len(chunks) == 1:
         return chunks[0]
     devices: list[torch.device] = []
@@ -142,8 +149,7 @@ class HostStep:
         return out
 
 
-def decode_rows(row: torch.Tensor, fmt: FormatLimits, scale_log2: int = 0) -> TensorStats:
-    d = S.decode(row.tolist(), fmt, scale_log2)
+def _tensor_stats(d: S.Decoded) -> TensorStats:
     return TensorStats(
         numel=d.numel,
         min=d.min,
@@ -155,6 +161,10 @@ def decode_rows(row: torch.Tensor, fmt: FormatLimits, scale_log2: int = 0) -> Te
         underflow_frac=d.underflow_frac,
         headroom=d.headroom,
     )
+
+
+def decode_rows(row: torch.Tensor, fmt: FormatLimits, scale_log2: int = 0) -> TensorStats:
+    return _tensor_stats(S.decode_many(row.reshape(1, -1), fmt, [scale_log2])[0])
 
 
 def scale_log2_of(scale: float | None) -> int:
@@ -172,18 +182,31 @@ def host_step_layers(
         names.setdefault(layer)
     gl2 = scale_log2_of(grad_scale)
     pl2 = scale_log2_of(param_grad_scale)
-    out: dict[str, LayerStep] = {}
+    # (layer, slot, row, shift) for every figure, decoded in one batch.
+    wanted: list[tuple[str, str, torch.Tensor, int]] = []
     raw: dict[str, dict[str, torch.Tensor]] = {}
     for name in names:
         rows = {f: r for f in FIELDS if (r := hs.merged(name, f)) is not None}
         raw[name] = rows
-        act = decode_rows(rows["act"], fmt) if "act" in rows else None
-        grad = decode_rows(rows["grad"], fmt) if "grad" in rows else None
-        grad_u = decode_rows(rows["grad"], fmt, gl2) if "grad" in rows and gl2 else None
-        pg = decode_rows(rows["param_grad"], fmt) if "param_grad" in rows else None
-        pg_u = decode_rows(rows["param_grad"], fmt, pl2) if "param_grad" in rows and pl2 else None
-        out[name] = LayerStep(act=act, grad=grad, grad_unscaled=grad_u, param_grad=pg,
-                              param_grad_unscaled=pg_u)
+        for fld, row in rows.items():
+            wanted.append((name, fld, row, 0))
+        if "grad" in rows and gl2:
+            wanted.append((name, "grad_unscaled", rows["grad"], gl2))
+        if "param_grad" in rows and pl2:
+            wanted.append((name, "param_grad_unscaled", rows["param_grad"], pl2))
+    decoded: dict[str, dict[str, TensorStats]] = {name: {} for name in names}
+    if wanted:
+        matrix = torch.stack([w[2] for w in wanted])
+        for (name, slot, _, _), d in zip(
+                wanted, S.decode_many(matrix, fmt, [w[3] for w in wanted]), strict=True):
+            decoded[name][slot] = _tensor_stats(d)
+    out: dict[str, LayerStep] = {}
+    for name in names:
+        got = decoded[name]
+        out[name] = LayerStep(act=got.get("act"), grad=got.get("grad"),
+                              grad_unscaled=got.get("grad_unscaled"),
+                              param_grad=got.get("param_grad"),
+                              param_grad_unscaled=got.get("param_grad_unscaled"))
     return out, raw
 
 
@@ -318,8 +341,9 @@ class LayerAggregate:
             param_grad_nonfinite_steps=self.pg_nonfinite_steps,
             passthrough=passthrough,
             ops=ops,
-            act_exp_hist=[int(v) for v in self.act_hist.tolist()],
-            grad_exp_hist=[int(v) for v in self.grad_hist.tolist()],
+            # Sampled tensors give scaled, fractional counts.
+            act_exp_hist=[round(v) for v in self.act_hist.tolist()],
+            grad_exp_hist=[round(v) for v in self.grad_hist.tolist()],
         )
 
 

@@ -443,6 +443,9 @@ class Watch:
             return
         self._probes.new_step()
         self._probes.recording = rec and not self.closed
+        # Anomaly mode names modules on every step, so it needs the module stack.
+        self._probes.set_armed(not self.closed and (self._probes.recording
+                                                     or self._anomaly is not None))
         self._buffer = StepBuffer(self.step_index) if self._probes.recording else None
         self._activity = False
 

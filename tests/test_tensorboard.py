@@ -177,7 +177,7 @@ def test_exponent_histograms_span_the_format_and_count_everything(
 def test_exp_counts_puts_each_value_in_its_bucket() -> None:
     x = torch.tensor([0.0, -0.0, 1e-10, 1e-6, 1.0, 3.0, -2.0, 40000.0, 65504.0, 70000.0,
                       math.inf, -math.inf, math.nan, 1e-40, 3.4e38])
-    row = S.summarize(x).double()
+    row = S.summary_row(x)
     f16 = exp_buckets(F16)
     c = exp_counts(row, f16)
     assert sum(c) == x.numel()
@@ -187,8 +187,9 @@ def test_exp_counts_puts_each_value_in_its_bucket() -> None:
 
     assert c[f16.zero] == 2
     assert c[f16.flush] == 2  # 1e-10 and the float32 subnormal 1e-40 flush to zero
-    assert at(f16, -20) == 1 and at(f16, 0) == 1 and at(f16, 1) == 2 and at(f16, 15) == 1
-    assert c[f16.overflow] == 3  # 65504 (the max itself counts, as in stats), 70000, 3.4e38
+    assert at(f16, -20) == 1 and at(f16, 0) == 1 and at(f16, 1) == 2
+    assert at(f16, 15) == 2  # 40000 and 65504: the max itself fits
+    assert c[f16.overflow] == 2  # 70000, 3.4e38
     assert c[f16.nonfinite] == 3
 
     bf = exp_buckets(limits(torch.bfloat16))
@@ -197,7 +198,18 @@ def test_exp_counts_puts_each_value_in_its_bucket() -> None:
     assert c[bf.zero] == 2 and c[bf.flush] == 0
     assert at(bf, -34) == 1 and at(bf, -127) == 1  # 1e-10; 1e-40 -> documented bucket
     assert at(bf, 15) == 2 and at(bf, 16) == 1  # 65504 and 70000 fit in bfloat16
-    assert c[bf.overflow] == 1 and c[bf.nonfinite] == 3  # 3.4e38 > bfloat16 max
+    # 3.4e38 is beyond bfloat16's max (3.39e38) but below 2**128, in float32's top bin: with
+    # a NaN in the tensor neither the histogram nor min/max can place it (stats.over_count).
+    assert at(bf, 127) == 1 and c[bf.overflow] == 0 and c[bf.nonfinite] == 3
+
+
+def test_exp_counts_places_a_float32_beyond_the_max_by_the_exact_extremes() -> None:
+    # 65510 is beyond float16's max but shares its float32 exponent with it; min/max
+    # are exact, so the summary still knows one value is beyond.
+    row = S.summary_row(torch.tensor([1.0, 65000.0, 65510.0]))
+    c = exp_counts(row, exp_buckets(F16))
+    assert c[exp_buckets(F16).overflow] == 1 and sum(c) == 3
+    assert S.decode(row.tolist(), F16).overflow_frac == pytest.approx(1 / 3)
 
 
 def test_heatmaps_text_and_layout_are_in_the_event_files(run: tuple[Path, Session]) -> None:

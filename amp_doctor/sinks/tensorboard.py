@@ -200,31 +200,26 @@ def exp_buckets(fmt: FormatLimits) -> ExpBuckets:
                       sub_bucket=sub, top=1 + n_exp, overflow=overflow, nonfinite=nonfinite)
 
 
-_OVER_COLUMN = {"float16": S.OVER_F16, "bfloat16": S.OVER_BF16}
-
-
 def exp_counts(row: torch.Tensor, eb: ExpBuckets) -> list[float]:
     """Bucket counts of one raw host summary row (or a sum of rows) for ``eb``.
 
-    Linear in ``row``, so the counts of a sum of rows are the sum of the counts.
+    Linear in ``row``, so the counts of a sum of rows are the sum of the counts
+    (up to :func:`~amp_doctor.stats.over_count`'s "at least one").
     """
     r = row.to(torch.float64)
     counts = torch.zeros(len(eb), dtype=torch.float64)
     counts.index_add_(0, eb.index, r[S.HIST:])
     out = counts.tolist()
-    zeros, nans = float(r[S.ZEROS]), float(r[S.NANS])
+    zeros = float(r[S.ZEROS])
     out[eb.sub_bucket] -= zeros
     out[eb.zero] += zeros
-    col = _OVER_COLUMN.get(eb.fmt.name)
-    if col is not None:
-        # The summary counts |x| >= the format max exactly (inf included, NaN not). Values
-        # from the max up to the next power of two share a float32 exponent with finite
-        # ones, so move exactly that many from the top bucket to the overflow bucket.
-        infs = float(r[S.HIST + S.N_EXP_BINS - 1]) - nans
-        finite_over = float(r[col]) - infs
-        moved = min(max(finite_over - out[eb.overflow], 0.0), out[eb.top])
-        out[eb.top] -= moved
-        out[eb.overflow] += moved
+    # Values beyond the max that share the top bucket's float32 exponent (a float32
+    # 65510 for float16) are known only through the exact max: move them up.
+    infs = out[eb.nonfinite] - float(r[S.NANS])
+    finite_over = S.over_count(r.tolist(), eb.fmt) - max(infs, 0.0)
+    moved = min(max(finite_over - out[eb.overflow], 0.0), out[eb.top])
+    out[eb.top] -= moved
+    out[eb.overflow] += moved
     return out
 
 
