@@ -48,7 +48,11 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils.hooks import RemovableHandle
 
 from .dtypes import dtype_name
@@ -217,6 +221,8 @@ class AnomalyMode:
         self._allow_cache: dict[str | None, bool] = {}
         self._mode: _NonFiniteMode | None = None
         self._handle: RemovableHandle | None = None
+        self._opt_handles: list[RemovableHandle] = []
+        self._suspended = False
         self._saved_anomaly: tuple[bool, bool] | None = None
         # id(tensor) -> (summary, version, weakref): a plain dict is several times cheaper
         # per op than WeakIdKeyDictionary; the weakref guards against a reused id, and
@@ -249,6 +255,8 @@ class AnomalyMode:
         AnomalyMode._active = self
         self._saved_anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
         self._handle = register_module_forward_hook(self._module_post, always_call=True)
+        self._opt_handles = [register_optimizer_step_pre_hook(self._suspend),
+                             register_optimizer_step_post_hook(self._resume)]
         self._mode = _NonFiniteMode(self)
         self._mode.__enter__()
 
@@ -257,13 +265,18 @@ class AnomalyMode:
         try:
             if self._mode is not None:
                 mode, self._mode = self._mode, None
-                mode.__exit__(None, None, None)
+                if not self._suspended:
+                    mode.__exit__(None, None, None)
         finally:
+            self._suspended = False
             if AnomalyMode._active is self:
                 AnomalyMode._active = None
             if self._handle is not None:
                 self._handle.remove()
                 self._handle = None
+            for h in self._opt_handles:
+                h.remove()
+            self._opt_handles = []
             if self._saved_anomaly is not None:
                 torch.autograd.set_detect_anomaly(*self._saved_anomaly)
                 self._saved_anomaly = None
@@ -274,6 +287,23 @@ class AnomalyMode:
                 self._pending = _Pending()
                 self._cache = {}
                 self._to_tag = None
+
+    # An optimizer step runs without grad, so the mode only passes its ops
+    # through; but a Python dispatch mode costs a call per op, and an Adam step
+    # is half the ops of a small model's training step. Leave the stack while
+    # it runs, if ours is the innermost mode (the stack only unwinds from the
+    # top); a step that raised is resumed from at the next root forward.
+    def _suspend(self, *_: Any) -> None:
+        if (self._mode is not None and not self._suspended
+                and _get_current_dispatch_mode() is self._mode):
+            self._tag_previous()
+            self._mode.__exit__(None, None, None)
+            self._suspended = True
+
+    def _resume(self, *_: Any) -> None:
+        if self._suspended and self._mode is not None:
+            self._suspended = False
+            self._mode.__enter__()
 
     # -- results ---------------------------------------------------------------
     def op_dtypes(self) -> dict[str, dict[str, dict[str, int]]]:
@@ -447,6 +477,8 @@ class AnomalyMode:
     def check_inputs(self, module: str, args: Any) -> None:
         """A root model is being called: note its floating inputs (the batch)."""
         from .probes import iter_tensors
+
+        self._resume()
 
         try:
             tensors = [t for t in iter_tensors(args) if _summarizable(t)]

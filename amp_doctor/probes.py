@@ -262,7 +262,7 @@ class Probes:
             # values: only an unchanged version counter means "already seen".
             if entry is None or entry[2] != t._version:
                 with own_ops:
-                    idx = buf.add(summarize(t), t.numel())
+                    idx = buf.add(summarize(t))
                 owners = [name]
                 self._seen[t] = (idx, owners, t._version)
                 if t.requires_grad:
@@ -282,7 +282,7 @@ class Probes:
             if buf.closed or grad is None or not grad.is_floating_point() or grad.numel() == 0:
                 return
             with own_ops:
-                idx = buf.add(summarize(grad), grad.numel())
+                idx = buf.add(summarize(grad))
             for n in owners:
                 buf.assign(n, "grad", idx)
             buf.note_backward(owners[0])
@@ -305,7 +305,7 @@ class Probes:
             for name, grads in by_layer.items():
                 buf.param_grads_done.add(name)
                 flat = grads[0] if len(grads) == 1 else torch.cat([g.float() for g in grads])
-                buf.assign(name, "param_grad", buf.add(summarize(flat), flat.numel()))
+                buf.assign(name, "param_grad", buf.add(summarize(flat)))
 
     def low_precision_outputs(self) -> set[str]:
         lows = {dtype_name(d) for d in LOW_PRECISION_DTYPES}

@@ -44,19 +44,15 @@ class StepBuffer:
     def __init__(self, step: int) -> None:
         self.step = step
         self.closed = False
-        self._rows: list[torch.Tensor] = []
-        self._numels: list[int] = []
+        self._rows: list[S.Summary] = []
         self._scalars: dict[str, torch.Tensor] = {}
         self.assigned: dict[tuple[str, str], list[int]] = {}
         self.backward_order: list[str] = []
         self.param_grads_done: set[str] = set()
         self.param_grads_scaled = False
 
-    def add(self, summary: torch.Tensor, numel: int) -> int:
-        """File the device part of a summary (see :func:`stats.summarize`); ``numel``
-        is host metadata and never travels to the device and back."""
+    def add(self, summary: S.Summary) -> int:
         self._rows.append(summary)
-        self._numels.append(numel)
         return len(self._rows) - 1
 
     def assign(self, layer: str, fld: str, idx: int) -> None:
@@ -77,14 +73,11 @@ class StepBuffer:
         self.closed = True
         keys = list(self._scalars)
         parts: list[torch.Tensor] = []
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for r in self._rows:
-            by_device.setdefault(r.device, []).append(r)
-        rows_host: list[torch.Tensor] = []
-        order: list[tuple[torch.device, int]] = []
-        for dev, rs in by_device.items():
-            parts.append(torch.stack(rs).reshape(-1))
-            order.append((dev, len(rs)))
+        by_device: dict[torch.device, list[int]] = {}
+        for i, r in enumerate(self._rows):
+            by_device.setdefault(r.hist.device, []).append(i)
+        for idx in by_device.values():
+            parts.append(S.stack_rows([self._rows[i] for i in idx]).reshape(-1))
         scal = [self._scalars[k].to(parts[0].device if parts else "cpu") for k in keys]
         if scal:
             parts.append(torch.cat(scal))
@@ -95,36 +88,17 @@ class StepBuffer:
             flat = torch.cat([p.to(dev0, non_blocking=True) for p in parts]).cpu()
             count_sync()
         pos = 0
-        for _, n in order:
-            rows_host.append(flat[pos : pos + n * S.DEVICE_LEN].reshape(n, S.DEVICE_LEN))
+        device_part = torch.zeros(len(self._rows), S.DEVICE_LEN, dtype=torch.float64)
+        for idx in by_device.values():
+            n = len(idx)
+            # Rows were grouped by device; put them back in insertion order.
+            device_part[idx] = flat[pos : pos + n * S.DEVICE_LEN].reshape(n, S.DEVICE_LEN)
             pos += n * S.DEVICE_LEN
-        # Rows were grouped by device; put them back in insertion order.
-        device_part = _reorder(rows_host, self._rows)
-        numels = torch.tensor(self._numels, dtype=torch.float64).reshape(-1, 1)
-        matrix = torch.cat([numels, device_part], dim=1)
+        matrix = S.host_rows(device_part, self._rows)
         scalars = {k: float(flat[pos + i]) for i, k in enumerate(keys)}
         self._rows = []
-        self._numels = []
         self._scalars = {}
         return HostStep(self.step, matrix, scalars, dict(self.assigned), list(self.backward_order))
-
-
-def _reorder(chunks: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:
-    if not rows:
-        return torch.zeros(0, S.DEVICE_LEN, dtype=torch.float64)
-    if len(chunks) == 1:
-        return chunks[0]
-    devices: list[torch.device] = []
-    for r in rows:
-        if r.device not in devices:
-            devices.append(r.device)
-    cursor = dict.fromkeys(devices, 0)
-    chunk_of = dict(zip(devices, chunks, strict=True))
-    out = []
-    for r in rows:
-        out.append(chunk_of[r.device][cursor[r.device]])
-        cursor[r.device] += 1
-    return torch.stack(out)
 
 
 @dataclass
@@ -184,10 +158,20 @@ def host_step_layers(
     pl2 = scale_log2_of(param_grad_scale)
     # (layer, slot, row, shift) for every figure, decoded in one batch.
     wanted: list[tuple[str, str, torch.Tensor, int]] = []
-    raw: dict[str, dict[str, torch.Tensor]] = {}
+    raw: dict[str, dict[str, torch.Tensor]]
+    # One gather for every single-call row; only repeated calls (accumulation) merge.
+    single = [(n, f, idx[0]) for n in names for f in FIELDS
+              if (idx := hs.assigned.get((n, f))) is not None and len(idx) == 1]
+    picked = hs.matrix.index_select(0, torch.tensor([i for _, _, i in single], dtype=torch.long))
+    raw = {name: {} for name in names}
+    for (n, f, _), row in zip(single, picked.unbind(0), strict=True):
+        raw[n][f] = row
     for name in names:
-        rows = {f: r for f in FIELDS if (r := hs.merged(name, f)) is not None}
-        raw[name] = rows
+        rows = raw[name]
+        for f in FIELDS:
+            if f not in rows and (r := hs.merged(name, f)) is not None:
+                rows[f] = r
+        raw[name] = {f: rows[f] for f in FIELDS if f in rows}
         for fld, row in rows.items():
             wanted.append((name, fld, row, 0))
         if "grad" in rows and gl2:

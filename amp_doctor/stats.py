@@ -20,7 +20,7 @@ elements and are scaled to the whole tensor; fractions of larger tensors are
 estimates (standard error below 0.4 percentage points). The stride is a
 prime that divides none of the tensor's dimensions, so the sample walks
 across every dimension instead of aliasing with one (always channel 0,
-say). The cost of a summary is therefore a fixed ~12 small ops, whatever the
+say). The cost of a summary is therefore about ten small ops, whatever the
 tensor's size, and its temporary memory is bounded by the sample.
 """
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,7 +40,10 @@ __all__ = [
     "DEVICE_LEN",
     "N_EXP_BINS",
     "SAMPLE_LIMIT",
+    "Summary",
     "summarize",
+    "stack_rows",
+    "host_rows",
     "summary_row",
     "Decoded",
     "decode",
@@ -49,7 +53,7 @@ __all__ = [
 ]
 
 # Layout of a summary row. NUMEL is known on the host (it is the tensor's
-# shape), so the device part starts at MIN and the step buffer fills NUMEL in.
+# shape), so the device part starts at MIN; see :func:`host_rows`.
 NUMEL, MIN, MAX, ZEROS, NANS = range(5)
 HIST = 5
 N_EXP_BINS = 256  # one per float32 biased exponent; bin 0 holds zero and fp32 subnormals
@@ -113,11 +117,27 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((x.numel(),), (1,))
 
 
-def summarize(x: torch.Tensor) -> torch.Tensor:
-    """The device part of ``x``'s summary (``DEVICE_LEN`` float64), without a sync.
+class Summary(NamedTuple):
+    """The device part of one tensor's summary: five small tensors, no host copy.
 
-    The caller guarantees ``x`` is floating point and non-empty, and adds the
-    NUMEL column on the host (:class:`~amp_doctor.recorder.StepBuffer`).
+    They are kept apart, not packed into one vector per tensor: packing costs
+    several small ops per tensor, while :func:`stack_rows` packs a whole step's
+    summaries with a handful of ops. ``numel`` and ``sampled`` are host facts.
+    """
+
+    min: torch.Tensor  # 0-d, the tensor's dtype
+    max: torch.Tensor
+    nonzero: torch.Tensor  # 0-d int64, within the sample
+    nans: torch.Tensor
+    hist: torch.Tensor  # [N_EXP_BINS] int64, within the sample
+    numel: int
+    sampled: int
+
+
+def summarize(x: torch.Tensor) -> Summary:
+    """Summary of a floating-point tensor, computed on its device without a sync.
+
+    The caller guarantees ``x`` is floating point and non-empty.
     """
     x = x.detach()
     n = x.numel()
@@ -125,7 +145,6 @@ def summarize(x: torch.Tensor) -> torch.Tensor:
     stride = sample_stride(n, tuple(x.shape))
     if stride > 1:
         flat = flat[::stride]
-    m = flat.numel()
     if flat.dtype != torch.float32:
         # float64 beyond float32's range becomes inf here, which is what a
         # cast to any low-precision format would do too.
@@ -139,20 +158,33 @@ def summarize(x: torch.Tensor) -> torch.Tensor:
         # tensor on CUDA. histc with a fixed range does not.
         hist = torch.histc((bits >> 23).float(), bins=N_EXP_BINS, min=-0.5,
                            max=N_EXP_BINS - 0.5).long()
-    counts = torch.cat([
-        torch.stack([m - torch.count_nonzero(bits), torch.count_nonzero(bits > _INF_BITS)]),
-        hist,
-    ]).to(torch.float64)
-    if stride > 1:
-        counts = counts * (n / m)
     mn, mx = torch.aminmax(x)
-    return torch.cat([torch.stack([mn, mx]).to(torch.float64), counts])
+    return Summary(mn, mx, torch.count_nonzero(bits), torch.count_nonzero(bits > _INF_BITS),
+                   hist, n, bits.numel())
+
+
+def stack_rows(summaries: list[Summary]) -> torch.Tensor:
+    """``[R, DEVICE_LEN]`` float64 on the summaries' (common) device: a step's
+    summaries packed by a handful of ops. Counts are still within each sample."""
+    cols = [torch.stack([getattr(s, f) for s in summaries]).to(torch.float64).reshape(
+        len(summaries), -1) for f in ("min", "max", "nonzero", "nans", "hist")]
+    return torch.cat(cols, dim=1)
+
+
+def host_rows(device_rows: torch.Tensor, summaries: list[Summary]) -> torch.Tensor:
+    """Host copies of :func:`stack_rows` -> whole summary rows (``SUMMARY_LEN``):
+    NUMEL added, sample counts scaled to the whole tensor, zeros from non-zeros."""
+    numel = torch.tensor([float(s.numel) for s in summaries], dtype=torch.float64)
+    scale = numel / torch.tensor([float(s.sampled) for s in summaries], dtype=torch.float64)
+    counts = device_rows[:, 2:] * scale.unsqueeze(1)
+    zeros = (numel - counts[:, 0]).unsqueeze(1)
+    return torch.cat([numel.unsqueeze(1), device_rows[:, :2], zeros, counts[:, 1:]], dim=1)
 
 
 def summary_row(x: torch.Tensor) -> torch.Tensor:
-    """A whole summary row (NUMEL included) on ``x``'s device; for tests and tools."""
-    numel = torch.full((1,), float(x.numel()), dtype=torch.float64, device=x.device)
-    return torch.cat([numel, summarize(x)])
+    """A whole summary row of ``x`` on the host; for tests and tools (it syncs)."""
+    s = summarize(x)
+    return host_rows(stack_rows([s]).cpu(), [s])[0]
 
 
 @dataclass(frozen=True)

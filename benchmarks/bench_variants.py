@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from bench_models import Trainer
 from naive_hooks import NaiveStatsHooks
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_doctor
 from amp_doctor.recorder import host_syncs
@@ -85,6 +87,31 @@ class _DetectAnomaly(Attached):
         torch.autograd.set_detect_anomaly(*self._prev)
 
 
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _EmptyDispatchMode(Attached):
+    """The floor of any per-op checker written in Python: a TorchDispatchMode that
+    only passes each op through, on every op of the step (optimizer included)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._mode = _PassThrough()
+        self._mode.__enter__()
+        self._steps0 = trainer.steps
+        self._trainer = trainer
+
+    def recorded(self) -> int:
+        return self._trainer.steps - self._steps0
+
+    def syncs(self) -> int | None:
+        return 0
+
+    def close(self) -> None:
+        self._mode.__exit__(None, None, None)
+
+
 @dataclass(frozen=True)
 class Variant:
     key: str
@@ -113,6 +140,8 @@ class Variant:
             return _Naive(trainer)
         if self.key == "detect_anomaly":
             return _DetectAnomaly(trainer)
+        if self.key == "empty_mode":
+            return _EmptyDispatchMode(trainer)
         raise ValueError(f"unknown variant {self.key!r}")
 
 
@@ -126,5 +155,6 @@ VARIANTS: dict[str, Variant] = {
         Variant("anomaly", f"watch(anomaly=True) (every={_EVERY})", 1.5, every=_EVERY),
         Variant("naive", "naive hooks + .item()", None),
         Variant("detect_anomaly", "autograd.detect_anomaly", None),
+        Variant("empty_mode", "empty TorchDispatchMode (floor)", None),
     )
 }

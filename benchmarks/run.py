@@ -3,8 +3,9 @@
 Times one training step (forward + backward + optimizer step, with
 ``GradScaler`` under float16) of the sample models with nothing attached
 (plain AMP, the 1.00x reference), with amp-doctor attached in its modes, and
-with two baselines: a naive per-module stats hook that calls ``.item()`` per
-statistic, and ``torch.autograd.detect_anomaly``. All variants run in one
+with three baselines: a naive per-module stats hook that calls ``.item()`` per
+statistic, ``torch.autograd.detect_anomaly``, and an empty ``TorchDispatchMode``
+(the floor of any per-op checker written in Python). All variants run in one
 process, interleaved in rounds, each on its own copy of the same initial
 model and the same fixed batches. See ``benchmarks/results.md``.
 

@@ -56,7 +56,8 @@ def test_prints_a_table_with_one_row_per_variant(smoke: tuple[str, dict]) -> Non
         assert col in header
     rows = [line for line in lines if line.startswith("| cnn (bs 16) | bfloat16")]
     labels = ["plain AMP", "watch() default (every=10)", "watch(every=1)",
-              "naive hooks + .item()", "autograd.detect_anomaly"]
+              "naive hooks + .item()", "autograd.detect_anomaly",
+              "empty TorchDispatchMode (floor)"]
     if _anomaly_available():
         labels.append("watch(anomaly=True) (every=10)")
     else:
@@ -90,6 +91,7 @@ def test_recorded_steps_and_host_syncs(smoke: tuple[str, dict]) -> None:
     assert naive["syncs"] % 8 == 0 and naive["syncs_per_recorded_step"] > 1
     assert v["plain"]["syncs"] == 0 and v["plain"]["recorded_steps"] == 0
     assert v["detect_anomaly"]["syncs"] is None  # not countable on CPU, and says so
+    assert v["empty_mode"]["recorded_steps"] == STEPS and v["empty_mode"]["syncs"] == 0
 
 
 def test_structure_of_figures(smoke: tuple[str, dict]) -> None:
