@@ -27,8 +27,11 @@ typecheck:
 demo:
 	$(BIN)/python sample_models/gallery.py
 
+# e.g. make bench BENCH_ARGS='--threads 1 --rounds 5' (steadier on a small shared machine)
+BENCH_ARGS ?=
+
 bench:
-	$(BIN)/python benchmarks/run.py --markdown benchmarks/results.md --json benchmarks/results.json
+	$(BIN)/python benchmarks/run.py $(BENCH_ARGS) --markdown benchmarks/results.md --json benchmarks/results.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs .pytest_cache

@@ -248,7 +248,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         yield Finding(
             kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
             message=(f"{lay.name} ({lay.type}) output overflows {fmt}: "
-                     f"{_pct(lay.overflow_frac)} of values at or beyond the format's max "
+                     f"{_pct(lay.overflow_frac)} of values beyond the format's max "
                      f"(worst step), non-finite in {lay.nonfinite_steps} of "
                      f"{lay.recorded_steps} recorded steps."),
             advice=ADVICE["activation_overflow"],

@@ -42,7 +42,7 @@ bucket [m-2, m-1)     exact zeros
 bucket [m-1, m)       non-zero values below the smallest subnormal (they flush to 0)
 bucket [e, e+1)       ``2**e <= |x| < 2**(e+1)`` for ``m <= e < M`` (values at or above
                       the format's max are moved out of the top one, into:)
-bucket [M, M+1)       finite values at or beyond the format's max: overflow on a cast
+bucket [M, M+1)       finite values beyond the format's max: overflow on a cast
 bucket [M+1, M+2)     inf and NaN
 ====================  ===============================================================
 
@@ -350,7 +350,7 @@ def heatmap_images(session: Session, fmt: FormatLimits) -> dict[str, torch.Tenso
     ``heatmap/grad_headroom`` (output gradients, scaled): yellow = no headroom left,
     purple = ``HEATMAP_MAX_BITS`` or more. ``heatmap/underflow``: purple = none, yellow =
     every non-zero output below the smallest normal. In all of them, red = inf/NaN,
-    magenta = values at or beyond the format's max (overflow; what-if for a float32
+    magenta = values beyond the format's max (overflow; what-if for a float32
     layer), grey = no data for that layer in that step.
     """
     names = [lay.name for lay in session.layers]
@@ -404,7 +404,7 @@ def heatmap_legend(session: Session, fmt: FormatLimits) -> str:
         "by the GradScaler (what the backward pass holds).",
         "* `heatmap/underflow`: share of non-zero outputs below the smallest normal "
         f"({fmt.smallest_normal:g}). Purple = none, yellow = all.",
-        "* red = inf/NaN; magenta = values at or beyond the max (overflow, or "
+        "* red = inf/NaN; magenta = values beyond the max (overflow, or "
         "would-overflow for a float32 layer); grey = not recorded.",
         "",
         f"Columns: {len(steps)} recorded steps"
