@@ -17,7 +17,7 @@ from . import stats as S
 from .dtypes import FormatLimits
 from .records import LayerStep, LayerSummary, StepRecord, TensorStats
 
-__all__ = ["StepBuffer", "HostStep", "LayerAggregate", "History", "host_syncs", "decode_rows"]
+__all__ = ["StepBuffer", "HostStep", "LayerAggregate", "History", "host_syncs"]
 
 # Bounded memory: the history keeps at most this many step records; when it
 # is full every other record is dropped, so it always spans the whole run.
@@ -135,10 +135,6 @@ def _tensor_stats(d: S.Decoded) -> TensorStats:
         underflow_frac=d.underflow_frac,
         headroom=d.headroom,
     )
-
-
-def decode_rows(row: torch.Tensor, fmt: FormatLimits, scale_log2: int = 0) -> TensorStats:
-    return _tensor_stats(S.decode_many(row.reshape(1, -1), fmt, [scale_log2])[0])
 
 
 def scale_log2_of(scale: float | None) -> int:

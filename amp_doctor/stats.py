@@ -48,7 +48,6 @@ __all__ = [
     "Decoded",
     "decode",
     "decode_many",
-    "over_count",
     "exponent_of_bin",
 ]
 
@@ -203,12 +202,6 @@ class Decoded:
     underflow_frac: float
     headroom: float  # log2(format max / absmax); inf for an all-zero tensor
     over_count: float = 0.0  # values beyond the max, inf included (scaled if sampled)
-
-
-def over_count(v: list[float], fmt: FormatLimits, shift: int = 0) -> float:
-    """Values of one host summary row beyond ``fmt``'s max (after dividing by
-    2**shift), inf included, NaN not. See :func:`decode_many`."""
-    return decode_many(torch.tensor([v], dtype=torch.float64), fmt, [shift])[0].over_count
 
 
 def decode(v: list[float], fmt: FormatLimits, scale_log2: int = 0) -> Decoded:

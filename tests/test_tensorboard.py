@@ -199,7 +199,7 @@ def test_exp_counts_puts_each_value_in_its_bucket() -> None:
     assert at(bf, -34) == 1 and at(bf, -127) == 1  # 1e-10; 1e-40 -> documented bucket
     assert at(bf, 15) == 2 and at(bf, 16) == 1  # 65504 and 70000 fit in bfloat16
     # 3.4e38 is beyond bfloat16's max (3.39e38) but below 2**128, in float32's top bin: with
-    # a NaN in the tensor neither the histogram nor min/max can place it (stats.over_count).
+    # a NaN in the tensor neither the histogram nor min/max can place it (stats.decode_many).
     assert at(bf, 127) == 1 and c[bf.overflow] == 0 and c[bf.nonfinite] == 3
 
 

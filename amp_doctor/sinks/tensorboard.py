@@ -204,7 +204,7 @@ def exp_counts(row: torch.Tensor, eb: ExpBuckets) -> list[float]:
     """Bucket counts of one raw host summary row (or a sum of rows) for ``eb``.
 
     Linear in ``row``, so the counts of a sum of rows are the sum of the counts
-    (up to :func:`~amp_doctor.stats.over_count`'s "at least one").
+    (up to :func:`~amp_doctor.stats.decode_many`'s "at least one" beyond the max).
     """
     r = row.to(torch.float64)
     counts = torch.zeros(len(eb), dtype=torch.float64)
@@ -216,7 +216,7 @@ def exp_counts(row: torch.Tensor, eb: ExpBuckets) -> list[float]:
     # Values beyond the max that share the top bucket's float32 exponent (a float32
     # 65510 for float16) are known only through the exact max: move them up.
     infs = out[eb.nonfinite] - float(r[S.NANS])
-    finite_over = S.over_count(r.tolist(), eb.fmt) - max(infs, 0.0)
+    finite_over = S.decode_many(r.reshape(1, -1), eb.fmt, [0])[0].over_count - max(infs, 0.0)
     moved = min(max(finite_over - out[eb.overflow], 0.0), out[eb.top])
     out[eb.top] -= moved
     out[eb.overflow] += moved
