@@ -39,12 +39,21 @@ FIELDS = ("act", "grad", "param_grad")
 
 
 class StepBuffer:
-    """Device-side summaries gathered during one recorded step."""
+    """Device-side summaries gathered during one recorded step.
+
+    Per tensor, a hook pays for :func:`~amp_doctor.stats.summarize` (exact
+    min/max, the sample's non-zero count) and :meth:`add` (the sample's
+    histogram codes, staged); the histograms of many tensors are then counted
+    by one pass per staging buffer, and :meth:`flush` packs every row and
+    scalar of the step for a single host copy.
+    """
 
     def __init__(self, step: int) -> None:
         self.step = step
         self.closed = False
-        self._rows: list[S.Summary] = []
+        # One batch per device (a model split over devices); rows numbered globally.
+        self._batches: dict[torch.device, S.Batch] = {}
+        self._where: list[tuple[torch.device, int]] = []
         self._scalars: dict[str, torch.Tensor] = {}
         self.assigned: dict[tuple[str, str], list[int]] = {}
         self.backward_order: list[str] = []
@@ -52,8 +61,12 @@ class StepBuffer:
         self.param_grads_scaled = False
 
     def add(self, summary: S.Summary) -> int:
-        self._rows.append(summary)
-        return len(self._rows) - 1
+        dev = summary.min.device
+        batch = self._batches.get(dev)
+        if batch is None:
+            batch = self._batches[dev] = S.Batch()
+        self._where.append((dev, batch.add(summary)))
+        return len(self._where) - 1
 
     def assign(self, layer: str, fld: str, idx: int) -> None:
         self.assigned.setdefault((layer, fld), []).append(idx)
@@ -73,32 +86,51 @@ class StepBuffer:
         self.closed = True
         keys = list(self._scalars)
         parts: list[torch.Tensor] = []
-        by_device: dict[torch.device, list[int]] = {}
-        for i, r in enumerate(self._rows):
-            by_device.setdefault(r.hist.device, []).append(i)
-        for idx in by_device.values():
-            parts.append(S.stack_rows([self._rows[i] for i in idx]).reshape(-1))
-        scal = [self._scalars[k].to(parts[0].device if parts else "cpu") for k in keys]
-        if scal:
-            parts.append(torch.cat(scal))
+        for batch in self._batches.values():
+            parts.append(batch.finish().reshape(-1))
+        dev0 = parts[0].device if parts else torch.device("cpu")
+        if keys:
+            parts.append(torch.cat([self._scalars[k].to(dev0) for k in keys]))
         if not parts:
             flat = torch.zeros(0, dtype=torch.float64)
         else:
-            dev0 = parts[0].device
-            flat = torch.cat([p.to(dev0, non_blocking=True) for p in parts]).cpu()
+            flat = to_host(torch.cat([p.to(dev0, non_blocking=True) for p in parts]))
             count_sync()
+        n_rows = len(self._where)
+        device_part = torch.zeros(n_rows, S.DEVICE_LEN, dtype=torch.float64)
+        metas: list[S.Summary] = [None] * n_rows  # type: ignore[list-item]
         pos = 0
-        device_part = torch.zeros(len(self._rows), S.DEVICE_LEN, dtype=torch.float64)
-        for idx in by_device.values():
-            n = len(idx)
+        for dev, batch in self._batches.items():
+            n = len(batch)
             # Rows were grouped by device; put them back in insertion order.
+            idx = [i for i, (d, _) in enumerate(self._where) if d == dev]
             device_part[idx] = flat[pos : pos + n * S.DEVICE_LEN].reshape(n, S.DEVICE_LEN)
+            for i, s in zip(idx, batch.summaries, strict=True):
+                metas[i] = s
             pos += n * S.DEVICE_LEN
-        matrix = S.host_rows(device_part, self._rows)
-        scalars = {k: float(flat[pos + i]) for i, k in enumerate(keys)}
-        self._rows = []
+        matrix = S.host_rows(device_part, metas)
+        scalars = dict(zip(keys, flat[pos : pos + len(keys)].tolist(), strict=True))
+        self._batches = {}
+        self._where = []
         self._scalars = {}
         return HostStep(self.step, matrix, scalars, dict(self.assigned), list(self.backward_order))
+
+
+def to_host(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` on the host: the step's single device->host copy.
+
+    On CUDA the copy goes to pinned memory without blocking and the stream is
+    synchronized once (the same one sync as ``.cpu()``, without a pageable
+    staging copy). On the CPU it is the tensor itself.
+    """
+    if flat.device.type == "cpu":
+        return flat
+    cuda = flat.device.type == "cuda"
+    out = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=cuda)
+    out.copy_(flat, non_blocking=cuda)
+    if cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+    return out
 
 
 @dataclass

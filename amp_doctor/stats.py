@@ -12,16 +12,29 @@ element) with exact zero and NaN counts. Overflow, underflow, headroom and
 host by :func:`decode`. That is why a layer that ran in float32 gets its
 what-if figures at no extra cost.
 
-Bounded cost per tensor: min and max always come from the whole tensor (one
-multi-threaded ``aminmax`` pass, no temporary), so the extremes, and whether
-any NaN, Inf or overflowing value is present, are exact. The histogram and
-counts come from an evenly strided sample of at most :data:`SAMPLE_LIMIT`
-elements and are scaled to the whole tensor; fractions of larger tensors are
-estimates (standard error below 0.4 percentage points). The stride is a
-prime that divides none of the tensor's dimensions, so the sample walks
-across every dimension instead of aliasing with one (always channel 0,
-say). The cost of a summary is therefore about ten small ops, whatever the
-tensor's size, and its temporary memory is bounded by the sample.
+Bounded cost per tensor, batched across tensors. A hook pays for
+:func:`summarize` (the exact min and max over the whole tensor, one
+``aminmax`` pass with no temporary, and the non-zero count of a sample) and
+:meth:`Batch.add` (the sample's histogram codes, ``bits >> shift`` plus the
+row's offset, written into a staging buffer). The histogram itself is one
+pass over the staging buffer for many tensors at once, and the step's rows
+are packed by a handful of ops (:meth:`Batch.finish`). So the extremes, and
+whether any NaN, Inf or overflowing value is present, are exact; histogram
+and counts come from an evenly strided sample of at most
+:data:`SAMPLE_LIMIT` elements, scaled to the whole tensor (fractions of
+larger tensors are estimates, standard error below 0.4 percentage points).
+The stride is a prime that divides none of the tensor's dimensions, so the
+sample walks across every dimension instead of aliasing with one (always
+channel 0, say). A hook keeps no reference to the tensor after ``add``; the
+memory held per step is the staging buffer plus 2 KB per summarised tensor.
+
+NaN and inf share the top exponent bin; the top mantissa bit tells them
+apart (set for a quiet NaN, clear for inf). Every NaN that arithmetic
+produces is quiet; a hand-made signalling NaN would be counted as an inf.
+
+Why not ``torch._foreach_norm(ord=inf)``: it gives |x|max, but min and max
+must be exact and signed, which takes ``aminmax`` anyway; and a hook may not
+keep the tensor until a later batched call (see ``benchmarks/results.md``).
 """
 
 from __future__ import annotations
@@ -42,6 +55,8 @@ __all__ = [
     "SAMPLE_LIMIT",
     "Summary",
     "summarize",
+    "Batch",
+    "exp_histogram",
     "stack_rows",
     "host_rows",
     "summary_row",
@@ -66,8 +81,6 @@ DEVICE_LEN = SUMMARY_LEN - 1
 SAMPLE_LIMIT = 1 << 14
 
 _F32_BIAS = 127
-_ABS_MASK = 0x7FFFFFFF
-_INF_BITS = 0x7F800000  # float32 +inf; larger patterns of |x| are NaN
 
 
 def exponent_of_bin(b: int) -> int:
@@ -117,26 +130,28 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class Summary(NamedTuple):
-    """The device part of one tensor's summary: five small tensors, no host copy.
+    """What a hook takes from one tensor: the exact extremes, and a bounded sample.
 
-    They are kept apart, not packed into one vector per tensor: packing costs
-    several small ops per tensor, while :func:`stack_rows` packs a whole step's
-    summaries with a handful of ops. ``numel`` and ``sampled`` are host facts.
+    ``sample`` is a view of (or, for float16/float64, a small copy from) the
+    tensor. It must be handed to :meth:`Batch.add` (``buf.add(summarize(t))``)
+    right away: ``add`` turns it into histogram codes in a staging buffer and
+    drops it, so a hook never keeps the user's activation alive. Everything
+    else is a 0-d device tensor; ``numel`` and ``sampled`` are host facts.
     """
 
     min: torch.Tensor  # 0-d, the tensor's dtype
     max: torch.Tensor
     nonzero: torch.Tensor  # 0-d int64, within the sample
-    nans: torch.Tensor
-    hist: torch.Tensor  # [N_EXP_BINS] int64, within the sample
+    sample: torch.Tensor | None  # 1-D, float32/bfloat16; None once consumed
     numel: int
     sampled: int
 
 
 def summarize(x: torch.Tensor) -> Summary:
-    """Summary of a floating-point tensor, computed on its device without a sync.
+    """The per-tensor part of a summary: three small ops, no host sync.
 
-    The caller guarantees ``x`` is floating point and non-empty.
+    The caller guarantees ``x`` is floating point and non-empty. Histogram
+    and NaN counts come later, batched over many tensors (:class:`Batch`).
     """
     x = x.detach()
     n = x.numel()
@@ -144,34 +159,129 @@ def summarize(x: torch.Tensor) -> Summary:
     stride = sample_stride(n, tuple(x.shape))
     if stride > 1:
         flat = flat[::stride]
-    if flat.dtype != torch.float32:
+    if flat.dtype not in _CODE_SHIFTS:
         # float64 beyond float32's range becomes inf here, which is what a
         # cast to any low-precision format would do too.
         flat = flat.float()
-    # For non-negative floats the int32 bit pattern orders like the value.
-    bits = flat.view(torch.int32) & _ABS_MASK
-    if bits.device.type == "cpu":
-        hist = torch.bincount(bits >> 23, minlength=N_EXP_BINS)
-    else:
-        # torch.bincount reads max() back to size its output: a host sync per
-        # tensor on CUDA. histc with a fixed range does not.
-        hist = torch.histc((bits >> 23).float(), bins=N_EXP_BINS, min=-0.5,
-                           max=N_EXP_BINS - 0.5).long()
     mn, mx = torch.aminmax(x)
-    return Summary(mn, mx, torch.count_nonzero(bits), torch.count_nonzero(bits > _INF_BITS),
-                   hist, n, bits.numel())
+    return Summary(mn, mx, torch.count_nonzero(flat), flat, n, flat.numel())
 
 
-def stack_rows(summaries: list[Summary]) -> torch.Tensor:
-    """``[R, DEVICE_LEN]`` float64 on the summaries' (common) device: a step's
-    summaries packed by a handful of ops. Counts are still within each sample."""
-    cols = [torch.stack([getattr(s, f) for s in summaries]).to(torch.float64).reshape(
-        len(summaries), -1) for f in ("min", "max", "nonzero", "nans", "hist")]
-    return torch.cat(cols, dim=1)
+# How far to shift a sample's bit pattern (viewed as a same-width integer) so
+# that sign, the 8-bit float32 exponent and the top mantissa bit remain: the
+# same 10-bit code for float32 and bfloat16 (a truncated float32). The top
+# mantissa bit tells a quiet NaN (set) from an inf (clear) in exponent 255.
+_CODE_SHIFTS: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float32: (torch.int32, 22),
+    torch.bfloat16: (torch.int16, 6),
+}
+_CODE_BIAS = 512  # codes are in [-512, 512): shifted to [0, 1024)
+CODES_PER_ROW = 2 * _CODE_BIAS
+# Codes staged per device before one batched histogram pass: bounded memory
+# (256 KB of int32) and a few passes per step. It holds at least one sample.
+STAGE_LIMIT = 4 * SAMPLE_LIMIT
+# Rows per pass, so that every code (row * 1024 + code) is exact in float32
+# for the histc path (< 2**24).
+ROWS_PER_PASS = 4096
+
+
+def exp_histogram(codes: torch.Tensor, nbins: int, device_path: bool | None = None) -> torch.Tensor:
+    """Counts of ``codes`` in ``[0, nbins)``, int64, without a host sync.
+
+    ``torch.bincount`` reads its input's max back to size the output: a host
+    sync on CUDA. There, ``histc`` with a fixed range does the same count
+    asynchronously. ``device_path`` forces a path (tests run both on CPU).
+    """
+    if device_path is None:
+        device_path = codes.device.type != "cpu"
+    if not device_path:
+        return torch.bincount(codes, minlength=nbins)
+    return torch.histc(codes.float(), bins=nbins, min=-0.5, max=nbins - 0.5).long()
+
+
+class Batch:
+    """Summaries of one device, made into rows with a few batched ops.
+
+    :meth:`add` writes each sample's codes (``bits >> shift`` plus the row's
+    offset: two ops) into a staging buffer; whenever it is full, and at
+    :meth:`finish`, one histogram pass counts every staged code of many rows
+    at once. Memory is bounded by the staging buffer and 2 KB per row,
+    whatever the tensors' sizes; no sample outlives its ``add`` call.
+    """
+
+    def __init__(self, device_path: bool | None = None) -> None:
+        self._device_path = device_path
+        self._summaries: list[Summary] = []
+        self._stage: torch.Tensor | None = None
+        self._used = 0
+        self._row0 = 0  # first row in the stage
+        self._hists: list[torch.Tensor] = []  # [rows, 256, 2] per pass
+
+    def __len__(self) -> int:
+        return len(self._summaries)
+
+    def add(self, s: Summary) -> int:
+        """File one summary; returns its row index in this batch."""
+        sample = s.sample
+        assert sample is not None, "a Summary can be added once"
+        k = sample.numel()
+        row = len(self._summaries)
+        if self._stage is None:
+            self._stage = torch.empty(max(STAGE_LIMIT, k), dtype=torch.int32,
+                                      device=sample.device)
+        elif self._used + k > self._stage.numel() or row - self._row0 >= ROWS_PER_PASS:
+            self._pass()
+            if k > self._stage.numel():
+                self._stage = torch.empty(k, dtype=torch.int32, device=sample.device)
+        itype, shift = _CODE_SHIFTS[sample.dtype]
+        dst = self._stage[self._used : self._used + k]
+        torch.bitwise_right_shift(sample.view(itype), shift, out=dst)
+        dst.add_(_CODE_BIAS + CODES_PER_ROW * (row - self._row0))
+        self._used += k
+        self._summaries.append(s._replace(sample=None))
+        return row
+
+    def _pass(self) -> None:
+        rows = len(self._summaries) - self._row0
+        if rows:
+            assert self._stage is not None
+            h = exp_histogram(self._stage[: self._used], CODES_PER_ROW * rows, self._device_path)
+            # [rows, sign, exponent, top mantissa bit] -> fold the sign.
+            self._hists.append(h.view(rows, 2, N_EXP_BINS, 2).sum(1))
+        self._used = 0
+        self._row0 = len(self._summaries)
+
+    @property
+    def summaries(self) -> list[Summary]:
+        return self._summaries
+
+    def finish(self) -> torch.Tensor:
+        """``[R, DEVICE_LEN]`` float64 on the device: min, max, non-zeros, NaNs and the
+        exponent histogram (NaNs in bin 255, as in a float32 exponent histogram)."""
+        self._pass()
+        self._stage = None
+        ss = self._summaries
+        if not ss:
+            return torch.zeros(0, DEVICE_LEN, dtype=torch.float64)
+        h = torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]
+        self._hists = []
+        scal = torch.stack([torch.stack([s.min for s in ss]).to(torch.float64),
+                            torch.stack([s.max for s in ss]).to(torch.float64),
+                            torch.stack([s.nonzero for s in ss]).to(torch.float64),
+                            h[:, N_EXP_BINS - 1, 1].to(torch.float64)], dim=1)
+        return torch.cat([scal, h.sum(2).to(torch.float64)], dim=1)
+
+
+def stack_rows(summaries: list[Summary], device_path: bool | None = None) -> torch.Tensor:
+    """``[R, DEVICE_LEN]`` float64 on the summaries' (common) device."""
+    b = Batch(device_path)
+    for s in summaries:
+        b.add(s)
+    return b.finish()
 
 
 def host_rows(device_rows: torch.Tensor, summaries: list[Summary]) -> torch.Tensor:
-    """Host copies of :func:`stack_rows` -> whole summary rows (``SUMMARY_LEN``):
+    """Host copies of :meth:`Batch.finish` -> whole summary rows (``SUMMARY_LEN``):
     NUMEL added, sample counts scaled to the whole tensor, zeros from non-zeros."""
     numel = torch.tensor([float(s.numel) for s in summaries], dtype=torch.float64)
     scale = numel / torch.tensor([float(s.sampled) for s in summaries], dtype=torch.float64)
@@ -180,10 +290,11 @@ def host_rows(device_rows: torch.Tensor, summaries: list[Summary]) -> torch.Tens
     return torch.cat([numel.unsqueeze(1), device_rows[:, :2], zeros, counts[:, 1:]], dim=1)
 
 
-def summary_row(x: torch.Tensor) -> torch.Tensor:
+def summary_row(x: torch.Tensor, device_path: bool | None = None) -> torch.Tensor:
     """A whole summary row of ``x`` on the host; for tests and tools (it syncs)."""
     s = summarize(x)
-    return host_rows(stack_rows([s]).cpu(), [s])[0]
+    meta = [s._replace(sample=None)]
+    return host_rows(stack_rows([s], device_path).cpu(), meta)[0]
 
 
 @dataclass(frozen=True)

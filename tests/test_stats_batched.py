@@ -1,0 +1,109 @@
+"""Batched summaries (stats.Batch) against one-tensor-at-a-time summaries and raw values."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+
+from amp_doctor import stats as S
+from amp_doctor.recorder import StepBuffer, to_host
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    out: list[torch.Tensor] = []
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    # Enough rows and samples to need several staging passes.
+    for i in range(40):
+        n = [7, 300, 5000, 40_000, 3 * S.SAMPLE_LIMIT + 11][i % 5]
+        x = torch.randn(n, generator=g) * 10.0 ** ((i % 9) - 6)
+        x[: n // 10] = 0
+        out.append(x.to(dtypes[i % 4]))
+    out[3][5] = math.nan
+    out[6][1] = math.inf
+    out[6][2] = -math.inf
+    out[9][0] = -math.nan
+    return out
+
+
+def _one_by_one(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([S.summary_row(t) for t in ts])
+
+
+def test_a_batch_over_several_passes_equals_one_tensor_at_a_time() -> None:
+    ts = _tensors()
+    buf = StepBuffer(0)
+    idx = [buf.add(S.summarize(t)) for t in ts]
+    assert idx == list(range(len(ts)))
+    hs = buf.flush()
+    total = sum(min(t.numel(), S.SAMPLE_LIMIT) for t in ts)
+    assert total > 3 * S.STAGE_LIMIT  # really several passes
+    torch.testing.assert_close(hs.matrix, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
+
+
+def test_many_tiny_tensors_need_more_than_one_pass_of_rows() -> None:
+    ts = [torch.full((3,), float(i)) for i in range(S.ROWS_PER_PASS + 5)]
+    b = S.Batch()
+    for t in ts:
+        b.add(S.summarize(t))
+    rows = b.finish()
+    assert rows.shape == (len(ts), S.DEVICE_LEN)
+    assert rows[:, 0].tolist() == [float(i) for i in range(len(ts))]
+    assert rows[:, 2].tolist() == [0.0] + [3.0] * (len(ts) - 1)  # non-zeros
+
+
+def test_the_device_histogram_path_gives_the_cpu_answer() -> None:
+    # histc (CUDA: no host sync) and bincount (CPU) must count the same codes.
+    ts = _tensors()
+    a = S.stack_rows([S.summarize(t) for t in ts], device_path=False)
+    b = S.stack_rows([S.summarize(t) for t in ts], device_path=True)
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    codes = torch.randint(0, 5000, (10_000,), dtype=torch.int32)
+    assert torch.equal(S.exp_histogram(codes, 5000, device_path=True),
+                       S.exp_histogram(codes, 5000, device_path=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nan_and_inf_counts_are_exact_for_small_tensors(dtype: torch.dtype) -> None:
+    x = torch.tensor([1.0, math.nan, -math.nan, math.inf, -math.inf, -math.inf, 0.0, -0.0, 3e-5])
+    row = S.summary_row(x.to(dtype))
+    from amp_doctor.dtypes import limits
+
+    d = S.decode(row.tolist(), limits(torch.float16))
+    assert d.nan_count == 2 and d.inf_count == 3
+    assert d.zero_frac == 2 / 9
+    assert row[S.HIST:].sum().item() == 9
+    assert row[S.HIST + 255].item() == 5  # inf and NaN share the top exponent bin
+
+
+def test_a_summary_keeps_no_reference_to_the_tensor_once_added() -> None:
+    buf = StepBuffer(0)
+    x = torch.randn(64, 64).to(torch.bfloat16)
+    ref = weakref.ref(x)
+    s = S.summarize(x)
+    buf.add(s)
+    del x, s
+    gc.collect()
+    assert ref() is None
+    hs = buf.flush()
+    assert hs.matrix.shape == (1, S.SUMMARY_LEN) and hs.matrix[0, S.NUMEL].item() == 4096
+
+
+def test_scalars_ride_along_in_the_single_copy() -> None:
+    buf = StepBuffer(0)
+    buf.add(S.summarize(torch.ones(5)))
+    buf.put_scalar("loss", torch.tensor(2.5))
+    buf.put_scalar("scale", torch.tensor([65536.0]))
+    hs = buf.flush()
+    assert hs.scalars == {"loss": 2.5, "scale": 65536.0}
+    empty = StepBuffer(1).flush()
+    assert empty.matrix.shape == (0, S.SUMMARY_LEN) and empty.scalars == {}
+
+
+def test_to_host_keeps_a_cpu_tensor() -> None:
+    t = torch.arange(4, dtype=torch.float64)
+    assert to_host(t) is t
