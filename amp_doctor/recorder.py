@@ -7,6 +7,8 @@ the host, once per *recorded* step (see :meth:`StepBuffer.flush`).
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +24,9 @@ __all__ = ["StepBuffer", "HostStep", "LayerAggregate", "History", "host_syncs"]
 # Bounded memory: the history keeps at most this many step records; when it
 # is full every other record is dropped, so it always spans the whole run.
 HISTORY_LIMIT = 512
+# ... and each record keeps at most this many layers, the step's worst, so the
+# history's size does not grow with the model (issue 14: 165 MB of JSON).
+HISTORY_LAYERS = 32
 
 _SYNCS = [0]
 
@@ -155,20 +160,6 @@ class HostStep:
         return out
 
 
-def _tensor_stats(d: S.Decoded) -> TensorStats:
-    return TensorStats(
-        numel=d.numel,
-        min=d.min,
-        max=d.max,
-        absmax=d.absmax,
-        zero_frac=d.zero_frac,
-        nonfinite_frac=d.nonfinite_frac,
-        overflow_frac=d.overflow_frac,
-        underflow_frac=d.underflow_frac,
-        headroom=d.headroom,
-    )
-
-
 def scale_log2_of(scale: float | None) -> int:
     if not scale or not math.isfinite(scale) or scale <= 0:
         return 0
@@ -184,34 +175,38 @@ def host_step_layers(
         names.setdefault(layer)
     gl2 = scale_log2_of(grad_scale)
     pl2 = scale_log2_of(param_grad_scale)
-    # (layer, slot, row, shift) for every figure, decoded in one batch.
-    wanted: list[tuple[str, str, torch.Tensor, int]] = []
-    raw: dict[str, dict[str, torch.Tensor]]
-    # One gather for every single-call row; only repeated calls (accumulation) merge.
-    single = [(n, f, idx[0]) for n in names for f in FIELDS
-              if (idx := hs.assigned.get((n, f))) is not None and len(idx) == 1]
-    picked = hs.matrix.index_select(0, torch.tensor([i for _, _, i in single], dtype=torch.long))
-    raw = {name: {} for name in names}
-    for (n, f, _), row in zip(single, picked.unbind(0), strict=True):
-        raw[n][f] = row
+    # Rows to decode, as indices into ``hs.matrix`` extended by the merged rows of
+    # repeated calls (accumulation); every figure is decoded in one batch.
+    merged: list[torch.Tensor] = []
+    n0 = hs.matrix.shape[0]
+    row_of: dict[tuple[str, str], int] = {}
+    for (name, fld), idx in hs.assigned.items():
+        if len(idx) == 1:
+            row_of[(name, fld)] = idx[0]
+        else:
+            r = hs.merged(name, fld)
+            assert r is not None
+            row_of[(name, fld)] = n0 + len(merged)
+            merged.append(r)
+    matrix = torch.cat([hs.matrix, torch.stack(merged)]) if merged else hs.matrix
+    # (layer, slot, row, shift) for every figure.
+    wanted: list[tuple[str, str, int, int]] = []
+    raw: dict[str, dict[str, torch.Tensor]] = {}
     for name in names:
-        rows = raw[name]
-        for f in FIELDS:
-            if f not in rows and (r := hs.merged(name, f)) is not None:
-                rows[f] = r
-        raw[name] = {f: rows[f] for f in FIELDS if f in rows}
-        for fld, row in rows.items():
-            wanted.append((name, fld, row, 0))
+        rows = {f: row_of[(name, f)] for f in FIELDS if (name, f) in row_of}
+        raw[name] = {f: matrix[i] for f, i in rows.items()}
+        for fld, i in rows.items():
+            wanted.append((name, fld, i, 0))
         if "grad" in rows and gl2:
             wanted.append((name, "grad_unscaled", rows["grad"], gl2))
         if "param_grad" in rows and pl2:
             wanted.append((name, "param_grad_unscaled", rows["param_grad"], pl2))
     decoded: dict[str, dict[str, TensorStats]] = {name: {} for name in names}
     if wanted:
-        matrix = torch.stack([w[2] for w in wanted])
-        for (name, slot, _, _), d in zip(
-                wanted, S.decode_many(matrix, fmt, [w[3] for w in wanted]), strict=True):
-            decoded[name][slot] = _tensor_stats(d)
+        sel = matrix.index_select(0, torch.tensor([w[2] for w in wanted], dtype=torch.long))
+        table = S.decode_table(sel, fmt, [w[3] for w in wanted])[:, _TS_COLUMNS].tolist()
+        for (name, slot, _, _), v in zip(wanted, table, strict=True):
+            decoded[name][slot] = TensorStats(int(v[0]), *v[1:])
     out: dict[str, LayerStep] = {}
     for name in names:
         got = decoded[name]
@@ -220,6 +215,10 @@ def host_step_layers(
                               param_grad=got.get("param_grad"),
                               param_grad_unscaled=got.get("param_grad_unscaled"))
     return out, raw
+
+
+# decode_table's columns that make a TensorStats, in its field order.
+_TS_COLUMNS = [S.DECODED_FIELDS.index(f.name) for f in dataclasses.fields(TensorStats)]
 
 
 def _nanmax(vals: Iterable[float]) -> float:
@@ -359,11 +358,45 @@ class LayerAggregate:
         )
 
 
-class History:
-    """Bounded list of step records that keeps spanning the whole run."""
+def _risk_key(ls: LayerStep) -> tuple[float, float, float, float]:
+    """Sort key, worst first: non-finite, overflow, least headroom, underflow."""
+    nonfinite = over = under = 0.0
+    head = math.inf
+    for t in (ls.act, ls.grad, ls.param_grad_unscaled or ls.param_grad):
+        if t is None:
+            continue
+        nonfinite = max(nonfinite, t.nonfinite_frac)
+        over = max(over, t.overflow_frac)
+        under = max(under, t.underflow_frac)
+        if not math.isnan(t.headroom):
+            head = min(head, t.headroom)
+    return (-float(nonfinite > 0), -over, head, -under)
 
-    def __init__(self, limit: int = HISTORY_LIMIT) -> None:
+
+def trim_layers(rec: StepRecord, limit: int) -> StepRecord:
+    """``rec`` with only its ``limit`` worst layers (forward order kept)."""
+    n = len(rec.layers)
+    if n <= limit:
+        return rec
+    worst = heapq.nsmallest(limit, rec.layers.items(), key=lambda kv: _risk_key(kv[1]))
+    keep = {k for k, _ in worst}
+    layers = {k: v for k, v in rec.layers.items() if k in keep}
+    return dataclasses.replace(rec, layers=layers, dropped_layers=rec.dropped_layers + n - limit)
+
+
+class History:
+    """Bounded list of step records that keeps spanning the whole run.
+
+    Bounded in bytes, not only in rows: at most ``limit`` rows (thinned by
+    halving, skipped steps always kept) of at most ``layers`` layers each (the
+    step's worst; the rest of the layer's figures live in the per-layer
+    aggregates). So the history is at most ``limit * layers`` layer cells
+    whatever the model's size or the run's length: about 7 MB of JSON.
+    """
+
+    def __init__(self, limit: int = HISTORY_LIMIT, layers: int = HISTORY_LAYERS) -> None:
         self.limit = limit
+        self.layers = layers
         self.stride = 1
         self.records: list[StepRecord] = []
         self._seen = 0
@@ -373,7 +406,7 @@ class History:
         # Skipped steps are what users ask about: always keep them.
         if (self._seen - 1) % self.stride and not rec.skipped:
             return
-        self.records.append(rec)
+        self.records.append(trim_layers(rec, self.layers))
         if len(self.records) > self.limit:
             keep = [r for i, r in enumerate(self.records) if i % 2 == 0 or r.skipped]
             self.records = keep[-self.limit :]

@@ -82,6 +82,9 @@ class StepRecord:
     scale: float | None
     skipped: bool
     layers: dict[str, LayerStep]
+    # Layers recorded in this step but left out of this history row (only the
+    # worst ``recorder.HISTORY_LAYERS`` are kept; every layer is in the aggregates).
+    dropped_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -226,13 +229,15 @@ class Session:
     recorded_steps: int
     layers: list[LayerSummary]
     scaler: ScalerTimeline | None
-    history: list[StepRecord]  # bounded; evenly thinned in long runs
+    # Bounded in rows and layers per row: evenly thinned in long runs, worst layers per step.
+    history: list[StepRecord]
     events: list[Event]
     findings: list[Finding]
     run: RunInfo
 
     def to_json(self) -> str:
-        return json.dumps(to_jsonable(self), indent=1, allow_nan=False)
+        # Compact separators: indentation was ~40% of the bytes of a large report.
+        return json.dumps(to_jsonable(self), separators=(",", ":"), allow_nan=False)
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
