@@ -101,24 +101,31 @@ class StepBuffer:
         else:
             flat = to_host(torch.cat([p.to(dev0, non_blocking=True) for p in parts]))
             count_sync()
-        n_rows = len(self._where)
-        device_part = torch.zeros(n_rows, S.DEVICE_LEN, dtype=torch.float64)
-        metas: list[S.Summary] = [None] * n_rows  # type: ignore[list-item]
-        pos = 0
-        for dev, batch in self._batches.items():
-            n = len(batch)
-            # Rows were grouped by device; put them back in insertion order.
-            idx = [i for i, (d, _) in enumerate(self._where) if d == dev]
-            device_part[idx] = flat[pos : pos + n * S.DEVICE_LEN].reshape(n, S.DEVICE_LEN)
-            for i, s in zip(idx, batch.summaries, strict=True):
-                metas[i] = s
-            pos += n * S.DEVICE_LEN
-        matrix = S.host_rows(device_part, metas)
-        scalars = dict(zip(keys, flat[pos : pos + len(keys)].tolist(), strict=True))
+        hs = unpack_host(flat, self)
         self._batches = {}
         self._where = []
         self._scalars = {}
-        return HostStep(self.step, matrix, scalars, dict(self.assigned), list(self.backward_order))
+        return hs
+
+
+def unpack_host(flat: torch.Tensor, buf: StepBuffer) -> HostStep:
+    """The host copy of a step -> a :class:`HostStep` (host data only, no device tensor)."""
+    n_rows = len(buf._where)
+    device_part = torch.zeros(n_rows, S.DEVICE_LEN, dtype=torch.float64)
+    metas: list[S.Summary] = [None] * n_rows  # type: ignore[list-item]
+    pos = 0
+    for dev, batch in buf._batches.items():
+        n = len(batch)
+        # Rows were grouped by device; put them back in insertion order.
+        idx = [i for i, (d, _) in enumerate(buf._where) if d == dev]
+        device_part[idx] = flat[pos : pos + n * S.DEVICE_LEN].reshape(n, S.DEVICE_LEN)
+        for i, s in zip(idx, batch.summaries, strict=True):
+            metas[i] = s
+        pos += n * S.DEVICE_LEN
+    matrix = S.host_rows(device_part, metas)
+    keys = list(buf._scalars)
+    scalars = dict(zip(keys, flat[pos : pos + len(keys)].tolist(), strict=True))
+    return HostStep(buf.step, matrix, scalars, dict(buf.assigned), list(buf.backward_order))
 
 
 def to_host(flat: torch.Tensor) -> torch.Tensor:
@@ -126,10 +133,11 @@ def to_host(flat: torch.Tensor) -> torch.Tensor:
 
     On CUDA the copy goes to pinned memory without blocking and the stream is
     synchronized once (the same one sync as ``.cpu()``, without a pageable
-    staging copy). On the CPU it is the tensor itself.
+    staging copy). On the CPU it is the tensor itself (``.cpu()`` returns it:
+    the call is kept so that tests/syncs.py sees the one transfer on the CPU too).
     """
     if flat.device.type == "cpu":
-        return flat
+        return flat.cpu()  # the same tensor: no copy
     cuda = flat.device.type == "cuda"
     out = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=cuda)
     out.copy_(flat, non_blocking=cuda)
