@@ -1,0 +1,73 @@
+"""Bounded size (issue 14, item 5): history rows and layers per row, and JSON bytes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import amp_doctor
+from amp_doctor.recorder import HISTORY_LAYERS, HISTORY_LIMIT, History
+from amp_doctor.records import LayerStep, StepRecord, TensorStats, to_jsonable
+
+JSON_LIMIT = 20 * 2**20
+
+
+def _stats(v: float) -> TensorStats:
+    return TensorStats(numel=1024, min=-v, max=v, absmax=v, zero_frac=0.01,
+                       nonfinite_frac=0.0, overflow_frac=0.0, underflow_frac=v / 1e4,
+                       headroom=math.log2(65504 / v))
+
+
+def test_history_of_a_long_run_of_a_2000_layer_model_is_bounded_in_rows_and_bytes() -> None:
+    h = History()
+    layers = [f"blocks.{i}.fc" for i in range(2000)]
+    for step in range(10_000):
+        ls = {n: LayerStep(act=_stats(1.0 + i), grad=_stats(2.0), param_grad=_stats(3.0))
+              for i, n in enumerate(layers[: 40 if step % 100 else 2000])}
+        h.add(StepRecord(step=step, loss=1.0, scale=None, skipped=step == 777, layers=ls))
+    assert len(h.records) <= HISTORY_LIMIT
+    assert all(len(r.layers) <= HISTORY_LAYERS for r in h.records)
+    assert 777 in [r.step for r in h.records]
+    full = [r for r in h.records if r.step % 100 == 0]
+    assert full and all(r.dropped_layers == 2000 - HISTORY_LAYERS for r in full)
+    # The worst layers are the ones kept: the largest values, least headroom.
+    assert set(full[0].layers) == set(layers[2000 - HISTORY_LAYERS :])
+    text = json.dumps(to_jsonable(h.records), separators=(",", ":"))
+    assert len(text) < 12 * 2**20
+
+
+def test_a_601_module_model_at_every_1_writes_a_bounded_json(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(300):
+        mods += [nn.Linear(4, 4), nn.Tanh()]
+    model = nn.Sequential(*mods)
+    assert len(list(model.modules())) == 601
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(2, 4)
+    steps = 12
+    with amp_doctor.watch(model, every=1, logdir=tmp_path, tensorboard=False) as w:
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = w.session
+    assert len(s.history) == steps
+    assert all(len(r.layers) == HISTORY_LAYERS for r in s.history)
+    assert all(r.dropped_layers == 601 - HISTORY_LAYERS for r in s.history)
+    assert len(s.layers) == 601  # every layer keeps its aggregate
+    size = (tmp_path / "amp_doctor.json").stat().st_size
+    # Per history row: at most HISTORY_LAYERS layer cells; the rest is per layer.
+    per_row = len(json.dumps(to_jsonable(s.history[0]), separators=(",", ":")))
+    assert per_row < 40_000
+    assert size < 2 * 2**20
+    # Extrapolated to a full history (HISTORY_LIMIT rows): still within the target.
+    assert size + HISTORY_LIMIT * per_row < JSON_LIMIT
