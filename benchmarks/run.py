@@ -13,8 +13,8 @@ Method, in short (the module docstrings of the helpers say more):
 
 * per round, per variant (order rotated each round): attach, ``--warmup``
   untimed steps, ``--steps`` timed steps, detach;
-* a step is timed whole with ``time.perf_counter`` (CUDA: synchronized at
-  the end of the step, for timing only);
+* a step is timed whole with ``time.perf_counter`` (CUDA: a pair of
+  ``torch.cuda.Event`` recorded around it, read after the step);
 * step cost: the median step time; for a variant that records one step in
   N it is the amortized cost ``(1/N) * median(recorded) + (1-1/N) *
   median(unrecorded)``, i.e. the average per-step cost of a long run;
@@ -163,12 +163,22 @@ def time_block(run: VariantRun, trainer: Trainer, warmup: int, steps: int) -> No
         rec0, syncs0 = attached.recorded(), attached.syncs()
         times: list[float] = []
         flags: list[bool] = []
+        cuda = dev.type == "cuda"
         for _ in range(steps):
             before = attached.recorded()
-            t = time.perf_counter()
-            trainer.step()
-            _sync(dev)
-            times.append(time.perf_counter() - t)
+            if cuda:
+                # Device time of the whole step, recorded in the stream.
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+                trainer.step()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t = time.perf_counter()
+                trainer.step()
+                times.append(time.perf_counter() - t)
             flags.append(attached.recorded() > before)
         syncs1 = attached.syncs()
         run.recorded += attached.recorded() - rec0
