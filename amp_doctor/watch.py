@@ -28,7 +28,7 @@ from ._version import __version__
 from .anomaly import own_ops
 from .dtypes import dtype_name, limits
 from .errors import AmpDoctorError
-from .probes import Probes, iter_tensors
+from .probes import COMPILED_NOTE, Probes, iter_tensors
 from .recorder import History, HostStep, LayerAggregate, StepBuffer, count_sync, host_step_layers
 from .records import AmpConfig, Event, RunInfo, ScalerEvent, Session, StepRecord
 from .scaler import AmpMonitor, subscribe
@@ -64,6 +64,25 @@ def _as_models(model: Models) -> dict[str, nn.Module]:
                 "Pass the model (or a list/dict of models) you call in the training loop."
             )
     return out
+
+
+def _compile_wrappers(model: nn.Module) -> list[nn.Module]:
+    """The ``torch.compile`` wrappers (``OptimizedModule``) on the way to the user's module."""
+    out: list[nn.Module] = []
+    while True:
+        name = type(model).__name__
+        inner = getattr(model, "_orig_mod" if name == "OptimizedModule" else "module", None)
+        if not isinstance(inner, nn.Module) or name not in (
+                "DistributedDataParallel", "DataParallel", "OptimizedModule"):
+            return out
+        if name == "OptimizedModule":
+            out.append(model)
+        model = inner
+
+
+def _compiled_by_method(model: nn.Module) -> bool:
+    """``model.compile()`` was called: its hooks run inside the compiled graph."""
+    return getattr(model, "_compiled_call_impl", None) is not None
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -110,7 +129,8 @@ class Watch:
             raise AmpDoctorError(
                 f"on_nonfinite must be 'record' or 'raise', got {on_nonfinite!r}."
             )
-        self.models = {k: _unwrap(m) for k, m in _as_models(model).items()} if model else {}
+        self._given_models = _as_models(model) if model is not None else {}
+        self.models = {k: _unwrap(m) for k, m in self._given_models.items()}
         self._discover = discover
         self.every = every
         self.max_steps = max_steps
@@ -159,9 +179,13 @@ class Watch:
         if self._started_flag:
             return self
         self._started_flag = True
+        self._compiled_names = set()
         try:
             self._owned_params = {id(p) for m in self.models.values() for p in m.parameters()}
-            self._probes = Probes(self.models, self._current_buffer, self._on_root_forward)
+            self._probes = Probes(self.models, self._current_buffer, self._on_root_forward,
+                                  events=self._extra_events, on_compiled=self._on_compiled)
+            for given in self._given_models.values():
+                self._attach_wrappers(given)
             self._monitor = AmpMonitor(
                 owns_param=lambda p: id(p) in self._owned_params,
                 on_boundary=self._boundary,
@@ -234,6 +258,37 @@ class Watch:
             self._write_outputs(self.session_)
         return self.session_
 
+    def _attach_wrappers(self, given: nn.Module) -> None:
+        """Watch a compiled model at its boundary and say what is not recorded inside."""
+        assert self._probes is not None
+        inner = _unwrap(given)
+        name = self._probes.name_of(inner)
+        if name is None:
+            return
+        for w in _compile_wrappers(given):
+            self._probes.add_boundary(w, inner)
+            self._on_compiled(name, "")
+        if _compiled_by_method(inner):
+            self._on_compiled(name, "")
+
+    def _on_compiled(self, name: str, autocast: str) -> None:
+        """A watched module runs under torch.compile (``autocast``: "device:dtype" or "")."""
+        dev, _, dt = autocast.partition(":")
+        if dt:
+            # The forward hooks cannot see autocast inside a compiled graph; the
+            # trace-time state the graph was compiled for stands in for them.
+            self._autocast_dtypes[dt] = self._autocast_dtypes.get(dt, 0) + 1
+            if self._device_type is None:
+                self._device_type = dev
+        if name in self._compiled_names:
+            return
+        self._compiled_names.add(name)
+        self._extra_events.append(Event(
+            kind="compiled_model", step=self.step_index, module=name,
+            data={"severity": "info", "message": f"{name} {COMPILED_NOTE}"}))
+
+    _compiled_names: set[str] = set()
+
     def _teardown(self) -> None:
         # Each removal is independent: one failing must not leave others behind.
         removers: list[Callable[[], Any]] = [h.remove for h in self._global_handles]
@@ -284,6 +339,7 @@ class Watch:
     # -- discovery (the CLI's way in) ------------------------------------------
     def add_model(self, model: nn.Module, name: str | None = None) -> None:
         """Watch one more root model. With several, every layer name gets its model's prefix."""
+        given = model
         model = _unwrap(model)
         if self._probes is None or self._probes.watches(model):
             return
@@ -305,6 +361,7 @@ class Watch:
             prefix = self._free_name(name, taken)
         self.models[prefix] = model
         self._probes.add_root(prefix, model)
+        self._attach_wrappers(given)
         self._owned_params.update(id(p) for p in model.parameters())
         if self._monitor is not None:
             self._monitor.models_changed()
@@ -339,6 +396,8 @@ class Watch:
             ]
 
     def _global_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced into a compiled graph: do nothing, so dynamo adds nothing
         self._global_depth += 1
         if self._global_depth != 1 or self._probes is None or self.closed:
             return
@@ -349,6 +408,8 @@ class Watch:
         self._on_root_forward(module, args)
 
     def _global_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         self._global_depth = max(0, self._global_depth - 1)
 
     # -- hook callbacks ------------------------------------------------------
