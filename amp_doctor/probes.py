@@ -47,12 +47,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .anomaly import own_ops
 from .dtypes import LOW_PRECISION_DTYPES, dtype_name
-from .records import Event
 from .recorder import StepBuffer
+from .records import Event
 from .stats import summarize
 
 __all__ = ["LayerMeta", "Probes", "Unwatched", "iter_tensors", "unsummarizable",
-           "COMPILED_NOTE"]
+           "run_eagerly_when_called_by_dynamo", "COMPILED_NOTE"]
 
 # Deeply nested outputs are rare and walking them is pure overhead.
 MAX_OUTPUT_DEPTH = 4
@@ -60,11 +60,12 @@ MAX_TENSORS_PER_OUTPUT = 64
 
 # What the session says about a model that ran under torch.compile.
 COMPILED_NOTE = (
-    "ran under torch.compile: per-layer activations and gradients inside the compiled "
+    "ran under torch.compile: activations and gradients of the layers inside the compiled "
     "graph are not recorded (hooks there would add graph breaks and recompiles). Recorded: "
-    "the output of a module compiled with torch.compile(model) (not with model.compile()), "
-    "parameter gradients, the GradScaler and the optimizer. For per-layer stats, run a few "
-    "steps without compiling."
+    "the model's own output where torch calls its hooks outside the graph (a model with its "
+    "own forward, compiled with torch.compile(model) or model.compile()), parameter "
+    "gradients, the GradScaler and the optimizer. For per-layer statistics, run a few steps "
+    "without compiling."
 )
 
 _FLOAT8 = frozenset(
@@ -154,6 +155,36 @@ class _Hook:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Unwatched:
         return Unwatched()
+
+
+def run_eagerly_when_called_by_dynamo(*fns: Callable[..., Any]) -> None:
+    """Have dynamo run ``fns`` as plain Python when it meets them as frames of their own.
+
+    ``model.compile()`` compiles ``Module._call_impl``, which dynamo skips, so
+    each hook it calls would become a frame that dynamo compiles (and counts in
+    ``counters["frames"]``). Marking the code objects SKIP (recursively) keeps
+    dynamo out of them and of whatever they call; they then run eagerly around
+    the compiled forward. Inside a graph (a hook traced inline) this changes
+    nothing: there the hooks see ``torch.compiler.is_compiling()`` and return.
+    """
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - other torch versions: hooks still no-op in graphs
+        return
+    for fn in fns:
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None:
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def _dynamo_compiled_something() -> bool:
+    """Whether dynamo made any graph in this process (a dict lookup, no import)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    return bool(counters is not None and counters["stats"].get("unique_graphs"))
 
 
 def _compiled_autocast() -> str:
@@ -280,8 +311,15 @@ class Probes:
         self._roots: set[int] = set()
         self._handles: list[RemovableHandle] = []
         # Hooks on non-root modules, present only while armed.
-        self._sub_handles: list[RemovableHandle] = []
+        self._sub_handles: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
         self._subs: list[nn.Module] = []
+        # Roots known to run under torch.compile: their sublayer hooks are never
+        # added or removed again, since dynamo guards on the hook dicts it traced
+        # (toggling them per recorded step would recompile).
+        self._frozen: set[int] = set()
+        # Per recorded step: root calls made while armed, and sublayer calls, by root.
+        self._armed_root_calls: dict[int, int] = {}
+        self._sub_calls: dict[int, int] = {}
         self.armed = False
         self._want_armed = False
         self._buffer = buffer_provider
@@ -303,6 +341,8 @@ class Probes:
         self._events = events if events is not None else []
         self._skipped: dict[tuple[str, str], Event] = {}
         self._on_compiled = on_compiled
+        run_eagerly_when_called_by_dynamo(_PreHook.__call__, _PostHook.__call__,
+                                          _GradHook.__call__, Unwatched.__call__)
         for prefix, model in models.items():
             self.add_root(prefix, model)
 
@@ -333,21 +373,17 @@ class Probes:
             else:
                 self._subs.append(mod)
                 if self.armed:
-                    self._sub_handles.extend(self._hook(mod))
+                    self._sub_handles[id(mod)] = self._hook(mod)
         return True
 
-    def add_boundary(self, wrapper: nn.Module, model: nn.Module) -> None:
-        """Hook ``wrapper`` (a ``torch.compile`` wrapper) as if it were ``model``.
+    def freeze(self, model: nn.Module) -> None:
+        """``model`` runs under torch.compile: leave its sublayer hooks as they are now."""
+        self._frozen.add(id(model))
 
-        Its hooks run eagerly around the compiled call, so the root's inputs,
-        autocast state and output are seen without touching the graph.
-        """
-        name = self._names.get(id(model))
-        if name is None or id(wrapper) in self._names:
-            return
-        self._names[id(wrapper)] = name
-        self._roots.add(id(wrapper))
-        self._handles.extend(self._hook(wrapper))
+    def _root_of(self, mod_id: int) -> int:
+        name = self._names.get(mod_id)
+        meta = self.layers.get(name) if name is not None else None
+        return meta.root if meta is not None else mod_id
 
     def _hook(self, mod: nn.Module) -> tuple[RemovableHandle, RemovableHandle]:
         objs = self._hook_objs.get(id(mod))
@@ -371,11 +407,14 @@ class Probes:
             return
         if self._want_armed:
             for mod in self._subs:
-                self._sub_handles.extend(self._hook(mod))
+                if id(mod) not in self._sub_handles and self._root_of(id(mod)) not in self._frozen:
+                    self._sub_handles[id(mod)] = self._hook(mod)
         else:
-            for h in self._sub_handles:
-                h.remove()
-            self._sub_handles.clear()
+            for mid, hs in list(self._sub_handles.items()):
+                if self._root_of(mid) not in self._frozen:
+                    for h in hs:
+                        h.remove()
+                    del self._sub_handles[mid]
         self.armed = self._want_armed
 
     def watches(self, module: nn.Module) -> bool:
@@ -405,7 +444,8 @@ class Probes:
     # -- lifecycle -------------------------------------------------------
     def remove(self) -> None:
         self._collect_compiled()
-        for h in (*self._handles, *self._sub_handles, *self._tensor_handles):
+        subs = [h for hs in self._sub_handles.values() for h in hs]
+        for h in (*self._handles, *subs, *self._tensor_handles):
             h.remove()
         self._handles.clear()
         self._sub_handles.clear()
@@ -433,12 +473,24 @@ class Probes:
         self._collect_compiled()
 
     def _collect_compiled(self) -> None:
-        """Report modules whose hooks dynamo traced since the last call (see _PreHook)."""
+        """Report modules whose hooks dynamo traced since the last call (see _PreHook),
+        and roots compiled before they were watched: called while their sublayers were
+        hooked, yet no sublayer hook ran (the graph was traced without them)."""
         if self._on_compiled is None:
             return
+        for root, n in self._armed_root_calls.items():
+            if (n and not self._sub_calls.get(root) and root not in self._frozen
+                    and _dynamo_compiled_something()
+                    and any(self._root_of(id(m)) == root for m in self._subs)):
+                self._frozen.add(root)
+                self._on_compiled(self._names[root], "")
+        self._armed_root_calls.clear()
+        self._sub_calls.clear()
         for mid, (pre, _) in self._hook_objs.items():
             if pre.traced is not None:
-                name = self._names.get(mid)
+                root = self._root_of(mid)
+                self._frozen.add(root)
+                name = self._names.get(root)
                 if name is not None:
                     self._on_compiled(name, pre.traced)
                 pre.traced = None
@@ -468,6 +520,8 @@ class Probes:
         self.stack.append(name)
         if id(module) in self._roots and self._depth == 1:
             self._on_root_forward(module, args)
+            if self.armed and self.recording:
+                self._armed_root_calls[id(module)] = self._armed_root_calls.get(id(module), 0) + 1
         if not self.recording or not torch.is_grad_enabled():
             return
         meta = self.layers[name]
@@ -492,6 +546,8 @@ class Probes:
             meta.order = self._next_order
             self._next_order += 1
         meta.calls += 1
+        if meta.root != id(module):
+            self._sub_calls[meta.root] = self._sub_calls.get(meta.root, 0) + 1
         buf = self._buffer()
         for t in _first_tensors(output):
             meta.output_dtypes.add(dtype_name(t.dtype))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from ._version import __version__
 from .anomaly import own_ops
 from .dtypes import dtype_name, limits
 from .errors import AmpDoctorError
-from .probes import COMPILED_NOTE, Probes, iter_tensors
+from .probes import COMPILED_NOTE, Probes, iter_tensors, run_eagerly_when_called_by_dynamo
 from .recorder import History, HostStep, LayerAggregate, StepBuffer, count_sync, host_step_layers
 from .records import AmpConfig, Event, RunInfo, ScalerEvent, Session, StepRecord
 from .scaler import AmpMonitor, subscribe
@@ -199,15 +200,9 @@ class Watch:
             self._monitor.autocast_dtype = self._autocast_dtype
             self._sub = subscribe(self._monitor)
             if self._discover:
-                from torch.nn.modules.module import (
-                    register_module_forward_hook,
-                    register_module_forward_pre_hook,
-                )
-
-                self._global_handles = [
-                    register_module_forward_pre_hook(self._global_pre),
-                    register_module_forward_hook(self._global_post, always_call=True),
-                ]
+                run_eagerly_when_called_by_dynamo(self._global_pre, self._global_post)
+                self._register_global()
+                self._patch_compiled_call()
             anomaly, mode, allow = self._anomaly_opts
             if anomaly:
                 from .anomaly import AnomalyMode
@@ -259,16 +254,16 @@ class Watch:
         return self.session_
 
     def _attach_wrappers(self, given: nn.Module) -> None:
-        """Watch a compiled model at its boundary and say what is not recorded inside."""
+        """A model compiled before watch(): say so, and never toggle its sublayer hooks.
+
+        Its root hooks still run eagerly around the compiled forward (see
+        :func:`~amp_doctor.probes.run_eagerly_when_called_by_dynamo`).
+        """
         assert self._probes is not None
         inner = _unwrap(given)
         name = self._probes.name_of(inner)
-        if name is None:
-            return
-        for w in _compile_wrappers(given):
-            self._probes.add_boundary(w, inner)
-            self._on_compiled(name, "")
-        if _compiled_by_method(inner):
+        if name is not None and (_compile_wrappers(given) or _compiled_by_method(inner)):
+            self._probes.freeze(inner)
             self._on_compiled(name, "")
 
     def _on_compiled(self, name: str, autocast: str) -> None:
@@ -288,6 +283,61 @@ class Watch:
             data={"severity": "info", "message": f"{name} {COMPILED_NOTE}"}))
 
     _compiled_names: set[str] = set()
+    _unpatch: Callable[[], None] | None = None
+
+    def _register_global(self) -> None:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        self._global_handles = [
+            register_module_forward_pre_hook(self._global_pre),
+            register_module_forward_hook(self._global_post, always_call=True),
+        ]
+
+    def _patch_compiled_call(self) -> None:
+        """Discovery without global hooks around a ``torch.compile``'d module's call.
+
+        ``OptimizedModule.__call__`` warns on every call while any global module
+        hook exists, and dynamo would trace ours. So the call itself discovers the
+        model, and amp-doctor's global hooks are off while it runs (the model's
+        own root hooks still run, eagerly, around the compiled forward).
+        """
+        try:
+            from torch._dynamo.eval_frame import OptimizedModule
+        except ImportError:  # pragma: no cover - torch without dynamo
+            return
+        orig: Callable[..., Any] = OptimizedModule.__call__
+        ref = weakref.ref(self)
+
+        def __call__(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            watch = ref()
+            if watch is None or not watch._global_handles or torch.compiler.is_compiling():
+                return orig(module, *args, **kwargs)
+            handles, watch._global_handles = watch._global_handles, []
+            for h in handles:
+                h.remove()
+            try:
+                probes = watch._probes
+                if (watch._global_depth == 0 and not watch.closed and probes is not None
+                        and not probes.watches(_unwrap(module))
+                        and next(module.parameters(), None) is not None):
+                    # Hooked before the call: its root hooks see this very call.
+                    watch.add_model(module, _variable_name(module))
+                return orig(module, *args, **kwargs)
+            finally:
+                if not watch.closed and watch._unpatch is not None:
+                    watch._register_global()
+
+        __call__.__wrapped__ = orig  # type: ignore[attr-defined]
+        OptimizedModule.__call__ = __call__  # type: ignore[method-assign,assignment]
+
+        def unpatch() -> None:
+            if OptimizedModule.__call__ is __call__:
+                OptimizedModule.__call__ = orig  # type: ignore[method-assign]
+
+        self._unpatch = unpatch
 
     def _teardown(self) -> None:
         # Each removal is independent: one failing must not leave others behind.
@@ -297,6 +347,9 @@ class Watch:
             if owner is not None:
                 removers.append(getattr(owner, method))
         self._global_handles = []
+        if self._unpatch is not None:
+            removers.append(self._unpatch)
+            self._unpatch = None
         for fn in removers:
             try:
                 fn()
