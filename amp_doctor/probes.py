@@ -57,6 +57,8 @@ __all__ = ["LayerMeta", "Probes", "Unwatched", "iter_tensors", "unsummarizable",
 # Deeply nested outputs are rare and walking them is pure overhead.
 MAX_OUTPUT_DEPTH = 4
 MAX_TENSORS_PER_OUTPUT = 64
+# Tensor-hook handles kept between step boundaries before the dead ones are pruned.
+MAX_TENSOR_HANDLES = 4096
 
 # What the session says about a model that ran under torch.compile.
 COMPILED_NOTE = (
@@ -337,6 +339,7 @@ class Probes:
         self._hook_objs: dict[int, tuple[_PreHook, _PostHook]] = {}
         # Tensor hooks of the current step; removed at the step boundary.
         self._tensor_handles: list[RemovableHandle] = []
+        self._leaf_hooks: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # Session events: "unsummarized" (one per layer and kind, counted).
         self._events = events if events is not None else []
         self._skipped: dict[tuple[str, str], Event] = {}
@@ -450,6 +453,7 @@ class Probes:
         self._handles.clear()
         self._sub_handles.clear()
         self._tensor_handles.clear()
+        self._leaf_hooks = WeakIdKeyDictionary()
         self.armed = self._want_armed = False
         self._seen = WeakIdKeyDictionary()
         self.stack.clear()
@@ -470,7 +474,30 @@ class Probes:
         for h in self._tensor_handles:
             h.remove()
         self._tensor_handles.clear()
+        self._leaf_hooks = WeakIdKeyDictionary()
         self._collect_compiled()
+
+    def _hook_grad(self, t: torch.Tensor, owners: list[str], buf: StepBuffer) -> None:
+        if t.grad_fn is None:
+            # A leaf (a parameter a module returns) lives on: one hook on it at a
+            # time, retargeted to the latest call, however many calls come
+            # before the next step boundary (a loop with no optimizer has none).
+            hook = self._leaf_hooks.get(t)
+            if hook is not None:
+                hook.owners, hook.buf = owners, buf
+                return
+            hook = self._leaf_hooks[t] = _GradHook(self, owners, buf)
+            self._keep_handle(t.register_hook(hook))
+            return
+        self._keep_handle(t.register_hook(_GradHook(self, owners, buf)))
+
+    def _keep_handle(self, handle: RemovableHandle) -> None:
+        # A loop with no step boundary would grow the list forever; most handles
+        # point at activations already freed (their hook dict is gone).
+        if len(self._tensor_handles) >= MAX_TENSOR_HANDLES:
+            self._tensor_handles = [h for h in self._tensor_handles
+                                    if h.hooks_dict_ref() is not None]
+        self._tensor_handles.append(handle)
 
     def _collect_compiled(self) -> None:
         """Report modules whose hooks dynamo traced since the last call (see _PreHook),
@@ -570,8 +597,7 @@ class Probes:
                 owners = [name]
                 self._seen[t] = (idx, owners, version)
                 if t.requires_grad:
-                    self._tensor_handles.append(
-                        t.register_hook(_GradHook(self, owners, buf)))
+                    self._hook_grad(t, owners, buf)
             else:
                 idx, owners, _ = entry
                 if name in owners:

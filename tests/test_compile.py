@@ -198,3 +198,46 @@ def test_compiled_script_through_the_cli(tmp_path: Path) -> None:
     kinds = [e["kind"] for e in report["events"]]
     assert "compiled_model" in kinds
     assert "autocast_inactive" not in {f["kind"] for f in report["findings"]}
+
+
+def _run_compiled_step(watched: bool, every: int) -> tuple[list[float], dict[str, Any], Any]:
+    """The forward and loss inside one compiled function (the model's hooks are inlined)."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    m = MLP()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+
+    @torch.compile
+    def forward_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return nn.functional.cross_entropy(m(x).float(), y)
+
+    w = amp_doctor.watch(m, every=every) if watched else None
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    try:
+        for _ in range(STEPS):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            loss = forward_loss(x, y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(float(loss.detach()))
+    finally:
+        session = w.close() if w is not None else None
+    return losses, _counts(), session
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_compiled_training_function_with_the_model_inside(every: int) -> None:
+    plain_losses, plain_counts, _ = _run_compiled_step(watched=False, every=every)
+    losses, counts, session = _run_compiled_step(watched=True, every=every)
+    assert losses == plain_losses
+    assert counts == plain_counts
+    # Autocast is only visible at trace time here; it is still known.
+    assert session.amp.autocast_seen and session.amp.dtype == "float16"
+    assert [e.module for e in session.events if e.kind == "compiled_model"] == ["MLP"]
+    assert "autocast_inactive" not in {f.kind for f in session.findings}

@@ -214,6 +214,36 @@ def test_module_returning_its_parameter_gets_no_growing_hooks() -> None:
     assert by_name["ident"].calls == 40
 
 
+def test_returned_parameter_with_hand_written_update_and_no_boundary() -> None:
+    """No optimizer, no scaler (word_language_model's loop): still one hook at most."""
+
+    def run(watched: bool) -> tuple[list[float], list[int], ReturnsParam]:
+        torch.manual_seed(0)
+        model = ReturnsParam()
+        w = amp_doctor.watch(model, every=1) if watched else None
+        losses, counts = [], []
+        g = torch.Generator().manual_seed(0)
+        for _ in range(30):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-0.1)
+            losses.append(float(loss))
+            counts.append(_tensor_hook_count(model))
+        if w is not None:
+            w.close()
+        return losses, counts, model
+
+    plain, _, _ = run(False)
+    watched, counts, model = run(True)
+    assert watched == plain
+    assert max(counts) == 1
+    assert _tensor_hook_count(model) == 0
+
+
 def test_retain_graph_without_step_keeps_no_activation_alive() -> None:
     model = _fresh()
     refs: list[weakref.ref[torch.Tensor]] = []
