@@ -231,7 +231,7 @@ def test_returned_parameter_with_hand_written_update_and_no_boundary() -> None:
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(p.grad, alpha=-0.1)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             counts.append(_tensor_hook_count(model))
         if w is not None:
             w.close()
