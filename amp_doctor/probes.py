@@ -12,12 +12,30 @@ Design choices that keep the cost low and the user's run untouched:
 * a tensor that several nested modules return (a ``Sequential`` and its last
   child) is summarised once and credited to all of them;
 * hooks return ``None`` and never touch the tensors they see, so the
-  user's numerics are bit-identical with and without amp-doctor.
+  user's numerics are bit-identical with and without amp-doctor;
+* what is registered on the user's modules and tensors is a small hook
+  object holding only a weak reference to the :class:`Probes` (never the
+  writer, the buffer's owner or a lock), so ``torch.save(model)`` and
+  ``copy.deepcopy(model)`` keep working. A copy or an unpickled model gets
+  :class:`Unwatched` hooks instead: it is an unwatched model, and each of
+  those hooks removes itself from its module on its first call;
+* under ``torch.compile`` every hook returns before doing anything, so
+  dynamo traces nothing (no graph breaks, no recompiles). The pre-hook only
+  stores, as a trace-time constant, which autocast state the graph was
+  compiled for; dynamo replays that attribute store after the graph, which
+  is how a compiled model is noticed without changing it;
+* tensors that cannot be summarised (sparse, nested, meta, float8,
+  functorch-wrapped under ``vmap``/``grad``) are skipped and counted once
+  per (layer, kind) in an ``unsummarized`` event, without a host sync;
+* tensor hooks live in ``RemovableHandle`` objects that are removed at the
+  next step boundary: a module returning one of its own parameters does not
+  pile up hooks on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,13 +48,200 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .anomaly import own_ops
 from .dtypes import LOW_PRECISION_DTYPES, dtype_name
 from .recorder import StepBuffer
+from .records import Event
 from .stats import summarize
 
-__all__ = ["LayerMeta", "Probes", "iter_tensors"]
+__all__ = ["LayerMeta", "Probes", "Unwatched", "iter_tensors", "unsummarizable",
+           "run_eagerly_when_called_by_dynamo", "COMPILED_NOTE"]
 
 # Deeply nested outputs are rare and walking them is pure overhead.
 MAX_OUTPUT_DEPTH = 4
 MAX_TENSORS_PER_OUTPUT = 64
+# Tensor-hook handles kept between step boundaries before the dead ones are pruned.
+MAX_TENSOR_HANDLES = 4096
+
+# What the session says about a model that ran under torch.compile.
+COMPILED_NOTE = (
+    "ran under torch.compile: activations and gradients of the layers inside the compiled "
+    "graph are not recorded (hooks there would add graph breaks and recompiles). Recorded: "
+    "the model's own output where torch calls its hooks outside the graph (a model with its "
+    "own forward, compiled with torch.compile(model) or model.compile()), parameter "
+    "gradients, the GradScaler and the optimizer. For per-layer statistics, run a few steps "
+    "without compiling."
+)
+
+_FLOAT8 = frozenset(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+                                "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
+
+
+def _is_functorch_wrapped(t: torch.Tensor) -> bool:
+    # vmap's BatchedTensor and grad's GradTrackingTensor: summarising them would
+    # run inside the transform, and most queries on them assert.
+    fn = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(fn(t)) if fn is not None else False
+
+
+def unsummarizable(t: torch.Tensor) -> str | None:
+    """Why ``t`` (a floating-point tensor) cannot be summarised, or None if it can.
+
+    Only metadata is read: no host sync, no kernel.
+    """
+    if _is_functorch_wrapped(t):
+        return "functorch"
+    if t.is_nested:
+        return "nested"
+    if t.layout is not torch.strided:
+        return "sparse" if t.is_sparse or t.layout in (
+            torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc) else str(
+            t.layout).replace("torch.", "")
+    if t.is_meta:
+        return "meta"
+    if t.dtype in _FLOAT8:
+        return "float8"
+    if t.is_quantized:
+        return "quantized"
+    return None
+
+
+def _drop_hook(module: nn.Module, hook: object) -> None:
+    """Remove every registration of ``hook`` from ``module``'s forward hook dicts."""
+    for hooks, flags in (
+        (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
+        (module._forward_hooks, (module._forward_hooks_with_kwargs,
+                                 module._forward_hooks_always_called)),
+    ):
+        for k in [k for k, v in hooks.items() if v is hook]:
+            del hooks[k]
+            for f in flags:
+                f.pop(k, None)
+
+
+class Unwatched:
+    """What a watched model's hook becomes in a deep copy or an unpickled model.
+
+    It does nothing and, on its first eager call on a module, removes itself from
+    it. A copy of a watched model (``copy.deepcopy``, ``AveragedModel``,
+    ``torch.save``/``torch.load``) is therefore an unwatched model.
+    """
+
+    # Tensor hooks: torch.save must not warn that this hook is not serialised.
+    __torch_unserializable__ = True
+
+    def __call__(self, *args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        if args and isinstance(args[0], nn.Module):
+            _drop_hook(args[0], self)
+        return None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Unwatched, ())
+
+
+class _Hook:
+    """Base of the hooks put on the user's modules and tensors.
+
+    Holds only a weak reference to the probes: nothing reachable from the
+    user's model may keep the watch (its writer, its locks) alive or make the
+    model unpicklable.
+    """
+
+    __torch_unserializable__ = True
+
+    def __init__(self, probes: Probes) -> None:
+        self._probes = weakref.ref(probes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Unwatched, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Unwatched:
+        return Unwatched()
+
+
+def run_eagerly_when_called_by_dynamo(*fns: Callable[..., Any]) -> None:
+    """Have dynamo run ``fns`` as plain Python when it meets them as frames of their own.
+
+    ``model.compile()`` compiles ``Module._call_impl``, which dynamo skips, so
+    each hook it calls would become a frame that dynamo compiles (and counts in
+    ``counters["frames"]``). Marking the code objects SKIP (recursively) keeps
+    dynamo out of them and of whatever they call; they then run eagerly around
+    the compiled forward. Inside a graph (a hook traced inline) this changes
+    nothing: there the hooks see ``torch.compiler.is_compiling()`` and return.
+    """
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - other torch versions: hooks still no-op in graphs
+        return
+    for fn in fns:
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None:
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def _dynamo_compiled_something() -> bool:
+    """Whether dynamo made any graph in this process (a dict lookup, no import)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    return bool(counters is not None and counters["stats"].get("unique_graphs"))
+
+
+def _compiled_autocast() -> str:
+    """``"device:dtype"`` of the active autocast, "" if none; traced at compile time."""
+    if not torch.is_grad_enabled():
+        return "-"
+    for dev in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(dev):
+            return dev + ":" + str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+    return ""
+
+
+class _PreHook(_Hook):
+    def __init__(self, probes: Probes) -> None:
+        super().__init__(probes)
+        # Set only while dynamo traces this hook: the autocast state the
+        # compiled graph was made for. Dynamo replays the store on every call.
+        self.traced: str | None = None
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            self.traced = _compiled_autocast()
+            return None
+        probes = self._probes()
+        if probes is not None:
+            probes._pre(module, args, kwargs)
+        return None
+
+
+class _PostHook(_Hook):
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        probes = self._probes()
+        if probes is not None:
+            probes._post(module, args, kwargs, output)
+        return None
+
+
+class _GradHook(_Hook):
+    # The hook holds the layer names and the step's buffer, never the
+    # activation: a finished step keeps no reference to user tensors.
+    def __init__(self, probes: Probes, owners: list[str], buf: StepBuffer) -> None:
+        super().__init__(probes)
+        self.owners = owners
+        self.buf = buf
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        probes = self._probes()
+        if probes is not None:
+            probes._on_grad(self.owners, self.buf, grad)
+        return None
 
 
 @dataclass
@@ -100,14 +305,23 @@ class Probes:
         models: dict[str, nn.Module],
         buffer_provider: Callable[[], StepBuffer],
         on_root_forward: Callable[[nn.Module, tuple[Any, ...]], None],
+        events: list[Event] | None = None,
+        on_compiled: Callable[[str, str], None] | None = None,
     ) -> None:
         self.layers: dict[str, LayerMeta] = {}
         self._names: dict[int, str] = {}
         self._roots: set[int] = set()
         self._handles: list[RemovableHandle] = []
         # Hooks on non-root modules, present only while armed.
-        self._sub_handles: list[RemovableHandle] = []
+        self._sub_handles: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
         self._subs: list[nn.Module] = []
+        # Roots known to run under torch.compile: their sublayer hooks are never
+        # added or removed again, since dynamo guards on the hook dicts it traced
+        # (toggling them per recorded step would recompile).
+        self._frozen: set[int] = set()
+        # Per recorded step: root calls made while armed, and sublayer calls, by root.
+        self._armed_root_calls: dict[int, int] = {}
+        self._sub_calls: dict[int, int] = {}
         self.armed = False
         self._want_armed = False
         self._buffer = buffer_provider
@@ -121,6 +335,17 @@ class Probes:
         self.param_owner: dict[int, str] = {}
         self._root_prefix: dict[int, str] = {}
         self._next_order = 0
+        # One pre/post hook object per module, reused each time it is armed.
+        self._hook_objs: dict[int, tuple[_PreHook, _PostHook]] = {}
+        # Tensor hooks of the current step; removed at the step boundary.
+        self._tensor_handles: list[RemovableHandle] = []
+        self._leaf_hooks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Session events: "unsummarized" (one per layer and kind, counted).
+        self._events = events if events is not None else []
+        self._skipped: dict[tuple[str, str], Event] = {}
+        self._on_compiled = on_compiled
+        run_eagerly_when_called_by_dynamo(_PreHook.__call__, _PostHook.__call__,
+                                          _GradHook.__call__, Unwatched.__call__)
         for prefix, model in models.items():
             self.add_root(prefix, model)
 
@@ -151,12 +376,24 @@ class Probes:
             else:
                 self._subs.append(mod)
                 if self.armed:
-                    self._sub_handles.extend(self._hook(mod))
+                    self._sub_handles[id(mod)] = self._hook(mod)
         return True
 
+    def freeze(self, model: nn.Module) -> None:
+        """``model`` runs under torch.compile: leave its sublayer hooks as they are now."""
+        self._frozen.add(id(model))
+
+    def _root_of(self, mod_id: int) -> int:
+        name = self._names.get(mod_id)
+        meta = self.layers.get(name) if name is not None else None
+        return meta.root if meta is not None else mod_id
+
     def _hook(self, mod: nn.Module) -> tuple[RemovableHandle, RemovableHandle]:
-        return (mod.register_forward_pre_hook(self._pre, with_kwargs=True),
-                mod.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        objs = self._hook_objs.get(id(mod))
+        if objs is None:
+            objs = self._hook_objs[id(mod)] = (_PreHook(self), _PostHook(self))
+        return (mod.register_forward_pre_hook(objs[0], with_kwargs=True),
+                mod.register_forward_hook(objs[1], with_kwargs=True, always_call=True))
 
     def set_armed(self, armed: bool) -> None:
         """Hook (or unhook) every non-root module; applied between forward passes.
@@ -173,11 +410,14 @@ class Probes:
             return
         if self._want_armed:
             for mod in self._subs:
-                self._sub_handles.extend(self._hook(mod))
+                if id(mod) not in self._sub_handles and self._root_of(id(mod)) not in self._frozen:
+                    self._sub_handles[id(mod)] = self._hook(mod)
         else:
-            for h in self._sub_handles:
-                h.remove()
-            self._sub_handles.clear()
+            for mid, hs in list(self._sub_handles.items()):
+                if self._root_of(mid) not in self._frozen:
+                    for h in hs:
+                        h.remove()
+                    del self._sub_handles[mid]
         self.armed = self._want_armed
 
     def watches(self, module: nn.Module) -> bool:
@@ -206,12 +446,18 @@ class Probes:
 
     # -- lifecycle -------------------------------------------------------
     def remove(self) -> None:
-        for h in (*self._handles, *self._sub_handles):
+        self._collect_compiled()
+        subs = [h for hs in self._sub_handles.values() for h in hs]
+        for h in (*self._handles, *subs, *self._tensor_handles):
             h.remove()
         self._handles.clear()
         self._sub_handles.clear()
+        self._tensor_handles.clear()
+        self._leaf_hooks = WeakIdKeyDictionary()
         self.armed = self._want_armed = False
         self._seen = WeakIdKeyDictionary()
+        self.stack.clear()
+        self._depth = 0
 
     def name_of(self, module: nn.Module) -> str | None:
         return self._names.get(id(module))
@@ -221,18 +467,91 @@ class Probes:
 
     def new_step(self) -> None:
         self._seen = WeakIdKeyDictionary()
+        # Gradient hooks of the step that ended: its backward has run. Removing
+        # them keeps long-lived tensors (a parameter a module returns) from
+        # gathering one hook per step, and no graph kept alive with
+        # retain_graph=True holds the old step's buffer.
+        for h in self._tensor_handles:
+            h.remove()
+        self._tensor_handles.clear()
+        self._leaf_hooks = WeakIdKeyDictionary()
+        self._collect_compiled()
+
+    def _hook_grad(self, t: torch.Tensor, owners: list[str], buf: StepBuffer) -> None:
+        if t.grad_fn is None:
+            # A leaf (a parameter a module returns) lives on: one hook on it at a
+            # time, retargeted to the latest call, however many calls come
+            # before the next step boundary (a loop with no optimizer has none).
+            hook = self._leaf_hooks.get(t)
+            if hook is not None:
+                hook.owners, hook.buf = owners, buf
+                return
+            hook = self._leaf_hooks[t] = _GradHook(self, owners, buf)
+            self._keep_handle(t.register_hook(hook))
+            return
+        self._keep_handle(t.register_hook(_GradHook(self, owners, buf)))
+
+    def _keep_handle(self, handle: RemovableHandle) -> None:
+        # A loop with no step boundary would grow the list forever; most handles
+        # point at activations already freed (their hook dict is gone).
+        if len(self._tensor_handles) >= MAX_TENSOR_HANDLES:
+            self._tensor_handles = [h for h in self._tensor_handles
+                                    if h.hooks_dict_ref() is not None]
+        self._tensor_handles.append(handle)
+
+    def _collect_compiled(self) -> None:
+        """Report modules whose hooks dynamo traced since the last call (see _PreHook),
+        and roots compiled before they were watched: called while their sublayers were
+        hooked, yet no sublayer hook ran (the graph was traced without them)."""
+        if self._on_compiled is None:
+            return
+        for root, n in self._armed_root_calls.items():
+            if (n and not self._sub_calls.get(root) and root not in self._frozen
+                    and _dynamo_compiled_something()
+                    and any(self._root_of(id(m)) == root for m in self._subs)):
+                self._frozen.add(root)
+                self._on_compiled(self._names[root], "")
+        self._armed_root_calls.clear()
+        self._sub_calls.clear()
+        for mid, (pre, _) in self._hook_objs.items():
+            if pre.traced is not None:
+                root = self._root_of(mid)
+                self._frozen.add(root)
+                name = self._names.get(root)
+                if name is not None:
+                    self._on_compiled(name, pre.traced)
+                pre.traced = None
+
+    def _note_skipped(self, name: str, kind: str, step: int) -> None:
+        """Count a tensor that could not be summarised; one event per (layer, kind)."""
+        ev = self._skipped.get((name, kind))
+        if ev is None:
+            ev = Event(kind="unsummarized", step=step, module=name, data={
+                "tensor": kind, "count": 0, "severity": "info",
+                "message": (f"{name}: {kind} tensors are not summarised (no statistics for "
+                            "them); the run itself is unaffected."),
+            })
+            self._skipped[(name, kind)] = ev
+            self._events.append(ev)
+        ev.data["count"] += 1
 
     # -- hooks -----------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            # copy.copy(module) shares the hook dicts: that copy is not watched.
+            return
         if self._depth == 0 and self._want_armed != self.armed:
             self._apply_armed()
         self._depth += 1
-        self.stack.append(self._names[id(module)])
+        self.stack.append(name)
         if id(module) in self._roots and self._depth == 1:
             self._on_root_forward(module, args)
+            if self.armed and self.recording:
+                self._armed_root_calls[id(module)] = self._armed_root_calls.get(id(module), 0) + 1
         if not self.recording or not torch.is_grad_enabled():
             return
-        meta = self.layers[self._names[id(module)]]
+        meta = self.layers[name]
         for t in _first_tensors((args, kwargs)):
             if t.is_floating_point():
                 meta.input_dtypes.add(dtype_name(t.dtype))
@@ -240,33 +559,45 @@ class Probes:
     def _post(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            return
         self._depth = max(0, self._depth - 1)
         if self.stack:
             self.stack.pop()
         # Inference passes (validation under no_grad) are not training steps.
         if not self.recording or not torch.is_grad_enabled():
             return
-        name = self._names[id(module)]
         meta = self.layers[name]
         if meta.order < 0:
             meta.order = self._next_order
             self._next_order += 1
         meta.calls += 1
+        if meta.root != id(module):
+            self._sub_calls[meta.root] = self._sub_calls.get(meta.root, 0) + 1
         buf = self._buffer()
         for t in _first_tensors(output):
             meta.output_dtypes.add(dtype_name(t.dtype))
-            if not t.is_floating_point() or t.numel() == 0:
+            if not t.is_floating_point():
                 continue
+            why = unsummarizable(t)
+            if why is not None:
+                self._note_skipped(name, why, buf.step)
+                continue
+            if t.numel() == 0:
+                continue
+            # Inference tensors (made under torch.inference_mode) have no version counter.
+            version = -1 if t.is_inference() else t._version
             entry = self._seen.get(t)
             # An in-place op (x.mul_(gamma)) returns the same tensor with new
             # values: only an unchanged version counter means "already seen".
-            if entry is None or entry[2] != t._version:
+            if entry is None or entry[2] != version:
                 with own_ops:
                     idx = buf.add(summarize(t))
                 owners = [name]
-                self._seen[t] = (idx, owners, t._version)
+                self._seen[t] = (idx, owners, version)
                 if t.requires_grad:
-                    t.register_hook(self._grad_hook(owners, buf))
+                    self._hook_grad(t, owners, buf)
             else:
                 idx, owners, _ = entry
                 if name in owners:
@@ -275,19 +606,20 @@ class Probes:
                 meta.passthrough_calls += 1
             buf.assign(name, "act", idx)
 
-    def _grad_hook(self, owners: list[str], buf: StepBuffer) -> Callable[[torch.Tensor], None]:
-        # The closure holds the layer names and the step's buffer, never the
-        # activation: a finished step keeps no reference to user tensors.
-        def hook(grad: torch.Tensor) -> None:
-            if buf.closed or grad is None or not grad.is_floating_point() or grad.numel() == 0:
-                return
-            with own_ops:
-                idx = buf.add(summarize(grad))
-            for n in owners:
-                buf.assign(n, "grad", idx)
-            buf.note_backward(owners[0])
-
-        return hook
+    def _on_grad(self, owners: list[str], buf: StepBuffer, grad: torch.Tensor) -> None:
+        if buf.closed or grad is None or not grad.is_floating_point():
+            return
+        why = unsummarizable(grad)
+        if why is not None:
+            self._note_skipped(owners[0], why + " gradient", buf.step)
+            return
+        if grad.numel() == 0:
+            return
+        with own_ops:
+            idx = buf.add(summarize(grad))
+        for n in owners:
+            buf.assign(n, "grad", idx)
+        buf.note_backward(owners[0])
 
     # -- parameter gradients --------------------------------------------
     def summarize_param_grads(self, params: list[torch.Tensor], buf: StepBuffer) -> None:
@@ -298,7 +630,11 @@ class Probes:
             if name is None or p.grad is None or name in buf.param_grads_done:
                 continue
             g = p.grad
-            if g.is_sparse or not g.is_floating_point() or g.numel() == 0:
+            if not g.is_floating_point() or g.numel() == 0:
+                continue
+            why = unsummarizable(g)
+            if why is not None:
+                self._note_skipped(name, why + " gradient", buf.step)
                 continue
             by_layer.setdefault(name, []).append(g.detach().reshape(-1))
         with own_ops:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from ._version import __version__
 from .anomaly import own_ops
 from .dtypes import dtype_name, limits
 from .errors import AmpDoctorError
-from .probes import Probes, iter_tensors
+from .probes import COMPILED_NOTE, Probes, iter_tensors, run_eagerly_when_called_by_dynamo
 from .recorder import History, HostStep, LayerAggregate, StepBuffer, count_sync, host_step_layers
 from .records import AmpConfig, Event, RunInfo, ScalerEvent, Session, StepRecord
 from .scaler import AmpMonitor, subscribe
@@ -64,6 +65,25 @@ def _as_models(model: Models) -> dict[str, nn.Module]:
                 "Pass the model (or a list/dict of models) you call in the training loop."
             )
     return out
+
+
+def _compile_wrappers(model: nn.Module) -> list[nn.Module]:
+    """The ``torch.compile`` wrappers (``OptimizedModule``) on the way to the user's module."""
+    out: list[nn.Module] = []
+    while True:
+        name = type(model).__name__
+        inner = getattr(model, "_orig_mod" if name == "OptimizedModule" else "module", None)
+        if not isinstance(inner, nn.Module) or name not in (
+                "DistributedDataParallel", "DataParallel", "OptimizedModule"):
+            return out
+        if name == "OptimizedModule":
+            out.append(model)
+        model = inner
+
+
+def _compiled_by_method(model: nn.Module) -> bool:
+    """``model.compile()`` was called: its hooks run inside the compiled graph."""
+    return getattr(model, "_compiled_call_impl", None) is not None
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -110,7 +130,8 @@ class Watch:
             raise AmpDoctorError(
                 f"on_nonfinite must be 'record' or 'raise', got {on_nonfinite!r}."
             )
-        self.models = {k: _unwrap(m) for k, m in _as_models(model).items()} if model else {}
+        self._given_models = _as_models(model) if model is not None else {}
+        self.models = {k: _unwrap(m) for k, m in self._given_models.items()}
         self._discover = discover
         self.every = every
         self.max_steps = max_steps
@@ -159,9 +180,13 @@ class Watch:
         if self._started_flag:
             return self
         self._started_flag = True
+        self._compiled_names = set()
         try:
             self._owned_params = {id(p) for m in self.models.values() for p in m.parameters()}
-            self._probes = Probes(self.models, self._current_buffer, self._on_root_forward)
+            self._probes = Probes(self.models, self._current_buffer, self._on_root_forward,
+                                  events=self._extra_events, on_compiled=self._on_compiled)
+            for given in self._given_models.values():
+                self._attach_wrappers(given)
             self._monitor = AmpMonitor(
                 owns_param=lambda p: id(p) in self._owned_params,
                 on_boundary=self._boundary,
@@ -175,15 +200,9 @@ class Watch:
             self._monitor.autocast_dtype = self._autocast_dtype
             self._sub = subscribe(self._monitor)
             if self._discover:
-                from torch.nn.modules.module import (
-                    register_module_forward_hook,
-                    register_module_forward_pre_hook,
-                )
-
-                self._global_handles = [
-                    register_module_forward_pre_hook(self._global_pre),
-                    register_module_forward_hook(self._global_post, always_call=True),
-                ]
+                run_eagerly_when_called_by_dynamo(self._global_pre, self._global_post)
+                self._register_global()
+                self._patch_compiled_call()
             anomaly, mode, allow = self._anomaly_opts
             if anomaly:
                 from .anomaly import AnomalyMode
@@ -234,6 +253,92 @@ class Watch:
             self._write_outputs(self.session_)
         return self.session_
 
+    def _attach_wrappers(self, given: nn.Module) -> None:
+        """A model compiled before watch(): say so, and never toggle its sublayer hooks.
+
+        Its root hooks still run eagerly around the compiled forward (see
+        :func:`~amp_doctor.probes.run_eagerly_when_called_by_dynamo`).
+        """
+        assert self._probes is not None
+        inner = _unwrap(given)
+        name = self._probes.name_of(inner)
+        if name is not None and (_compile_wrappers(given) or _compiled_by_method(inner)):
+            self._probes.freeze(inner)
+            self._on_compiled(name, "")
+
+    def _on_compiled(self, name: str, autocast: str) -> None:
+        """A watched module runs under torch.compile (``autocast``: "device:dtype" or "")."""
+        dev, _, dt = autocast.partition(":")
+        if dt:
+            # The forward hooks cannot see autocast inside a compiled graph; the
+            # trace-time state the graph was compiled for stands in for them.
+            self._autocast_dtypes[dt] = self._autocast_dtypes.get(dt, 0) + 1
+            if self._device_type is None:
+                self._device_type = dev
+        if name in self._compiled_names:
+            return
+        self._compiled_names.add(name)
+        self._extra_events.append(Event(
+            kind="compiled_model", step=self.step_index, module=name,
+            data={"severity": "info", "message": f"{name} {COMPILED_NOTE}"}))
+
+    _compiled_names: set[str] = set()
+    _unpatch: Callable[[], None] | None = None
+
+    def _register_global(self) -> None:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        self._global_handles = [
+            register_module_forward_pre_hook(self._global_pre),
+            register_module_forward_hook(self._global_post, always_call=True),
+        ]
+
+    def _patch_compiled_call(self) -> None:
+        """Discovery without global hooks around a ``torch.compile``'d module's call.
+
+        ``OptimizedModule.__call__`` warns on every call while any global module
+        hook exists, and dynamo would trace ours. So the call itself discovers the
+        model, and amp-doctor's global hooks are off while it runs (the model's
+        own root hooks still run, eagerly, around the compiled forward).
+        """
+        try:
+            from torch._dynamo.eval_frame import OptimizedModule
+        except ImportError:  # pragma: no cover - torch without dynamo
+            return
+        orig: Callable[..., Any] = OptimizedModule.__call__
+        ref = weakref.ref(self)
+
+        def __call__(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            watch = ref()
+            if watch is None or not watch._global_handles or torch.compiler.is_compiling():
+                return orig(module, *args, **kwargs)
+            handles, watch._global_handles = watch._global_handles, []
+            for h in handles:
+                h.remove()
+            try:
+                probes = watch._probes
+                if (watch._global_depth == 0 and not watch.closed and probes is not None
+                        and not probes.watches(_unwrap(module))
+                        and next(module.parameters(), None) is not None):
+                    # Hooked before the call: its root hooks see this very call.
+                    watch.add_model(module, _variable_name(module))
+                return orig(module, *args, **kwargs)
+            finally:
+                if not watch.closed and watch._unpatch is not None:
+                    watch._register_global()
+
+        __call__.__wrapped__ = orig  # type: ignore[attr-defined]
+        OptimizedModule.__call__ = __call__  # type: ignore[method-assign,assignment]
+
+        def unpatch() -> None:
+            if OptimizedModule.__call__ is __call__:
+                OptimizedModule.__call__ = orig  # type: ignore[method-assign]
+
+        self._unpatch = unpatch
+
     def _teardown(self) -> None:
         # Each removal is independent: one failing must not leave others behind.
         removers: list[Callable[[], Any]] = [h.remove for h in self._global_handles]
@@ -242,6 +347,9 @@ class Watch:
             if owner is not None:
                 removers.append(getattr(owner, method))
         self._global_handles = []
+        if self._unpatch is not None:
+            removers.append(self._unpatch)
+            self._unpatch = None
         for fn in removers:
             try:
                 fn()
@@ -284,6 +392,7 @@ class Watch:
     # -- discovery (the CLI's way in) ------------------------------------------
     def add_model(self, model: nn.Module, name: str | None = None) -> None:
         """Watch one more root model. With several, every layer name gets its model's prefix."""
+        given = model
         model = _unwrap(model)
         if self._probes is None or self._probes.watches(model):
             return
@@ -305,6 +414,7 @@ class Watch:
             prefix = self._free_name(name, taken)
         self.models[prefix] = model
         self._probes.add_root(prefix, model)
+        self._attach_wrappers(given)
         self._owned_params.update(id(p) for p in model.parameters())
         if self._monitor is not None:
             self._monitor.models_changed()
@@ -339,6 +449,8 @@ class Watch:
             ]
 
     def _global_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced into a compiled graph: do nothing, so dynamo adds nothing
         self._global_depth += 1
         if self._global_depth != 1 or self._probes is None or self.closed:
             return
@@ -349,6 +461,8 @@ class Watch:
         self._on_root_forward(module, args)
 
     def _global_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         self._global_depth = max(0, self._global_depth - 1)
 
     # -- hook callbacks ------------------------------------------------------

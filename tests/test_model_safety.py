@@ -1,0 +1,381 @@
+"""Watching a model never breaks or alters it: save, copy, EMA, round trips, odd tensors.
+
+Every test runs the real thing (a real torch.save to disk, a real deepcopy, a real
+AveragedModel, real vmap) and compares losses bit for bit with an unwatched run.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import amp_doctor
+from amp_doctor.probes import Unwatched
+from tests.helpers import MLP
+
+STEPS = 6
+
+
+def _module_hook_count(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               + len(m._backward_pre_hooks) for m in model.modules())
+
+
+def _tensor_hook_count(model: nn.Module) -> int:
+    return sum(len(p._backward_hooks or {}) for p in model.parameters())
+
+
+def _loop(
+    model: nn.Module,
+    watched: bool,
+    each_step: Callable[[int, nn.Module], None] | None = None,
+    steps: int = STEPS,
+    every: int = 1,
+    make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    **watch_kw: Any,
+) -> tuple[list[float], Any]:
+    """The usual AMP loop (float16 autocast + GradScaler on CPU); returns losses and session."""
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    w = amp_doctor.watch(model, every=every, **watch_kw) if watched else None
+    losses = []
+    try:
+        for i in range(steps):
+            if make_batch is not None:
+                x, y = make_batch(g)
+            else:
+                x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(float(loss.detach()))
+            if each_step is not None:
+                each_step(i, model)
+    finally:
+        session = w.close() if w is not None else None
+    return losses, session
+
+
+def _fresh() -> MLP:
+    torch.manual_seed(0)
+    return MLP()
+
+
+# -- torch.save / deepcopy / EMA --------------------------------------------------
+
+
+def test_whole_model_torch_save_during_watch_loads_an_unwatched_copy(tmp_path: Path) -> None:
+    saved: list[Path] = []
+
+    def save(i: int, model: nn.Module) -> None:
+        path = tmp_path / f"model{i}.pt"
+        torch.save(model, path)  # pytorch/examples word_language_model does this
+        saved.append(path)
+
+    plain, _ = _loop(_fresh(), watched=False)
+    model = _fresh()
+    watched, session = _loop(model, watched=True, each_step=save, logdir=tmp_path / "logs")
+    assert watched == plain
+    assert session.recorded_steps == STEPS
+    assert _module_hook_count(model) == 0
+
+    loaded = torch.load(saved[-1], weights_only=False)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    # The loaded model carries inert hooks, which remove themselves on first use.
+    hooks = [h for m in loaded.modules() for h in (*m._forward_pre_hooks.values(),
+                                                   *m._forward_hooks.values())]
+    assert hooks and all(isinstance(h, Unwatched) for h in hooks)
+    assert torch.equal(loaded(x), model(x))
+    assert _module_hook_count(loaded) == 0
+
+
+def test_deepcopy_during_watch_is_an_unwatched_copy() -> None:
+    copies: list[nn.Module] = []
+
+    def snapshot(i: int, model: nn.Module) -> None:
+        copies.append(copy.deepcopy(model))
+        # The copy runs, and is not watched: calling it records nothing.
+        copies[-1](torch.randn(2, 16))
+
+    plain, _ = _loop(_fresh(), watched=False)
+    model = _fresh()
+    watched, session = _loop(model, watched=True, each_step=snapshot)
+    assert watched == plain
+    assert all(_module_hook_count(c) == 0 for c in copies)
+    # Only the watched model's calls were counted (one per step), not the copies'.
+    by_name = {lay.name: lay for lay in session.layers}
+    assert by_name["fc1"].calls == STEPS
+    for c, p in zip(copies[-1].parameters(), model.parameters(), strict=True):
+        assert torch.equal(c, p)
+
+
+def test_averaged_model_made_before_and_during_training() -> None:
+    def run(watched: bool) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
+        model = _fresh()
+        ema_before = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        holder: dict[str, AveragedModel] = {}
+
+        def update(i: int, m: nn.Module) -> None:
+            if i == 2:  # an EMA built after training started (deep-copies the watched model)
+                holder["late"] = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+            ema_before.update_parameters(m)
+            if "late" in holder:
+                holder["late"].update_parameters(m)
+                holder["late"](torch.ones(2, 16))  # evaluating the EMA is normal too
+
+        losses, _ = _loop(model, watched=watched, each_step=update)
+        assert _module_hook_count(holder["late"]) == 0
+        return (losses, [p.detach().clone() for p in ema_before.parameters()],
+                [p.detach().clone() for p in holder["late"].parameters()])
+
+    plain, watched = run(False), run(True)
+    assert watched[0] == plain[0]
+    for a, b in zip(plain[1] + plain[2], watched[1] + watched[2], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_round_trip_to_and_train_eval_during_watch() -> None:
+    def fiddle(i: int, model: nn.Module) -> None:
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(sd)
+        model.eval()
+        with torch.no_grad():
+            model(torch.ones(2, 16))
+        model.train()
+        model.to(torch.float64).to(torch.float32)
+        model.to("cpu")
+
+    plain, _ = _loop(_fresh(), watched=False, each_step=fiddle)
+    model = _fresh()
+    watched, session = _loop(model, watched=True, each_step=fiddle)
+    assert watched == plain
+    assert session.steps == STEPS
+    assert {lay.name for lay in session.layers} >= {"fc1", "fc2"}
+    assert _module_hook_count(model) == 0
+
+
+def test_nothing_reachable_from_the_watched_model_holds_the_watch(tmp_path: Path) -> None:
+    """Hooks hold a weak reference only: pickling sees no writer, lock or buffer."""
+    import pickle
+
+    model = _fresh()
+    with amp_doctor.watch(model, every=1, logdir=tmp_path) as w:
+        _loop(model, watched=False, steps=2)
+        blob = pickle.dumps(model)
+        assert b"amp_doctor.watch" not in blob and b"SummaryWriter" not in blob
+        assert w.session.recorded_steps == 2
+
+
+# -- tensor hooks: nothing piles up, nothing kept alive ---------------------------
+
+
+class ReturnsParam(nn.Module):
+    """A learned positional table returned as is (``return self.pos``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(8, 16))
+        self.ident = nn.Identity()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.ident(self.pos))
+
+
+def test_module_returning_its_parameter_gets_no_growing_hooks() -> None:
+    counts: list[int] = []
+
+    def count(i: int, model: nn.Module) -> None:
+        counts.append(_tensor_hook_count(model))
+
+    torch.manual_seed(0)
+    plain, _ = _loop(ReturnsParam(), watched=False, steps=40)
+    torch.manual_seed(0)
+    model = ReturnsParam()
+    watched, session = _loop(model, watched=True, each_step=count, steps=40)
+    assert watched == plain
+    # At most the current step's hook, removed at the next step boundary.
+    assert max(counts) <= 1
+    assert _tensor_hook_count(model) == 0
+    assert _module_hook_count(model) == 0
+    by_name = {lay.name: lay for lay in session.layers}
+    assert by_name["ident"].calls == 40
+
+
+def test_returned_parameter_with_hand_written_update_and_no_boundary() -> None:
+    """No optimizer, no scaler (word_language_model's loop): still one hook at most."""
+
+    def run(watched: bool) -> tuple[list[float], list[int], ReturnsParam]:
+        torch.manual_seed(0)
+        model = ReturnsParam()
+        w = amp_doctor.watch(model, every=1) if watched else None
+        losses, counts = [], []
+        g = torch.Generator().manual_seed(0)
+        for _ in range(30):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            model.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-0.1)
+            losses.append(float(loss.detach()))
+            counts.append(_tensor_hook_count(model))
+        if w is not None:
+            w.close()
+        return losses, counts, model
+
+    plain, _, _ = run(False)
+    watched, counts, model = run(True)
+    assert watched == plain
+    assert max(counts) == 1
+    assert _tensor_hook_count(model) == 0
+
+
+def test_retain_graph_without_step_keeps_no_activation_alive() -> None:
+    model = _fresh()
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def keep_ref(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+        refs.append(weakref.ref(out))
+
+    h = model.fc1.register_forward_hook(keep_ref)
+    try:
+        with amp_doctor.watch(model, every=1):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().pow(2).mean()
+            loss.backward(retain_graph=True)
+            del loss
+            gc.collect()
+            assert refs and refs[0]() is None  # no optimizer step came, still freed
+    finally:
+        h.remove()
+
+
+# -- odd tensors: skipped, counted once, the run goes on ------------------------
+
+
+class OddOutputs(nn.Module):
+    """Layers whose outputs amp-doctor cannot (or need not) summarise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.table = torch.randn(4, 4)
+        with torch.inference_mode():
+            self.cached = torch.randn(8, 4)  # e.g. a rotary cache made under inference_mode
+        self.sparse = _Fn(lambda x: x.detach().to_sparse())
+        self.f8 = _Fn(lambda x: x.detach().to(torch.float8_e4m3fn))
+        self.meta = _Fn(lambda x: torch.empty(3, device="meta"))
+        self.cplx = _Fn(lambda x: torch.complex(x.detach(), x.detach()))
+        self.ints = _Fn(lambda x: x.detach().long())
+        self.empty = _Fn(lambda x: x[:0])
+        self.inf_cache = _Fn(lambda x: self.cached)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        side = [self.sparse(y), self.f8(y), self.meta(y), self.cplx(y.float()), self.ints(y),
+                self.empty(y), self.inf_cache(y)]
+        assert side[0].is_sparse and side[2].is_meta
+        return y + side[6].to(y.dtype) * 0
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.fn(x)
+
+
+def test_odd_output_tensors_are_skipped_and_noted_once() -> None:
+    torch.manual_seed(0)
+    plain, _ = _loop(OddOutputs(), watched=False)
+    torch.manual_seed(0)
+    model = OddOutputs()
+    watched, session = _loop(model, watched=True)
+    assert watched == plain
+    skipped = {(e.module, e.data["tensor"]): e.data["count"]
+               for e in session.events if e.kind == "unsummarized"}
+    assert skipped == {("sparse", "sparse"): STEPS, ("f8", "float8"): STEPS,
+                       ("meta", "meta"): STEPS}
+    assert len([e for e in session.events if e.kind == "unsummarized"]) == 3
+    by_name = {lay.name: lay for lay in session.layers}
+    # The inference-mode tensor is an ordinary float tensor: it is summarised.
+    assert by_name["inf_cache"].recorded_steps == STEPS
+    assert by_name["inf_cache"].absmax > 0
+    assert by_name["cplx"].output_dtypes == ["complex64"]
+    assert by_name["ints"].output_dtypes == ["int64"]
+
+
+def test_transformer_encoder_fast_path_nested_tensors() -> None:
+    """Frozen encoder in eval with a padding mask takes the nested-tensor fast path."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+            self.head = nn.Linear(16, 4)
+            self.enc.requires_grad_(False)
+            self.enc.eval()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+            mask[:, -3:] = True
+            # The CPU fast path refuses float16 inputs: the encoder runs in float32.
+            with torch.autocast("cpu", enabled=False):
+                h = self.enc(x.float(), src_key_padding_mask=mask)
+            return self.head(h.mean(1))
+
+    def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(4, 6, 16, generator=g), torch.randint(0, 4, (4,), generator=g)
+
+    def run(watched: bool) -> tuple[list[float], Any]:
+        torch.manual_seed(0)
+        return _loop(Net(), watched=watched, make_batch=batch)
+
+    plain, _ = run(False)
+    watched, session = run(True)
+    assert watched == plain
+    kinds = {e.data["tensor"] for e in session.events if e.kind == "unsummarized"}
+    assert kinds == {"nested"}
+    assert {lay.name for lay in session.layers} >= {"head"}
+
+
+def test_vmap_per_sample_grads_over_the_watched_model() -> None:
+    from torch.func import functional_call, grad, vmap
+
+    model = _fresh()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def loss_fn(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, p, (xi.unsqueeze(0),))
+        return nn.functional.cross_entropy(out, yi.unsqueeze(0))
+
+    per_sample = vmap(grad(loss_fn), in_dims=(None, 0, 0))
+    expected = per_sample(params, x, y)
+    with amp_doctor.watch(model, every=1) as w:
+        got = per_sample(params, x, y)
+        # An ordinary step after the vmap is still recorded.
+        _loop(model, watched=False, steps=1)
+    for k in expected:
+        assert torch.equal(expected[k], got[k])
+    kinds = {e.data["tensor"] for e in w.session.events if e.kind == "unsummarized"}
+    assert kinds == {"functorch"}
+    assert w.session.recorded_steps == 1
+    assert _module_hook_count(model) == 0
