@@ -205,6 +205,7 @@ class _Window:
     flags: torch.Tensor
     op_rows: torch.Tensor | None
     call_rows: torch.Tensor | None
+    weights: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 class _NonFiniteMode(TorchDispatchMode):
@@ -381,6 +382,8 @@ class AnomalyMode:
         self._params: list[torch.Tensor] | None = None
         self._root_calls: list[_RootCall] = []
         self._grad_flags: list[tuple[int, torch.Tensor]] = []
+        self._param_flags: list[tuple[int, torch.Tensor]] = []
+        self._weights_bad_at: int | None = None
         self._light_steps = 0  # steps whose flags wait for a host copy
         self._window: _Window | None = None
         # The root model whose forward is running (its own hooks may not see this
@@ -493,8 +496,9 @@ class AnomalyMode:
         """A root model is being called: note its floating inputs (the batch)."""
         from .probes import iter_tensors
 
-        if threading.get_ident() != self._thread or torch.compiler.is_compiling():
-            return  # another thread's inference; or dynamo tracing the hook
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
+            return  # dynamo tracing the hook (the compiled region is not searched); or
+            # another thread's inference
         try:
             if root is not None:
                 self._root_call = (root, module)
@@ -502,6 +506,13 @@ class AnomalyMode:
                     self._roots[id(root)] = weakref.ref(root)
                     self._params = None
             if self._armed and not self.searching:
+                if not self._raise:
+                    # Whether the search starts from finite weights: without a GradScaler
+                    # the bad step's update may have written NaN into them already.
+                    with own_ops:
+                        self._param_flags.extend(
+                            (self._step_of(), f)
+                            for f in self._nonfinite_flags(self._watched_params()))
                 self._push()
             if not torch.is_grad_enabled():
                 return
@@ -547,11 +558,16 @@ class AnomalyMode:
 
     def _grads_flag(self) -> list[torch.Tensor]:
         """Per device, a 0-d bool: some gradient of a watched parameter is non-finite. No sync."""
+        return self._nonfinite_flags([p.grad for p in self._watched_params()
+                                      if p.grad is not None])
+
+    @staticmethod
+    def _nonfinite_flags(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per device, a 0-d bool: some value in ``tensors`` is NaN/Inf. One launch each."""
         by_dev: dict[torch.device, list[torch.Tensor]] = {}
-        for p in self._watched_params():
-            g = p.grad
-            if g is not None and _summarizable(g):
-                by_dev.setdefault(g.device, []).append(g)
+        for g in tensors:
+            if _summarizable(g):
+                by_dev.setdefault(g.device, []).append(g.detach())
         out = []
         for gs in by_dev.values():
             norms = torch._foreach_norm(gs, math.inf)
@@ -627,6 +643,7 @@ class AnomalyMode:
         p, self._pending = self._pending, _Pending()
         calls, self._root_calls = self._root_calls, []
         grads, self._grad_flags = self._grad_flags, []
+        wts, self._param_flags = self._param_flags, []
         self._light_steps = 0
         parts: list[torch.Tensor] = []
         op_rows = call_rows = None
@@ -640,11 +657,14 @@ class AnomalyMode:
         if grads:
             parts.append(torch.stack([g.to(parts[0].device if parts else g.device)
                                       for _, g in grads]))
+        if wts:
+            parts.append(torch.stack([g.to(parts[0].device if parts else g.device)
+                                      for _, g in wts]))
         if not parts:
             return None
         home = parts[0].device
         flags = torch.cat([x.to(home) for x in parts])
-        return _Window(p, calls, grads, flags, op_rows, call_rows)
+        return _Window(p, calls, grads, flags, op_rows, call_rows, wts)
 
     def _finish(self, w: _Window) -> None:
         """Events from a window in which something was flagged (syncs: an abnormal step)."""
@@ -664,7 +684,11 @@ class AnomalyMode:
                 for c, b, r in zip(w.calls, bad.tolist(), rows, strict=True):
                     if b:
                         self._input_event(c, r)
-        bad_grads = [s for (s, _), b in zip(w.grads, host[pos:].tolist(), strict=True) if b]
+        flags = host[pos:].tolist()
+        bad_grads = [s for (s, _), b in zip(w.grads, flags, strict=False) if b]
+        bad_wts = [s for (s, _), b in zip(w.weights, flags[len(w.grads):], strict=True) if b]
+        if bad_wts and self._weights_bad_at is None:
+            self._weights_bad_at = min(bad_wts)
         self._note_bad(sorted(set(bad_grads)))
         if found:
             self._explained()
@@ -746,8 +770,14 @@ class AnomalyMode:
             "steps": steps[:MAX_LISTED_STEPS], "count": n,
             "searched_steps": list(self._searched),
             "scaler_skipped_only": not real,
-            "reason": ("the op-level search ran on the next steps and they stayed finite"
-                       if self._searched else "the run ended before the op-level search ran"),
+            "weights_nonfinite_at": self._weights_bad_at,
+            "reason": (
+                "the weights were already non-finite when the op-level search ran: with no "
+                "GradScaler to skip it, the bad step's update wrote NaN/Inf into them, so no "
+                "later op starts from finite inputs. on_nonfinite='raise' checks every op of "
+                "every step and stops at the origin" if self._weights_bad_at is not None
+                else "the op-level search ran on the next steps and they stayed finite"
+                if self._searched else "the run ended before the op-level search ran"),
         }
         self._store(Event(kind="nonfinite_unlocated", step=steps[0], data=data), [steps[0]])
 
