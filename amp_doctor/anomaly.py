@@ -654,16 +654,13 @@ class AnomalyMode:
             call_rows = _stack_rows([c.row for c in calls])
             # The batch: NaN or +inf is bad data; -inf is how masks are written.
             parts.append(torch.isnan(call_rows).any(1) | (call_rows[:, 1] == math.inf))
-        if grads:
-            parts.append(torch.stack([g.to(parts[0].device if parts else g.device)
-                                      for _, g in grads]))
-        if wts:
-            parts.append(torch.stack([g.to(parts[0].device if parts else g.device)
-                                      for _, g in wts]))
-        if not parts:
+        flat = [g.reshape(1) for _, g in grads] + [g.reshape(1) for _, g in wts]
+        if not parts and not flat:
             return None
-        home = parts[0].device
-        flags = torch.cat([x.to(home) for x in parts])
+        # Gather on an accelerator if there is one: a copy to the CPU would sync.
+        home = next((x.device for x in parts + flat if x.device.type != "cpu"),
+                    (parts + flat)[0].device)
+        flags = torch.cat([x.to(home) for x in parts + flat])
         return _Window(p, calls, grads, flags, op_rows, call_rows, wts)
 
     def _finish(self, w: _Window) -> None:

@@ -383,18 +383,32 @@ def _stack() -> list[object]:
 
 
 def test_closing_inside_the_users_dispatch_mode_removes_only_ours() -> None:
+    """Issue 14: close() popped the user's mode and left ours on the stack."""
     model = MLP()
     user = UserMode()
     doctor = amp_doctor.watch(model, anomaly=True, every=1)
     try:
         with user:
-            train(model, steps=2)  # step 0: the search is on the stack, below the user's mode
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.randn(8, 16)).float().sum().backward()
+            # Step 0 is searched: ours went in at the root forward, below the user's mode.
+            stack = _stack()
+            assert len(stack) == 2 and stack[-1] is user
             doctor.close()
             assert _stack() == [user]
             assert _get_current_dispatch_mode() is user
             n = user.ops
             torch.ones(2) + 1
             assert user.ops > n  # still dispatching
+        assert _stack() == []
+        # The other order: the user's mode ends first, while ours is below it.
+        user2 = UserMode()
+        doctor = amp_doctor.watch(model, anomaly=True, every=1)
+        with user2:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.randn(8, 16)).float().sum().backward()
+        assert len(_stack()) == 1 and _stack()[0] is not user2
+        doctor.close()
         assert _stack() == []
     finally:
         doctor.close()
