@@ -10,7 +10,7 @@ Two levels, so that a healthy run pays almost nothing:
 
 * **The per-step check** runs on every step, on the device, without a sync:
   one (min, max) reduction of the batch given to each root model, and one
-  ``_foreach_norm(inf)`` over the watched parameters' gradients at the step
+  ``_foreach_norm`` over the watched parameters' gradients at the step
   boundary (NaN/Inf anywhere in forward or backward ends up there). The flags
   ride in the next recorded step's single host copy; a step the GradScaler
   skipped is known on the host at once (the scaler synced for it already).
@@ -201,7 +201,7 @@ class _Window:
 
     ops: _Pending
     calls: list[_RootCall]
-    grads: list[tuple[int, torch.Tensor]]
+    grads: list[tuple[int, torch.Tensor]]  # (step, sum of gradient norms)
     flags: torch.Tensor
     op_rows: torch.Tensor | None
     call_rows: torch.Tensor | None
@@ -512,7 +512,7 @@ class AnomalyMode:
                     with own_ops:
                         self._param_flags.extend(
                             (self._step_of(), f)
-                            for f in self._nonfinite_flags(self._watched_params()))
+                            for f in self._norm_sums(self._watched_params()))
                 self._push()
             if not torch.is_grad_enabled():
                 return
@@ -557,21 +557,31 @@ class AnomalyMode:
         return self._params
 
     def _grads_flag(self) -> list[torch.Tensor]:
-        """Per device, a 0-d bool: some gradient of a watched parameter is non-finite. No sync."""
-        return self._nonfinite_flags([p.grad for p in self._watched_params()
-                                      if p.grad is not None])
+        """Per device, a 0-d float32: non-finite iff a watched parameter's gradient is. No sync."""
+        grads = []
+        for p in self._watched_params():
+            g = p.grad
+            if g is not None:
+                grads.append(g)
+        return self._norm_sums(grads)
 
     @staticmethod
-    def _nonfinite_flags(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per device, a 0-d bool: some value in ``tensors`` is NaN/Inf. One launch each."""
+    def _norm_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per device, the sum of the tensors' 2-norms: non-finite iff some value is NaN/Inf.
+
+        Three launches per device, whatever the number of tensors. The norms are
+        accumulated in float32, so a finite float16 value cannot overflow them; on the
+        CPU the 2-norm is several times cheaper than the inf-norm.
+        """
+        strided = torch.strided
         by_dev: dict[torch.device, list[torch.Tensor]] = {}
         for g in tensors:
-            if _summarizable(g):
-                by_dev.setdefault(g.device, []).append(g.detach())
+            if g.layout is strided and g.is_floating_point() and not g.is_meta:
+                by_dev.setdefault(g.device, []).append(g)
         out = []
-        for gs in by_dev.values():
-            norms = torch._foreach_norm(gs, math.inf)
-            out.append(~torch.isfinite(torch.stack(norms)).all())
+        with torch.no_grad():
+            for gs in by_dev.values():
+                out.append(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).sum())
         return out
 
     def end_step(self, skipped: bool = False, recorded: bool = False) -> None:
@@ -654,13 +664,15 @@ class AnomalyMode:
             call_rows = _stack_rows([c.row for c in calls])
             # The batch: NaN or +inf is bad data; -inf is how masks are written.
             parts.append(torch.isnan(call_rows).any(1) | (call_rows[:, 1] == math.inf))
-        flat = [g.reshape(1) for _, g in grads] + [g.reshape(1) for _, g in wts]
-        if not parts and not flat:
+        sums = [g for _, g in grads] + [g for _, g in wts]
+        if not parts and not sums:
             return None
         # Gather on an accelerator if there is one: a copy to the CPU would sync.
-        home = next((x.device for x in parts + flat if x.device.type != "cpu"),
-                    (parts + flat)[0].device)
-        flags = torch.cat([x.to(home) for x in parts + flat])
+        home = next((x.device for x in parts + sums if x.device.type != "cpu"),
+                    (parts + sums)[0].device)
+        if sums:
+            parts.append(~torch.isfinite(torch.stack([s.to(home) for s in sums])))
+        flags = torch.cat([x.to(home) for x in parts])
         return _Window(p, calls, grads, flags, op_rows, call_rows, wts)
 
     def _finish(self, w: _Window) -> None:
