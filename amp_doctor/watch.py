@@ -474,7 +474,8 @@ class Watch:
     def _on_root_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self._activity = True
         if self._anomaly is not None and self._probes is not None:
-            self._anomaly.check_inputs(self._probes.name_of(module) or type(module).__name__, args)
+            self._anomaly.check_inputs(self._probes.name_of(module) or type(module).__name__, args,
+                                       module)
         if self._device_type is None:
             dev = None
             for t in iter_tensors(args):
@@ -557,9 +558,9 @@ class Watch:
             return
         self._probes.new_step()
         self._probes.recording = rec and not self.closed
-        # Anomaly mode names modules on every step, so it needs the module stack.
-        self._probes.set_armed(not self.closed and (self._probes.recording
-                                                     or self._anomaly is not None))
+        # Anomaly mode's op-level search names modules, so it needs the module stack.
+        self._probes.set_armed(not self.closed and (self._probes.recording or (
+            self._anomaly is not None and self._anomaly.wants_modules)))
         self._buffer = StepBuffer(self.step_index) if self._probes.recording else None
         self._activity = False
 
@@ -582,6 +583,9 @@ class Watch:
         step = self.step_index
         rec: StepRecord | None = None
         buf = self._buffer
+        if self._anomaly is not None:
+            self._anomaly.end_step(skipped=bool(outcome and outcome.skipped),
+                                   recorded=buf is not None)
         if buf is not None:
             if mon is not None and mon.primary_scaler is not None:
                 st = mon.scalers[mon.primary_scaler]
