@@ -256,12 +256,13 @@ class Watch:
             assert self.session_ is not None
             return self.session_
         pending, self._boundary_pending = self._boundary_pending, False
+        implicit_last = self._implicit_candidate() and self._backward_reached
         self.closed = True
         try:
             if pending:
                 self._finish_step(partial=False)
                 self.step_index += 1
-            elif self._implicit_candidate() and self._backward_reached:
+            elif implicit_last:
                 # A loop without optimizer or scaler: its last step ends with the run.
                 self._implicit_steps = True
                 self._finish_step(partial=False)
