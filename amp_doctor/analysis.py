@@ -431,7 +431,8 @@ def _consequence(f: Finding) -> str:
         return (f"the loss scale collapsed to {_scale_str(d.get('final_scale'))} "
                 f"({d.get('skipped')} optimizer steps skipped)")
     if f.kind == "nonfinite_loss":
-        return f"the loss was NaN/inf in {d.get('steps_bad')} of {d.get('steps')} steps"
+        return (f"the loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
+                "steps checked")
     return f.kind
 
 
@@ -781,7 +782,19 @@ def _origin_of(evs: list[ScalerEvent], origins: dict[int, tuple[str, str]]
     return None
 
 
-def _culprit_text(culprits: list[str], origin: tuple[str, str] | None) -> str:
+def _top_lead(evs: list[ScalerEvent], with_params: set[str]) -> tuple[str | None, int]:
+    """The layer that led the non-finite gradients in most backoffs (ties: the later one,
+    since it kept overflowing as the scale fell), and in how many."""
+    leads = [x for x in (_lead(e, with_params) for e in evs) if x]
+    if not leads:
+        return None, 0
+    last = {x: i for i, x in enumerate(leads)}
+    top = max(last, key=lambda x: (leads.count(x), last[x]))
+    return top, leads.count(top)
+
+
+def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
+                  lead: tuple[str | None, int, int] = (None, 0, 0)) -> str:
     if not culprits:
         text = ("; no watched layer had non-finite gradients (the inf/NaN was in parameters "
                 "outside the watched model(s), or the optimizer checks for inf on the device, "
@@ -790,8 +803,12 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None) -> str:
         shown = ", ".join(culprits[:6]) + ("..." if len(culprits) > 6 else "")
         text = (f"; non-finite gradients in {len(culprits)} layer(s), in backward order: "
                 f"{shown}")
-        if not origin:
+        top, n, total = lead
+        if not origin and (top is None or top == culprits[0]):
             text += f". The first, {culprits[0]}, is where they appeared: look there"
+        elif not origin:
+            text += (f". {top} came first in {n} of {total} of these backoffs (the layers "
+                     "before it stopped overflowing as the scale fell): look there")
     if origin:
         text += f". They began at {origin[0]}: {origin[1]}; look there"
     return text
@@ -821,7 +838,7 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
         # or else the same first culprit (recorded and unrecorded steps alike).
         # (A group spanning several origins is keyed by its first.)
         began = next((known[e.step][0] for e in g if e.step in known), None)
-        key = ("origin", began) if began else ("lead", _lead(g[0], with_params) or "")
+        key = ("origin", began) if began else ("lead", _top_lead(g, with_params)[0] or "")
         by_culprits.setdefault(key, []).append(g)
     for episodes in by_culprits.values():
         evs = [e for g in episodes for e in g]
@@ -838,14 +855,16 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
                     f"{_scale_str(first.scale_before)} before step {first.step} to "
                     f"{_scale_str(last.scale_after)} after step {last.step}")
         origin = _origin_of(evs, origins)
+        top_lead, n_lead = _top_lead(evs, with_params)
         yield Finding(
             kind="scaler_backoff", severity="warning",
             # Where the non-finite values began, when known, is where to look.
-            module=origin[0] if origin else (culprits[0] if culprits else None), op=None,
+            module=origin[0] if origin else (top_lead or (culprits[0] if culprits else None)),
+            op=None,
             step=first.step,
             message=(f"{head}, and {len(evs)} optimizer step(s) were skipped"
                      f"{_skips_per_optimizer(session, steps)}"
-                     f"{_culprit_text(culprits, origin)}."),
+                     f"{_culprit_text(culprits, origin, (top_lead, n_lead, len(evs)))}."),
             advice=ADVICE["scaler_backoff"],
             steps=steps[:50],
             data={"culprits": culprits, "scale_before": first.scale_before,
@@ -922,10 +941,9 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
                      + (f"; {untraced} backoff(s) on unrecorded steps could not be traced "
                         "(record every step with `every=1` to see them)" if untraced else ""))
         else:
-            leads = [x for x in (_lead(e, with_params) for e in backoffs) if x]
-            top = max(dict.fromkeys(leads), key=leads.count) if leads else None
+            top, n_top = _top_lead(backoffs, with_params)
             where = (f"; the first layer with non-finite gradients was {top} in "
-                     f"{leads.count(top)} of {len(backoffs)} backoffs" if top else "")
+                     f"{n_top} of {len(backoffs)} backoffs" if top else "")
         yield Finding(
             kind="scale_collapse", severity="error", module=top, op=None,
             step=backoffs[0].step if backoffs else None,
@@ -1121,8 +1139,9 @@ def _event_message(e: Event, n: int, steps: list[int] | None = None) -> str:
                   if d.get("recorded_at") is not None else
                   "No recorded step had it, so where it appeared is unknown (record every "
                   "step with `every=1`, or use anomaly mode)"))
-        return (f"The loss was NaN/inf in {d.get('steps_bad')} of {d.get('steps')} step(s), "
-                f"first at step {e.step}. {where}.")
+        return (f"The loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
+                f"step(s) whose loss was checked (recorded or skipped steps; "
+                f"{d.get('steps')} steps in all), first at step {e.step}. {where}.")
     if e.kind == "no_step_boundary":
         return ("No training step was seen to end: no optimizer.step(), no scaler.update(), "
                 "no doctor.step()" + (", although backward ran" if d.get("backward") else "")

@@ -617,9 +617,6 @@ class AmpMonitor:
         self._fp16_checked: set[int] = set()
         self.autocast_dtype: Callable[[], torch.dtype | None] = lambda: None
         self.step_params: dict[int, list[torch.Tensor]] = {}
-        # Device scalars the watch needs at close, read with the deferred flags if any.
-        self.piggyback: list[torch.Tensor] = []
-        self.piggyback_values: list[float] | None = None
         if scaler is not None:
             self._state(scaler)
         for o in optimizers:
@@ -1141,14 +1138,8 @@ class AmpMonitor:
         host: list[float] = []
         if tensors:
             dev = tensors[0].device
-            # The watch's own device values (read at close) ride in the same copy.
-            extra, self.piggyback = self.piggyback, []
-            host = torch.stack([t.reshape(()).float().to(dev)
-                                for t in tensors + extra]).tolist()
+            host = torch.stack([t.reshape(()).float().to(dev) for t in tensors]).tolist()
             count_sync()
-            if extra:
-                self.piggyback_values = host[len(tensors):]
-                host = host[:len(tensors)]
         it = iter(host)
         primary = self.primary_scaler is not None and self.scalers.get(
             self.primary_scaler) is st

@@ -168,9 +168,10 @@ class Watch:
         # Device flags of the current step (loss / root input non-finite), OR-ed over
         # micro-steps; they ride in the step's one host copy, or in the skip's sync.
         self._step_flags: dict[str, torch.Tensor] = {}
-        # Whole run, on the device: steps whose loss was non-finite, and the first one.
-        self._run_bad_losses: torch.Tensor | None = None
-        self._run_first_bad: torch.Tensor | None = None
+        # Steps whose loss was checked on the host (recorded steps, and skipped steps
+        # in the skip's one sync), and those of them where it was NaN/inf.
+        self._loss_checked: set[int] = set()
+        self._loss_bad: set[int] = set()
         self._loss_origin: tuple[int, str | None] | None = None
         # What the loop did since the last step boundary.
         self._backward_since_boundary = False
@@ -747,7 +748,8 @@ class Watch:
         buf = self._buffer
         flags, self._step_flags = self._step_flags, {}
         self._lp_snap = []
-        self._count_bad_loss(flags.get("loss_bad"), step)
+        if loss_bad is not None:
+            self._note_loss(step, loss_bad)
         if buf is not None:
             for key, flag in flags.items():
                 buf.put_scalar(key, flag)
@@ -773,13 +775,16 @@ class Watch:
                 self._agg.setdefault(name, LayerAggregate()).add(ls, raw[name])
             origin = self._forward_origin(layers)
             if hs.scalars.get("input_nan") or hs.scalars.get("input_inf"):
-                # The batch was already non-finite: no layer is the origin.
+                # The batch was already non-finite: no layer is the origin. (Anomaly
+                # mode checks every step's batch itself and reports it.)
                 origin = None
-                self._note_bad_input(step, hs.scalars)
+                if self._anomaly is None:
+                    self._note_bad_input(step, hs.scalars)
             if origin is not None:
                 self._agg[origin].origin_steps += 1
             if "loss_bad" in hs.scalars:
                 loss_bad = bool(hs.scalars["loss_bad"])
+                self._note_loss(step, loss_bad)
                 if loss_bad and self._loss_origin is None:
                     self._loss_origin = (step, origin)
             if "lp_with_grad" in hs.scalars:
@@ -813,19 +818,11 @@ class Watch:
         if mon is not None and outcome is not None and not partial:
             self._note_scaler(step, outcome, culprits, loss_bad)
 
-    def _count_bad_loss(self, flag: torch.Tensor | None, step: int) -> None:
-        """Whole-run count of steps with a NaN/inf loss, kept on the device."""
-        if flag is None:
-            return
-        with own_ops, torch.no_grad():
-            n = flag.to(torch.int64)
-            first = torch.where(flag, step, -1)
-            if self._run_bad_losses is None or self._run_first_bad is None:
-                self._run_bad_losses, self._run_first_bad = n, first
-            else:
-                self._run_bad_losses = self._run_bad_losses + n.to(self._run_bad_losses.device)
-                prev = self._run_first_bad
-                self._run_first_bad = torch.where(prev >= 0, prev, first.to(prev.device))
+    def _note_loss(self, step: int, bad: bool) -> None:
+        # Host flags only, from copies made anyway: no sync of its own.
+        self._loss_checked.add(step)
+        if bad:
+            self._loss_bad.add(step)
 
     def _note_bad_input(self, step: int, scalars: dict[str, float]) -> None:
         if any(e.kind == "nonfinite_input" and e.data.get("detected") == "recorded step"
@@ -925,10 +922,6 @@ class Watch:
                     meta.output_dtypes, meta.param_dtypes, ops.get(name, {}),
                     passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls))
         mon = self._monitor
-        if mon is not None and self._run_bad_losses is not None and \
-                self._run_first_bad is not None:
-            mon.piggyback = [self._run_bad_losses, self._run_first_bad]
-            mon.piggyback_values = None
         timeline = mon.timeline() if mon is not None else None
         events = list(mon.events) if mon is not None else []
         if self._anomaly is not None:
@@ -968,24 +961,14 @@ class Watch:
     def _loop_events(self) -> list[Event]:
         """What the loop itself showed: NaN losses, how steps were counted, frozen weights."""
         out: list[Event] = []
-        if self._run_bad_losses is not None and self._run_first_bad is not None:
-            mon = self._monitor
-            got = mon.piggyback_values if mon is not None else None
-            if mon is not None:
-                mon.piggyback = []
-            if got is None:
-                with own_ops:
-                    got = torch.stack([self._run_bad_losses.to(self._run_first_bad.device),
-                                       self._run_first_bad]).tolist()  # once, at close
-                count_sync()
-            n, first = got
-            if n > 0:
-                seen = self._loss_origin
-                out.append(Event(kind="nonfinite_loss", step=int(first),
-                                 module=seen[1] if seen else None, data={
-                                     "steps_bad": int(n), "steps": self.step_index,
-                                     "recorded_at": seen[0] if seen else None,
-                                     "origin": seen[1] if seen else None}))
+        if self._loss_bad:
+            seen = self._loss_origin
+            out.append(Event(kind="nonfinite_loss", step=min(self._loss_bad),
+                             module=seen[1] if seen else None, data={
+                                 "steps_bad": len(self._loss_bad),
+                                 "checked": len(self._loss_checked), "steps": self.step_index,
+                                 "recorded_at": seen[0] if seen else None,
+                                 "origin": seen[1] if seen else None}))
         mon = self._monitor
         if self._implicit_steps:
             out.append(Event(kind="steps_from_backward", step=0, data={

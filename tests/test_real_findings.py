@@ -207,7 +207,8 @@ def test_nan_loss_from_a_fully_masked_row_is_always_a_finding() -> None:
     s = doctor.session
     f = s.findings_of("nonfinite_loss")[0]
     assert f.severity == "error" and f.module is None
-    assert f.data["steps_bad"] == 4 and f.step == 0
+    # Checked on the recorded steps (0 and 2), from their one host copy each.
+    assert (f.data["steps_bad"], f.data["checked"], f.step) == (2, 2, 0)
     assert "outside the watched modules" in f.message
     assert "looks healthy" not in doctor.report()
 
@@ -222,12 +223,13 @@ class _LogSoftmaxHead(nn.Module):
         return torch.log(torch.softmax(self.fc(x) * 1e4, dim=-1))
 
 
-def test_bf16_run_is_never_told_to_use_bf16_and_log0_is_not_an_overflow() -> None:
+@pytest.mark.parametrize("anomaly", [False, True])
+def test_bf16_run_is_never_told_to_use_bf16_and_log0_is_not_an_overflow(anomaly: bool) -> None:
     torch.manual_seed(0)
     model = _LogSoftmaxHead()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     g = torch.Generator().manual_seed(0)
-    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+    with amp_doctor.watch(model, every=1, tensorboard=False, anomaly=anomaly) as doctor:
         for _ in range(3):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logp = model(torch.randn(8, 16, generator=g))
@@ -241,6 +243,9 @@ def test_bf16_run_is_never_told_to_use_bf16_and_log0_is_not_an_overflow() -> Non
     for f in s.findings:
         assert "dtype=torch.bfloat16" not in f.advice, f
         assert "beyond the format's max" not in f.message, f
+    if anomaly:
+        f = s.findings_of("nonfinite_forward")[0]
+        assert f.op == "aten.log" and "log_softmax" in f.advice
 
 
 def _resume_loop(every: int) -> tuple[list[float], amp_doctor.Watch]:
@@ -307,3 +312,72 @@ def test_forward_overflow_during_accumulation_is_not_calibration() -> None:
     assert ev.loss_nonfinite is True
     f = s.findings_of("scaler_backoff")[0]
     assert f.severity == "warning" and "calibrating" not in f.message
+
+
+class _TwoBranch(nn.Module):
+    """``big``'s weight gradient overflows float16 at every scale, so the scale collapses;
+    ``small``'s gradients then underflow at that tiny scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(16, 4)
+        self.small = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.big.weight.mul_(1e-4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(x * 3e4) + self.small(x * 1e-5)
+
+
+def test_underflow_at_a_collapsed_scale_is_the_collapse_not_advice_to_raise_init_scale() -> None:
+    torch.manual_seed(0)
+    model = _TwoBranch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(30):
+            x = torch.randn(64, 16, generator=g).clamp(-2, 2)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(64).long(),
+                                                   reduction="sum")
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.layer("small").param_grad_underflow_frac is not None
+    assert s.layer("small").param_grad_underflow_frac > 0.1  # it did underflow
+    assert not s.findings_of("gradient_underflow")
+    collapse = s.findings_of("scale_collapse")[0]
+    assert collapse.severity == "error" and collapse.module == "big"
+    assert collapse.data["underflow_follow_ons"] == ["small"]
+    assert "not a reason to raise `init_scale`" in collapse.message
+    # The backoffs name the same layer as the collapse.
+    assert [f.module for f in s.findings_of("scaler_backoff")] == ["big"]
+    assert [f.severity for f in s.findings if f.severity == "error"] == ["error"]
+
+
+def test_clip_before_unscale_gives_no_false_underflow_warning() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            x = torch.randn(16, 64, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(16).long())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # still scaled
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert not s.findings_of("gradient_underflow")
+    clip = s.findings_of("clip_before_unscale")[0]
+    assert clip.severity == "error" and clip.data["underflow_follow_ons"] == ["0"]
+    assert [f.kind for f in s.findings if f.severity in ("error", "warning")] == [
+        "clip_before_unscale"]
