@@ -465,12 +465,20 @@ class Watch:
         """
         if self._probes is None:
             return None
+        # Output dtypes only change on recorded steps: judge once per recorded step.
+        if self._inside_at == self.recorded:
+            return self._inside
+        self._inside_at = self.recorded
         seen: dict[str, int] = {}
         for meta in self._probes.layers.values():
             if meta.param_dtypes and meta.param_dtypes <= {"float32"}:
                 for d in meta.output_dtypes & {"float16", "bfloat16"}:
                     seen[d] = seen.get(d, 0) + 1
-        return max(seen, key=lambda k: seen[k]) if seen else None
+        self._inside = max(seen, key=lambda k: seen[k]) if seen else None
+        return self._inside
+
+    _inside: str | None = None
+    _inside_at = -1
 
     def _low_dtype(self) -> torch.dtype:
         dt = self._autocast_dtype()
