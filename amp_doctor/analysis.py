@@ -7,13 +7,18 @@ session's records, so a saved JSON file analyses the same way again.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from .records import Event, Finding, LayerSummary, ScalerEvent, Session, Severity
 
 __all__ = [
     "analyze",
     "event_advice",
+    "risk_order",
+    "RISK_HEADROOM_BITS",
+    "LOWP_UNCHANGED_WARN",
     "ADVICE",
     "OVERFLOW_FRAC_ERROR",
     "HEADROOM_WARN_BITS",
@@ -60,6 +65,13 @@ STUCK_INTERVALS = 3
 SCALED_GRAD_OVERFLOW_INFO_STEPS = 3
 # At most this many findings of one kind are itemised; the rest are counted.
 MAX_PER_KIND = 8
+# "Worst first": a layer within this many bits of the format's max ranks by its
+# headroom, ahead of every layer that only has some underflow.
+RISK_HEADROOM_BITS = 8.0
+# Pure float16/bfloat16 training: when more than this share of the sampled weight
+# elements that had a non-zero gradient did not change in the optimizer step, the
+# updates are below the format's resolution.
+LOWP_UNCHANGED_WARN = 0.5
 
 SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
 
@@ -165,6 +177,77 @@ ADVICE: dict[str, str] = {
         "The batch itself contains NaN/Inf: check the data pipeline "
         "(`torch.isfinite(x).all()` on each batch) before blaming the model."
     ),
+    "scaled_grads_stepped": (
+        "Let the scaler step the optimizer: `scaler.scale(loss).backward(); "
+        "scaler.step(optimizer); scaler.update()`. If you need the gradients first (clipping), "
+        "call `scaler.unscale_(optimizer)` before using them. `optimizer.step()` on scaled "
+        "gradients makes every update `scale` times too large and never skips inf/NaN steps."
+    ),
+    "nonfinite_loss": (
+        "A NaN/inf loss poisons every gradient. Look where it first appeared: a layer's "
+        "output (run it in float32 with `torch.autocast(device_type, enabled=False)`), or the "
+        "loss computation itself (a fully masked attention row or an all-ignored batch gives "
+        "0/0: mask with a large negative number instead of -inf, or skip empty batches; "
+        "compute the loss in float32 with `loss_fn(out.float(), y)`)."
+    ),
+    "no_step_boundary": (
+        "amp-doctor ends a step at `scaler.update()`, at `optimizer.step()`, or at the next "
+        "forward after a backward once the weights changed. None of these happened: call "
+        "`doctor.step()` at the end of each iteration (with `doctor = amp_doctor.watch(model)`)."
+    ),
+    "steps_from_backward": (
+        "No optimizer or GradScaler was seen, so each step was taken to end when the loop "
+        "updated the weights (or reset the gradients) after a backward. If your loop differs, "
+        "call `doctor.step()` at the end of each iteration."
+    ),
+    "lowp_updates_lost": (
+        "Keep float32 master weights: remove `model.half()` / `.to(torch.float16)`, keep the "
+        "model in float32 and run the forward under `torch.autocast(device_type, "
+        "dtype=torch.float16)` with a `torch.amp.GradScaler`; the optimizer then updates the "
+        "float32 weights, where small updates are not rounded away."
+    ),
+    "run_ended_early": (
+        "Fix the error that stopped the script (see the outcome above), then run again: "
+        "amp-doctor judges training steps, and none finished."
+    ),
+}
+
+# The same advice for a run that already trains in bfloat16: never "use bfloat16".
+ADVICE_BF16: dict[str, str] = {
+    "activation_overflow": (
+        "bfloat16 has float32's range, so this is not the format overflowing: an op made "
+        "inf/NaN (log(0), x/0, exp of a large value) or the weights diverged. Find the op "
+        "with anomaly mode (`amp-doctor diagnose --anomaly` or `watch(model, anomaly=True)`) "
+        "and keep it in float32 with `torch.autocast(device_type, enabled=False)`; lower the "
+        "learning rate or add weight decay if the weights grew."
+    ),
+    "activation_underflow": (
+        "Compute this layer in float32 with `torch.autocast(device_type, enabled=False)`, "
+        "and avoid constants below bfloat16's resolution."
+    ),
+    "scaler_backoff": (
+        "Each backoff is a skipped optimizer step caused by inf/NaN gradients. Look at the "
+        "first culprit layer: keep it in float32 with `torch.autocast(device_type, "
+        "enabled=False)`, add normalisation, or lower the learning rate."
+    ),
+    "scale_collapse": (
+        "The loss scale keeps falling because gradients keep becoming inf/NaN; the optimizer "
+        "is skipping steps. Fix the culprit layer named in the backoffs (run it in float32); "
+        "under bfloat16 the GradScaler itself is not needed."
+    ),
+    "scale_stuck": (
+        "The scale cannot grow because some scaled gradient keeps becoming inf/NaN; under "
+        "bfloat16 the GradScaler is not needed (`GradScaler(device_type, enabled=False)`)."
+    ),
+    "nonfinite_forward": (
+        "Keep this op in float32: wrap it in `with torch.autocast(device_type, "
+        "enabled=False):` and cast its input with `.float()`. For log(softmax) use "
+        "`torch.log_softmax`; for divisions add an epsilon or clamp the denominator."
+    ),
+    "nonfinite_backward": (
+        "The backward of this op produced NaN/Inf: run the forward op in float32 with "
+        "`torch.autocast(device_type, enabled=False)` or clamp its input."
+    ),
 }
 
 
@@ -184,15 +267,173 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.3g}%"
 
 
+def risk_order(layers: list[LayerSummary]) -> list[LayerSummary]:
+    """Worst layers first: the order of the text report and TensorBoard's top-k.
+
+    Non-finite outputs or gradients, then outputs beyond the format's max, then
+    the layers closest to the max (within ``RISK_HEADROOM_BITS``, least headroom
+    first), then underflow (largest share first), then the remaining headroom.
+    """
+
+    def key(lay: LayerSummary) -> tuple[float, ...]:
+        nonfinite = lay.nonfinite_steps + lay.grad_nonfinite_steps + lay.param_grad_nonfinite_steps
+        head = lay.headroom if not math.isnan(lay.headroom) else math.inf
+        gu = max(v for v in (lay.grad_underflow_frac, lay.param_grad_underflow_frac, 0.0)
+                 if v is not None)
+        close = head < RISK_HEADROOM_BITS
+        return (
+            -float(nonfinite > 0),
+            -float(lay.ran_low_precision and lay.overflow_frac > 0),
+            0.0 if close else 1.0,
+            head if close else -max(lay.underflow_frac, gu),
+            head,
+            lay.order,
+        )
+
+    return sorted(layers, key=key)
+
+
 def analyze(session: Session) -> list[Finding]:
     out: list[Finding] = []
     for fn in _RULES:
         out.extend(fn(session))
+    out = _fold_follow_ons(session, out)
+    if session.amp.dtype == "bfloat16":
+        out = [_bf16_advice(f) for f in out]
     out = _cap(out)
     # Same severity and step: causes before their consequences on the loss scale.
     out.sort(key=lambda f: (SEVERITY_RANK[f.severity], f.step if f.step is not None else 0,
                             f.kind in ("scale_collapse", "scaler_backoff", "scale_stuck")))
     return out
+
+
+def _bf16_advice(f: Finding) -> Finding:
+    """A bfloat16 run is never told to train in bfloat16."""
+    if "bfloat16" not in f.advice or f.kind == "scaler_with_bf16":
+        return f
+    adv = ADVICE_BF16.get(f.kind)
+    if adv is None or f.op:
+        # Op-specific advice: drop the sentence that proposes bfloat16.
+        adv = " ".join(x for x in re.split(r"(?<=[.])\s+", f.advice)
+                       if "bfloat16" not in x) or (adv or "")
+    return replace(f, advice=adv)
+
+
+def _with(f: Finding, severity: Severity | None = None, extra: str = "",
+          **data: object) -> Finding:
+    msg = f.message + (" " + extra if extra else "")
+    return replace(f, severity=severity or f.severity, message=msg, data={**f.data, **data})
+
+
+_ROOT_KINDS = ("activation_overflow", "nonfinite_input", "nonfinite_forward",
+               "nonfinite_backward")
+
+
+def _fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
+    """One error per independent root cause; its consequences go into its finding.
+
+    * a layer whose output only carried an earlier layer's inf/NaN on (never the
+      first non-finite layer in any recorded step) is listed in that origin's finding;
+    * GradScaler backoffs, a collapsed scale and NaN losses that began at an origin
+      become info, and the origin's finding says what they cost;
+    * gradients underflowing because the scale collapsed, or because the gradients
+      were clipped while still scaled, are listed in that finding, not advised on.
+    """
+    lay_by = {lay.name: lay for lay in session.layers}
+    origin_layers = sorted((lay for lay in session.layers if lay.overflow_origin_steps > 0),
+                           key=lambda x: x.order)
+    errors = [f for f in out if f.severity == "error" and f.kind in _ROOT_KINDS]
+
+    def root_for_module(module: str | None) -> Finding | None:
+        for f in errors:
+            if module is not None and f.module == module:
+                return f
+        return None
+
+    carried: dict[int, list[str]] = {}
+    consequences: dict[int, list[str]] = {}
+    kept: list[Finding] = []
+    for f in out:
+        lay = lay_by.get(f.module or "")
+        if (f.kind == "activation_overflow" and f.severity == "error" and f.op is None
+                and lay is not None and lay.overflow_origin_steps == 0):
+            before = [o for o in origin_layers if o.order < lay.order]
+            root = root_for_module(before[-1].name) if before else None
+            if root is None:
+                root = next((e for e in errors if e.kind in ("nonfinite_input",
+                                                             "nonfinite_forward")), None)
+            if root is not None and root is not f:
+                carried.setdefault(id(root), []).append(lay.name)
+                continue
+        kept.append(f)
+    out = kept
+    # The scaler and the loss: consequences of the origin they name.
+    collapse = next((f for f in out if f.kind == "scale_collapse"), None)
+    clip = next((f for f in out if f.kind == "clip_before_unscale"), None)
+    kept = []
+    for f in out:
+        origin = None
+        if f.kind == "scaler_backoff" and f.severity == "warning":
+            origin = f.data.get("forward_origin")
+        elif f.kind == "scale_collapse":
+            origin = f.data.get("origin")
+        elif f.kind == "nonfinite_loss":
+            origin = f.data.get("origin")
+        root = root_for_module(origin) if isinstance(origin, str) else None
+        if root is None and f.kind == "nonfinite_loss":
+            root = next((e for e in errors if e.kind == "nonfinite_input"), None)
+        if root is not None:
+            consequences.setdefault(id(root), []).append(_consequence(f))
+            f = _with(f, "info", follow_on_of=root.module)
+        if f.kind == "gradient_underflow" and (collapse is not None or clip is not None):
+            host = collapse if collapse is not None else clip
+            assert host is not None
+            carried.setdefault(id(host), []).append(f.module or "?")
+            continue
+        kept.append(f)
+    result = []
+    for f in kept:
+        if f.kind == "scale_collapse" and collapse is not None and id(collapse) in carried:
+            names = carried.pop(id(collapse))
+            f = _with(f, extra=(f"The gradients of {len(names)} layer(s) underflow float16 at "
+                                f"the collapsed scale ({', '.join(names[:6])}): a consequence "
+                                "of the collapse, not a reason to raise `init_scale`."),
+                      underflow_follow_ons=names)
+            collapse = f
+        elif f.kind == "clip_before_unscale" and clip is not None and id(clip) in carried:
+            names = carried.pop(id(clip))
+            f = _with(f, extra=(f"The gradients of {len(names)} layer(s) look underflowed "
+                                f"({', '.join(names[:6])}) only because they were clipped "
+                                "while scaled; unscale before clipping and look again."),
+                      underflow_follow_ons=names)
+        if id(f) in carried or id(f) in consequences:
+            names = carried.pop(id(f), [])
+            cons = consequences.pop(id(f), [])
+            extra = ""
+            if names:
+                extra += (f"{len(names)} later layer(s) only carried its inf/NaN on and are "
+                          f"not separate problems: {', '.join(names[:8])}"
+                          + ("..." if len(names) > 8 else "") + ".")
+            if cons:
+                extra += (" " if extra else "") + "Consequences: " + "; ".join(cons) + "."
+            f = _with(f, extra=extra, also_affected=names, consequences=cons)
+        result.append(f)
+    return result
+
+
+def _consequence(f: Finding) -> str:
+    d = f.data
+    if f.kind == "scaler_backoff":
+        return (f"GradScaler backed off {d.get('backoffs', f.count)}x and skipped that many "
+                f"optimizer steps (scale {_scale_str(d.get('scale_before'))} -> "
+                f"{_scale_str(d.get('scale_after'))})")
+    if f.kind == "scale_collapse":
+        return (f"the loss scale collapsed to {_scale_str(d.get('final_scale'))} "
+                f"({d.get('skipped')} optimizer steps skipped)")
+    if f.kind == "nonfinite_loss":
+        return (f"the loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
+                "steps checked")
+    return f.kind
 
 
 def _cap(findings: list[Finding]) -> list[Finding]:
@@ -240,10 +481,26 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
     # Its output is a sublayer's tensor (a container), and that sublayer is reported; or
     # anomaly mode found the op in it that made NaN/-inf from finite inputs (log(0),
     # 0/0), which that finding explains better than "overflow".
+    # An op anomaly mode placed outside every module (module None) that made NaN/-inf
+    # from finite inputs explains the first layer to show it: log(0) is not an overflow.
     explained = lay.passthrough or any(
-        e.kind == "nonfinite_forward" and e.module == lay.name for e in session.events)
+        e.kind == "nonfinite_forward" and (e.module == lay.name or (
+            not e.module and lay.overflow_origin_steps > 0)) for e in session.events)
     if explained:
         pass
+    elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR and fmt == "bfloat16":
+        # bfloat16's max is float32's: these values are inf/NaN an op made (log(0), x/0)
+        # or diverged weights, not values beyond the format's range.
+        yield Finding(
+            kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
+            message=(f"{lay.name} ({lay.type}) output went non-finite (inf/NaN) in "
+                     f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps "
+                     f"({_pct(lay.overflow_frac)} of values in the worst step). bfloat16 has "
+                     "float32's range, so this is not an overflow of the format: an op in it "
+                     "made inf/NaN, or its weights diverged."),
+            advice=ADVICE_BF16["activation_overflow"],
+            data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
+        )
     elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR:
         yield Finding(
             kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
@@ -352,6 +609,21 @@ def _grad_under(lay: LayerSummary) -> float | None:
     return max(vals)
 
 
+def _run_rule(session: Session) -> Iterable[Finding]:
+    """A run that died before its first step finished is never "healthy"."""
+    if session.steps == 0 and session.run.outcome in ("exception", "interrupted", "exit") and (
+            session.run.outcome != "exit" or session.run.exit_code not in (None, 0)):
+        yield Finding(
+            kind="run_ended_early", severity="error", module=None, op=None, step=None,
+            message=(f"The run ended ({session.run.outcome}"
+                     + (f": {session.run.error}" if session.run.error else "")
+                     + f") before its first training step finished; "
+                     f"{session.recorded_steps} partial step(s) recorded. There is nothing "
+                     "to judge AMP by yet."),
+            advice=ADVICE["run_ended_early"],
+        )
+
+
 def _autocast_rule(session: Session) -> Iterable[Finding]:
     lows = any(lay.ran_low_precision for lay in session.layers)
     if session.recorded_steps and not session.amp.autocast_seen and not lows:
@@ -409,6 +681,9 @@ def _normal_backoff(i: int, g: list[ScalerEvent], growths: list[ScalerEvent],
     * probe: the scale grew, the next step overflowed, and one backoff put the
       scale back where it was before the growth.
     """
+    if any(e.forward_origin or e.loss_nonfinite for e in g):
+        # The loss itself was NaN/inf: the forward pass failed, whatever the scale.
+        return None
     after = g[-1].scale_after
     prev = [x for x in growths if x.step < g[0].step]
     if (i == 0 and not prev and g[0].step < CALIBRATION_START
@@ -457,6 +732,43 @@ def _origins_by_step(session: Session) -> dict[int, tuple[str, str]]:
     return {step: (m, how) for step, (_, m, how) in best.items()}
 
 
+def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
+                     origins: dict[int, tuple[str, str]]) -> dict[int, tuple[str, str]]:
+    """Per backoff step: (layer where the non-finite values began, how it is known).
+
+    ``anomaly`` and ``recorded`` are seen in that very step. An unrecorded step
+    only knows which layers' parameter gradients were non-finite; it is given a
+    recorded step's origin when those layers are a subset of that step's
+    non-finite layers and cover at least half of its parameter-owning ones
+    (``inferred``); otherwise it has none. A layer is never blamed for a step
+    whose own gradients do not point at it.
+    """
+    known: dict[int, tuple[str, str]] = {}
+    for e in backoffs:
+        if e.step in origins:
+            known[e.step] = (origins[e.step][0], "anomaly")
+        elif e.forward_origin:
+            known[e.step] = (e.forward_origin, "recorded")
+    with_params = {lay.name for lay in session.layers if lay.param_dtypes}
+    refs = [(set(e.culprits), known[e.step][0]) for e in backoffs
+            if e.step in known and e.culprits]
+    for e in backoffs:
+        if e.step in known or not e.culprits:
+            continue
+        mine = set(e.culprits)
+        for theirs, where in refs:
+            if mine <= theirs and 2 * len(mine) >= len(theirs & with_params):
+                known[e.step] = (where, "inferred")
+                break
+    return known
+
+
+def _lead(e: ScalerEvent, with_params: set[str]) -> str | None:
+    """The first culprit that owns parameters: the same on recorded and unrecorded steps."""
+    return next((c for c in e.culprits if c in with_params), e.culprits[0] if e.culprits
+                else None)
+
+
 def _origin_of(evs: list[ScalerEvent], origins: dict[int, tuple[str, str]]
                ) -> tuple[str, str] | None:
     """Where the non-finite gradients of these backoffs began, if anything says so."""
@@ -470,7 +782,19 @@ def _origin_of(evs: list[ScalerEvent], origins: dict[int, tuple[str, str]]
     return None
 
 
-def _culprit_text(culprits: list[str], origin: tuple[str, str] | None) -> str:
+def _top_lead(evs: list[ScalerEvent], with_params: set[str]) -> tuple[str | None, int]:
+    """The layer that led the non-finite gradients in most backoffs (ties: the later one,
+    since it kept overflowing as the scale fell), and in how many."""
+    leads = [x for x in (_lead(e, with_params) for e in evs) if x]
+    if not leads:
+        return None, 0
+    last = {x: i for i, x in enumerate(leads)}
+    top = max(last, key=lambda x: (leads.count(x), last[x]))
+    return top, leads.count(top)
+
+
+def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
+                  lead: tuple[str | None, int, int] = (None, 0, 0)) -> str:
     if not culprits:
         text = ("; no watched layer had non-finite gradients (the inf/NaN was in parameters "
                 "outside the watched model(s), or the optimizer checks for inf on the device, "
@@ -479,8 +803,12 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None) -> str:
         shown = ", ".join(culprits[:6]) + ("..." if len(culprits) > 6 else "")
         text = (f"; non-finite gradients in {len(culprits)} layer(s), in backward order: "
                 f"{shown}")
-        if not origin:
+        top, n, total = lead
+        if not origin and (top is None or top == culprits[0]):
             text += f". The first, {culprits[0]}, is where they appeared: look there"
+        elif not origin:
+            text += (f". {top} came first in {n} of {total} of these backoffs (the layers "
+                     "before it stopped overflowing as the scale fell): look there")
     if origin:
         text += f". They began at {origin[0]}: {origin[1]}; look there"
     return text
@@ -499,15 +827,22 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
     # Episodes with the same culprits are one finding: a recurring overflow
     # in the same layer is one problem, however often it strikes.
     by_culprits: dict[tuple[str, ...], list[list[ScalerEvent]]] = {}
+    known = _backoff_origins(session, backoffs, origins)
+    with_params = {lay.name for lay in session.layers if lay.param_dtypes}
     for i, g in enumerate(groups):
         why = _normal_backoff(i, g, growths, last_step)
         if why is not None:
             normal.append((why, g))
-        else:
-            by_culprits.setdefault(tuple(_culprits_of(g)), []).append(g)
-    for key, episodes in by_culprits.items():
-        culprits = list(key)
+            continue
+        # Episodes are one problem when they began at the same place: the same origin,
+        # or else the same first culprit (recorded and unrecorded steps alike).
+        # (A group spanning several origins is keyed by its first.)
+        began = next((known[e.step][0] for e in g if e.step in known), None)
+        key = ("origin", began) if began else ("lead", _top_lead(g, with_params)[0] or "")
+        by_culprits.setdefault(key, []).append(g)
+    for episodes in by_culprits.values():
         evs = [e for g in episodes for e in g]
+        culprits = _culprits_of(evs)
         first, last = evs[0], evs[-1]
         steps = [e.step for e in evs]
         if len(episodes) == 1:
@@ -520,14 +855,16 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
                     f"{_scale_str(first.scale_before)} before step {first.step} to "
                     f"{_scale_str(last.scale_after)} after step {last.step}")
         origin = _origin_of(evs, origins)
+        top_lead, n_lead = _top_lead(evs, with_params)
         yield Finding(
             kind="scaler_backoff", severity="warning",
             # Where the non-finite values began, when known, is where to look.
-            module=origin[0] if origin else (culprits[0] if culprits else None), op=None,
+            module=origin[0] if origin else (top_lead or (culprits[0] if culprits else None)),
+            op=None,
             step=first.step,
             message=(f"{head}, and {len(evs)} optimizer step(s) were skipped"
                      f"{_skips_per_optimizer(session, steps)}"
-                     f"{_culprit_text(culprits, origin)}."),
+                     f"{_culprit_text(culprits, origin, (top_lead, n_lead, len(evs)))}."),
             advice=ADVICE["scaler_backoff"],
             steps=steps[:50],
             data={"culprits": culprits, "scale_before": first.scale_before,
@@ -588,28 +925,36 @@ def _scaler_rules(session: Session) -> Iterable[Finding]:
         reasons.append(f"{len(g)} backoffs in a row at steps {g[0].step}-{g[-1].step} (scale "
                        f"{_scale_str(g[0].scale_before)} -> {_scale_str(g[-1].scale_after)})")
     if reasons:
-        # Unrecorded steps have no forward origin of their own: a backoff with the same
-        # first culprit as a recorded one is taken to have begun in the same place.
-        learned = {e.culprits[0]: e.forward_origin for e in backoffs
-                   if e.forward_origin and e.culprits}
-        culprits = [
-            origins[e.step][0] if e.step in origins else e.forward_origin
-            or learned.get(e.culprits[0], e.culprits[0])
-            for e in backoffs if e.step in origins or e.forward_origin or e.culprits]
-        top = max(dict.fromkeys(culprits), key=culprits.count) if culprits else None
+        traced = [known[e.step][0] for e in backoffs if e.step in known]
+        top: str | None = None
+        if traced:
+            top = max(dict.fromkeys(traced), key=traced.count)
+            hows = [known[e.step][1] for e in backoffs if e.step in known
+                    and known[e.step][0] == top]
+            seen_n = sum(h != "inferred" for h in hows)
+            untraced = len(backoffs) - len(traced)
+            where = (f"; the non-finite values started at {top} in {len(hows)} of "
+                     f"{len(backoffs)} backoffs ({seen_n} seen in that step"
+                     + (f", {len(hows) - seen_n} inferred for unrecorded steps whose "
+                        "gradients went non-finite in the same layers" if len(hows) > seen_n
+                        else "") + ")"
+                     + (f"; {untraced} backoff(s) on unrecorded steps could not be traced "
+                        "(record every step with `every=1` to see them)" if untraced else ""))
+        else:
+            top, n_top = _top_lead(backoffs, with_params)
+            where = (f"; the first layer with non-finite gradients was {top} in "
+                     f"{n_top} of {len(backoffs)} backoffs" if top else "")
         yield Finding(
             kind="scale_collapse", severity="error", module=top, op=None,
             step=backoffs[0].step if backoffs else None,
             message=(f"Loss scale collapsed: {'; '.join(reasons)}. {len(sc.skipped_steps)} of "
                      f"{session.steps} optimizer steps were skipped; final scale "
-                     f"{_scale_str(final)}"
-                     + (f"; the layer where the non-finite values started was {top} in "
-                        f"{culprits.count(top)} of {len(backoffs)} backoffs" if top else "")
-                     + "."),
+                     f"{_scale_str(final)}{where}."),
             advice=ADVICE["scale_collapse"],
             steps=[e.step for e in backoffs][:50],
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
-                  "skipped": len(sc.skipped_steps), "culprit": top},
+                  "skipped": len(sc.skipped_steps), "culprit": top,
+                  "origin": top if traced else None},
         )
     gi = sc.growth_interval or 2000
     if reasons or (sc.growth_factor is not None and sc.growth_factor <= 1):
@@ -682,6 +1027,11 @@ _EVENT_SEVERITY: dict[str, Severity] = {
     "nonfinite_backward": "error",
     "nonfinite_input": "error",
     "activation_overflow": "warning",
+    "scaled_grads_stepped": "error",
+    "nonfinite_loss": "error",
+    "no_step_boundary": "warning",
+    "steps_from_backward": "info",
+    "lowp_updates_lost": "error",
 }
 
 
@@ -772,6 +1122,46 @@ def _event_message(e: Event, n: int, steps: list[int] | None = None) -> str:
                 "accumulation): torch raises 'unscale_() has already been called on this "
                 "optimizer since the last update()'. Call unscale_ once, right before "
                 "clipping and scaler.step.")
+    if e.kind == "scaled_grads_stepped":
+        return (f"{d.get('optimizer', 'The optimizer')}.step() ran on gradients still "
+                f"multiplied by the loss scale ({_scale_str(d.get('scale'))}): "
+                "scaler.scale(loss).backward() was followed by optimizer.step() with neither "
+                f"scaler.unscale_ nor scaler.step ({_times(n)}, {at}). Every update is "
+                f"{_scale_str(d.get('scale'))} times too large, steps with inf/NaN gradients "
+                "are not skipped, and the scale never adapts.")
+    if e.kind == "nonfinite_loss":
+        where = (f"It first appeared in {e.module}'s output, the first watched layer to go "
+                 f"non-finite (seen on recorded step {d.get('recorded_at')})"
+                 if e.module else
+                 ("Every watched layer's output was finite when it was NaN/inf (recorded "
+                  f"step {d.get('recorded_at')}): it appeared outside the watched modules, "
+                  "in the loss computation or in code between the model and the loss"
+                  if d.get("recorded_at") is not None else
+                  "No recorded step had it, so where it appeared is unknown (record every "
+                  "step with `every=1`, or use anomaly mode)"))
+        return (f"The loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
+                f"step(s) whose loss was checked (recorded or skipped steps; "
+                f"{d.get('steps')} steps in all), first at step {e.step}. {where}.")
+    if e.kind == "no_step_boundary":
+        return ("No training step was seen to end: no optimizer.step(), no scaler.update(), "
+                "no doctor.step()" + (", although backward ran" if d.get("backward") else "")
+                + ". The figures below cover everything as one unfinished step.")
+    if e.kind == "steps_from_backward":
+        return (f"No optimizer or GradScaler was seen: {d.get('steps')} step(s) were counted "
+                "from the loop itself (a backward reaching the watched parameters, then the "
+                "weights updated or the gradients reset before the next forward).")
+    if e.kind == "lowp_updates_lost":
+        dts = "/".join(d.get("dtypes") or ["float16"])
+        return (f"The weights are {dts} and the optimizer updates them in place: "
+                f"{_pct(d.get('frac'))} of the sampled weight values with a non-zero gradient "
+                f"did not change at all in the recorded optimizer steps "
+                f"({d.get('unchanged')} of {d.get('sampled')}). The updates are below "
+                f"{dts}'s resolution next to the weights, so most of the model does not train.")
+    if e.kind == "nonfinite_input" and d.get("detected") == "recorded step":
+        return (f"The batch given to {e.module} already held {_what(d)} ({at}"
+                + (f", in {n} recorded steps" if n > 1 else "") + "): the data was "
+                "non-finite before any layer ran, so the layers' NaN/inf outputs only carried "
+                "it on.")
     if e.kind in ("nonfinite_forward", "nonfinite_backward", "nonfinite_input") or (
             e.kind == "activation_overflow" and d.get("hidden")):
         return _anomaly_message(e, n, at)
@@ -782,7 +1172,8 @@ def _event_message(e: Event, n: int, steps: list[int] | None = None) -> str:
 
 
 def _what(d: dict[str, object]) -> str:
-    parts = [w for w, k in (("NaN", "nan"), ("+inf", "pos_inf"), ("-inf", "neg_inf")) if d.get(k)]
+    parts = [w for w, k in (("NaN", "nan"), ("+inf", "pos_inf"), ("-inf", "neg_inf"),
+                            ("inf", "inf")) if d.get(k)]
     return "/".join(parts) or "non-finite values"
 
 
@@ -829,14 +1220,20 @@ _OP_ADVICE: dict[str, str] = {
 }
 
 
-def event_advice(e: Event) -> str:
-    """The fix for one run-time event (also used for anomaly mode's exception)."""
+def event_advice(e: Event, dtype: str | None = None) -> str:
+    """The fix for one run-time event (also used for anomaly mode's exception).
+
+    ``dtype`` is the run's low-precision format: a bfloat16 run is never told
+    to train in bfloat16.
+    """
     op_fix = _OP_ADVICE.get(e.op or "")
+    bf16 = dtype == "bfloat16"
     if e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix:
         where = f" in {e.module}" if e.module else ""
         f32 = ("" if "autocast" in op_fix else " Or keep the op in float32 with `with "
                "torch.autocast(device_type, enabled=False):` around it and `.float()` inputs.")
-        return (f"For {e.op}{where}: {op_fix}.{f32} Or train with `dtype=torch.bfloat16`.")
+        return (f"For {e.op}{where}: {op_fix}.{f32}"
+                + ("" if bf16 else " Or train with `dtype=torch.bfloat16`."))
     if e.kind == "nonfinite_backward" and not e.module:
         return ("The gradient went non-finite where the loss is computed, outside the model: "
                 "keep the loss O(1) (a mean rather than a sum reduction, targets normalised "
@@ -844,8 +1241,10 @@ def event_advice(e: Event) -> str:
                 "or start the GradScaler lower (`init_scale=...`).")
     if e.kind == "activation_overflow" and e.data.get("hidden"):
         return (f"Compute {e.op} in float32: wrap it in `with torch.autocast(device_type, "
-                "enabled=False):` and cast its input with `.float()`, or train with "
-                "`dtype=torch.bfloat16`.")
+                "enabled=False):` and cast its input with `.float()`"
+                + (", or train with `dtype=torch.bfloat16`." if not bf16 else "."))
+    if bf16 and e.kind in ADVICE_BF16:
+        return ADVICE_BF16[e.kind]
     return ADVICE.get(e.kind, "")
 
 
@@ -857,6 +1256,9 @@ def _events_rule(session: Session) -> Iterable[Finding]:
         grouped.setdefault((e.kind, e.module, e.op), []).append(e)
     for (kind, module, op), es in grouped.items():
         first = es[0]
+        if kind == "lowp_updates_lost" and not (first.data.get("frac") or 0) > \
+                LOWP_UNCHANGED_WARN:
+            continue
         n = max(len(es), int(first.data.get("occurrences") or 0))
         sev: Severity = first.data.get("severity") or _EVENT_SEVERITY[kind]
         skipped = set(session.scaler.skipped_steps) if session.scaler else set()
@@ -873,13 +1275,14 @@ def _events_rule(session: Session) -> Iterable[Finding]:
         yield Finding(
             kind=kind, severity=sev, module=module, op=op, step=first.step,
             message=_event_message(first, n, steps),
-            advice=first.data.get("advice") or event_advice(first),
+            advice=first.data.get("advice") or event_advice(first, session.amp.dtype),
             frame=first.frame, count=n, steps=steps[:50],
             data={k: v for k, v in first.data.items() if k not in ("message", "advice")},
         )
 
 
 _RULES: list[Callable[[Session], Iterable[Finding]]] = [
+    _run_rule,
     _autocast_rule,
     _layers_rules,
     _scaler_rules,

@@ -143,6 +143,9 @@ class ScalerEvent:
     # The first layer whose forward output overflowed in that step, when it was recorded:
     # then the non-finite gradients started in the forward pass.
     forward_origin: str | None = None
+    # The step's loss was already NaN/inf (the trouble began in the forward pass), when
+    # known: read in the same host copy that names the culprits.
+    loss_nonfinite: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ DEFERRED_LIMIT = 1024
 # the watched parameters (only done when an enabled scaler then steps them).
 GRAPH_WALK_LIMIT = 200_000
 
-_SCALER_METHODS = ("scale", "unscale_", "step", "update")
+_SCALER_METHODS = ("scale", "unscale_", "step", "update", "load_state_dict")
 
 
 class ApiSubscriber(Protocol):
@@ -87,6 +87,7 @@ class ApiSubscriber(Protocol):
     def on_scheduler_step(self, scheduler: Any) -> None: ...
     def on_backward(self, tensors: Any) -> None: ...
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None: ...
+    def on_scaler_load(self, scaler: GradScaler, state: Any) -> None: ...
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -180,7 +181,8 @@ class _ApiHub:
         self.in_scaler_step = 0
         self.backward_depth = 0
         wrappers = {"scale": self._wrap_scale, "unscale_": self._wrap_unscale,
-                    "step": self._wrap_step, "update": self._wrap_update}
+                    "step": self._wrap_step, "update": self._wrap_update,
+                    "load_state_dict": self._wrap_load}
         # Subclasses that override a method (e.g. FSDP's ShardedGradScaler)
         # need their own patch; the deprecated torch.cuda.amp / torch.cpu.amp
         # spellings inherit and are covered by the base class.
@@ -310,6 +312,24 @@ class _ApiHub:
                 hub._leave("update")
 
         return update
+
+    def _wrap_load(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        hub = self
+
+        @functools.wraps(orig)
+        def load_state_dict(scaler: GradScaler, state_dict: Any) -> Any:
+            result = orig(scaler, state_dict)
+            # After the call: a resumed run's scale is the loaded one from here on.
+            if hub._enter("load"):
+                try:
+                    hub.emit("on_scaler_load", scaler, state_dict)
+                finally:
+                    hub._leave("load")
+            else:
+                hub._leave("load")
+            return result
+
+        return load_state_dict
 
     def _opt_pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self.emit("on_optimizer_pre", optimizer)
@@ -491,6 +511,8 @@ class _ScalerState:
     settings: tuple[float, float, int] = (2.0, 0.5, 2000)
     # It stepped or unscaled an optimizer of the watched models.
     relevant: bool = False
+    # The optimizers it stepped or unscaled (ids).
+    opt_ids: set[int] = field(default_factory=set)
 
     def params(self) -> tuple[float, float, int]:
         s = self.ref()
@@ -549,8 +571,14 @@ class AmpMonitor:
         on_unscale: Callable[[list[torch.Tensor], float | None], None] | None = None,
         on_skip: Callable[[list[torch.Tensor]], None] | None = None,
         on_scale: Callable[[GradScaler, Any], None] | None = None,
+        on_backward: Callable[[list[torch.Tensor]], None] | None = None,
+        on_backward_done: Callable[[list[torch.Tensor]], None] | None = None,
+        on_optimizer_done: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
         self._owns_param = owns_param
+        self._on_backward_cb = on_backward
+        self._on_backward_done_cb = on_backward_done
+        self._on_optimizer_done_cb = on_optimizer_done
         self._on_boundary = on_boundary
         self._step_of = step_of
         self._on_unscale = on_unscale
@@ -637,7 +665,10 @@ class AmpMonitor:
         st.relevant = True
         cur = self.scalers.get(self.primary_scaler) if self.primary_scaler is not None \
             else None
-        if cur is None or cur.ref() is None or not cur.relevant:
+        if cur is None or cur.ref() is None or not cur.relevant or (
+                cur is not st and cur.opt_ids & st.opt_ids):
+            # A new scaler for the same optimizer replaced the old one (a resumed or
+            # restarted loop), even while the old object is still alive.
             self.primary_scaler = id(scaler)
 
     def _known(self, opt: Any) -> None:
@@ -726,6 +757,7 @@ class AmpMonitor:
         st = self._state(scaler)
         if st is None or not self._relevant(optimizer):
             return
+        st.opt_ids.add(id(optimizer))
         self._claim(scaler, st)
         stage = self._stage(scaler, optimizer)
         if stage is OptState.UNSCALED:
@@ -760,6 +792,7 @@ class AmpMonitor:
         st = self._state(scaler)
         if st is None or not self._relevant(optimizer):
             return
+        st.opt_ids.add(id(optimizer))
         self._claim(scaler, st)
         if not scaler._enabled:
             return
@@ -857,6 +890,8 @@ class AmpMonitor:
             return
         params = self._params(optimizer)
         self.step_params[id(optimizer)] = params
+        if _HUB.in_scaler_step == 0:
+            self._judge_plain_step(optimizer)
         if self._on_unscale is None:
             return
         if _HUB.in_scaler_step == 0:
@@ -871,9 +906,29 @@ class AmpMonitor:
                 return
         self._on_unscale(params, None)
 
+    def _judge_plain_step(self, optimizer: Optimizer) -> None:
+        """``optimizer.step()`` outside ``scaler.step``: are its gradients still scaled?
+
+        ``scaler.scale(loss).backward(); optimizer.step()`` with neither
+        ``scaler.unscale_`` nor ``scaler.step``: the update is the loss scale
+        times too large, inf/NaN gradients are not skipped, and the scaler
+        never learns anything. Judged only for a scaler that never stepped
+        anything, so that a second, unscaled model trained next to a scaled
+        one (GANs) is not mistaken for this.
+        """
+        for scaler, st in self._enabled_states():
+            if (st.scaled_since_update and st.steps_total == 0 and st.updates == 0
+                    and self._stage(scaler, optimizer) is OptState.READY):
+                self._event("scaled_grads_stepped", data={
+                    "optimizer": self.opt_name(optimizer), "scaler": st.name,
+                    "scale": st.scale})
+                return
+
     def on_optimizer_post(self, optimizer: Optimizer) -> None:
         if not self._relevant(optimizer):
             return
+        if self._on_optimizer_done_cb is not None:
+            self._on_optimizer_done_cb(self.step_params.get(id(optimizer)) or [])
         if _HUB.in_scaler_step == 0:
             # A plain optimizer.step(): those backward passes are not a scaler's.
             self._unscaled_roots = []
@@ -961,7 +1016,29 @@ class AmpMonitor:
             "lr": float(lrs[0]) if lrs and isinstance(lrs[0], (int, float)) else None})
 
     # -- backward ------------------------------------------------------------
+    def on_scaler_load(self, scaler: GradScaler, state: Any) -> None:
+        """``GradScaler.load_state_dict``: a resumed run continues from the loaded scale."""
+        st = self._state(scaler)
+        if st is None or not scaler._enabled or not isinstance(state, dict):
+            return
+        try:
+            scale = _f32(float(state["scale"]))
+            tracker = int(state.get("_growth_tracker", 0))
+        except (KeyError, TypeError, ValueError):
+            return
+        self._resolve(st)  # pending device flags belong to the steps before the load
+        st.scale, st.tracker = scale, tracker
+        st.params()
+        step = self._step_of()
+        if id(scaler) == self.primary_scaler and step > 0:
+            # The timeline holds the scale after each step's update: the loaded
+            # scale is the one in force after the step before this one.
+            tl = [(s_, v) for s_, v in self.timeline_scale if s_ < step - 1]
+            self.timeline_scale = tl + [(step - 1, scale)]
+
     def on_backward(self, tensors: Any) -> None:
+        if self._on_backward_cb is not None:
+            self._on_backward_cb(_tensors(tensors))
         step = self._step_of()
         if step == self._bwd_autocast_step:
             return
@@ -980,9 +1057,11 @@ class AmpMonitor:
                 break
 
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None:
+        ts = _tensors(tensors)
+        if self._on_backward_done_cb is not None:
+            self._on_backward_done_cb(ts)
         if through_scaler:
             return
-        ts = _tensors(tensors)
         # A loss: scalar tensors with a graph. backward(gradient) on a
         # non-scalar output is a different pattern and is not judged.
         if not ts or not all(t.numel() == 1 and t.grad_fn is not None for t in ts):

@@ -43,6 +43,18 @@ DEFAULT_EVERY = 10
 # Judge what-if overflow/underflow against float16 when autocast never ran:
 # it is the format with the narrower range, so the stricter question.
 WHAT_IF_DTYPE = torch.float16
+# Pure low-precision training: parameter elements sampled per tensor on a recorded
+# step to see whether the optimizer's update changed them at all.
+UPDATE_SAMPLE = 1024
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (checkpoint recomputation, hooks)."""
+    try:
+        return bool(torch._C._current_graph_task_id() != -1)
+    except Exception:  # pragma: no cover - private API moved
+        return False
 
 Models = nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module]
 
@@ -174,6 +186,24 @@ class Watch:
         self._global_handles: list[Any] = []
         self._global_depth = 0
         self._given_names: dict[int, str] = {}
+        # Device flags of the current step (loss / root input non-finite), OR-ed over
+        # micro-steps; they ride in the step's one host copy, or in the skip's sync.
+        self._step_flags: dict[str, torch.Tensor] = {}
+        # Steps whose loss was checked on the host (recorded steps, and skipped steps
+        # in the skip's one sync), and those of them where it was NaN/inf.
+        self._loss_checked: set[int] = set()
+        self._loss_bad: set[int] = set()
+        self._loss_origin: tuple[int, str | None] | None = None
+        # What the loop did since the last step boundary.
+        self._backward_since_boundary = False
+        self._backward_reached = False
+        self._train_forward_since_boundary = False
+        self._auto_boundary_idle = False
+        self._implicit_steps = False
+        self._owned_at_step = -1
+        # Pure low-precision training: sampled parameter elements before the update.
+        self._lp_snap: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._lp_counts = [0.0, 0.0]  # sampled elements with a gradient, unchanged of those
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> Watch:
@@ -188,14 +218,17 @@ class Watch:
             for given in self._given_models.values():
                 self._attach_wrappers(given)
             self._monitor = AmpMonitor(
-                owns_param=lambda p: id(p) in self._owned_params,
-                on_boundary=self._boundary,
+                owns_param=self._owns,
+                on_boundary=self._auto_boundary,
                 step_of=lambda: self.step_index,
                 scaler=self._explicit_scaler,
                 optimizers=self._explicit_opts,
                 on_unscale=self._on_param_grads,
                 on_skip=self._on_skip,
                 on_scale=self._on_scale,
+                on_backward=self._on_backward,
+                on_backward_done=self._on_backward_done,
+                on_optimizer_done=self._on_optimizer_done,
             )
             self._monitor.autocast_dtype = self._autocast_dtype
             self._sub = subscribe(self._monitor)
@@ -242,12 +275,29 @@ class Watch:
         if self.closed:
             assert self.session_ is not None
             return self.session_
+        pending, self._boundary_pending = self._boundary_pending, False
+        implicit_last = self._implicit_candidate() and self._backward_reached
         self.closed = True
         try:
-            if self._buffer is not None and self._activity:
+            if pending:
+                self._finish_step(partial=False)
+                self.step_index += 1
+            elif implicit_last:
+                # A loop without optimizer or scaler: its last step ends with the run.
+                self._implicit_steps = True
+                self._finish_step(partial=False)
+                self.step_index += 1
+            elif self._buffer is not None and (self._train_forward_since_boundary
+                                               or self._backward_since_boundary):
+                # Training work after the last boundary (a crash mid-step); an
+                # evaluation pass after the last step is not a step.
                 self._finish_step(partial=True)
         finally:
             self._teardown()
+            # Leave no reference to the user's tensors behind.
+            self._sentinel = None
+            self._lp_snap = []
+            self._step_flags = {}
         self.session_ = self._build_session()
         if self.logdir is not None:
             self._write_outputs(self.session_)
@@ -364,10 +414,17 @@ class Watch:
         """Mark the end of a training step yourself (custom loops).
 
         Once called, automatic boundaries at ``GradScaler.update`` and
-        ``optimizer.step`` are ignored for this watch.
+        ``optimizer.step`` are ignored for this watch. A first call right
+        after such an automatic boundary (``scaler.update(); doctor.step()``)
+        ends the same step, so it is not counted twice.
         """
-        if self._monitor is not None:
-            self._monitor.manual_steps = True
+        mon = self._monitor
+        if mon is not None and not mon.manual_steps:
+            mon.manual_steps = True
+            if self._auto_boundary_idle:
+                self._take_pending_boundary()
+                return
+        self._boundary_pending = False
         self._boundary()
 
     @property
@@ -473,6 +530,23 @@ class Watch:
 
     def _on_root_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self._activity = True
+        training = torch.is_grad_enabled() and module.training and not _in_backward()
+        if training:
+            if self._lead_root is None:
+                self._lead_root = id(module)
+            elif id(module) != self._lead_root and self._auto_boundary_idle:
+                # Right after the boundary, another model trains: same iteration.
+                self._defer_boundaries = True
+            if id(module) == self._lead_root and self._take_pending_boundary():
+                if self._probes is not None:
+                    # Before any sublayer ran: hooking or unhooking them loses nothing.
+                    self._probes._apply_armed()
+            elif self._implicit_candidate() and self._backward_reached and self._loop_updated():
+                self._implicit_boundary()
+            self._train_forward_since_boundary = True
+            self._auto_boundary_idle = False
+            if self._buffer is not None:
+                self._check_input(args)
         if self._anomaly is not None and self._probes is not None:
             self._anomaly.check_inputs(self._probes.name_of(module) or type(module).__name__, args,
                                        module)
@@ -492,9 +566,34 @@ class Watch:
 
     def _autocast_dtype(self) -> torch.dtype | None:
         if not self._autocast_dtypes:
-            return None
+            inside = self._autocast_inside()
+            return getattr(torch, inside) if inside else None
         name = max(self._autocast_dtypes, key=lambda k: self._autocast_dtypes[k])
         return getattr(torch, name)
+
+    def _autocast_inside(self) -> str | None:
+        """Autocast entered inside the model's forward (Accelerate wraps ``forward``).
+
+        The root's pre-hook runs before it, so it sees no autocast. But a layer
+        whose own parameters are float32 and whose output is float16/bfloat16
+        ran under autocast: its recorded output dtype says so.
+        """
+        if self._probes is None:
+            return None
+        # Output dtypes only change on recorded steps: judge once per recorded step.
+        if self._inside_at == self.recorded:
+            return self._inside
+        self._inside_at = self.recorded
+        seen: dict[str, int] = {}
+        for meta in self._probes.layers.values():
+            if meta.param_dtypes and meta.param_dtypes <= {"float32"}:
+                for d in meta.output_dtypes & {"float16", "bfloat16"}:
+                    seen[d] = seen.get(d, 0) + 1
+        self._inside = max(seen, key=lambda k: seen[k]) if seen else None
+        return self._inside
+
+    _inside: str | None = None
+    _inside_at = -1
 
     def _low_dtype(self) -> torch.dtype:
         dt = self._autocast_dtype()
@@ -524,6 +623,8 @@ class Watch:
             # A host flag, not a tensor: a CPU tensor copied to the GPU would sync.
             buf.param_grads_scaled = bool(scale)
         self._probes.summarize_param_grads(params, buf)
+        if scale is None and not self._lp_snap and any(p.dtype in _LOW_DTYPES for p in params):
+            self._snapshot_low_params(params)
 
     def _on_skip(self, params: list[torch.Tensor]) -> None:
         """A GradScaler skipped a step: name the layers whose grads are not finite."""
@@ -534,20 +635,164 @@ class Watch:
             name = self._probes.param_owner.get(id(p))
             if name is not None and p.grad is not None:
                 by_layer.setdefault(name, []).append(p.grad)
-        if not by_layer:
+        loss_flag = self._step_flags.get("loss_bad")
+        if not by_layer and loss_flag is None:
             return
         names = list(by_layer)
-        flags = torch.stack(
-            [torch.stack([~torch.isfinite(g).all() for g in gs]).any() for gs in by_layer.values()]
-        )
-        bad = flags.tolist()  # the one sync of an unrecorded skipped step
+        parts = [torch.stack([~torch.isfinite(g).all() for g in gs]).any()
+                 for gs in by_layer.values()]
+        if loss_flag is not None:
+            dev = parts[0].device if parts else loss_flag.device
+            parts.append(loss_flag.to(dev))
+        bad = torch.stack(parts).tolist()  # the one sync of an unrecorded skipped step
         count_sync()
+        if loss_flag is not None:
+            self._pending_loss_bad = bool(bad.pop())
         order = {n: self._probes.layers[n].order for n in names}
         culprits = sorted((n for n, b in zip(names, bad, strict=True) if b),
                           key=lambda n: -order[n])
         self._pending_culprits = culprits
 
     _pending_culprits: list[str] | None = None
+    _pending_loss_bad: bool | None = None
+
+    # -- what the loop does (step boundaries without optimizer, losses) -------
+    def _owns(self, p: torch.Tensor) -> bool:
+        """A parameter of a watched model; rescanned (once a step) on a miss, since
+        ``load_state_dict(assign=True)`` or ``to_empty`` swap parameter objects."""
+        if id(p) in self._owned_params:
+            return True
+        if self._owned_at_step != self.step_index and self.models:
+            self._owned_at_step = self.step_index
+            self._rescan_params()
+        return id(p) in self._owned_params
+
+    def _rescan_params(self) -> None:
+        self._owned_params = {id(q) for m in self.models.values() for q in m.parameters()}
+        probes = self._probes
+        if probes is None:
+            return
+        for model in self.models.values():
+            for mod in model.modules():
+                name = probes.name_of(mod)
+                meta = probes.layers.get(name) if name else None
+                if meta is None:
+                    continue
+                meta.params = list(mod.parameters(recurse=False))
+                for q in meta.params:
+                    probes.param_owner.setdefault(id(q), name)  # type: ignore[arg-type]
+
+    def _on_backward(self, roots: list[torch.Tensor]) -> None:
+        """Before a backward: note on the device whether its loss is NaN/inf."""
+        if self.closed:
+            return
+        losses = [t for t in roots if t.numel() == 1 and t.is_floating_point()
+                  and t.grad_fn is not None]
+        if not losses:
+            return
+        flag = torch.stack([~torch.isfinite(t.detach()).all() for t in losses]).any()
+        prev = self._step_flags.get("loss_bad")
+        self._step_flags["loss_bad"] = flag if prev is None else (prev | flag.to(prev.device))
+
+    def _on_backward_done(self, roots: list[torch.Tensor]) -> None:
+        self._backward_since_boundary = True
+        self._auto_boundary_idle = False
+        if not self._implicit_candidate():
+            return
+        mon = self._monitor
+        assert mon is not None
+        # Only where no optimizer or scaler ends the steps: does this backward
+        # reach the watched parameters (a training step), or another model's?
+        if not self._backward_reached:
+            self._backward_reached = mon._reaches_watched_params(
+                [t.grad_fn for t in roots if t.grad_fn is not None])
+        if self._backward_reached:
+            # After every backward: accumulation changes the grads in place.
+            self._sentinel = None
+            for m in self.models.values():
+                for q in m.parameters():
+                    if q.grad is not None:
+                        self._sentinel = (q, id(q.grad), q.grad._version, q._version)
+                        break
+                if self._sentinel is not None:
+                    break
+
+    _sentinel: tuple[torch.Tensor, int, int, int] | None = None
+
+    def _loop_updated(self) -> bool:
+        """Since the last backward, did the loop update the weights or reset the grads?
+
+        That is what ends a step without an optimizer. Gradient accumulation
+        (several backward passes into one update) changes neither in between.
+        """
+        sn = self._sentinel
+        if sn is None:
+            return False
+        p, gid, gver, pver = sn
+        g = p.grad
+        return g is None or id(g) != gid or g._version != gver or p._version != pver
+
+    def _implicit_candidate(self) -> bool:
+        """No optimizer step, scaler update or ``doctor.step()`` ends the steps."""
+        mon = self._monitor
+        return (mon is not None and not self.closed and not mon.manual_steps
+                and mon.primary_scaler is None and mon._primary_opt is None)
+
+    def _implicit_boundary(self) -> None:
+        # A hand-written update (``p.add_(p.grad, alpha=-lr)``): a new training
+        # forward after a backward that reached the watched parameters.
+        self._implicit_steps = True
+        self._boundary()
+        if self._probes is not None:
+            # Called from the root's pre-hook, before any sublayer ran: hooking or
+            # unhooking them now loses no post-hook.
+            self._probes._apply_armed()
+
+    def _check_input(self, args: tuple[Any, ...]) -> None:
+        """On a recorded step: does the batch itself hold NaN/inf? Device flags only."""
+        ts = [t for t in iter_tensors(args) if t.is_floating_point() and t.numel() > 0
+              and not t.is_sparse and t.device.type != "meta"]
+        if not ts:
+            return
+        with own_ops:
+            try:
+                nan = torch.stack([t.detach().isnan().any() for t in ts]).any()
+                inf = torch.stack([t.detach().isinf().any() for t in ts]).any()
+            except Exception:  # odd tensors (nested, float8): skip the check
+                return
+        for key, flag in (("input_nan", nan), ("input_inf", inf)):
+            prev = self._step_flags.get(key)
+            self._step_flags[key] = flag if prev is None else (prev | flag.to(prev.device))
+
+    def _on_optimizer_done(self, params: list[torch.Tensor]) -> None:
+        """After a plain optimizer step on a recorded step: did low-precision weights move?"""
+        snap, self._lp_snap = self._lp_snap, []
+        buf = self._buffer
+        if not snap or buf is None:
+            return
+        with own_ops, torch.no_grad():
+            moved = [(p.detach().reshape(-1)[idx] == before) & has_grad
+                     for p, idx, before, has_grad in snap]
+            unchanged = torch.stack([m.sum() for m in moved]).sum()
+            with_grad = torch.stack([h.sum() for _, _, _, h in snap]).sum()
+        buf.put_scalar("lp_unchanged", unchanged)
+        buf.put_scalar("lp_with_grad", with_grad)
+
+    def _snapshot_low_params(self, params: list[torch.Tensor]) -> None:
+        snap = []
+        with own_ops, torch.no_grad():
+            for p in params:
+                if p.dtype not in _LOW_DTYPES or p.grad is None or p.grad.is_sparse:
+                    continue
+                n = p.numel()
+                if n == 0:
+                    continue
+                step = max(1, n // UPDATE_SAMPLE)
+                idx = torch.arange(0, n, step, device=p.device)[:UPDATE_SAMPLE]
+                before = p.detach().reshape(-1)[idx].clone()
+                has_grad = p.grad.detach().reshape(-1)[idx] != 0
+                snap.append((p, idx, before, has_grad))
+        self._lp_snap = snap
 
     # -- step boundary ---------------------------------------------------------
     def _set_recording(self) -> None:
@@ -564,12 +809,51 @@ class Watch:
         self._buffer = StepBuffer(self.step_index) if self._probes.recording else None
         self._activity = False
 
+    def _auto_boundary(self) -> None:
+        """A step boundary seen in the loop (``scaler.update``, ``optimizer.step``).
+
+        Once the loop showed that another model trains after it in the same
+        iteration (two models, two GradScalers), it takes effect at the next
+        forward of the step's first model (or at close), so that the second
+        model's work still belongs to this step.
+        """
+        if self.closed:
+            return
+        if not self._defer_boundaries:
+            self._boundary()
+            self._auto_boundary_idle = True
+            return
+        if self._boundary_pending:
+            # Two boundaries and no forward of the step's first model in between
+            # (a loop that calls submodules directly): the first one ends its step now.
+            self._boundary()
+        self._boundary_pending = True
+        self._auto_boundary_idle = True
+
+    _boundary_pending = False
+    _defer_boundaries = False
+    # The model whose training forward came first in the step: its next forward
+    # starts the next step (a second model's forward in the same iteration does not).
+    _lead_root: int | None = None
+
+    def _take_pending_boundary(self) -> bool:
+        if not self._boundary_pending:
+            return False
+        self._boundary_pending = False
+        self._boundary()
+        return True
+
     def _boundary(self) -> None:
         if self.closed:
             return
         self._finish_step(partial=False)
         self.step_index += 1
         self._set_recording()
+        self._backward_since_boundary = False
+        self._sentinel = None
+        self._backward_reached = False
+        self._train_forward_since_boundary = False
+        self._auto_boundary_idle = False
 
     def _finish_step(self, partial: bool) -> None:
         with own_ops:
@@ -580,13 +864,21 @@ class Watch:
         outcome = mon.take_outcome() if mon is not None else None
         culprits = self._pending_culprits or []
         self._pending_culprits = None
+        loss_bad: bool | None = self._pending_loss_bad
+        self._pending_loss_bad = None
         step = self.step_index
         rec: StepRecord | None = None
         buf = self._buffer
         if self._anomaly is not None:
             self._anomaly.end_step(skipped=bool(outcome and outcome.skipped),
                                    recorded=buf is not None)
+        flags, self._step_flags = self._step_flags, {}
+        self._lp_snap = []
+        if loss_bad is not None:
+            self._note_loss(step, loss_bad)
         if buf is not None:
+            for key, flag in flags.items():
+                buf.put_scalar(key, flag)
             if mon is not None and mon.primary_scaler is not None:
                 st = mon.scalers[mon.primary_scaler]
                 sc = st.ref()
@@ -608,8 +900,22 @@ class Watch:
             for name, ls in layers.items():
                 self._agg.setdefault(name, LayerAggregate()).add(ls, raw[name])
             origin = self._forward_origin(layers)
+            if hs.scalars.get("input_nan") or hs.scalars.get("input_inf"):
+                # The batch was already non-finite: no layer is the origin. (Anomaly
+                # mode checks every step's batch itself and reports it.)
+                origin = None
+                if self._anomaly is None:
+                    self._note_bad_input(step, hs.scalars)
             if origin is not None:
                 self._agg[origin].origin_steps += 1
+            if "loss_bad" in hs.scalars:
+                loss_bad = bool(hs.scalars["loss_bad"])
+                self._note_loss(step, loss_bad)
+                if loss_bad and self._loss_origin is None:
+                    self._loss_origin = (step, origin)
+            if "lp_with_grad" in hs.scalars:
+                self._lp_counts[0] += hs.scalars["lp_with_grad"]
+                self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
             real_scale = hs.scalars.get("scale_after")
             if mon is not None and real_scale is not None and mon.primary_scaler is not None:
                 tracker = hs.scalars.get("growth_tracker")
@@ -636,7 +942,26 @@ class Watch:
                     self._extra_events.append(
                         Event(kind="internal_error", step=step, data={"error": repr(e)}))
         if mon is not None and outcome is not None and not partial:
-            self._note_scaler(step, outcome, culprits)
+            self._note_scaler(step, outcome, culprits, loss_bad)
+
+    def _note_loss(self, step: int, bad: bool) -> None:
+        # Host flags only, from copies made anyway: no sync of its own.
+        self._loss_checked.add(step)
+        if bad:
+            self._loss_bad.add(step)
+
+    def _note_bad_input(self, step: int, scalars: dict[str, float]) -> None:
+        if any(e.kind == "nonfinite_input" and e.data.get("detected") == "recorded step"
+               for e in self._extra_events):
+            for e in self._extra_events:
+                if e.kind == "nonfinite_input" and e.data.get("detected") == "recorded step":
+                    e.data["occurrences"] = int(e.data.get("occurrences", 1)) + 1
+            return
+        root = next(iter(self.models), "")
+        name = root or (type(self.models[root]).__name__ if self.models else "the model")
+        self._extra_events.append(Event(kind="nonfinite_input", step=step, module=name, data={
+            "nan": bool(scalars.get("input_nan")), "inf": bool(scalars.get("input_inf")),
+            "detected": "recorded step"}))
 
     def _forward_origin(self, layers: dict[str, Any]) -> str | None:
         """The first layer to finish its forward with an overflowed or non-finite output.
@@ -672,7 +997,8 @@ class Watch:
             bad, key=lambda n: (seen.get(n, big), -metas[n].order if n in metas else 0)
         )
 
-    def _note_scaler(self, step: int, out: Any, culprits: list[str]) -> None:
+    def _note_scaler(self, step: int, out: Any, culprits: list[str],
+                     loss_bad: bool | None = None) -> None:
         mon = self._monitor
         assert mon is not None
         if out.scale_after is not None:
@@ -695,7 +1021,7 @@ class Watch:
             mon.scaler_events.append(ScalerEvent(
                 step=step, kind="backoff", scale_before=out.scale_before or math.nan,
                 scale_after=out.scale_after or math.nan, culprits=culprits,
-                forward_origin=self._pending_origin))
+                forward_origin=self._pending_origin, loss_nonfinite=loss_bad))
         self._pending_origin = None
         if out.growth:
             mon.growth_steps.append(step)
@@ -727,13 +1053,14 @@ class Watch:
         if self._anomaly is not None:
             events.extend(self._anomaly.events())
         events.extend(self._extra_events)
+        events.extend(self._loop_events())
         scaler_on = bool(timeline and timeline.enabled)
         amp = AmpConfig(
             device_type=self._device_type,
             dtype=dtype_name(fmt_dtype) if (self._autocast_dtypes or (
                 probes and probes.low_precision_outputs())) else None,
             scaler=scaler_on,
-            autocast_seen=bool(self._autocast_dtypes),
+            autocast_seen=bool(self._autocast_dtypes) or self._autocast_inside() is not None,
         )
         rm = self._run_meta
         run = RunInfo(
@@ -756,6 +1083,35 @@ class Watch:
             findings=[], run=run,
         )
         return Session(**{**draft.__dict__, "findings": analyze(draft)})
+
+    def _loop_events(self) -> list[Event]:
+        """What the loop itself showed: NaN losses, how steps were counted, frozen weights."""
+        out: list[Event] = []
+        if self._loss_bad:
+            seen = self._loss_origin
+            out.append(Event(kind="nonfinite_loss", step=min(self._loss_bad),
+                             module=seen[1] if seen else None, data={
+                                 "steps_bad": len(self._loss_bad),
+                                 "checked": len(self._loss_checked), "steps": self.step_index,
+                                 "recorded_at": seen[0] if seen else None,
+                                 "origin": seen[1] if seen else None}))
+        mon = self._monitor
+        if self._implicit_steps:
+            out.append(Event(kind="steps_from_backward", step=0, data={
+                "steps": self.step_index, "severity": "info"}))
+        elif (mon is not None and self.step_index == 0 and not mon.manual_steps
+              and (self._backward_since_boundary or self.recorded)):
+            out.append(Event(kind="no_step_boundary", step=0, data={
+                "backward": self._backward_since_boundary}))
+        with_grad, unchanged = self._lp_counts
+        if with_grad > 0:
+            out.append(Event(kind="lowp_updates_lost", step=0, data={
+                "sampled": int(with_grad), "unchanged": int(unchanged),
+                "frac": unchanged / with_grad,
+                "dtypes": sorted({d for m in (self._probes.layers.values() if self._probes
+                                              else []) for d in m.param_dtypes
+                                  if d in ("float16", "bfloat16")})}))
+        return out
 
     def _write_outputs(self, session: Session) -> None:
         from .sinks.jsonfile import write_json

@@ -40,22 +40,10 @@ def _pct(x: float | None) -> str:
 
 
 def risk_order(layers: list[LayerSummary]) -> list[LayerSummary]:
-    """Worst layers first: non-finite, then overflow, then least headroom, then underflow."""
+    """Worst layers first; the order lives in :func:`amp_doctor.analysis.risk_order`."""
+    from ..analysis import risk_order as order
 
-    def key(lay: LayerSummary) -> tuple[float, ...]:
-        nonfinite = lay.nonfinite_steps + lay.grad_nonfinite_steps + lay.param_grad_nonfinite_steps
-        head = lay.headroom if not math.isnan(lay.headroom) else math.inf
-        gu = max(v for v in (lay.grad_underflow_frac, lay.param_grad_underflow_frac, 0.0)
-                 if v is not None)
-        return (
-            -float(nonfinite > 0),
-            -float(lay.ran_low_precision and lay.overflow_frac > 0),
-            -max(lay.underflow_frac, gu) if head > 8 else 0.0,
-            head,
-            lay.order,
-        )
-
-    return sorted(layers, key=key)
+    return order(layers)
 
 
 def summary_line(s: Session) -> str:

@@ -1,0 +1,383 @@
+"""Issue 13 item 3, 5 and issue 14 item 6: findings that are true on real training code.
+
+Each test runs a real loop (no mocks) and asserts on the findings' real values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import amp_doctor
+from amp_doctor.analysis import risk_order
+from amp_doctor.records import Finding, Session
+from tests.fixtures.findings import tiny_gpt
+from tests.helpers import MLP
+
+C_FC = "transformer.h.1.mlp.c_fc"
+
+
+def errors(s: Session) -> list[Finding]:
+    return [f for f in s.findings if f.severity == "error"]
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_gpt_overflow_is_one_error_named_the_same_at_every_rate(every: int) -> None:
+    """nanoGPT-style run, h[1].mlp.c_fc weight x1e5, float16 + GradScaler."""
+    _, losses, doctor = tiny_gpt.train(steps=20, blowup=True,
+                                       watch={"every": every, "tensorboard": False})
+    assert all(math.isnan(v) or math.isinf(v) for v in losses)  # the pathology happened
+    s = doctor.session
+    assert s.steps == 20 and s.recorded_steps == 20 // every
+    errs = [f for f in s.findings if f.severity in ("error", "warning")]
+    # One root cause, one error; nothing else at error or warning level.
+    assert [(f.kind, f.module) for f in errs] == [("activation_overflow", C_FC)]
+    origin = errs[0]
+    # GELU only carried c_fc's inf on: listed in the origin, not an error of its own.
+    assert "transformer.h.1.mlp.gelu" in origin.data["also_affected"]
+    assert not [f for f in s.findings if f.module == "transformer.h.1.mlp.gelu"]
+    # The scaler's findings agree with it, and say what they cost it.
+    collapse = s.findings_of("scale_collapse")[0]
+    backoff = s.findings_of("scaler_backoff")[0]
+    assert collapse.module == backoff.module == C_FC
+    assert collapse.severity == backoff.severity == "info"
+    assert f"started at {C_FC} in 20 of 20 backoffs" in collapse.message
+    recorded = 20 // every
+    if every == 1:
+        assert "(20 seen in that step)" in collapse.message
+    else:
+        assert (f"({recorded} seen in that step, {20 - recorded} inferred for unrecorded "
+                "steps") in collapse.message
+    assert any("collapsed" in c for c in origin.data["consequences"])
+    loss = s.findings_of("nonfinite_loss")[0]
+    assert loss.module == C_FC and loss.data["steps_bad"] == 20
+    assert "ln_f" not in collapse.message
+
+
+def test_nan_in_the_batch_is_blamed_on_the_input_not_the_first_layer() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=2, tensorboard=False) as doctor:
+        for _ in range(4):
+            x = torch.randn(8, 16, generator=g)
+            x[3, 5] = math.nan
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(8).long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    errs = errors(s)
+    assert [(f.kind, f.module) for f in errs] == [("nonfinite_input", "MLP")]
+    assert "already held NaN" in errs[0].message
+    assert all(lay.overflow_origin_steps == 0 for lay in s.layers)
+    # No layer is blamed, and the NaN loss is the input's consequence.
+    assert not [f for f in s.findings if f.module == "fc1"]
+    assert s.findings_of("nonfinite_loss")[0].severity == "info"
+
+
+def test_worst_first_puts_the_layer_closest_to_the_max_first() -> None:
+    torch.manual_seed(0)
+    with amp_doctor.watch(MLP(), every=1, tensorboard=False) as doctor:
+        from tests.helpers import train
+        train(doctor.models[""], steps=1)
+    base = doctor.session.layers[0]
+    near = dataclasses.replace(base, name="near", headroom=4.9, underflow_frac=0.0, order=9)
+    under = [dataclasses.replace(base, name=f"u{i}", headroom=15.0, underflow_frac=0.01 * i,
+                                 order=i) for i in range(1, 30)]
+    nonfinite = dataclasses.replace(base, name="nf", nonfinite_steps=1, order=40)
+    ranked = [lay.name for lay in risk_order([*under, near, nonfinite])]
+    assert ranked[:3] == ["nf", "near", "u29"]
+    # The text report (and TensorBoard's top-k, which uses it) ranks the same way.
+    from amp_doctor.sinks.text import risk_order as text_order
+    assert [x.name for x in text_order([*under, near, nonfinite])] == ranked
+
+
+def test_scaled_gradients_stepped_without_unscaling_is_misuse() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            x = torch.randn(8, 16, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(8).long())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            opt.step()
+    s = doctor.session
+    f = s.findings_of("scaled_grads_stepped")[0]
+    assert f.severity == "error" and f.count == 3 and f.steps == [0, 1, 2]
+    assert "65536 times too large" in f.message
+    assert s.steps == 3
+    assert "looks healthy" not in doctor.report()
+
+
+def test_pure_float16_training_with_frozen_weights_is_a_finding() -> None:
+    torch.manual_seed(0)
+    model = MLP().half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp_doctor.watch(model, every=2, tensorboard=False) as doctor:
+        for _ in range(4):
+            x = torch.randn(8, 16, generator=g).half()
+            loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(8).long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    frozen = sum(int((a == b).sum()) for a, b in zip(before, model.parameters(), strict=True))
+    total = sum(p.numel() for p in model.parameters())
+    assert frozen / total > 0.5  # the pathology: most weights never changed
+    f = doctor.session.findings_of("lowp_updates_lost")[0]
+    assert f.severity == "error" and f.data["frac"] > 0.5
+    assert f.data["dtypes"] == ["float16"] and "did not change" in f.message
+
+
+def test_float32_weights_with_autocast_have_no_frozen_weight_finding() -> None:
+    torch.manual_seed(0)
+    with amp_doctor.watch(MLP(), every=1, tensorboard=False) as doctor:
+        from tests.helpers import train
+        train(doctor.models[""], steps=3)
+    assert not doctor.session.findings_of("lowp_updates_lost")
+
+
+class _WrappedForward(nn.Module):
+    """Accelerate-style: autocast is entered inside ``forward``, not around the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_autocast_entered_inside_forward_is_recognised() -> None:
+    torch.manual_seed(0)
+    model = _WrappedForward()
+    inner = model.forward
+
+    def forward(*a: object, **k: object) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return inner(*a, **k)
+
+    model.forward = forward  # type: ignore[method-assign]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            out = model(torch.randn(8, 16, generator=g))
+            loss = nn.functional.cross_entropy(out.float(), torch.zeros(8).long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    assert s.amp.autocast_seen and s.amp.dtype == "bfloat16"
+    assert not s.findings_of("autocast_inactive")
+    assert "bfloat16 autocast" in doctor.report()
+
+
+def test_nan_loss_from_a_fully_masked_row_is_always_a_finding() -> None:
+    """Masked mean over an all-padding batch row: 0/0 in the loss, outside the model."""
+    torch.manual_seed(0)
+    model = MLP(d_out=6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=2, tensorboard=False) as doctor:
+        for _ in range(4):
+            x = torch.randn(8, 16, generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x).float()
+            mask = torch.ones(8, 6)
+            mask[2] = 0  # a fully padded row
+            per_row = (out.pow(2) * mask).sum(1) / mask.sum(1)
+            loss = per_row.mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    f = s.findings_of("nonfinite_loss")[0]
+    assert f.severity == "error" and f.module is None
+    # Checked on the recorded steps (0 and 2), from their one host copy each.
+    assert (f.data["steps_bad"], f.data["checked"], f.step) == (2, 2, 0)
+    assert "outside the watched modules" in f.message
+    assert "looks healthy" not in doctor.report()
+
+
+class _LogSoftmaxHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # log(softmax) of very spread logits: probabilities of exactly 0, log gives -inf.
+        return torch.log(torch.softmax(self.fc(x) * 1e4, dim=-1))
+
+
+@pytest.mark.parametrize("anomaly", [False, True])
+def test_bf16_run_is_never_told_to_use_bf16_and_log0_is_not_an_overflow(anomaly: bool) -> None:
+    torch.manual_seed(0)
+    model = _LogSoftmaxHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False, anomaly=anomaly) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logp = model(torch.randn(8, 16, generator=g))
+            loss = nn.functional.nll_loss(logp.float(), torch.zeros(8).long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    assert s.amp.dtype == "bfloat16"
+    assert any(math.isinf(lay.min) for lay in s.layers)  # the -inf happened
+    for f in s.findings:
+        assert "dtype=torch.bfloat16" not in f.advice, f
+        assert "beyond the format's max" not in f.message, f
+    if anomaly:
+        f = s.findings_of("nonfinite_forward")[0]
+        assert f.op == "aten.log" and "log_softmax" in f.advice
+
+
+def _resume_loop(every: int) -> tuple[list[float], amp_doctor.Watch]:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+    g = torch.Generator().manual_seed(0)
+    real: list[float] = []
+    with amp_doctor.watch(model, every=every, tensorboard=False) as doctor:
+        for i in range(8):
+            if i == 4:  # resume from a checkpoint with another scale
+                scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+                scaler.load_state_dict({"scale": 8.0, "growth_factor": 2.0,
+                                        "backoff_factor": 0.5, "growth_interval": 2,
+                                        "_growth_tracker": 1})
+            x = torch.randn(8, 16, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(8).long())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            real.append(scaler.get_scale())
+    return real, doctor
+
+
+def test_scale_timeline_follows_a_resumed_scaler_on_unrecorded_steps() -> None:
+    real, doctor = _resume_loop(every=1000)
+    sc = doctor.session.scaler
+    assert sc is not None
+    by_step = dict(sc.scale)
+    got = []
+    last = None
+    for i in range(8):
+        last = by_step.get(i, last)
+        got.append(last)
+    assert got == real
+    assert real[4] == 16.0  # tracker 1 + 1 = 2: the loaded scale grew at once
+
+
+def test_forward_overflow_during_accumulation_is_not_calibration() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=10, tensorboard=False) as doctor:
+        for i in range(12):
+            opt.zero_grad()
+            for micro in range(2):
+                x = torch.randn(8, 16, generator=g)
+                if i == 1 and micro == 1:
+                    x = x * 1e6  # fc1's float16 output overflows to inf
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(x).float(),
+                                                       torch.zeros(8).long()) / 2
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.backoff_steps == [1]
+    ev = [e for e in s.scaler.events if e.kind == "backoff"][0]
+    assert ev.loss_nonfinite is True
+    f = s.findings_of("scaler_backoff")[0]
+    assert f.severity == "warning" and "calibrating" not in f.message
+
+
+class _TwoBranch(nn.Module):
+    """``big``'s weight gradient overflows float16 at every scale, so the scale collapses;
+    ``small``'s gradients then underflow at that tiny scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(16, 4)
+        self.small = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.big.weight.mul_(1e-4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(x * 3e4) + self.small(x * 1e-5)
+
+
+def test_underflow_at_a_collapsed_scale_is_the_collapse_not_advice_to_raise_init_scale() -> None:
+    torch.manual_seed(0)
+    model = _TwoBranch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(30):
+            x = torch.randn(64, 16, generator=g).clamp(-2, 2)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(64).long(),
+                                                   reduction="sum")
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.layer("small").param_grad_underflow_frac is not None
+    assert s.layer("small").param_grad_underflow_frac > 0.1  # it did underflow
+    assert not s.findings_of("gradient_underflow")
+    collapse = s.findings_of("scale_collapse")[0]
+    assert collapse.severity == "error" and collapse.module == "big"
+    assert collapse.data["underflow_follow_ons"] == ["small"]
+    assert "not a reason to raise `init_scale`" in collapse.message
+    # The backoffs name the same layer as the collapse.
+    assert [f.module for f in s.findings_of("scaler_backoff")] == ["big"]
+    assert [f.severity for f in s.findings if f.severity == "error"] == ["error"]
+
+
+def test_clip_before_unscale_gives_no_false_underflow_warning() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            x = torch.randn(16, 64, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(16).long())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # still scaled
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert not s.findings_of("gradient_underflow")
+    clip = s.findings_of("clip_before_unscale")[0]
+    assert clip.severity == "error" and clip.data["underflow_follow_ons"] == ["0"]
+    assert [f.kind for f in s.findings if f.severity in ("error", "warning")] == [
+        "clip_before_unscale"]

@@ -1,0 +1,221 @@
+"""Issue 13 item 4: step boundaries come from what the loop does, and a run in which
+nothing was judged is never called healthy."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import amp_doctor
+from tests.helpers import MLP
+
+HEALTHY = "looks healthy"
+
+
+def _batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _scaled_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                 g: torch.Generator) -> None:
+    x, y = _batch(g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_hand_written_update_without_optimizer_counts_every_step() -> None:
+    """pytorch/examples word_language_model style: zero_grad, backward, p.data.add_."""
+    torch.manual_seed(0)
+    model = MLP()
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=5, tensorboard=False) as doctor:
+        for _ in range(12):
+            model.zero_grad()
+            x, y = _batch(g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.01)
+    s = doctor.session
+    assert (s.steps, s.recorded_steps) == (12, 3)
+    f = s.findings_of("steps_from_backward")[0]
+    assert f.severity == "info" and "12 step(s)" in f.message
+    assert [r.step for r in s.history] == [0, 5, 10]
+    assert "12 steps (3 recorded, every 5)" in doctor.report()
+
+
+def test_hand_written_update_in_no_grad_with_accumulation() -> None:
+    """``p.add_`` under no_grad after two backward passes: one step per update."""
+    torch.manual_seed(0)
+    model = MLP()
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(5):
+            for _ in range(2):
+                x, y = _batch(g)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.cross_entropy(model(x).float(), y) / 2
+                loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-0.01)
+                    p.grad = None
+    s = doctor.session
+    assert (s.steps, s.recorded_steps) == (5, 5)
+    # Both micro-steps of a step are in its record: fc1 was called twice per step.
+    assert s.layer("fc1").calls == 10
+
+
+def test_forward_only_loop_says_no_step_ended_and_is_not_healthy() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        x, y = _batch(g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        # backward, then nothing that ends a step, and the run ends
+        for p in model.parameters():
+            p.requires_grad_(True)
+        loss.backward()
+    s = doctor.session
+    assert s.steps == 1  # the backward reached the weights: one (final) step
+    assert HEALTHY not in doctor.report()
+
+
+def test_run_that_died_in_its_first_forward_is_not_healthy() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    doctor = amp_doctor.watch(model, every=1, tensorboard=False)
+    try:
+        with doctor:
+            with torch.autocast("cpu", dtype=torch.float16):
+                model(torch.randn(8, 15))  # wrong width: fc1 raises
+    except RuntimeError:
+        pass
+    s = doctor.session
+    assert s.steps == 0 and s.run.outcome == "exception"
+    f = s.findings_of("run_ended_early")[0]
+    assert f.severity == "error" and "before its first training step finished" in f.message
+    assert HEALTHY not in doctor.report()
+
+
+def test_eval_pass_after_the_last_step_is_not_a_step() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            _scaled_step(model, opt, scaler, g)
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            model(_batch(g)[0])
+    s = doctor.session
+    assert (s.steps, s.recorded_steps) == (4, 4)
+    assert [r.step for r in s.history] == [0, 1, 2, 3]
+
+
+def test_doctor_step_with_a_scaler_counts_each_step_once() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(6):
+            _scaled_step(model, opt, scaler, g)
+            doctor.step()
+    s = doctor.session
+    assert (s.steps, s.recorded_steps) == (6, 6)
+    assert [r.step for r in s.history] == list(range(6))
+
+
+def test_two_models_with_two_gradscalers() -> None:
+    torch.manual_seed(0)
+    a, b = MLP(), MLP()
+    oa, ob = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (a, b))
+    sa, sb = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch([a, b], every=1, tensorboard=False) as doctor:
+        for _ in range(5):
+            _scaled_step(a, oa, sa, g)
+            _scaled_step(b, ob, sb, g)
+    s = doctor.session
+    assert (s.steps, s.recorded_steps) == (5, 5)
+
+
+def test_a_new_gradscaler_for_the_same_optimizer_takes_over() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    first, second = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu", init_scale=256.0)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1000, tensorboard=False) as doctor:
+        for i in range(6):
+            _scaled_step(model, opt, first if i < 3 else second, g)
+    s = doctor.session
+    assert s.steps == 6
+    # The timeline holds the changes: the second scaler's scale from step 3 on.
+    assert s.scaler is not None and s.scaler.scale == [(0, 65536.0), (3, 256.0)]
+
+
+def test_assign_true_load_and_a_new_optimizer() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        model.load_state_dict(state, assign=True)  # new Parameter objects
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")
+        for _ in range(4):
+            _scaled_step(model, opt, scaler, g)
+    s = doctor.session
+    assert (s.steps, s.recorded_steps) == (4, 4)
+    assert s.amp.scaler
+    assert s.layer("fc1").param_grad_absmax is not None
+
+
+def test_non_reentrant_checkpointing_counts_steps_once() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=2, tensorboard=False) as doctor:
+        for _ in range(6):
+            x, y = _batch(g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = checkpoint(model, x, use_reentrant=False)
+                loss = nn.functional.cross_entropy(out.float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert (s.steps, s.recorded_steps) == (6, 3)
+    assert s.scaler is not None and s.scaler.backoff_steps == []
+
+
+def test_no_visible_step_boundary_is_said_with_the_fix() -> None:
+    """Training forwards but no backward, optimizer, scaler or doctor.step()."""
+    torch.manual_seed(0)
+    model = MLP()
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                model(_batch(g)[0])
+    s = doctor.session
+    assert (s.steps, s.recorded_steps) == (0, 1)
+    f = s.findings_of("no_step_boundary")[0]
+    assert f.severity == "warning" and "doctor.step()" in f.advice
+    assert HEALTHY not in doctor.report()
