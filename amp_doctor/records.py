@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
+from ._version import __version__
+from .errors import ReportFormatError
+
 __all__ = [
     "TensorStats",
     "LayerStep",
@@ -34,6 +37,7 @@ __all__ = [
     "Severity",
     "to_jsonable",
     "from_jsonable",
+    "check_report_version",
 ]
 
 Severity = Literal["error", "warning", "info"]
@@ -242,11 +246,22 @@ class Session:
 
     @classmethod
     def from_json(cls, text: str) -> Session:
-        return from_jsonable(cls, json.loads(text))
+        """Parse and check a JSON report; :class:`ReportFormatError` names any problem."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:  # JSONDecodeError, or a number too large to parse
+            raise ReportFormatError(f"not valid JSON ({e})") from None
+        check_report_version(data)
+        session: Session = from_jsonable(cls, data)
+        return session
 
     @classmethod
     def load(cls, path: str | Path) -> Session:
-        return cls.from_json(Path(path).read_text())
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ReportFormatError(f"not a UTF-8 text file ({e.reason})") from None
+        return cls.from_json(text)
 
     def layer(self, name: str) -> LayerSummary:
         for lay in self.layers:
@@ -292,37 +307,188 @@ def _any_in(data: Any) -> Any:
     return data
 
 
+def check_report_version(data: Any) -> None:
+    """Refuse a report that is not a JSON object or has another major version than ours.
+
+    Minor versions only add fields with defaults, which older readers ignore and newer
+    readers fill in, so they load both ways; a major version may change meanings.
+    """
+    if not isinstance(data, dict):
+        raise ReportFormatError(f"the top level is {_json_kind(data)}, expected an object "
+                                "with 'version', 'amp', 'layers', ...")
+    version = data.get("version")
+    if not isinstance(version, str) or not version.split(".")[0].isdigit():
+        raise ReportFormatError(f"'version' is {_shown(version)}, expected a version string "
+                                f"like {__version__!r}; this is not an amp-doctor report")
+    theirs, ours = version.split(".")[0], __version__.split(".")[0]
+    if theirs != ours:
+        raise ReportFormatError(
+            f"written by amp-doctor {version}, another major version than this amp-doctor "
+            f"({__version__}); read it with amp-doctor {theirs}.x")
+
+
+class _Bad(Exception):
+    """A problem found deep in the data; each level on the way up adds its name."""
+
+    def __init__(self, problem: str, where: str = "") -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.where = where
+
+    def under(self, part: str) -> _Bad:
+        sep = "" if not self.where or self.where.startswith("[") else "."
+        self.where = f"{part}{sep}{self.where}"
+        return self
+
+
+def _json_kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    return "a list" if isinstance(v, list) else "an object" if isinstance(v, dict) else "?"
+
+
+def _shown(v: Any) -> str:
+    if v is None or isinstance(v, (dict, list)):
+        return _json_kind(v)
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# Per dataclass: (field name, type hint, required). get_type_hints is slow and a report
+# holds many thousands of records of a handful of types.
+_FIELDS: dict[type, list[tuple[str, Any, bool]]] = {}
+
+
+def _fields_of(tp: type) -> list[tuple[str, Any, bool]]:
+    got = _FIELDS.get(tp)
+    if got is None:
+        hints = typing.get_type_hints(tp)
+        got = [(f.name, hints[f.name],
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+               for f in dataclasses.fields(tp)]
+        _FIELDS[tp] = got
+    return got
+
+
 def from_jsonable(tp: Any, data: Any) -> Any:
-    """Rebuild a value of type ``tp`` (a dataclass or typing form) from JSON data."""
-    if data is None:
-        return None
+    """Rebuild a value of type ``tp`` (a dataclass or typing form) from JSON data.
+
+    The data is checked against the types as it is rebuilt: a damaged or foreign file
+    raises :class:`ReportFormatError` naming the field (``findings[2].severity``) and
+    the problem, instead of an ``AttributeError`` somewhere in a renderer later.
+    """
+    try:
+        return _build(tp, data)
+    except _Bad as e:
+        raise ReportFormatError(f"{e.where or 'the report'} {e.problem}") from None
+
+
+def _build(tp: Any, data: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         members = [a for a in typing.get_args(tp) if a is not type(None)]
-        return from_jsonable(members[0], data) if len(members) == 1 else data
-    if origin is Literal:
-        return data
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        return [from_jsonable(item_tp, v) for v in data]
+        if data is None:
+            if len(members) < len(typing.get_args(tp)):
+                return None
+            raise _Bad("is null, expected " + _expected(tp))
+        if len(members) == 1:
+            return _build(members[0], data)
+        for m in members:
+            try:
+                return _build(m, data)
+            except _Bad:
+                continue
+        raise _Bad(f"is {_shown(data)}, expected {_expected(tp)}")
     if tp is Any or tp == "Any":
         return _any_in(data)
+    if data is None:
+        raise _Bad("is null, expected " + _expected(tp))
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if data not in allowed:
+            raise _Bad(f"is {_shown(data)}, expected one of "
+                       + ", ".join(repr(a) for a in allowed))
+        return data
+    if origin is list:
+        if not isinstance(data, list):
+            raise _Bad(f"is {_json_kind(data)}, expected a list")
+        (item_tp,) = typing.get_args(tp)
+        out = []
+        for i, v in enumerate(data):
+            try:
+                out.append(_build(item_tp, v))
+            except _Bad as e:
+                raise e.under(f"[{i}]") from None
+        return out
     if origin is tuple:
         args = typing.get_args(tp)
-        return tuple(from_jsonable(a, v) for a, v in zip(args, data, strict=True))
+        if not isinstance(data, list) or len(data) != len(args):
+            raise _Bad(f"is {_shown(data)}, expected a list of {len(args)} values")
+        items = []
+        for i, (a, v) in enumerate(zip(args, data, strict=True)):
+            try:
+                items.append(_build(a, v))
+            except _Bad as e:
+                raise e.under(f"[{i}]") from None
+        return tuple(items)
     if origin is dict:
+        if not isinstance(data, dict):
+            raise _Bad(f"is {_json_kind(data)}, expected an object")
         _, varg = typing.get_args(tp)
-        return {k: from_jsonable(varg, v) for k, v in data.items()}
+        res = {}
+        for k, v in data.items():
+            try:
+                res[k] = _build(varg, v)
+            except _Bad as e:
+                raise e.under(f"[{k!r}]") from None
+        return res
     if tp is float:
-        return float(data)  # float("inf") parses the strings written above
-    if tp is Any:
-        return _any_in(data)
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            return float(data)
+        if isinstance(data, str) and data in _NONFINITE:
+            return _NONFINITE[data]  # the strings to_jsonable writes for inf/nan
+        raise _Bad(f"is {_shown(data)}, expected a number")
+    if tp is int:
+        if isinstance(data, int) and not isinstance(data, bool):
+            return data
+        raise _Bad(f"is {_shown(data)}, expected an integer")
+    if tp is bool or tp is str:
+        if isinstance(data, tp):
+            return data
+        raise _Bad(f"is {_shown(data)}, expected {_expected(tp)}")
     if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        kwargs = {
-            f.name: from_jsonable(hints[f.name], data[f.name])
-            for f in dataclasses.fields(tp)
-            if f.name in data
-        }
+        if not isinstance(data, dict):
+            raise _Bad(f"is {_shown(data)}, expected an object")
+        kwargs = {}
+        for name, hint, required in _fields_of(tp):  # type: ignore[arg-type]
+            if name not in data:
+                if required:
+                    raise _Bad("is missing").under(name)
+                continue  # a field a newer minor version added: its default applies
+            try:
+                kwargs[name] = _build(hint, data[name])
+            except _Bad as e:
+                raise e.under(name) from None
         return tp(**kwargs)  # type: ignore[operator]
     return data
+
+
+def _expected(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_expected(m) for m in members)
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict or dataclasses.is_dataclass(tp):
+        return "an object"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    names = {float: "a number", int: "an integer", str: "a string", bool: "true or false"}
+    return names.get(tp, str(tp))
