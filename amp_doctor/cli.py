@@ -406,6 +406,8 @@ def diagnose(
     else:
         _fail("no script given; usage: amp-doctor diagnose [OPTIONS] SCRIPT [ARGS]... "
               "or -m MODULE [ARGS]...")
+    if target.kind == "path" and target.name.startswith("-") and not Path(target.name).exists():
+        _fail_unknown_option(target.name)
     try:
         resolved = runner.resolve(target)
     except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
@@ -443,13 +445,25 @@ def diagnose(
     sys.exit(code)
 
 
+def _fail_unknown_option(given: str) -> NoReturn:
+    # diagnose passes unknown options through to the script, so a misspelt option of
+    # ours arrives here as the "script" name: say so, instead of "No script at '--evry'".
+    import difflib
+
+    known = [opt for param in click.get_current_context().command.params
+             for opt in getattr(param, "opts", []) if opt.startswith("-")]
+    close = difflib.get_close_matches(given.split("=")[0], known, n=1)
+    hint = f" Did you mean {close[0]}?" if close else ""
+    _fail(f"no such option: {given}.{hint} amp-doctor's options go before the script: "
+          "amp-doctor diagnose [OPTIONS] SCRIPT [ARGS]... (see amp-doctor diagnose --help).")
+
+
 def _diagnose(
     resolved: Any, target: runner.Target, logdir: Path, every: int | None, anomaly: bool,
     json_out: Path | None, report_out: Path | None, fail_on: str, max_steps: int | None,
     quiet: bool, tensorboard: bool, console: _Console,
 ) -> int:
-    from .merge import merge_run_dir, rank_dir, rank_env
-    from .sinks.jsonfile import write_text_atomic
+    from .merge import rank_dir, rank_env
     from .watch import DEFAULT_EVERY, Watch
 
     ranks = rank_env()
@@ -461,50 +475,106 @@ def _diagnose(
     progress = _Progress(enabled=speaks and not quiet and console.isatty(), console=console)
     command = ["python", *(["-m", target.name] if target.kind == "module" else [target.name]),
                *target.args]
-    exc: BaseException | None = None
     doctor.start()
     doctor.add_listener(progress)
     progress.wrap_std_streams()
     try:
+        exc = _run_script(resolved)
+    except KeyboardInterrupt as late:  # a second Ctrl-C as the script's own exit unwound
+        exc = late
+    # A Ctrl-C in the instant before the shield is up only means "interrupted": nothing is
+    # written yet, so take it as the outcome and finish again, shielded.
+    while True:
+        try:
+            with _sigint_shield(console):
+                progress.unwrap_std_streams()
+                progress.clear()
+                return _finish(doctor, exc, command, ranks, speaks, run_dir, logdir, json_out,
+                               report_out, fail_on, tensorboard, console)
+        except KeyboardInterrupt as late:
+            exc = exc if exc is not None else late
+
+
+def _run_script(resolved: Any) -> BaseException | None:
+    """Run the user's script; how it ended (None for falling off the end)."""
+    try:
         runner.run(resolved)
     except BaseException as e:  # the user's exit path, whatever it is, is ours to report
-        exc = e
-    finally:
-        progress.unwrap_std_streams()
-        progress.clear()
-    with _sigint_shield(console):
-        _restore_std_streams(console)
-        code = runner.exit_code(exc)
-        outcome = "completed"
-        error = None
-        if isinstance(exc, KeyboardInterrupt):
-            outcome = "interrupted"
-        elif isinstance(exc, SystemExit):
-            # sys.exit(0) / sys.exit(None), as in `sys.exit(main())`, is a normal end.
-            outcome = "exit" if code != 0 else "completed"
-        elif exc is not None:
-            outcome = "exception"
-            error = f"{type(exc).__name__}: {exc}"
-        doctor.set_run_meta(command=command, exit_code=code, outcome=outcome, error=error,
-                            rank=ranks[0] if ranks else None,
-                            world_size=ranks[1] if ranks else None)
-        try:
-            session = doctor.close()
-        except OSError as e:
-            console.echo(f"amp-doctor: error: could not write the logs in {run_dir} ({e}); "
-                         "check free space and permissions.")
-            session = doctor.session
-        if ranks is not None:
-            _write_or_warn(lambda: write_text_atomic(run_dir / TEXT_NAME, _render(session)),
-                           run_dir / TEXT_NAME, console)
-            if not speaks:
-                _print_user_exit(exc, console)
-                return code
-            # Direct `torchrun -m amp_doctor diagnose`: rank 0 merges what the others wrote.
-            merged = merge_run_dir(logdir, ranks[1])
-            session = merged or session
-        return _publish(session, logdir, json_out, report_out, fail_on, tensorboard, code,
-                        console, exc=exc)
+        return e
+    return None
+
+
+def _finish(doctor: Any, exc: BaseException | None, command: list[str],
+            ranks: tuple[int, int] | None, speaks: bool, run_dir: Path, logdir: Path,
+            json_out: Path | None, report_out: Path | None, fail_on: str, tensorboard: bool,
+            console: _Console) -> int:
+    """Close the watch, write every file, then print; the exit code."""
+    from .merge import merge_run_dir
+    from .sinks.jsonfile import write_text_atomic
+
+    _restore_std_streams(console)
+    code = runner.exit_code(exc)
+    outcome = "completed"
+    error = None
+    if isinstance(exc, KeyboardInterrupt):
+        outcome = "interrupted"
+    elif isinstance(exc, SystemExit):
+        # sys.exit(0) / sys.exit(None), as in `sys.exit(main())`, is a normal end.
+        outcome = "exit" if code != 0 else "completed"
+    elif exc is not None:
+        outcome = "exception"
+        error = f"{type(exc).__name__}: {exc}"
+    meta: dict[str, Any] = dict(command=command, exit_code=code, outcome=outcome, error=error,
+                                rank=ranks[0] if ranks else None,
+                                world_size=ranks[1] if ranks else None)
+    doctor.set_run_meta(**meta)
+    try:
+        session = doctor.close()
+    except OSError as e:
+        console.echo(f"amp-doctor: error: could not write the logs in {run_dir} ({e}); "
+                     "check free space and permissions.")
+        session = doctor.session
+    except Exception as e:  # amp-doctor's own bug: still write what was gathered
+        console.echo(f"amp-doctor: internal error while finishing the run "
+                     f"({type(e).__name__}: {e}); the report holds what was recorded before "
+                     "it. Please report this bug.")
+        session = _salvage(doctor, run_dir, console, meta)
+    if ranks is not None:
+        _write_or_warn(lambda: write_text_atomic(run_dir / TEXT_NAME, _render(session)),
+                       run_dir / TEXT_NAME, console)
+        if not speaks:
+            _print_user_exit(exc, console)
+            return code
+        # Direct `torchrun -m amp_doctor diagnose`: rank 0 merges what the others wrote.
+        merged = merge_run_dir(logdir, ranks[1])
+        session = merged or session
+    return _publish(session, logdir, json_out, report_out, fail_on, tensorboard, code,
+                    console, exc=exc)
+
+
+def _salvage(doctor: Any, run_dir: Path, console: _Console, meta: dict[str, Any]) -> Session:
+    """The session as far as it can be built after ``close()`` failed, written to disk."""
+    from .records import AmpConfig, RunInfo
+    from .sinks.jsonfile import write_json
+
+    try:
+        session: Session = doctor.session
+    except Exception:
+        # Not even a snapshot: an empty report that still says how the run ended.
+        torch_version = str(getattr(sys.modules.get("torch"), "__version__", "?"))
+        session = Session(
+            version=__version__, amp=AmpConfig(device_type=None, dtype=None, scaler=False),
+            steps=int(getattr(doctor, "step_index", 0)),
+            recorded_steps=int(getattr(doctor, "recorded", 0)), layers=[], scaler=None,
+            history=[], events=[], findings=[],
+            run=RunInfo(torch_version=torch_version, started="", duration_s=0.0,
+                        every=int(getattr(doctor, "every", 0)), models=[],
+                        command=meta.get("command"), exit_code=meta.get("exit_code"),
+                        outcome=meta["outcome"], error=meta["error"], rank=meta["rank"],
+                        world_size=meta["world_size"]))
+    _write_or_warn(lambda: write_json(session, run_dir / JSON_NAME), run_dir / JSON_NAME,
+                   console)
+    return session
 
 
 def _print_user_exit(exc: BaseException | None, console: _Console) -> None:
