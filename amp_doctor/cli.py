@@ -611,9 +611,15 @@ def _publish(session: Session, logdir: Path, json_out: Path | None, report_out: 
     Files first: whatever happens to the terminal or the process while printing, the
     report is on disk. Each file is written atomically.
     """
+    if console is None:
+        console = _Console()
+        try:
+            return _publish(session, logdir, json_out, report_out, fail_on, tensorboard, code,
+                            console, exc)
+        finally:
+            console.close()
     from .sinks.jsonfile import write_json, write_text_atomic
 
-    console = console or _Console()
     text = _render(session)
     text_file = logdir / TEXT_NAME
     _write_or_warn(lambda: write_text_atomic(text_file, text), text_file, console)

@@ -14,6 +14,7 @@ import json
 import math
 import types
 import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
@@ -360,22 +361,6 @@ def _shown(v: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-# Per dataclass: (field name, type hint, required). get_type_hints is slow and a report
-# holds many thousands of records of a handful of types.
-_FIELDS: dict[type, list[tuple[str, Any, bool]]] = {}
-
-
-def _fields_of(tp: type) -> list[tuple[str, Any, bool]]:
-    got = _FIELDS.get(tp)
-    if got is None:
-        hints = typing.get_type_hints(tp)
-        got = [(f.name, hints[f.name],
-                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-               for f in dataclasses.fields(tp)]
-        _FIELDS[tp] = got
-    return got
-
-
 def from_jsonable(tp: Any, data: Any) -> Any:
     """Rebuild a value of type ``tp`` (a dataclass or typing form) from JSON data.
 
@@ -384,99 +369,157 @@ def from_jsonable(tp: Any, data: Any) -> Any:
     the problem, instead of an ``AttributeError`` somewhere in a renderer later.
     """
     try:
-        return _build(tp, data)
+        return _converter(tp)(data)
     except _Bad as e:
         raise ReportFormatError(f"{e.where or 'the report'} {e.problem}") from None
 
 
-def _build(tp: Any, data: Any) -> Any:
+# One converter per type, built once from its hints: a report holds many thousands of
+# records of a handful of types, and inspecting the types per value was most of the
+# load time.
+_CONVERTERS: dict[Any, Callable[[Any], Any]] = {}
+
+
+def _converter(tp: Any) -> Callable[[Any], Any]:
+    conv = _CONVERTERS.get(tp)
+    if conv is None:
+        conv = _make_converter(tp)
+        _CONVERTERS[tp] = conv
+    return conv
+
+
+def _bad_value(data: Any, tp: Any) -> _Bad:
+    return _Bad(f"is {_shown(data)}, expected {_expected(tp)}")
+
+
+def _find_bad(items: Iterable[tuple[str, Any]], conv: Callable[[Any], Any]) -> _Bad:
+    # The slow path, taken only once a container held a bad value: which one.
+    for part, v in items:
+        try:
+            conv(v)
+        except _Bad as e:
+            return e.under(part)
+    return _Bad("is damaged")  # pragma: no cover - conv failed on the fast path only
+
+
+def _make_converter(tp: Any) -> Callable[[Any], Any]:
     origin = typing.get_origin(tp)
+    if tp is Any or tp == "Any":
+        return _any_in
     if origin in (Union, types.UnionType):
         members = [a for a in typing.get_args(tp) if a is not type(None)]
-        if data is None:
-            if len(members) < len(typing.get_args(tp)):
-                return None
-            raise _Bad("is null, expected " + _expected(tp))
-        if len(members) == 1:
-            return _build(members[0], data)
-        for m in members:
-            try:
-                return _build(m, data)
-            except _Bad:
-                continue
-        raise _Bad(f"is {_shown(data)}, expected {_expected(tp)}")
-    if tp is Any or tp == "Any":
-        return _any_in(data)
-    if data is None:
-        raise _Bad("is null, expected " + _expected(tp))
+        optional = len(members) < len(typing.get_args(tp))
+        convs = [_converter(m) for m in members]
+
+        def union(data: Any) -> Any:
+            if data is None:
+                if optional:
+                    return None
+                raise _bad_value(data, tp)
+            for conv in convs:
+                try:
+                    return conv(data)
+                except _Bad as e:
+                    if len(convs) == 1:
+                        raise e
+            raise _bad_value(data, tp)
+
+        return union
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if data not in allowed:
-            raise _Bad(f"is {_shown(data)}, expected one of "
-                       + ", ".join(repr(a) for a in allowed))
-        return data
+
+        def literal(data: Any) -> Any:
+            if data not in allowed or isinstance(data, bool) != any(
+                    isinstance(a, bool) for a in allowed):
+                raise _Bad(f"is {_shown(data)}, expected one of "
+                           + ", ".join(repr(a) for a in allowed))
+            return data
+
+        return literal
     if origin is list:
-        if not isinstance(data, list):
-            raise _Bad(f"is {_json_kind(data)}, expected a list")
         (item_tp,) = typing.get_args(tp)
-        out = []
-        for i, v in enumerate(data):
+        item = _converter(item_tp)
+
+        def list_(data: Any) -> Any:
+            if type(data) is not list:
+                raise _Bad(f"is {_json_kind(data)}, expected a list")
             try:
-                out.append(_build(item_tp, v))
-            except _Bad as e:
-                raise e.under(f"[{i}]") from None
-        return out
+                return [item(v) for v in data]
+            except _Bad:
+                raise _find_bad(((f"[{i}]", v) for i, v in enumerate(data)), item) from None
+
+        return list_
     if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(data, list) or len(data) != len(args):
-            raise _Bad(f"is {_shown(data)}, expected a list of {len(args)} values")
-        items = []
-        for i, (a, v) in enumerate(zip(args, data, strict=True)):
-            try:
-                items.append(_build(a, v))
-            except _Bad as e:
-                raise e.under(f"[{i}]") from None
-        return tuple(items)
+        convs = [_converter(a) for a in typing.get_args(tp)]
+
+        def tuple_(data: Any) -> Any:
+            if type(data) is not list or len(data) != len(convs):
+                raise _Bad(f"is {_shown(data)}, expected a list of {len(convs)} values")
+            out = []
+            for i, (conv, v) in enumerate(zip(convs, data, strict=True)):
+                try:
+                    out.append(conv(v))
+                except _Bad as e:
+                    raise e.under(f"[{i}]") from None
+            return tuple(out)
+
+        return tuple_
     if origin is dict:
-        if not isinstance(data, dict):
-            raise _Bad(f"is {_json_kind(data)}, expected an object")
-        _, varg = typing.get_args(tp)
-        res = {}
-        for k, v in data.items():
+        _, value_tp = typing.get_args(tp)
+        value = _converter(value_tp)
+
+        def dict_(data: Any) -> Any:
+            if type(data) is not dict:
+                raise _Bad(f"is {_json_kind(data)}, expected an object")
             try:
-                res[k] = _build(varg, v)
-            except _Bad as e:
-                raise e.under(f"[{k!r}]") from None
-        return res
+                return {k: value(v) for k, v in data.items()}
+            except _Bad:
+                raise _find_bad(((f"[{k!r}]", v) for k, v in data.items()), value) from None
+
+        return dict_
     if tp is float:
-        if isinstance(data, (int, float)) and not isinstance(data, bool):
-            return float(data)
-        if isinstance(data, str) and data in _NONFINITE:
-            return _NONFINITE[data]  # the strings to_jsonable writes for inf/nan
-        raise _Bad(f"is {_shown(data)}, expected a number")
-    if tp is int:
-        if isinstance(data, int) and not isinstance(data, bool):
+        def float_(data: Any) -> float:
+            t = type(data)
+            if t is float:
+                return data  # type: ignore[no-any-return]
+            if t is int:
+                return float(data)
+            if t is str and data in _NONFINITE:
+                return _NONFINITE[data]  # the strings to_jsonable writes for inf/nan
+            raise _Bad(f"is {_shown(data)}, expected a number")
+
+        return float_
+    if tp in (int, str, bool):
+        def exact(data: Any) -> Any:
+            if type(data) is not tp:  # bool is not an int here: JSON tells them apart
+                raise _bad_value(data, tp)
             return data
-        raise _Bad(f"is {_shown(data)}, expected an integer")
-    if tp is bool or tp is str:
-        if isinstance(data, tp):
-            return data
-        raise _Bad(f"is {_shown(data)}, expected {_expected(tp)}")
+
+        return exact
     if dataclasses.is_dataclass(tp):
-        if not isinstance(data, dict):
-            raise _Bad(f"is {_shown(data)}, expected an object")
-        kwargs = {}
-        for name, hint, required in _fields_of(tp):  # type: ignore[arg-type]
-            if name not in data:
-                if required:
+        hints = typing.get_type_hints(tp)
+        fields = [(f.name, _converter(hints[f.name]),
+                   f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                  for f in dataclasses.fields(tp)]
+        cls: Any = tp
+
+        def record(data: Any) -> Any:
+            if type(data) is not dict:
+                raise _Bad(f"is {_shown(data)}, expected an object")
+            kwargs = {}
+            for name, conv, required in fields:
+                if name in data:
+                    try:
+                        kwargs[name] = conv(data[name])
+                    except _Bad as e:
+                        raise e.under(name) from None
+                elif required:
                     raise _Bad("is missing").under(name)
-                continue  # a field a newer minor version added: its default applies
-            try:
-                kwargs[name] = _build(hint, data[name])
-            except _Bad as e:
-                raise e.under(name) from None
-        return tp(**kwargs)  # type: ignore[operator]
-    return data
+                # else: a field a newer minor version added; its default applies
+            return cls(**kwargs)
+
+        return record
+    return lambda data: data
 
 
 def _expected(tp: Any) -> str:
