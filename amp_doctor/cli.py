@@ -701,8 +701,9 @@ def _load_session(path: Path) -> Session:
     try:
         return Session.load(p)
     except ReportFormatError as e:
-        _fail(f"cannot read {str(p)!r}: {e}. Pass a JSON report written by "
-              f"`amp-doctor diagnose` (amp-doctor {__version__}).")
+        fix = "" if "amp-doctor" in str(e) else (
+            " Pass a JSON report written by `amp-doctor diagnose` or watch(logdir=...).")
+        _fail(f"cannot read {str(p)!r}: {e}.{fix}")
     except OSError as e:
         _fail(f"cannot read {str(p)!r} ({e.strerror or e}); check the path and permissions.")
 
