@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AmpDoctorError", "NonFiniteError", "UsageError"]
+__all__ = ["AmpDoctorError", "NonFiniteError", "ReportFormatError", "UsageError"]
 
 
 class AmpDoctorError(Exception):
@@ -15,3 +15,12 @@ class UsageError(AmpDoctorError):
 
 class NonFiniteError(AmpDoctorError):
     """Raised in anomaly mode with ``on_nonfinite="raise"`` at the first NaN/Inf origin."""
+
+
+class ReportFormatError(AmpDoctorError, ValueError):
+    """A JSON report that is damaged, foreign, or from another major version.
+
+    The message names the problem and where it is (``findings[2].severity``); the
+    caller adds the file name. A ``ValueError`` too, so code that skips unreadable
+    files (the rank merge) keeps working.
+    """

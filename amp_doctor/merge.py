@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .records import Event, Finding, LayerSummary, RunInfo, Session
+from .sinks.jsonfile import write_json
 
 __all__ = ["rank_env", "rank_dir", "merge_sessions", "merge_run_dir", "wait_for_ranks",
            "RANK_WAIT_S"]
@@ -146,10 +147,11 @@ def merge_run_dir(logdir: Path, world: int, timeout: float = RANK_WAIT_S) -> Ses
     for p in paths:
         try:
             sessions[int(p.parent.name.removeprefix("rank"))] = Session.load(p)
-        except (OSError, ValueError, KeyError):
-            continue  # a rank that died mid-write: merge the others
+        except (OSError, ValueError):  # ReportFormatError is a ValueError
+            continue  # a rank whose report is unreadable: merge the others
     if not sessions:
         return None
     merged = merge_sessions(sessions, world)
-    merged.save(logdir / JSON_NAME)
+    # Atomic, as every report file: a reader never sees half a merged report.
+    write_json(merged, logdir / JSON_NAME)
     return merged

@@ -33,6 +33,7 @@ from .probes import COMPILED_NOTE, Probes, iter_tensors, run_eagerly_when_called
 from .recorder import History, HostStep, LayerAggregate, StepBuffer, count_sync, host_step_layers
 from .records import AmpConfig, Event, RunInfo, ScalerEvent, Session, StepRecord
 from .scaler import AmpMonitor, subscribe
+from .watch_args import check_option_names, check_watch_args
 
 __all__ = ["Watch", "watch", "DEFAULT_EVERY"]
 
@@ -134,14 +135,11 @@ class Watch:
         tensorboard: bool = True,
         discover: bool = False,
     ) -> None:
-        if not isinstance(every, int) or every < 1:
-            raise AmpDoctorError(f"every must be a positive integer, got {every!r}; e.g. every=10.")
-        if max_steps is not None and max_steps < 1:
-            raise AmpDoctorError(f"max_steps must be >= 1 or None, got {max_steps!r}.")
-        if on_nonfinite not in ("record", "raise"):
-            raise AmpDoctorError(
-                f"on_nonfinite must be 'record' or 'raise', got {on_nonfinite!r}."
-            )
+        # One-line errors naming the fix, before anything is installed; counts come back
+        # as int, a generator of models or optimizers as a list.
+        model, every, max_steps, top_k, optimizer = check_watch_args(
+            model, every=every, max_steps=max_steps, top_k=top_k, scaler=scaler,
+            optimizer=optimizer, on_nonfinite=on_nonfinite, logdir=logdir, discover=discover)
         self._given_models = _as_models(model) if model is not None else {}
         self.models = {k: _unwrap(m) for k, m in self._given_models.items()}
         self._discover = discover
@@ -1158,6 +1156,7 @@ def watch(model: Models, **kwargs: Any) -> Watch:
     ``anomaly`` and ``on_nonfinite`` (``"record"`` or ``"raise"``),
     ``top_k`` (per-layer TensorBoard scalars for the worst K layers).
     """
+    check_option_names(kwargs, Watch.__init__)
     return Watch(model, **kwargs).start()
 
 

@@ -1,0 +1,316 @@
+"""The report is never lost: odd ways out of a script, bad output paths, parallel runs.
+
+Each case is the situation issue 14 met, run as a user runs it: a real script in a
+subprocess through the installed `amp-doctor` command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from amp_doctor.records import Session
+from tests.helpers import console_script
+
+FIX = Path(__file__).parent / "fixtures" / "cli"
+AMP_DOCTOR = console_script()
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+@pytest.fixture()
+def work(tmp_path: Path) -> Path:
+    shutil.copy(FIX / "train_tiny.py", tmp_path / "train_tiny.py")
+    return tmp_path
+
+
+# A tiny AMP loop, then whatever way out the test appends.
+LOOP = """
+import os, sys, time
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu")
+def step():
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+for _ in range(3):
+    step()
+"""
+
+
+@pytest.mark.parametrize("option,name", [("--json", "amp_doctor.json"), ("--report", "report.txt")])
+def test_output_path_that_is_a_folder_fails_before_the_script_runs(
+        work: Path, option: str, name: str) -> None:
+    (work / "reports").mkdir()
+    r = run([AMP_DOCTOR, "diagnose", "--logdir", "out", option, "reports", "train_tiny.py"],
+            work)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert option in r.stderr and "is a directory" in r.stderr
+    assert f"reports/{name}" in r.stderr  # the fix: a file path in that folder
+    assert "trained" not in r.stdout  # the script never started
+    assert not (work / "out" / "amp_doctor.json").exists()
+
+
+def test_unwritable_json_path_blames_json_not_logdir(work: Path) -> None:
+    r = run([AMP_DOCTOR, "diagnose", "--logdir", "out", "--json", "/proc/x/y.json",
+             "train_tiny.py"], work)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--json" in r.stderr and "--logdir" not in r.stderr
+    assert "trained" not in r.stdout
+
+
+@pytest.mark.parametrize("how", ["redirect-and-close", "close-the-real-one"])
+def test_script_that_closes_stderr_still_gets_its_report(work: Path, how: str) -> None:
+    if how == "redirect-and-close":
+        ending = ("sys.stderr = open('script.log', 'w')\n"
+                  "print('to the log', file=sys.stderr)\n"
+                  "sys.stderr.close()\n")
+    else:
+        ending = "sys.stderr.close()\nsys.stdout.close()\n"
+    (work / "closer.py").write_text(LOOP + ending + "sys.exit(3)\n")
+    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "closer.py"], work)
+    assert r.returncode == 3, r.stderr  # the script's own exit code
+    text = (work / "out" / "report.txt").read_text()
+    assert text.startswith("amp-doctor")
+    # Printed on amp-doctor's own handle to the terminal, not into the closed stream.
+    assert "amp-doctor" in r.stderr and "JSON report" in r.stderr
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.run.exit_code == 3 and s.run.outcome == "exit" and s.steps == 3
+    if how == "redirect-and-close":
+        assert (work / "script.log").read_text() == "to the log\n"
+
+
+def test_os_exit_keeps_its_code_and_writes_what_the_readme_says(work: Path) -> None:
+    # README, Reliability: os._exit runs no Python code after it, so no report; the
+    # exit code is the script's.
+    (work / "hard_exit.py").write_text(LOOP + "sys.stdout.flush()\nos._exit(7)\n")
+    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "hard_exit.py"], work)
+    assert r.returncode == 7
+    assert not (work / "out" / "amp_doctor.json").exists()
+    assert not (work / "out" / "report.txt").exists()
+    assert "amp-doctor" not in r.stderr
+
+
+def test_ctrl_c_during_the_report_writing_is_ignored(work: Path) -> None:
+    # The script's own thread plays the user: one Ctrl-C to stop training, then Ctrl-C
+    # again and again until the JSON report is on disk, so that some land while the
+    # reports are written (the TensorBoard logs and report.txt come after the JSON).
+    flood = """
+import threading
+def user(pid=os.getpid()):
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.01)
+    while not os.path.exists(os.path.join(sys.argv[1], "amp_doctor.json")):
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.005)
+import signal
+threading.Thread(target=user, daemon=True).start()
+while True:
+    step()
+"""
+    (work / "flood.py").write_text(LOOP + flood)
+    logdir = work / "out"
+    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", str(logdir), "flood.py",
+             str(logdir)], work)
+    assert r.returncode == 130, r.stderr
+    assert "Aborted" not in r.stderr
+    s = Session.load(logdir / "amp_doctor.json")
+    assert s.run.outcome == "interrupted" and s.steps >= 3
+    assert (logdir / "report.txt").read_text().startswith("amp-doctor")
+    assert "JSON report" in r.stderr  # printed after the files were written
+    assert not list(logdir.glob(".*.tmp"))  # atomic writes leave no temp files
+
+
+def test_parallel_runs_get_their_own_logdirs(work: Path) -> None:
+    # A sweep: `for s in 1 2 3; do amp-doctor diagnose sweep.py $s & done`, default logdir.
+    (work / "sweep.py").write_text(LOOP + "print('seed', sys.argv[1])\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([AMP_DOCTOR, "diagnose", "--every", "1", "--quiet", "sweep.py",
+                               str(seed)], cwd=work, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for seed in (1, 2, 3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    runs = sorted((work / "runs" / "amp-doctor").iterdir())
+    assert len(runs) == 3, runs
+    for d in runs:
+        assert re.fullmatch(r"sweep-\d{8}-\d{6}(-\d+)?", d.name), d.name
+        assert Session.load(d / "amp_doctor.json").steps == 3
+        assert len(list(d.glob("events.out.tfevents.*"))) == 1  # no mixed event files
+    commands = sorted(Session.load(d / "amp_doctor.json").run.command[-1] for d in runs)
+    assert commands == ["1", "2", "3"]
+
+
+def test_default_logdirs_made_in_one_second_are_distinct(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from amp_doctor import runner
+    from amp_doctor.cli import _default_logdir
+
+    monkeypatch.chdir(tmp_path)
+    target = runner.Target("path", "sweep.py")
+    dirs = [_default_logdir(target) for _ in range(3)]
+    assert len(set(dirs)) == 3 and all(d.is_dir() for d in dirs)
+    stamp = dirs[0].name
+    if dirs[1].name.startswith(stamp):  # made within the same second
+        assert dirs[1].name == f"{stamp}-2"
+
+
+@pytest.mark.parametrize(
+    "damage,problem",
+    [(lambda d: d.update(amp=None), "amp is null, expected an object"),
+     (lambda d: d["findings"].append({**d["findings"][0], "severity": "fatal"}),
+      "severity is 'fatal', expected one of 'error', 'warning', 'info'"),
+     (lambda d: d.pop("history"), "history is missing"),
+     (lambda d: d.update(version="7.0.0"), "another major version"),
+     (lambda d: d["layers"][0].update(absmax="big"),
+      "layers[0].absmax is 'big', expected a number")],
+    ids=["amp-null", "unknown-severity", "no-history", "major-version", "bad-number"],
+)
+def test_report_on_damaged_json_is_one_line_naming_file_and_problem(
+        tmp_path: Path, saved_run: Path, damage, problem: str) -> None:
+    data = json.loads(saved_run.read_text())
+    damage(data)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    r = run([AMP_DOCTOR, "report", str(bad)], tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert str(bad) in r.stderr and problem in r.stderr
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run's JSON report, made in process with watch()."""
+    import torch
+
+    import amp_doctor
+    from tests.helpers import MLP, train
+
+    path = tmp_path_factory.mktemp("saved") / "amp_doctor.json"
+    model = MLP()
+    with torch.no_grad():
+        model.fc1.weight.mul_(3000.0)  # an overflow, so that there are findings
+    with amp_doctor.watch(model, every=1) as doctor:
+        train(model, steps=3)
+    doctor.session.save(path)
+    assert doctor.session.findings
+    return path
+
+
+def test_view_on_a_busy_port_is_one_clear_line(work: Path) -> None:
+    (work / "out").mkdir()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        r = run([AMP_DOCTOR, "view", "out", "--port", str(port)], work, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "[" not in r.stderr, r.stderr
+    assert f"port {port}" in r.stderr and "--port" in r.stderr
+    assert r.stdout == ""  # no URL of a server that never started
+
+
+def test_view_shows_two_runs_side_by_side_under_their_names(tmp_path: Path) -> None:
+    import urllib.request
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    for name, value in (("fp16", 1.0), ("bf16", 2.0)):
+        with SummaryWriter(str(tmp_path / "runs" / name)) as w:
+            w.add_scalar("scaler/scale", value, 0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([AMP_DOCTOR, "view", "runs/fp16", "runs/bf16", "--port", str(port)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}/" in first and "fp16, bf16" in first
+        assert "Smoothing to 0" in proc.stdout.readline()
+        deadline = time.monotonic() + 120
+        runs: list[str] = []
+        while sorted(runs) != ["bf16", "fp16"]:
+            assert time.monotonic() < deadline, f"tensorboard shows {runs}"
+            time.sleep(0.5)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/runs",
+                                            timeout=5) as u:
+                    runs = json.loads(u.read())
+            except OSError:
+                continue
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("amp-doctor-view-*/fp16"))
+
+
+def test_status_line_never_glues_onto_the_scripts_output(work: Path) -> None:
+    # On a terminal the live status line is drawn without a newline; each line the script
+    # prints must start on a cleared line, not after the status text.
+    chatty = """
+for i in range(40):
+    step()
+    print(f"tick {i}", flush=True)
+    time.sleep(0.03)
+"""
+    (work / "chatty.py").write_text(LOOP + chatty)
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "TERM": "xterm"}
+    proc = subprocess.Popen([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out",
+                             "chatty.py"], cwd=work, env=env, stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the other side closed
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    assert proc.wait(timeout=60) == 0
+    text = out.decode("utf-8", "replace")
+    assert "amp-doctor: step" in text  # the status line was drawn
+    # The terminal turns "\n" into "\r\n"; what is left of a line after its last
+    # carriage return or clear-line is what shows on the screen.
+    ticks = [line.removesuffix("\r") for line in text.split("\n") if "tick " in line]
+    assert len(ticks) == 40
+    for line in ticks:
+        visible = re.split(r"\r|\x1b\[2K", line)[-1]
+        assert visible.startswith("tick "), repr(line)
