@@ -14,6 +14,7 @@ __all__ = [
     "pct",
     "scale",
     "bits",
+    "limit",
     "MISSING",
     "PCT_FLOOR",
     "SCI_HIGH",
@@ -92,3 +93,8 @@ def bits(x: float | None, digits: int = 2) -> str:
     if not math.isfinite(x):
         return _nonfinite(x)
     return f"{x:.{digits}g}" if abs(x) < 10 ** digits else f"{x:.0f}"
+
+
+def limit(x: float) -> str:
+    """A format's limit, as people know it: ``65504``, ``6.10352e-05``, ``3.38953e+38``."""
+    return f"{x:.6g}" if math.isfinite(x) else _nonfinite(x)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import format as F
 from ..dtypes import FormatLimits
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ def render_heatmap(grid: HeatmapGrid, fmt: FormatLimits) -> torch.Tensor:
     plot_w, plot_h = cols * cw, rows * ch
     key_x = x0 + plot_w + 24
     if grid.figure == "headroom":
-        ticks = [(0.0, f"0 bits: at the max, {fmt.max:.6g}")] + [
+        ticks = [(0.0, f"0 bits: at the max, {F.limit(fmt.max)}")] + [
             (b, f"{b:g}") for b in range(8, int(bits), 8)] + [(bits, f">= {bits:g} bits")]
         bar_title = "headroom (bits)"
     else:
@@ -222,7 +223,6 @@ def render_heatmap(grid: HeatmapGrid, fmt: FormatLimits) -> torch.Tensor:
             d.rectangle([x, y, x + cw - 1 - gap_x, y + ch - 1 - gap_y], fill=colour)
     for r, c in grid.origin_cells:
         x, y = x0 + c * cw, y0 + r * ch
-        d.rectangle([x - 1, y - 1, x + cw - gap_x, y + ch - gap_y], outline=_INK, width=1)
         d.rectangle([x, y, x + cw - 1 - gap_x, y + ch - 1 - gap_y], outline=ORIGIN_RGB,
                     width=2 if min(cw, ch) >= 6 else 1)
 

@@ -96,10 +96,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from tensorboard.compat.proto import summary_pb2
 from tensorboard.plugins.histogram import metadata as histogram_metadata
+from tensorboard.util import tensor_util
 from torch.utils.tensorboard import SummaryWriter
-from torch.utils.tensorboard.summary import histogram_raw
 
 from .. import format as F
 from .. import stats as S
@@ -295,8 +297,8 @@ def hist_description(fmt: FormatLimits) -> str:
     m, big, n = fmt.min_exponent, fmt.max_exponent, fmt.normal_exponent
     return (
         f"x = log2\\|value\\| in bits, one bar per power of two, judged against {fmt.name}: "
-        f"smallest subnormal 2^{m} (x = {m}), smallest normal {F.num(fmt.smallest_normal)} "
-        f"(x = {n}), max {F.num(fmt.max)} (just below x = {big}). Bar [{m - 1}, {m}): "
+        f"smallest subnormal 2^{m} (x = {m}), smallest normal {F.limit(fmt.smallest_normal)} "
+        f"(x = {n}), max {F.limit(fmt.max)} (just below x = {big}). Bar [{m - 1}, {m}): "
         f"non-zero values that flush to 0; [{big}, {big + 1}): finite values beyond the max "
         f"(overflow); [{big + 1}, {big + 2}): inf and NaN. Exact zeros are not drawn: see "
         f"the scalar zeros/<layer>. Values left of x = {n} are subnormal in {fmt.name}."
@@ -390,17 +392,22 @@ def culprit_layers(session: Session) -> dict[str, str | None]:
     Layers that only passed the values on are not here.
     """
     out: dict[str, str | None] = {}
+    # A layer-level overflow finding names an origin only where that layer was the first
+    # to overflow in some step; the others downstream only passed the values on.
+    origin_steps = {lay.name: lay.overflow_origin_steps for lay in session.layers}
+    any_origin = any(origin_steps.values())
 
     def add(module: str | None, op: str | None) -> None:
-        if module:
-            if out.get(module) is None:
-                out[module] = op
-            else:
-                out.setdefault(module, op)
+        if module and out.get(module) is None:
+            out[module] = op
 
     for f in session.findings:
-        if f.severity != "info" and (f.kind in ORIGIN_KINDS or f.kind in _BACKOFF_KINDS):
-            add(f.module, f.op)
+        if f.severity == "info" or not (f.kind in ORIGIN_KINDS or f.kind in _BACKOFF_KINDS):
+            continue
+        if (f.kind == "activation_overflow" and f.op is None and any_origin
+                and not origin_steps.get(f.module or "", 0)):
+            continue
+        add(f.module, f.op)
     for e in session.events:
         if e.kind in ORIGIN_KINDS:
             add(e.module, e.op)
@@ -484,8 +491,8 @@ def heatmap_grids(session: Session, fmt: FormatLimits) -> dict[str, HeatmapGrid]
         out[tag] = HeatmapGrid(
             names=names, steps=[rec.step for rec in recs], values=values,
             nonfinite=nonfinite, overflow=overflow, figure=figure,
-            title=title.format(name=fmt.name, max=f"{fmt.max:.6g}",
-                               tiny=F.num(fmt.smallest_normal)),
+            title=title.format(name=fmt.name, max=F.limit(fmt.max),
+                               tiny=F.limit(fmt.smallest_normal)),
             origin_rows=origin_rows, origin_cells=cells)
     return out
 
@@ -509,11 +516,11 @@ def heatmap_legend(session: Session, fmt: FormatLimits) -> str:
         f"steps (columns), judged against {fmt.name}.**",
         "",
         f"* `heatmap/headroom`: bits between max\\|output\\| and {fmt.name}'s max "
-        f"({F.num(fmt.max)}). Yellow = 0 bits left, purple = {bits:g} bits or more.",
+        f"({F.limit(fmt.max)}). Yellow = 0 bits left, purple = {bits:g} bits or more.",
         "* `heatmap/grad_headroom`: the same for the layer's output gradients, as scaled "
         "by the GradScaler (what the backward pass holds).",
         "* `heatmap/underflow`: share of non-zero outputs below the smallest normal "
-        f"({F.num(fmt.smallest_normal)}). Purple = none, yellow = all.",
+        f"({F.limit(fmt.smallest_normal)}). Purple = none, yellow = all.",
         "* red = inf/NaN; magenta = values beyond the max (overflow, or "
         "would-overflow for a float32 layer); grey = not recorded.",
         "* blue frame and highlighted name = where inf/NaN or overflow started (the "
@@ -707,27 +714,18 @@ class TensorBoardSink:
         counts[eb.zero] = 0.0
         if not any(c > 0 for c in counts):
             return
-        lefts = eb.lefts
-        mids = [(lo + hi) / 2 for lo, hi in zip(lefts, eb.limits, strict=True)]
-        # TensorBoard's data server draws bucket i from bucket_limit[i-1] (the first one
-        # from `min`) to bucket_limit[i] (the last one to `max`), empty ones included. So
-        # min/max are the layout's outer edges: every step shares one fixed x-axis that
-        # runs from the zero bucket to the inf/NaN bucket, with the format's limits on it.
-        summary = histogram_raw(
-            tag,
-            min=lefts[0],
-            max=eb.limits[-1],
-            num=sum(counts),
-            sum=sum(c * x for c, x in zip(counts, mids, strict=True)),
-            sum_squares=sum(c * x * x for c, x in zip(counts, mids, strict=True)),
-            bucket_limits=list(eb.limits),
-            bucket_counts=counts,
-        )
-        # The card's description (its info icon): the axis and the format's limits on it,
-        # which TensorBoard cannot draw as lines.
-        summary.value[0].metadata.CopyFrom(histogram_metadata.create_summary_metadata(
-            display_name=tag, description=hist_description(eb.fmt)))
-        w._get_file_writer().add_summary(summary, step)
+        # Written as TensorBoard's own histogram tensor ([k, 3]: left edge, right edge,
+        # count), as tf.summary.histogram does: both of TensorBoard's loaders draw every
+        # bucket on one fixed axis, from the zero bucket to the inf/NaN bucket with the
+        # format's limits on it, and the card shows the description (its info icon) with
+        # those limits, which TensorBoard cannot draw as lines.
+        rows = [[lo, hi, c] for lo, hi, c in zip(eb.lefts, eb.limits, counts, strict=True)]
+        value = summary_pb2.Summary.Value(
+            tag=tag,
+            metadata=histogram_metadata.create_summary_metadata(
+                display_name=tag, description=hist_description(eb.fmt)),
+            tensor=tensor_util.make_tensor_proto(np.asarray(rows, dtype=np.float64)))
+        w._get_file_writer().add_summary(summary_pb2.Summary(value=[value]), step)
 
     # -- end of run ----------------------------------------------------------------------
     def finish(self, session: Session) -> None:
