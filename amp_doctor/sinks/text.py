@@ -96,11 +96,13 @@ class FindingGroup:
         return list(dict.fromkeys(f.module for f in self.findings if f.module))
 
 
-def group_findings(findings: list[Finding]) -> list[FindingGroup]:
+def group_findings(findings: list[Finding],
+                   layers: list[LayerSummary] | None = None) -> list[FindingGroup]:
     """Same kind and severity on several layers -> one group, at the first one's place.
 
     Findings without a module (run-wide ones) are never merged: each says something
-    different. Order within a group is the analysis order, i.e. most severe first.
+    different. Within a group, layers are worst first by :func:`risk_order` of
+    ``layers`` (the layer table's order), else in the analysis order.
     """
     groups: list[list[Finding]] = []
     index: dict[tuple[str, str], int] = {}
@@ -112,6 +114,11 @@ def group_findings(findings: list[Finding]) -> list[FindingGroup]:
             groups.append([f])
         else:
             groups[index[key]].append(f)
+    if layers:
+        rank = {lay.name: i for i, lay in enumerate(risk_order(list(layers)))}
+        big = len(rank)
+        groups = [sorted(g, key=lambda f: rank.get(f.module or "", big)) if len(g) > 1 else g
+                  for g in groups]
     return [FindingGroup(tuple(g)) for g in groups]
 
 
@@ -220,7 +227,7 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
         out.append(_wrap(f"The run ended with {s.run.error}", 0))
     out.append("")
     if s.findings:
-        groups = group_findings(s.findings)
+        groups = group_findings(s.findings, s.layers)
         merged = len(s.findings) - len(groups)
         out.append(_counts_line(s) + (f" ({len(groups)} groups)" if merged else ""))
         for g in groups:
@@ -302,7 +309,7 @@ def render_markdown(s: Session, max_layers: int = MAX_LAYERS) -> str:
     """Markdown for TensorBoard's TEXT tab: verdict first, then one block per finding."""
     out = [render_verdict(s), "", f"*{summary_line(s)}*", ""]
     if s.findings:
-        groups = group_findings(s.findings)
+        groups = group_findings(s.findings, s.layers)
         out += [_counts_line(s), "", "---", ""]
         for g in groups:
             out.append(_md_group(g))
