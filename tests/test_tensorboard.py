@@ -308,9 +308,11 @@ def test_heatmaps_text_and_layout_are_in_the_event_files(run: tuple[Path, Sessio
         grid = grids[tag]
         assert grid.names == names and grid.steps == [r.step for r in s.history]
         geo = hm.geometry(grid)
-        # Drawn 1:1: a row is tall enough for its label, the whole picture fits a card.
-        assert geo.ch == hm.ROW_HEIGHT and ev.width <= 1000
-        assert len(grid.steps) * geo.cw <= hm.MAX_PLOT_WIDTH
+        # Shown 1:1: a row is tall enough for its label, and the whole picture fits
+        # TensorBoard's image card, which would otherwise shrink it.
+        assert hm.fit_columns(grid) == grid  # 8 steps: one column each
+        assert geo.ch == hm.ROW_HEIGHT and ev.width <= hm.CARD_WIDTH
+        assert len(grid.steps) * geo.cw <= hm.plot_width(grid)
         # One band of colour per layer down the first column: rows = layers.
         bottom = geo.y0 + len(names) * geo.ch
         assert len(_bands(img, geo.x0 + geo.cw // 2, geo.y0, bottom)) == len(names)
@@ -319,10 +321,10 @@ def test_heatmaps_text_and_layout_are_in_the_event_files(run: tuple[Path, Sessio
             ys = range(geo.y0 + r * geo.ch, geo.y0 + (r + 1) * geo.ch)
             assert any(sum(img.getpixel((x, y))) < 200 for y in ys
                        for x in range(geo.x0 - 60, geo.x0 - 4)), (tag, names[r])
-        # The colour bar is there: a continuous viridis ramp right of the plot.
-        right = geo.x0 + len(grid.steps) * geo.cw
+        # The colour bar is there: a continuous viridis ramp below the plot.
+        bottom_of_plot = geo.y0 + len(names) * geo.ch
         ramp = {hm.ramp(i / 1000) for i in range(1001)}
-        bar = {px for x in range(right, ev.width) for y in range(geo.y0, ev.height)
+        bar = {px for x in range(ev.width) for y in range(bottom_of_plot, ev.height)
                if (px := img.getpixel((x, y))) in ramp}
         assert len(bar) > 50
 
@@ -367,6 +369,26 @@ def test_heatmaps_text_and_layout_are_in_the_event_files(run: tuple[Path, Sessio
     assert _scalars(acc, "culprits/fc1/nonfinite") == _scalars(acc, "nonfinite/fc1")
     assert not [t for t in acc.Tags()["scalars"]
                 if t.startswith("culprits/") and not t.startswith("culprits/fc1/")]
+
+
+def test_long_runs_merge_steps_and_keep_the_worst() -> None:
+    steps = list(range(0, 6000, 10))  # 600 recorded steps
+    values: list[list[float | None]] = [[12.0] * 600, [20.0] * 600]
+    values[0][301] = 0.5  # one step with almost no headroom left
+    nonfinite = [[False] * 600, [False] * 600]
+    nonfinite[1][450] = True
+    grid = hm.HeatmapGrid(names=["a", "b"], steps=steps, values=values,
+                          nonfinite=nonfinite, overflow=[[False] * 600] * 2,
+                          figure="headroom", title="t", origin_rows={1: None},
+                          origin_cells={(1, 450)})
+    fitted = hm.fit_columns(grid)
+    k = 600 // len(fitted.steps) + (600 % len(fitted.steps) > 0)
+    assert len(fitted.steps) * 2 <= hm.plot_width(grid) < 600 and k > 1
+    assert fitted.steps[0] == 0 and fitted.steps[1] == 10 * k
+    assert min(v for v in fitted.values[0] if v is not None) == 0.5  # not averaged away
+    assert sum(fitted.nonfinite[1]) == 1 and fitted.origin_cells == {(1, 450 // k)}
+    img = hm.render_heatmap(grid, F16)
+    assert img.shape[1] <= hm.CARD_WIDTH and img.dtype == torch.uint8
 
 
 def test_only_the_worst_k_layers_get_scalars_and_every_layer_is_in_the_heatmap(

@@ -32,6 +32,8 @@ __all__ = [
     "HeatmapGrid",
     "PlotGeometry",
     "geometry",
+    "fit_columns",
+    "plot_width",
     "render_heatmap",
     "ramp",
     "HEATMAP_MAX_BITS",
@@ -40,6 +42,8 @@ __all__ = [
     "MISSING_RGB",
     "ORIGIN_RGB",
     "ROW_HEIGHT",
+    "CARD_WIDTH",
+    "MIN_PLOT_WIDTH",
     "MAX_PLOT_WIDTH",
 ]
 
@@ -61,21 +65,28 @@ _INK: _RGB = (20, 20, 20)
 _MUTED: _RGB = (90, 90, 90)
 _GRID: _RGB = (255, 255, 255)
 
-# Pixel sizes. A row is tall enough for one line of 12 px text; past _MAX_LABELLED_ROWS
-# rows shrink and only every n-th is labelled.
+# Pixel sizes. TensorBoard's IMAGES tab fits each image to its card (about 350 px wide
+# in a 1400 px window) unless "Show actual image size" is ticked, so the picture is laid
+# out to fit CARD_WIDTH when the layer names allow: then it is shown 1:1 as it is.
+CARD_WIDTH = 350
+# A row is tall enough for one line of 12 px text; past _MAX_LABELLED_ROWS rows shrink
+# and only every n-th is labelled.
 ROW_HEIGHT = 16
 _MAX_LABELLED_ROWS = 64
 _MIN_ROW = 3
 _MAX_PLOT_HEIGHT = ROW_HEIGHT * _MAX_LABELLED_ROWS
-# The step axis fits in this many pixels (TensorBoard's card shows ~1000 px unscaled).
-MAX_PLOT_WIDTH = 560
-_MAX_COL = 48
-_PAD = 10
+# The step axis gets at least this many pixels, even when long names push the image
+# past CARD_WIDTH; beyond MAX_PLOT_WIDTH / 2 columns, neighbouring steps share a pixel
+# column showing the worst of them.
+MIN_PLOT_WIDTH = 160
+MAX_PLOT_WIDTH = 400
+_MAX_COL = 24
+_MIN_COL = 2
+_PAD = 8
 _FONT_SIZE = 12
 _SMALL_SIZE = 11
-_BAR_W = 14
-_BAR_H = 150
-_TICK_GAP = 36  # minimum pixels between step labels
+_BAR_H = 10
+_TICK_GAP = 30  # minimum pixels between step labels
 
 
 @dataclass(frozen=True)
@@ -153,23 +164,71 @@ def _measure(text: str, f: _Font | None = None) -> int:
     return int(box[2] - box[0])
 
 
-def geometry(grid: HeatmapGrid) -> PlotGeometry:
-    """The plot's place and cell size in :func:`render_heatmap`'s image."""
-    rows, cols = len(grid.names), len(grid.steps)
-    ch = ROW_HEIGHT if rows <= _MAX_LABELLED_ROWS else max(_MIN_ROW, _MAX_PLOT_HEIGHT // rows)
-    cw = max(1, min(_MAX_COL, MAX_PLOT_WIDTH // max(cols, 1)))
+def _label_width(grid: HeatmapGrid) -> tuple[list[str], int]:
     labels = [_label(n, grid.origin_rows.get(r), r in grid.origin_rows)
               for r, n in enumerate(grid.names)]
     marker_w = 12
-    label_w = max([_measure(t) for t in labels] + [_measure("layer")]) + marker_w + 6
-    title_h = 2 * (_FONT_SIZE + 5) + 4
+    return labels, max([_measure(t) for t in labels] + [_measure("layer")]) + marker_w + 6
+
+
+def plot_width(grid: HeatmapGrid) -> int:
+    """Pixels for the step axis: what is left of CARD_WIDTH next to the names."""
+    _, label_w = _label_width(grid)
+    return max(MIN_PLOT_WIDTH, min(MAX_PLOT_WIDTH, CARD_WIDTH - 2 * _PAD - label_w))
+
+
+def geometry(grid: HeatmapGrid) -> PlotGeometry:
+    """The plot's place and cell size in :func:`render_heatmap`'s image.
+
+    ``grid`` is the one drawn: after :func:`fit_columns`.
+    """
+    rows, cols = len(grid.names), len(grid.steps)
+    ch = ROW_HEIGHT if rows <= _MAX_LABELLED_ROWS else max(_MIN_ROW, _MAX_PLOT_HEIGHT // rows)
+    cw = max(1, min(_MAX_COL, plot_width(grid) // max(cols, 1)))
+    labels, label_w = _label_width(grid)
+    title_h = 3 * (_FONT_SIZE + 4) + 4
     return PlotGeometry(x0=_PAD + label_w, y0=_PAD + title_h, cw=cw, ch=ch, labels=labels)
 
 
+def fit_columns(grid: HeatmapGrid) -> HeatmapGrid:
+    """Merge neighbouring steps until each column is at least ``_MIN_COL`` pixels wide.
+
+    A merged cell shows the worst of its steps (least headroom, most underflow, any
+    inf/NaN or overflow), so a spike is never averaged away; its step label is the first
+    step of the group.
+    """
+    cols = len(grid.steps)
+    k = math.ceil(cols * _MIN_COL / plot_width(grid)) if cols else 1
+    if k <= 1:
+        return grid
+    worst = min if grid.figure == "headroom" else max
+    groups = [list(range(i, min(i + k, cols))) for i in range(0, cols, k)]
+
+    def merge_v(row: list[float | None]) -> list[float | None]:
+        out: list[float | None] = []
+        for g in groups:
+            vals = [v for c in g if (v := row[c]) is not None]
+            out.append(worst(vals) if vals else None)
+        return out
+
+    return HeatmapGrid(
+        names=grid.names, steps=[grid.steps[g[0]] for g in groups],
+        values=[merge_v(r) for r in grid.values],
+        nonfinite=[[any(r[c] for c in g) for g in groups] for r in grid.nonfinite],
+        overflow=[[any(r[c] for c in g) for g in groups] for r in grid.overflow],
+        figure=grid.figure, title=grid.title, origin_rows=grid.origin_rows,
+        origin_cells={(r, c // k) for r, c in grid.origin_cells})
+
+
 def render_heatmap(grid: HeatmapGrid, fmt: FormatLimits) -> torch.Tensor:
-    """Draw ``grid`` as a uint8 ``[H, W, 3]`` image (HWC), labels and key included."""
+    """Draw ``grid`` as a uint8 ``[H, W, 3]`` image (HWC), labels and key included.
+
+    Long runs are first narrowed with :func:`fit_columns`; :func:`geometry` of the
+    narrowed grid says where the cells are.
+    """
     from PIL import Image, ImageDraw
 
+    grid = fit_columns(grid)
     font, small = _fonts()
     rows, cols = len(grid.names), len(grid.steps)
     bits = min(HEATMAP_MAX_BITS, float(fmt.max_exponent - fmt.normal_exponent))
@@ -177,33 +236,35 @@ def render_heatmap(grid: HeatmapGrid, fmt: FormatLimits) -> torch.Tensor:
     x0, y0, cw, ch = geo.x0, geo.y0, geo.cw, geo.ch
     label_every = max(1, math.ceil(ROW_HEIGHT / ch)) if ch < ROW_HEIGHT else 1
     width = _measure
-    labels = geo.labels
-    title_lines = [grid.title,
-                   "rows: layers in model order (first to run at the top); "
-                   "columns: recorded steps"]
     plot_w, plot_h = cols * cw, rows * ch
-    key_x = x0 + plot_w + 24
+    title_lines = [(grid.title, font, _INK),
+                   ("rows: layers in model order (first to run on top)", small, _MUTED),
+                   ("columns: recorded steps", small, _MUTED)]
+
     if grid.figure == "headroom":
-        ticks = [(0.0, f"0 bits: at the max, {F.limit(fmt.max)}")] + [
-            (b, f"{b:g}") for b in range(8, int(bits), 8)] + [(bits, f">= {bits:g} bits")]
-        bar_title = "headroom (bits)"
+        bar_title = f"bits of headroom (0 = at the max, {F.limit(fmt.max)})"
+        ticks = [(float(b), f"{b}") for b in range(0, int(bits), 8)] + [
+            (bits, f"{bits:g}+")]
     else:
+        bar_title = f"% below the smallest normal, {F.limit(fmt.smallest_normal)}"
         ticks = [(v / 100, f"{v}%") for v in (0, 25, 50, 75, 100)]
-        bar_title = "% below smallest normal"
     swatches: list[tuple[_RGB | None, str]] = [
-        (NONFINITE_RGB, "inf / NaN in it"), (OVERFLOW_RGB, "beyond max (overflow)"),
-        (MISSING_RGB, "not recorded"), (None, "origin: where inf/NaN started")]
-    key_w = max([width(t, small) for _, t in ticks] + [width(bar_title, small)]
-                + [width(t, small) + 22 for _, t in swatches]) + _BAR_W + 10
-    key_h = 24 + _BAR_H + 12 + len(swatches) * 16
-    W = key_x + key_w + _PAD
-    W = max(W, _PAD * 2 + max(width(t) for t in title_lines))
-    H = y0 + max(plot_h + 34, key_h) + _PAD
+        (NONFINITE_RGB, "inf/NaN in it"), (OVERFLOW_RGB, "beyond max"),
+        (MISSING_RGB, "not recorded"), (None, "origin of inf/NaN")]
+    sw_col = max(width(t, small) for _, t in swatches) + 26
+    key_w = max(MIN_PLOT_WIDTH, 2 * sw_col, width(bar_title, small) + 4)
+    axis_h = 30
+    key_y = y0 + plot_h + axis_h
+    key_h = 14 + _BAR_H + 16 + 2 * 16
+    W = max(x0 + plot_w, _PAD + key_w, *(_PAD + width(t, f) for t, f, _ in title_lines)) + _PAD
+    H = key_y + key_h + _PAD
 
     img = Image.new("RGB", (W, H), _BG)
     d = ImageDraw.Draw(img)
-    d.text((_PAD, _PAD), title_lines[0], fill=_INK, font=font)
-    d.text((_PAD, _PAD + _FONT_SIZE + 5), title_lines[1], fill=_MUTED, font=small)
+    ty = _PAD
+    for text, f, colour in title_lines:
+        d.text((_PAD, ty), text, fill=colour, font=f)
+        ty += _FONT_SIZE + 4
 
     # Cells. A thin white gap between cells keeps equal neighbours apart when there is
     # room for it; it is not part of any cell's colour.
@@ -227,7 +288,7 @@ def render_heatmap(grid: HeatmapGrid, fmt: FormatLimits) -> torch.Tensor:
                     width=2 if min(cw, ch) >= 6 else 1)
 
     # Row labels, right-aligned against the plot; origin rows highlighted and marked.
-    for r, text in enumerate(labels):
+    for r, text in enumerate(geo.labels):
         origin = r in grid.origin_rows
         if r % label_every and not origin:
             continue
@@ -242,8 +303,8 @@ def render_heatmap(grid: HeatmapGrid, fmt: FormatLimits) -> torch.Tensor:
         d.text((tx, y), text, fill=_INK, font=font)
 
     # Step axis: ticks under the columns, spaced so the labels never touch.
-    ya = y0 + plot_h + 3
-    gap = max(_TICK_GAP, max(width(str(st), small) for st in grid.steps) + 12)
+    ya = y0 + plot_h + 2
+    gap = max(_TICK_GAP, max(width(str(st), small) for st in grid.steps) + 10)
     stride = max(1, math.ceil(gap / cw))
     shown = list(range(0, cols, stride))
     if cols - 1 not in shown and (not shown or (cols - 1 - shown[-1]) * cw >= gap):
@@ -253,29 +314,30 @@ def render_heatmap(grid: HeatmapGrid, fmt: FormatLimits) -> torch.Tensor:
         d.line([xc, ya, xc, ya + 3], fill=_INK)
         t = str(grid.steps[c])
         d.text((xc - width(t, small) // 2, ya + 4), t, fill=_INK, font=small)
-    axis = "step"
-    d.text((x0 + plot_w - width(axis, small), ya + 18), axis, fill=_MUTED, font=small)
+    d.text((x0 - 6 - width("step", small), ya + 4), "step", fill=_MUTED, font=small)
 
-    # Colour bar: danger (bright) at the top, with the unit and the format's limit.
-    d.text((key_x, y0), bar_title, fill=_INK, font=small)
-    by = y0 + 24
-    for i in range(_BAR_H):
-        d.line([key_x, by + i, key_x + _BAR_W - 1, by + i], fill=ramp(1.0 - i / (_BAR_H - 1)))
-    d.rectangle([key_x, by, key_x + _BAR_W - 1, by + _BAR_H - 1], outline=_INK)
+    # Colour key under the plot: a horizontal bar, danger (bright) on the left, with the
+    # unit and the format's limit in its title; then the marks that are not on the ramp.
+    bx, bw = _PAD, key_w
+    d.text((bx, key_y), bar_title, fill=_INK, font=small)
+    by = key_y + 14
+    for i in range(bw):
+        d.line([bx + i, by, bx + i, by + _BAR_H - 1], fill=ramp(1.0 - i / (bw - 1)))
     for value, text in ticks:
-        pos = _position(grid.figure, value, bits)
-        yy = by + round((1.0 - pos) * (_BAR_H - 1))
-        d.line([key_x + _BAR_W, yy, key_x + _BAR_W + 3, yy], fill=_INK)
-        d.text((key_x + _BAR_W + 6, yy - 7), text, fill=_INK, font=small)
-    sy = by + _BAR_H + 12
-    for swatch, text in swatches:
+        xx = bx + round((1.0 - _position(grid.figure, value, bits)) * (bw - 1))
+        d.line([xx, by + _BAR_H, xx, by + _BAR_H + 2], fill=_INK)
+        tw = width(text, small)
+        d.text((min(max(bx, xx - tw // 2), bx + bw - tw), by + _BAR_H + 2), text,
+               fill=_INK, font=small)
+    sy = by + _BAR_H + 18
+    for i, (swatch, text) in enumerate(swatches):
+        sx = bx + (i % 2) * sw_col
+        yy = sy + (i // 2) * 16
         if swatch is None:
-            d.rectangle([key_x, sy, key_x + _BAR_W - 1, sy + 11], outline=ORIGIN_RGB, width=2)
+            d.rectangle([sx, yy, sx + 13, yy + 11], outline=ORIGIN_RGB, width=2)
         else:
-            d.rectangle([key_x, sy, key_x + _BAR_W - 1, sy + 11], fill=swatch)
-        d.text((key_x + _BAR_W + 6, sy - 1), text, fill=_INK, font=small)
-        sy += 16
+            d.rectangle([sx, yy, sx + 13, yy + 11], fill=swatch)
+        d.text((sx + 19, yy - 1), text, fill=_INK, font=small)
 
     data = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
     return data.reshape(H, W, 3)
-

@@ -89,6 +89,7 @@ goes back as a restart and drops the later points.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterable
@@ -432,12 +433,10 @@ def origin_cells(session: Session) -> set[tuple[str, int]]:
 # The heatmaps: (tag, LayerStep field, figure, title). Headroom ramps from "no bits left"
 # (bright) to plenty (dark); underflow from none (dark) to all values (bright).
 _HEATMAPS: tuple[tuple[str, str, str, str], ...] = (
-    ("heatmap/headroom", "act", "headroom",
-     "Outputs: bits of headroom to {name}'s max ({max})"),
-    ("heatmap/underflow", "act", "underflow",
-     "Outputs: % of non-zero values below {name}'s smallest normal ({tiny})"),
+    ("heatmap/headroom", "act", "headroom", "Outputs: headroom to {name}'s max"),
+    ("heatmap/underflow", "act", "underflow", "Outputs: underflow in {name}"),
     ("heatmap/grad_headroom", "grad", "headroom",
-     "Output gradients (as scaled): bits of headroom to {name}'s max ({max})"),
+     "Output grads (as scaled): headroom to {name}'s max"),
 )
 
 
@@ -491,8 +490,7 @@ def heatmap_grids(session: Session, fmt: FormatLimits) -> dict[str, HeatmapGrid]
         out[tag] = HeatmapGrid(
             names=names, steps=[rec.step for rec in recs], values=values,
             nonfinite=nonfinite, overflow=overflow, figure=figure,
-            title=title.format(name=fmt.name, max=F.limit(fmt.max),
-                               tiny=F.limit(fmt.smallest_normal)),
+            title=title.format(name=fmt.name),
             origin_rows=origin_rows, origin_cells=cells)
     return out
 
@@ -657,13 +655,17 @@ class TensorBoardSink:
             self._fmt = fmt
             self._buckets = exp_buckets(fmt)
         eb = self._buckets
-        new = [n for n in rec.layers if n not in self._seen]
+        order = list(rec.layers)
+        new = [n for n in order if n not in self._seen]
+        root = order[-1] if order else None  # hooks run in completion order: root last
         for n in new:
-            # Same output and gradient as a layer already seen: its tags would be exact
-            # copies. Hooks finish children first, so the kept one is the innermost.
+            # A container (a dotted prefix of the layer, or the root) whose output and
+            # gradient are exactly a sublayer's: its tags would be exact copies. Only
+            # containers: two unrelated layers can both be all-NaN.
             ls = rec.layers[n]
             if ls.act is not None:
                 twin = next((m for m in self._seen if m not in self._dupe_of
+                             and (m.startswith(n + ".") or n == root)
                              and _same_output(rec.layers.get(m), ls)), None)
                 if twin is not None:
                     self._dupe_of[n] = twin
@@ -842,5 +844,15 @@ class TensorBoardSink:
         w.add_text("findings", render_markdown(session), global_step=self._final_step(session))
 
 
+def _same_stats(a: TensorStats | None, b: TensorStats | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    # Field by field, with NaN equal to NaN: an all-NaN output is still the same output.
+    return all(x == y or (isinstance(x, float) and isinstance(y, float)
+                          and math.isnan(x) and math.isnan(y))
+               for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True))
+
+
 def _same_output(a: LayerStep | None, b: LayerStep) -> bool:
-    return a is not None and a.act is not None and a.act == b.act and a.grad == b.grad
+    return (a is not None and a.act is not None and _same_stats(a.act, b.act)
+            and _same_stats(a.grad, b.grad))
