@@ -77,11 +77,12 @@ for bfloat16 (whose subnormals reach ``2**-133``) they are counted in bucket
 ``[-127, -126)``. ``nonfinite/<layer>`` and ``grad_nonfinite/<layer>`` repeat the
 inf/NaN counts as scalars.
 
-Histogram ``min``/``max`` are the layout's outer edges, so TensorBoard's default (fast,
-Rust) loader draws every step on one fixed axis, empty buckets included. TensorBoard's
-legacy Python loader (``--load_fast=false``) drops empty end buckets and stretches the
-outermost non-empty ones to ``min``/``max``; the counts stay right, only those two
-buckets look wider.
+Each histogram is written as TensorBoard's own histogram tensor (rows of left edge,
+right edge, count), from its first non-empty bucket up to the inf/NaN bucket: the
+format's max and the overflow buckets are always on the axis, and the DISTRIBUTIONS
+bands start at the smallest value there is (TensorBoard interpolates the lowest
+percentiles from the first bucket's left edge, so leading empty buckets would invent
+values).
 
 Steps are written in increasing order per tag: TensorBoard's loader treats a step that
 goes back as a restart and drops the later points.
@@ -544,6 +545,9 @@ def backoff_groups(session: Session) -> list[tuple[int, str]]:
     if sc is None:
         return []
     evs = sorted((e for e in sc.events if e.kind == "backoff"), key=lambda e: e.step)
+    # Where the findings say inf/NaN started, for backoffs whose forward pass was not
+    # recorded or stayed finite (an op inside a module, found by anomaly mode).
+    started = culprit_layers(session)
     groups: list[list[Any]] = []
     for e in evs:
         if groups and e.step - groups[-1][-1].step <= 1:
@@ -559,6 +563,9 @@ def backoff_groups(session: Session) -> list[tuple[int, str]]:
         origins = sorted({e.forward_origin for e in g if e.forward_origin})
         if origins:
             lines.append(f"* forward pass overflowed first in: {', '.join(origins)}")
+        elif started:
+            lines.append("* inf/NaN started in: " + ", ".join(
+                f"{n} [{op}]" if op else n for n, op in started.items()))
         culprits: dict[str, None] = {}
         for e in g:
             culprits.update(dict.fromkeys(e.culprits))
@@ -717,11 +724,15 @@ class TensorBoardSink:
         if not any(c > 0 for c in counts):
             return
         # Written as TensorBoard's own histogram tensor ([k, 3]: left edge, right edge,
-        # count), as tf.summary.histogram does: both of TensorBoard's loaders draw every
-        # bucket on one fixed axis, from the zero bucket to the inf/NaN bucket with the
-        # format's limits on it, and the card shows the description (its info icon) with
-        # those limits, which TensorBoard cannot draw as lines.
+        # count), as tf.summary.histogram does, up to the inf/NaN bucket so the format's
+        # max and the overflow buckets are always on the axis, and from the first
+        # non-empty bucket: TensorBoard's DISTRIBUTIONS interpolate the low percentiles
+        # from the first bucket's left edge, so leading empty buckets would draw values
+        # that do not exist. The card's description (its info icon) names the format's
+        # limits on the axis, which TensorBoard cannot draw as lines.
+        first = next(i for i, c in enumerate(counts) if c > 0)
         rows = [[lo, hi, c] for lo, hi, c in zip(eb.lefts, eb.limits, counts, strict=True)]
+        rows = rows[first:]
         value = summary_pb2.Summary.Value(
             tag=tag,
             metadata=histogram_metadata.create_summary_metadata(
