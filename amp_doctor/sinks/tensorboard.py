@@ -78,11 +78,10 @@ for bfloat16 (whose subnormals reach ``2**-133``) they are counted in bucket
 inf/NaN counts as scalars.
 
 Each histogram is written as TensorBoard's own histogram tensor (rows of left edge,
-right edge, count), from its first non-empty bucket up to the inf/NaN bucket: the
-format's max and the overflow buckets are always on the axis, and the DISTRIBUTIONS
-bands start at the smallest value there is (TensorBoard interpolates the lowest
-percentiles from the first bucket's left edge, so leading empty buckets would invent
-values).
+right edge, count), from its first to its last non-empty bucket: the DISTRIBUTIONS
+bands then run from the smallest to the largest value there is (TensorBoard takes the
+outermost percentiles from the outer edges, so empty end buckets would invent values).
+The edges stay the fixed one-bit buckets above, so every step shares one axis.
 
 Steps are written in increasing order per tag: TensorBoard's loader treats a step that
 goes back as a restart and drops the later points.
@@ -724,15 +723,14 @@ class TensorBoardSink:
         if not any(c > 0 for c in counts):
             return
         # Written as TensorBoard's own histogram tensor ([k, 3]: left edge, right edge,
-        # count), as tf.summary.histogram does, up to the inf/NaN bucket so the format's
-        # max and the overflow buckets are always on the axis, and from the first
-        # non-empty bucket: TensorBoard's DISTRIBUTIONS interpolate the low percentiles
-        # from the first bucket's left edge, so leading empty buckets would draw values
-        # that do not exist. The card's description (its info icon) names the format's
-        # limits on the axis, which TensorBoard cannot draw as lines.
-        first = next(i for i, c in enumerate(counts) if c > 0)
+        # count), as tf.summary.histogram does, from the first to the last non-empty
+        # bucket: TensorBoard's DISTRIBUTIONS take the lowest and highest percentiles
+        # from the outer edges, so empty end buckets would draw values that do not
+        # exist. The card's description (its info icon) names the format's limits on
+        # the axis, which TensorBoard cannot draw as lines.
+        nonzero = [i for i, c in enumerate(counts) if c > 0]
         rows = [[lo, hi, c] for lo, hi, c in zip(eb.lefts, eb.limits, counts, strict=True)]
-        rows = rows[first:]
+        rows = rows[nonzero[0]: nonzero[-1] + 1]
         value = summary_pb2.Summary.Value(
             tag=tag,
             metadata=histogram_metadata.create_summary_metadata(
