@@ -18,6 +18,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +27,22 @@ import torch
 from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator as ea_mod
 from tensorboard.plugins.custom_scalar import layout_pb2
+from tensorboard.util import tensor_util
 from torch import nn
 
 import amp_doctor
 from amp_doctor import Session
 from amp_doctor import stats as S
-from amp_doctor.dtypes import FormatLimits, limits
+from amp_doctor.dtypes import limits
 from amp_doctor.records import TensorStats
+from amp_doctor.sinks import heatmap as hm
 from amp_doctor.sinks import tensorboard as tbs
 from amp_doctor.sinks.tensorboard import TensorBoardSink, exp_buckets, exp_counts
 from amp_doctor.sinks.text import risk_order
 from tests.helpers import MLP, train
 
-CATEGORIES = ["Scaler", "Overflow risk", "Underflow", "Gradients"]
+CATEGORIES = ["Culprits (where inf/NaN or overflow started)", "Scaler", "Overflow risk",
+              "Underflow", "Gradients"]
 F16 = limits(torch.float16)
 
 
@@ -57,27 +61,60 @@ def _scalars(acc: ea_mod.EventAccumulator, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
+@dataclass(frozen=True)
+class _Hist:
+    """One histogram event as TensorBoard's histogram tensor holds it ([k, 3] rows)."""
+
+    step: int
+    lefts: list[float]
+    bucket_limit: list[float]  # right edges
+    bucket: list[float]
+
+    @property
+    def min(self) -> float:
+        return self.lefts[0]
+
+    @property
+    def max(self) -> float:
+        return self.bucket_limit[-1]
+
+    @property
+    def num(self) -> float:
+        return sum(self.bucket)
+
+
+def _hists(acc: ea_mod.EventAccumulator, tag: str) -> list[_Hist]:
+    out = []
+    for e in acc.Tensors(tag):
+        rows = tensor_util.make_ndarray(e.tensor_proto).tolist()
+        out.append(_Hist(e.step, [r[0] for r in rows], [r[1] for r in rows],
+                         [r[2] for r in rows]))
+    assert acc.SummaryMetadata(tag).plugin_data.plugin_name == "histograms"
+    return out
+
+
 def _text(acc: ea_mod.EventAccumulator, tag: str) -> list[str]:
     return [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")]
 
 
-def _expected_layer(a: TensorStats | None, g: TensorStats | None,
-                    fmt: FormatLimits) -> dict[str, float]:
-    """What the sink must write for one layer-step, derived here from the record."""
-    span = fmt.max_exponent - fmt.min_exponent
+def _expected_layer(a: TensorStats | None, g: TensorStats | None) -> dict[str, float]:
+    """What the sink must write for one layer-step, derived here from the record.
+
+    Only real numbers: an infinite headroom or absmax has no point at all.
+    """
     out: dict[str, float] = {}
     if a is not None:
-        out.update(overflow=a.overflow_frac, underflow=a.underflow_frac,
+        out.update(overflow=a.overflow_frac, underflow=a.underflow_frac, zeros=a.zero_frac,
                    nonfinite=round(a.nonfinite_frac * a.numel))
-        if not math.isnan(a.headroom):
-            out["headroom"] = max(-span, min(span, a.headroom))
+        if math.isfinite(a.headroom):
+            out["headroom"] = a.headroom
         if math.isfinite(a.absmax):
             out["absmax"] = a.absmax
     if g is not None:
-        out.update(grad_underflow=g.underflow_frac,
+        out.update(grad_underflow=g.underflow_frac, grad_zeros=g.zero_frac,
                    grad_nonfinite=round(g.nonfinite_frac * g.numel))
-        if not math.isnan(g.headroom):
-            out["grad_headroom"] = max(-span, min(span, g.headroom))
+        if math.isfinite(g.headroom):
+            out["grad_headroom"] = g.headroom
     return out
 
 
@@ -85,9 +122,26 @@ def _per_layer_tags(acc: ea_mod.EventAccumulator) -> dict[str, set[str]]:
     by_layer: dict[str, set[str]] = {}
     for tag in acc.Tags()["scalars"]:
         group, _, layer = tag.partition("/")
-        if group != "scaler":
+        if group not in ("scaler", "culprits"):
             by_layer.setdefault(layer, set()).add(group)
     return by_layer
+
+
+def _distinct(s: Session) -> list[str]:
+    """Layers with their own tags: not a container that returns its last child's output."""
+    return [lay.name for lay in s.layers if not lay.passthrough]
+
+
+def _scale_every_step(s: Session) -> list[tuple[int, float]]:
+    """The scale after each step's update, at every step, from the session's timeline."""
+    assert s.scaler is not None
+    points = dict(s.scaler.scale)
+    out, value = [], None
+    for st in range(min(points), s.steps):
+        value = points.get(st, value)
+        assert value is not None
+        out.append((st, _f32(value)))
+    return out
 
 
 # -- one real run shared by the tests that only read it ----------------------------------
@@ -124,28 +178,39 @@ def test_scalars_match_the_session_step_for_step(run: tuple[Path, Session]) -> N
     logdir, s = run
     acc = _load(logdir)
     assert s.scaler is not None
-    assert _scalars(acc, "scaler/scale") == [(st, _f32(v)) for st, v in s.scaler.scale]
-    steps = [st for st, _ in s.scaler.scale]
+    # Every training step has its scale, and log2 of it.
+    assert _scalars(acc, "scaler/scale") == _scale_every_step(s)
+    assert _scalars(acc, "scaler/log2_scale") == [
+        (st, _f32(math.log2(v))) for st, v in _scale_every_step(s)]
+    steps = list(range(s.steps))
     assert _scalars(acc, "scaler/backoffs") == [
         (st, float(sum(b <= st for b in s.scaler.backoff_steps))) for st in steps]
     assert _scalars(acc, "scaler/skipped") == [
         (st, float(sum(b <= st for b in s.scaler.skipped_steps))) for st in steps]
 
-    # 4 layers <= top_k: every layer, every recorded step, written live.
-    names = [lay.name for lay in s.layers]
+    # 4 layers <= top_k: every layer, every recorded step, written live; the root
+    # returns fc2's output, so its tags would be fc2's again: left out.
+    names = _distinct(s)
+    assert "MLP" not in names and s.layer("MLP").passthrough
     assert set(_per_layer_tags(acc)) == set(names)
     for name in names:
         want: dict[str, list[tuple[int, float]]] = {}
         for rec in s.history:
             ls = rec.layers[name]
-            for group, v in _expected_layer(ls.act, ls.grad, F16).items():
+            for group, v in _expected_layer(ls.act, ls.grad).items():
                 want.setdefault(group, []).append((rec.step, _f32(v)))
         for group, pts in want.items():
             assert _scalars(acc, f"{group}/{name}") == pts, (group, name)
-    # The spike: fc1 overflowed to inf at step 3, visible as a count and as headroom < 0.
+    # The spike: fc1 overflowed to inf at step 3. It is a count, never a clamped
+    # stand-in: no headroom or absmax point at all where the truth is -inf / inf.
+    assert s.history[3].layers["fc1"].act.headroom == -math.inf  # type: ignore[union-attr]
     assert dict(_scalars(acc, "nonfinite/fc1"))[3] > 0
-    assert dict(_scalars(acc, "headroom/fc1"))[3] == -(F16.max_exponent - F16.min_exponent)
-    assert 3 not in dict(_scalars(acc, "absmax/fc1"))  # inf is counted, not plotted
+    assert 3 not in dict(_scalars(acc, "headroom/fc1"))
+    assert 3 not in dict(_scalars(acc, "absmax/fc1"))
+    span = F16.max_exponent - F16.min_exponent
+    for tag in acc.Tags()["scalars"]:
+        if "headroom" in tag:
+            assert all(math.isfinite(v) and abs(v) != span for _, v in _scalars(acc, tag)), tag
 
 
 def test_exponent_histograms_span_the_format_and_count_everything(
@@ -155,23 +220,28 @@ def test_exponent_histograms_span_the_format_and_count_everything(
     m, big = F16.min_exponent, F16.max_exponent
     for name in ("fc1", "fc2"):
         for fld in ("act", "grad"):
-            events = acc.Histograms(f"{fld}_exp/{name}")
+            events = _hists(acc, f"{fld}_exp/{name}")
             assert [e.step for e in events] == [rec.step for rec in s.history]
-            for e, rec in zip(events, s.history, strict=True):
-                h = e.histogram_value
+            for h, rec in zip(events, s.history, strict=True):
                 limits_ = list(h.bucket_limit)
-                # Fixed buckets of one bit; the format's limits are edges.
-                assert limits_ == [float(x) for x in range(m - 1, big + 3)]
-                assert {m, F16.normal_exponent, big} <= set(limits_)
-                assert (h.min, h.max) == (m - 2, big + 2)
+                full = [float(x) for x in range(m - 1, big + 3)]
+                # Fixed buckets of one bit, up to the inf/NaN one; from the first
+                # non-empty one (so DISTRIBUTIONS start at the smallest real value).
+                i = full.index(limits_[0])
+                assert limits_ == full[i:i + len(limits_)]
+                assert h.bucket[0] > 0 and h.bucket[-1] > 0
+                assert h.lefts == [x - 1 for x in limits_]
                 ts = getattr(rec.layers[name], fld)
-                assert h.num == sum(h.bucket) == ts.numel  # nothing dropped
-                # Top bucket [M+1, M+2) is inf/NaN; [M, M+1) finite >= max.
-                assert h.bucket[-1] == round(ts.nonfinite_frac * ts.numel)
-                assert h.bucket[-1] + h.bucket[-2] >= round(ts.overflow_frac * ts.numel)
-                assert h.bucket[0] == round(ts.zero_frac * ts.numel)
-    spike = acc.Histograms("act_exp/fc1")[3].histogram_value
-    assert spike.bucket[-1] > 0
+                # Every non-zero value is drawn; exact zeros are the zeros/ scalar.
+                zeros = round(ts.zero_frac * ts.numel)
+                assert h.num == sum(h.bucket) == ts.numel - zeros
+                # Bucket [M+1, M+2) is inf/NaN; [M, M+1) finite >= max.
+                by_right = dict(zip(h.bucket_limit, h.bucket, strict=True))
+                assert by_right.get(big + 2.0, 0) == round(ts.nonfinite_frac * ts.numel)
+                assert by_right.get(big + 2.0, 0) + by_right.get(big + 1.0, 0) >= round(
+                    ts.overflow_frac * ts.numel)
+    spike = _hists(acc, "act_exp/fc1")[3]
+    assert spike.bucket_limit[-1] == F16.max_exponent + 2 and spike.bucket[-1] > 0  # inf
 
 
 def test_exp_counts_puts_each_value_in_its_bucket() -> None:
@@ -212,20 +282,75 @@ def test_exp_counts_places_a_float32_beyond_the_max_by_the_exact_extremes() -> N
     assert S.decode(row.tolist(), F16).overflow_frac == pytest.approx(1 / 3)
 
 
+def _rgb(ev: Any) -> Image.Image:
+    return Image.open(io.BytesIO(ev.encoded_image_string)).convert("RGB")
+
+
+def _bands(img: Image.Image, x: int, y0: int, y1: int) -> list[tuple[int, int, int]]:
+    """Colours of the runs of non-white pixels down column ``x`` (one per drawn row)."""
+    out: list[tuple[int, int, int]] = []
+    prev_white = True
+    for y in range(y0, y1):
+        px = img.getpixel((x, y))
+        white = px == (255, 255, 255)
+        if not white and prev_white:
+            out.append(px)
+        prev_white = white
+    return out
+
+
 def test_heatmaps_text_and_layout_are_in_the_event_files(run: tuple[Path, Session]) -> None:
     logdir, s = run
     acc = _load(logdir)
-    rows, cols = len(s.layers), len(s.history)
-    cell_h, cell_w = min(16, 1024 // rows), min(16, 1024 // cols)
+    fmt = F16
+    grids = tbs.heatmap_grids(s, fmt)
+    names = _distinct(s)
     for tag in ("heatmap/headroom", "heatmap/underflow", "heatmap/grad_headroom"):
         (ev,) = acc.Images(tag)
-        assert (ev.height, ev.width) == (rows * cell_h, cols * cell_w)
-        img = Image.open(io.BytesIO(ev.encoded_image_string)).convert("RGB")
-        assert img.size == (cols * cell_w, rows * cell_h)
-    # fc1 (row 0) at the spike (column 3) is marked red: inf in its output.
-    img = Image.open(io.BytesIO(acc.Images("heatmap/headroom")[0].encoded_image_string))
-    assert img.convert("RGB").getpixel((3 * cell_w + 1, 1)) == (255, 0, 0)
-    assert img.convert("RGB").getpixel((0 * cell_w + 1, 1)) != (255, 0, 0)
+        img = _rgb(ev)
+        assert img.size == (ev.width, ev.height)
+        grid = grids[tag]
+        assert grid.names == names and grid.steps == [r.step for r in s.history]
+        geo = hm.geometry(grid)
+        # Shown 1:1: a row is tall enough for its label, and the whole picture fits
+        # TensorBoard's image card, which would otherwise shrink it.
+        assert hm.fit_columns(grid) == grid  # 8 steps: one column each
+        assert geo.ch == hm.ROW_HEIGHT and ev.width <= hm.CARD_WIDTH
+        assert len(grid.steps) * geo.cw <= hm.plot_width(grid)
+        # One band of colour per layer down the first column: rows = layers.
+        bottom = geo.y0 + len(names) * geo.ch
+        assert len(_bands(img, geo.x0 + geo.cw // 2, geo.y0, bottom)) == len(names)
+        # Every row has its label: dark text pixels left of the plot.
+        for r in range(len(names)):
+            ys = range(geo.y0 + r * geo.ch, geo.y0 + (r + 1) * geo.ch)
+            assert any(sum(img.getpixel((x, y))) < 200 for y in ys
+                       for x in range(geo.x0 - 60, geo.x0 - 4)), (tag, names[r])
+        # The colour bar is there: a continuous viridis ramp below the plot.
+        bottom_of_plot = geo.y0 + len(names) * geo.ch
+        ramp = {hm.ramp(i / 1000) for i in range(1001)}
+        bar = {px for x in range(ev.width) for y in range(bottom_of_plot, ev.height)
+               if (px := img.getpixel((x, y))) in ramp}
+        assert len(bar) > 50
+
+    grid = grids["heatmap/headroom"]
+    geo = hm.geometry(grid)
+    img = _rgb(acc.Images("heatmap/headroom")[0])
+    fc1 = names.index("fc1")
+
+    def centre(r: int, c: int) -> tuple[int, int]:
+        return (geo.x0 + c * geo.cw + geo.cw // 2, geo.y0 + r * geo.ch + geo.ch // 2)
+
+    # fc1 at the spike (column 3) is red, inf in its output; at step 0 it is on the ramp.
+    assert img.getpixel(centre(fc1, 3)) == hm.NONFINITE_RGB
+    assert img.getpixel(centre(fc1, 0)) not in (hm.NONFINITE_RGB, hm.MISSING_RGB)
+    # fc1 is where the inf started (the backoff's forward origin): framed, and its label
+    # highlighted; fc2 downstream (red too, if it passed the inf on) is not framed.
+    assert fc1 in grid.origin_rows and (fc1, 3) in grid.origin_cells
+    x, y = geo.x0 + 3 * geo.cw, geo.y0 + fc1 * geo.ch
+    assert img.getpixel((x + 1, y + geo.ch // 2)) == hm.ORIGIN_RGB
+    assert names.index("fc2") not in grid.origin_rows
+    x2, y2 = geo.x0 + 3 * geo.cw, geo.y0 + names.index("fc2") * geo.ch
+    assert img.getpixel((x2 + 1, y2 + geo.ch // 2)) != hm.ORIGIN_RGB
 
     (findings,) = _text(acc, "findings")
     for f in s.findings:
@@ -234,11 +359,40 @@ def test_heatmaps_text_and_layout_are_in_the_event_files(run: tuple[Path, Sessio
     (backoff,) = _text(acc, "backoffs")
     assert "step 3" in backoff and "fc1" in backoff
     (legend,) = _text(acc, "heatmap_legend")
-    assert all(f"| {i} | {lay.name} |" in legend for i, lay in enumerate(s.layers))
+    assert all(f"| {i} | {name} |" in legend for i, name in enumerate(names))
+    assert "model order" in legend and "Origin: `fc1`" in legend
 
     (cfg,) = acc.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(cfg.tensor_proto.string_val[0])
     assert [c.title for c in layout.category] == CATEGORIES
+
+    # The culprit's own charts: fc1's figures, step for step, under culprits/fc1/.
+    for group in ("headroom", "overflow", "nonfinite", "grad_nonfinite"):
+        assert [st for st, _ in _scalars(acc, f"culprits/fc1/{group}")] == [
+            st for st, _ in _scalars(acc, f"{group}/fc1")]
+    assert _scalars(acc, "culprits/fc1/nonfinite") == _scalars(acc, "nonfinite/fc1")
+    assert not [t for t in acc.Tags()["scalars"]
+                if t.startswith("culprits/") and not t.startswith("culprits/fc1/")]
+
+
+def test_long_runs_merge_steps_and_keep_the_worst() -> None:
+    steps = list(range(0, 6000, 10))  # 600 recorded steps
+    values: list[list[float | None]] = [[12.0] * 600, [20.0] * 600]
+    values[0][301] = 0.5  # one step with almost no headroom left
+    nonfinite = [[False] * 600, [False] * 600]
+    nonfinite[1][450] = True
+    grid = hm.HeatmapGrid(names=["a", "b"], steps=steps, values=values,
+                          nonfinite=nonfinite, overflow=[[False] * 600] * 2,
+                          figure="headroom", title="t", origin_rows={1: None},
+                          origin_cells={(1, 450)})
+    fitted = hm.fit_columns(grid)
+    k = 600 // len(fitted.steps) + (600 % len(fitted.steps) > 0)
+    assert len(fitted.steps) * 2 <= hm.plot_width(grid) < 600 and k > 1
+    assert fitted.steps[0] == 0 and fitted.steps[1] == 10 * k
+    assert min(v for v in fitted.values[0] if v is not None) == 0.5  # not averaged away
+    assert sum(fitted.nonfinite[1]) == 1 and fitted.origin_cells == {(1, 450 // k)}
+    img = hm.render_heatmap(grid, F16)
+    assert img.shape[1] <= hm.CARD_WIDTH and img.dtype == torch.uint8
 
 
 def test_only_the_worst_k_layers_get_scalars_and_every_layer_is_in_the_heatmap(
@@ -252,20 +406,26 @@ def test_only_the_worst_k_layers_get_scalars_and_every_layer_is_in_the_heatmap(
         train(model, steps=3)
     s = doctor.session
     acc = _load(tmp_path)
-    worst = [lay.name for lay in risk_order([x for x in s.layers if x.recorded_steps])][:4]
+    worst = [lay.name for lay in risk_order(
+        [x for x in s.layers if x.recorded_steps and not x.passthrough])][:4]
     assert "1.0" in worst
     per_layer = _per_layer_tags(acc)
     assert set(per_layer) == set(worst) and len(s.layers) > 4
     for name in worst:
         assert [st for st, _ in _scalars(acc, f"overflow/{name}")] == [r.step for r in s.history]
-        # Whole-run exponent histograms for the chosen layers: one event, every value.
-        (h,) = acc.Histograms(f"act_exp_total/{name}")
+        # Whole-run exponent histograms for the chosen layers: one event, every non-zero
+        # value (exact zeros are the zeros/ scalar).
+        (h,) = _hists(acc, f"act_exp_total/{name}")
         acts = [a for r in s.history if (a := r.layers[name].act) is not None]
-        assert h.histogram_value.num == sum(a.numel for a in acts)
-    assert not [t for t in acc.Tags()["histograms"] if t.startswith("act_exp/")]
-    rows = len(s.layers)
+        assert h.num == sum(a.numel - round(a.zero_frac * a.numel)
+                                            for a in acts)
+    assert not [t for t in acc.Tags()["tensors"] if t.startswith("act_exp/")]
     (img,) = acc.Images("heatmap/headroom")
-    assert img.height == rows * min(16, 1024 // rows)
+    grid = tbs.heatmap_grids(s, F16)["heatmap/headroom"]
+    geo = hm.geometry(grid)
+    assert grid.names == _distinct(s) and len(grid.names) > 4
+    bands = _bands(_rgb(img), geo.x0 + geo.cw // 2, geo.y0, geo.y0 + len(grid.names) * geo.ch)
+    assert len(bands) == len(grid.names)
 
 
 def test_unrecorded_steps_still_reach_the_scaler_charts(tmp_path: Path) -> None:
@@ -277,8 +437,10 @@ def test_unrecorded_steps_still_reach_the_scaler_charts(tmp_path: Path) -> None:
     s = doctor.session
     acc = _load(tmp_path)
     assert s.scaler is not None and 4 in s.scaler.backoff_steps
-    assert _scalars(acc, "scaler/scale") == [(st, _f32(v)) for st, v in s.scaler.scale]
+    assert _scalars(acc, "scaler/scale") == _scale_every_step(s)
+    assert [st for st, _ in _scalars(acc, "scaler/scale")] == list(range(8))
     assert (4, 1.0) in _scalars(acc, "scaler/backoffs")
+    assert (3, 0.0) in _scalars(acc, "scaler/backoffs")
     assert [st for st, _ in _scalars(acc, "overflow/fc1")] == [0, 3, 6]
 
 
@@ -288,9 +450,14 @@ def test_bfloat16_histograms_span_bfloat16(tmp_path: Path) -> None:
     with amp_doctor.watch(model, every=1, logdir=tmp_path):
         train(model, steps=2, dtype=torch.bfloat16, scaler=False)
     bf = limits(torch.bfloat16)
-    h = _load(tmp_path).Histograms("act_exp/fc1")[0].histogram_value
-    assert (h.bucket_limit[0], h.bucket_limit[-1]) == (bf.min_exponent - 1, bf.max_exponent + 2)
-    assert {bf.min_exponent, bf.normal_exponent, bf.max_exponent} <= set(h.bucket_limit)
+    h = _hists(_load(tmp_path), "act_exp/fc1")[0]
+    assert h.bucket[0] > 0 and h.bucket[-1] > 0
+    full = [float(x) for x in range(bf.min_exponent - 1, bf.max_exponent + 3)]
+    i = full.index(h.bucket_limit[0])
+    assert h.bucket_limit == full[i:i + len(h.bucket_limit)]
+    # The description carries bfloat16's limits, which the axis need not reach.
+    desc = _load(tmp_path).SummaryMetadata("act_exp/fc1").summary_description
+    assert "bfloat16" in desc and f"x = {bf.normal_exponent}" in desc
 
 
 def test_event_files_are_flushed_when_the_loop_raises(tmp_path: Path) -> None:
@@ -392,13 +559,14 @@ def test_a_real_tensorboard_serves_the_dashboards(run: tuple[Path, Session],
 
     (run_name,) = _get(port, "/data/plugin/scalars/tags")
     tags = _get(port, "/data/plugin/scalars/tags")[run_name]
-    assert {"scaler/scale", "scaler/skipped", "scaler/backoffs"} <= set(tags)
-    for lay in s.layers:
-        assert {f"overflow/{lay.name}", f"headroom/{lay.name}",
-                f"grad_underflow/{lay.name}"} <= set(tags)
+    assert {"scaler/scale", "scaler/log2_scale", "scaler/skipped",
+            "scaler/backoffs"} <= set(tags)
+    for name in _distinct(s):
+        assert {f"overflow/{name}", f"headroom/{name}", f"zeros/{name}",
+                f"grad_underflow/{name}"} <= set(tags)
     assert s.scaler is not None
     served = _get(port, "/data/plugin/scalars/scalars", run=run_name, tag="scaler/scale")
-    assert [(p[1], p[2]) for p in served] == [(st, _f32(v)) for st, v in s.scaler.scale]
+    assert [(p[1], p[2]) for p in served] == _scale_every_step(s)
 
     layout = _get(port, "/data/plugin/custom_scalars/layout")
     assert [c["title"] for c in layout["category"]] == CATEGORIES
@@ -407,7 +575,10 @@ def test_a_real_tensorboard_serves_the_dashboards(run: tuple[Path, Session],
     # The charts' regexes select the right tags through the plugin itself.
     picked = _get(port, "/data/plugin/custom_scalars/scalars", run=run_name, tag=r"^underflow/")
     assert picked["regex_valid"] and set(picked["tag_to_events"]) == {
-        f"underflow/{lay.name}" for lay in s.layers}
+        f"underflow/{name}" for name in _distinct(s)}
+    culprits = _get(port, "/data/plugin/custom_scalars/scalars", run=run_name,
+                    tag=r"^culprits/.*/headroom$")
+    assert set(culprits["tag_to_events"]) == {"culprits/fc1/headroom"}
 
     text_tags = _get(port, "/data/plugin/text/tags")[run_name]
     assert "findings/text_summary" in text_tags
@@ -419,4 +590,61 @@ def test_a_real_tensorboard_serves_the_dashboards(run: tuple[Path, Session],
     assert {"heatmap/headroom", "heatmap/underflow", "heatmap/grad_headroom"} <= set(images)
     hist = _get(port, "/data/plugin/histograms/histograms", run=run_name, tag="act_exp/fc1")
     buckets = hist[0][2]
-    assert (buckets[0][0], buckets[-1][1]) == (F16.min_exponent - 2, F16.max_exponent + 2)
+    assert buckets[0][2] > 0 and buckets[-1][2] > 0
+    assert buckets[0][0] >= F16.min_exponent - 2 and buckets[-1][1] <= F16.max_exponent + 2
+    # The card's info text names the format's limits on the axis.
+    hist_tags = _get(port, "/data/plugin/histograms/tags")[run_name]
+    assert {"act_exp/fc1", "grad_exp/fc2"} <= set(hist_tags)
+    desc = hist_tags["act_exp/fc1"]["description"]
+    assert "x = -14" in desc and "65504" in desc and "zeros/" in desc
+
+
+# -- the scaler, live at every step ------------------------------------------------------
+
+def test_backoff_note_names_the_op_where_inf_started() -> None:
+    s = Session.load(Path(__file__).parent / "golden" / "anomaly_hidden_op.json")
+    ((step, note),) = tbs.backoff_groups(s)
+    assert step == 0 and "steps 0-11" in note
+    assert "inf/NaN started in: mlp.act [aten.pow]" in note
+    assert tbs.culprit_layers(s) == {"mlp.act": "aten.pow"}
+
+
+class _ScalerHookWatch(amp_doctor.Watch):
+    """The watch with its per-step scaler hook to the sink (see the sink's on_scaler_step).
+
+    ``Watch._note_scaler`` runs once per training step with the host mirror of the
+    scale; this forwards it, exactly as ``Watch`` does once the hook is wired in.
+    """
+
+    def _note_scaler(self, step: int, out: Any, culprits: list[str]) -> None:
+        super()._note_scaler(step, out, culprits)
+        if self._tb is not None:
+            self._tb.on_scaler_step(step, out)
+
+
+def test_the_scale_is_written_at_every_step_as_it_happens(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    doctor = _ScalerHookWatch(model, every=4, logdir=tmp_path).start()
+    try:
+        train(model, steps=7, scaler=scaler, batch=_spiky_batches(5))  # 5: not recorded
+        # Before the run ends: every step so far is on disk, with the real scale.
+        assert doctor._tb is not None
+        doctor._tb._writer.flush()
+        live = _load(tmp_path)
+        assert [st for st, _ in _scalars(live, "scaler/scale")] == list(range(7))
+        # The scale GradScaler itself reports now is the last point.
+        assert _scalars(live, "scaler/scale")[-1] == (6, _f32(scaler.get_scale()))
+        assert dict(_scalars(live, "scaler/backoffs"))[5] == 1.0
+        assert dict(_scalars(live, "scaler/backoffs"))[4] == 0.0
+        assert dict(_scalars(live, "scaler/skipped"))[5] == 1.0
+    finally:
+        doctor.close()
+    s = doctor.session
+    acc = _load(tmp_path)
+    # Nothing written twice, nothing out of order; the same as the session's timeline.
+    assert _scalars(acc, "scaler/scale") == _scale_every_step(s)
+    assert _scalars(acc, "scaler/log2_scale") == [
+        (st, _f32(math.log2(v))) for st, v in _scale_every_step(s)]
+    assert s.scaler is not None and s.scaler.backoff_steps == [5]

@@ -1,28 +1,46 @@
 """TensorBoard dashboards of a watched run, written with ``torch.utils.tensorboard``.
 
+Where the files go: the event file is written straight into the run's ``logdir`` (next
+to ``amp_doctor.json``), and nowhere else. TensorBoard names a run after its folder
+relative to ``--logdir``, so point TensorBoard at the folder that *holds* the runs
+(``tensorboard --logdir runs/amp-doctor``, the CLI's default parent) and each run, and
+each ``rank<k>/`` of a multi-process run, shows as its own run side by side. Pointing
+at one run folder itself names that run ".".
+
 What goes where (tags are stable; see the README section "TensorBoard dashboards"):
 
+* **Per training step, live** (:meth:`TensorBoardSink.on_scaler_step`, called from the
+  watch's per-step scaler bookkeeping with the host mirror of the scale; no sync):
+  ``scaler/scale``, ``scaler/log2_scale`` (a collapse is a straight line on it),
+  ``scaler/skipped`` and ``scaler/backoffs`` (cumulative counts). Steps the watch did
+  not report live are written from the finished session's timeline at the end.
 * **Per recorded step, live** (:meth:`TensorBoardSink.on_step`, right after the step's
   single host copy; everything it reads is already a host float or a host tensor):
-  per-layer scalars ``overflow/``, ``underflow/``, ``headroom/``, ``absmax/``,
-  ``nonfinite/``, ``grad_underflow/``, ``grad_headroom/``, ``grad_nonfinite/``
-  ``<layer>``, and exponent histograms ``act_exp/<layer>`` and ``grad_exp/<layer>``.
+  per-layer scalars ``overflow/``, ``underflow/``, ``zeros/``, ``headroom/``,
+  ``absmax/``, ``nonfinite/``, ``grad_underflow/``, ``grad_zeros/``,
+  ``grad_headroom/``, ``grad_nonfinite/`` ``<layer>``, and exponent histograms
+  ``act_exp/<layer>`` and ``grad_exp/<layer>``. A figure is written only where it is
+  a real number: an infinite headroom or absmax (an all-zero output, or inf in it) gets
+  no point; the inf/NaN values are counted in ``nonfinite/`` instead. Layers whose
+  output and gradient are exactly another layer's (a container returning its last
+  child's output) are written once, under the first (innermost) name.
 * **At the end** (:meth:`TensorBoardSink.finish`, called by ``Watch.close`` on every exit
-  path): the loss-scaler timeline ``scaler/scale``, ``scaler/skipped``,
-  ``scaler/backoffs`` (it covers every training step, not only recorded ones, and only
-  the finished session knows the steps that were not recorded); for models with more
-  layers than ``top_k``, the per-layer scalars of the ``top_k`` riskiest layers; the
-  layer x step images ``heatmap/headroom``, ``heatmap/underflow``,
-  ``heatmap/grad_headroom`` with their key in text ``heatmap_legend``; text ``findings``
-  (the markdown report) and one text ``backoffs`` note per run of consecutive backoffs.
-  (torch's ``add_text`` stores text tag ``X`` as ``X/text_summary``.)
-* **At start**: the custom-scalars layout (tab "CUSTOM SCALARS": Scaler / Overflow
-  risk / Underflow / Gradients), so the dashboard is arranged while the run is live.
+  path): ``culprits/<layer>/<figure>``, the per-layer figures of the layers the findings
+  name as where inf/NaN or overflow started, in their own section and custom-scalars
+  group; for models with more layers than ``top_k``, the per-layer scalars of the
+  ``top_k`` riskiest layers; the labelled layer x step images ``heatmap/headroom``,
+  ``heatmap/underflow``, ``heatmap/grad_headroom`` with their key in text
+  ``heatmap_legend``; text ``findings`` (verdict first, then one block per finding) and
+  one text ``backoffs`` note per run of consecutive backoffs. (torch's ``add_text``
+  stores text tag ``X`` as ``X/text_summary``.)
+* **At start**: the custom-scalars layout (tab "CUSTOM SCALARS": Culprits / Scaler /
+  Overflow risk / Underflow / Gradients), so the dashboard is arranged while the run is
+  live.
 
 Which layers get per-layer scalars. While the model has at most ``top_k`` layers (the
 usual case: the count is known at the first recorded step) every layer is written live
 at full resolution. With more layers, writing every layer would bloat the event file
-(layers x steps x 8 points), and "riskiest so far" changes during a run, which would
+(layers x steps x 10 points), and "riskiest so far" changes during a run, which would
 leave charts with holes. So the choice is made once, at the end, from the whole-run
 risk order (:func:`~amp_doctor.sinks.text.risk_order`, the same order as the text
 report), and those layers' scalars are written from ``session.history`` (every recorded
@@ -34,11 +52,14 @@ Every layer is always in the heatmaps.
 Exponent histograms. The x-axis is ``log2|x|`` in bits, one bucket per power of two,
 spanning the low-precision format from its smallest subnormal (``2**min_exponent``) to
 the power of two above its max (``2**max_exponent``); those two, and the smallest
-normal, are bucket edges. Nothing is dropped: four edge buckets hold what a log axis
-cannot place (``m = min_exponent``, ``M = max_exponent``):
+normal, are bucket edges, and each histogram's description (the card's info icon) names
+them. Exact zeros have no place on a log axis: they are the scalar ``zeros/<layer>``,
+and their bucket is left empty (so ReLU's zeros no longer look like values at
+``2**(m-2)``). Three edge buckets hold what the axis cannot place (``m =
+min_exponent``, ``M = max_exponent``):
 
 ====================  ===============================================================
-bucket [m-2, m-1)     exact zeros
+bucket [m-2, m-1)     exact zeros: always empty (see ``zeros/<layer>``)
 bucket [m-1, m)       non-zero values below the smallest subnormal (they flush to 0)
 bucket [e, e+1)       ``2**e <= |x| < 2**(e+1)`` for ``m <= e < M`` (values at or above
                       the format's max are moved out of the top one, into:)
@@ -46,21 +67,29 @@ bucket [M, M+1)       finite values beyond the format's max: overflow on a cast
 bucket [M+1, M+2)     inf and NaN
 ====================  ===============================================================
 
+With zeros out, TensorBoard's DISTRIBUTIONS view of these histograms is meaningful: its
+bands are percentiles of ``log2|x|`` of the non-zero values, i.e. how many bits the
+values span over time, on the same axis as the format's limits.
+
 The on-device summary bins ``|x|`` by its float32 exponent, so float32 subnormals
 (``|x| < 2**-126``) are one bin. For float16 they are all below its smallest subnormal;
 for bfloat16 (whose subnormals reach ``2**-133``) they are counted in bucket
 ``[-127, -126)``. ``nonfinite/<layer>`` and ``grad_nonfinite/<layer>`` repeat the
 inf/NaN counts as scalars.
 
-Histogram ``min``/``max`` are the layout's outer edges, so TensorBoard's default (fast,
-Rust) loader draws every step on one fixed axis, empty buckets included. TensorBoard's
-legacy Python loader (``--load_fast=false``) drops empty end buckets and stretches the
-outermost non-empty ones to ``min``/``max``; the counts stay right, only those two
-buckets look wider.
+Each histogram is written as TensorBoard's own histogram tensor (rows of left edge,
+right edge, count), from its first to its last non-empty bucket: the DISTRIBUTIONS
+bands then run from the smallest to the largest value there is (TensorBoard takes the
+outermost percentiles from the outer edges, so empty end buckets would invent values).
+The edges stay the fixed one-bit buckets above, so every step shares one axis.
+
+Steps are written in increasing order per tag: TensorBoard's loader treats a step that
+goes back as a restart and drops the later points.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterable
@@ -68,13 +97,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from tensorboard.compat.proto import summary_pb2
+from tensorboard.plugins.histogram import metadata as histogram_metadata
+from tensorboard.util import tensor_util
 from torch.utils.tensorboard import SummaryWriter
 
+from .. import format as F
 from .. import stats as S
 from ..dtypes import LOW_PRECISION_DTYPES, FormatLimits, limits, parse_dtype
 from ..recorder import HostStep
 from ..records import LayerStep, Session, StepRecord, TensorStats
+from .heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
 from .text import render_markdown, risk_order
 
 __all__ = [
@@ -82,17 +117,21 @@ __all__ = [
     "ExpBuckets",
     "exp_buckets",
     "exp_counts",
+    "hist_description",
     "infer_format",
     "layer_scalars",
     "scaler_series",
+    "culprit_layers",
     "heatmap_images",
     "heatmap_legend",
     "backoff_groups",
     "LAYOUT",
     "LAYER_GROUPS",
+    "CULPRIT_GROUPS",
     "FLUSH_SECS",
     "HEATMAP_MAX_BITS",
     "FALLBACK_DTYPE",
+    "SCALER_FILL_LIMIT",
 ]
 
 # SummaryWriter's own background thread flushes this often, so a live dashboard trails
@@ -104,53 +143,65 @@ MAX_QUEUE = 1000
 # Judge against float16 when the run's format is unknown: it is what watch() uses for
 # what-if figures when autocast never ran (see watch.WHAT_IF_DTYPE).
 FALLBACK_DTYPE = "float16"
-# Headroom colours saturate here: beyond ~32 bits a layer is nowhere near overflow, and a
-# wider ramp would wash out the 0-16 bits where float16 runs live.
-HEATMAP_MAX_BITS = 32.0
-# Pixels per heatmap cell, shrunk for big models/long runs to keep the image ~1k pixels.
-_CELL_MAX = 16
-_IMAGE_TARGET = 1024
+# At the end, the scale is written at every step of runs up to this many steps (a step
+# line); longer runs get the timeline's points plus the step before each change, which
+# draws the same staircase in far fewer points.
+SCALER_FILL_LIMIT = 20_000
 
 # Per-layer scalar groups, in the order the README documents them.
 LAYER_GROUPS: tuple[str, ...] = (
-    "overflow", "underflow", "headroom", "absmax", "nonfinite",
-    "grad_underflow", "grad_headroom", "grad_nonfinite",
+    "overflow", "underflow", "zeros", "headroom", "absmax", "nonfinite",
+    "grad_underflow", "grad_zeros", "grad_headroom", "grad_nonfinite",
 )
+# The figures repeated under culprits/<layer>/ for the layers where trouble started.
+CULPRIT_GROUPS: tuple[str, ...] = (
+    "headroom", "overflow", "nonfinite", "absmax", "grad_headroom", "grad_nonfinite",
+    "underflow", "grad_underflow",
+)
+# Finding and event kinds that name where inf/NaN or overflow started (not where it
+# was only passed on).
+ORIGIN_KINDS: tuple[str, ...] = (
+    "nonfinite_input", "nonfinite_forward", "activation_overflow", "nonfinite_backward")
+# Findings of these kinds name the origin layer of the backoffs in their module.
+_BACKOFF_KINDS = ("scale_collapse", "scaler_backoff")
 
 # The custom-scalars tab. Regexes are anchored: the plugin's backend uses re.match, and
 # the anchors keep e.g. "underflow/" from also matching "grad_underflow/" anywhere.
 LAYOUT: dict[str, dict[str, list[Any]]] = {
+    "Culprits (where inf/NaN or overflow started)": {
+        "headroom to the format's max (bits; < 0 = overflow)": [
+            "Multiline", [r"^culprits/.*/headroom$"]],
+        "inf/NaN outputs (count)": ["Multiline", [r"^culprits/.*/nonfinite$"]],
+        "share of outputs beyond the format's max": ["Multiline", [r"^culprits/.*/overflow$"]],
+        "headroom of (scaled) output grads (bits)": [
+            "Multiline", [r"^culprits/.*/grad_headroom$"]],
+    },
     "Scaler": {
         "loss scale (after each update)": ["Multiline", [r"^scaler/scale$"]],
+        "log2 of the loss scale (a collapse is a straight line down)": [
+            "Multiline", [r"^scaler/log2_scale$"]],
         "skipped optimizer steps (cumulative)": ["Multiline", [r"^scaler/skipped$"]],
         "scale backoffs (cumulative)": ["Multiline", [r"^scaler/backoffs$"]],
     },
     "Overflow risk": {
         "headroom to the format's max (bits; < 0 = overflow)": ["Multiline", [r"^headroom/"]],
-        "share of outputs >= format max": ["Multiline", [r"^overflow/"]],
+        "share of outputs beyond the format's max": ["Multiline", [r"^overflow/"]],
         "inf/NaN outputs (count)": ["Multiline", [r"^nonfinite/"]],
-        "max |output|": ["Multiline", [r"^absmax/"]],
+        "max |output| (finite)": ["Multiline", [r"^absmax/"]],
     },
     "Underflow": {
         "share of non-zero outputs below the smallest normal": ["Multiline", [r"^underflow/"]],
+        "share of outputs that are exactly zero": ["Multiline", [r"^zeros/"]],
     },
     "Gradients": {
         "share of (scaled) output grads below the smallest normal": [
             "Multiline", [r"^grad_underflow/"]],
+        "share of (scaled) output grads that are exactly zero": [
+            "Multiline", [r"^grad_zeros/"]],
         "headroom of (scaled) output grads (bits)": ["Multiline", [r"^grad_headroom/"]],
         "inf/NaN output grads (count)": ["Multiline", [r"^grad_nonfinite/"]],
     },
 }
-
-_RGB = tuple[int, int, int]
-# viridis at 0, .25, .5, .75, 1: perceptually even and readable by colour-blind users.
-_VIRIDIS: tuple[_RGB, ...] = (
-    (68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
-# Marks that are not on the ramp, so they cannot be mistaken for a value.
-_NONFINITE_RGB: _RGB = (255, 0, 0)
-_OVERFLOW_RGB: _RGB = (255, 0, 255)
-_MISSING_RGB: _RGB = (128, 128, 128)
-_GRID = 24
 
 
 # -- exponent histograms ---------------------------------------------------------------
@@ -242,177 +293,245 @@ def infer_format(layers: Iterable[LayerStep]) -> FormatLimits | None:
     return None
 
 
+def hist_description(fmt: FormatLimits) -> str:
+    """Markdown for an exponent histogram's card: the axis and the format's limits on it."""
+    m, big, n = fmt.min_exponent, fmt.max_exponent, fmt.normal_exponent
+    return (
+        f"x = log2\\|value\\| in bits, one bar per power of two, judged against {fmt.name}: "
+        f"smallest subnormal 2^{m} (x = {m}), smallest normal {F.limit(fmt.smallest_normal)} "
+        f"(x = {n}), max {F.limit(fmt.max)} (just below x = {big}). Bar [{m - 1}, {m}): "
+        f"non-zero values that flush to 0; [{big}, {big + 1}): finite values beyond the max "
+        f"(overflow); [{big + 1}, {big + 2}): inf and NaN. Exact zeros are not drawn: see "
+        f"the scalar zeros/<layer>. Values left of x = {n} are subnormal in {fmt.name}."
+    )
+
+
 # -- scalars -----------------------------------------------------------------------------
-
-def _clamp_headroom(h: float, span: float) -> float | None:
-    # +inf (an all-zero output) and -inf (inf in the output) would wreck the chart's
-    # y-range; clamp to the format's whole range in bits. NaN is "no data": no point.
-    if math.isnan(h):
-        return None
-    return max(-span, min(span, h))
-
 
 def _count(ts: TensorStats, frac: float) -> float:
     return float(round(frac * ts.numel))
 
 
 def layer_scalars(ls: LayerStep, fmt: FormatLimits) -> dict[str, float]:
-    """Per-layer scalar group -> value for one step (groups missing = no data)."""
-    span = float(fmt.max_exponent - fmt.min_exponent)
+    """Per-layer scalar group -> value for one step (groups missing = no data).
+
+    Never a stand-in: an infinite headroom (all-zero output: +inf; inf in it: -inf) or
+    absmax has no point; the inf/NaN values are counted in ``nonfinite`` instead.
+    """
+    del fmt  # the figures are already judged against it; kept for a stable signature
     out: dict[str, float] = {}
     if (a := ls.act) is not None and a.numel:
         out["overflow"] = a.overflow_frac
         out["underflow"] = a.underflow_frac
-        if (h := _clamp_headroom(a.headroom, span)) is not None:
-            out["headroom"] = h
-        if math.isfinite(a.absmax):  # inf is counted in nonfinite/ instead
+        out["zeros"] = a.zero_frac
+        if math.isfinite(a.headroom):
+            out["headroom"] = a.headroom
+        if math.isfinite(a.absmax):
             out["absmax"] = a.absmax
         out["nonfinite"] = _count(a, a.nonfinite_frac)
     if (g := ls.grad) is not None and g.numel:
         # As autograd produced them, i.e. scaled: that is what lives in the format.
         out["grad_underflow"] = g.underflow_frac
-        if (h := _clamp_headroom(g.headroom, span)) is not None:
-            out["grad_headroom"] = h
+        out["grad_zeros"] = g.zero_frac
+        if math.isfinite(g.headroom):
+            out["grad_headroom"] = g.headroom
         out["grad_nonfinite"] = _count(g, g.nonfinite_frac)
     return out
 
 
-def scaler_series(session: Session) -> dict[str, list[tuple[int, float]]]:
-    """``scaler/*`` points in step order, exactly as the session's timeline has them.
+def _finite(v: float | None) -> bool:
+    return v is not None and math.isfinite(v) and v > 0
 
+
+def scaler_series(session: Session, after: int = -1) -> dict[str, list[tuple[int, float]]]:
+    """``scaler/*`` points in step order, for the steps after ``after``.
+
+    The scale after each update is a step function of the timeline (it holds every
+    change), so it is written at every step up to :data:`SCALER_FILL_LIMIT` steps.
     ``scaler/skipped`` and ``scaler/backoffs`` are cumulative counts (a rise is an
-    event; thinning of the timeline cannot hide one), sampled at every step of the scale
-    timeline and at every skip/backoff.
+    event; no thinning can hide one), at the same steps.
     """
     sc = session.scaler
-    if sc is None or not sc.enabled:
+    if sc is None or not sc.enabled or not sc.scale:
         return {}
+    pts = sorted((int(st), float(v)) for st, v in sc.scale if _finite(v))
+    if not pts:
+        return {}
+    last = max(pts[-1][0], session.steps - 1, *sc.skipped_steps, *sc.backoff_steps)
+    if last + 1 - pts[0][0] <= SCALER_FILL_LIMIT:
+        steps = list(range(pts[0][0], last + 1))
+    else:  # the staircase's corners only
+        corners = {st for st, _ in pts} | {st - 1 for st, _ in pts[1:]}
+        steps = sorted(corners | set(sc.skipped_steps) | set(sc.backoff_steps) | {last})
+    steps = [st for st in steps if st > after and st >= pts[0][0]]
     out: dict[str, list[tuple[int, float]]] = {
-        "scaler/scale": [(int(st), float(v)) for st, v in sc.scale if math.isfinite(v)]}
-    steps = sorted({st for st, _ in sc.scale} | set(sc.skipped_steps) | set(sc.backoff_steps))
-    for tag, events in (("scaler/skipped", sorted(sc.skipped_steps)),
-                        ("scaler/backoffs", sorted(sc.backoff_steps))):
-        pts, i = [], 0
-        for st in steps:
-            while i < len(events) and events[i] <= st:
-                i += 1
-            pts.append((int(st), float(i)))
-        out[tag] = pts
+        "scaler/scale": [], "scaler/log2_scale": [], "scaler/skipped": [],
+        "scaler/backoffs": []}
+    skipped, backoffs = sorted(sc.skipped_steps), sorted(sc.backoff_steps)
+    i = j = k = 0
+    value = pts[0][1]
+    for st in steps:
+        while i < len(pts) and pts[i][0] <= st:
+            value = pts[i][1]
+            i += 1
+        while j < len(skipped) and skipped[j] <= st:
+            j += 1
+        while k < len(backoffs) and backoffs[k] <= st:
+            k += 1
+        out["scaler/scale"].append((st, value))
+        out["scaler/log2_scale"].append((st, math.log2(value)))
+        out["scaler/skipped"].append((st, float(j)))
+        out["scaler/backoffs"].append((st, float(k)))
+    return out if steps else {}
+
+
+def culprit_layers(session: Session) -> dict[str, str | None]:
+    """Layers where inf/NaN or overflow started -> the op that did it (when known).
+
+    From the findings first (their order is most severe first), then the run's events
+    (anomaly mode names module and op per step) and the backoffs' forward origins.
+    Layers that only passed the values on are not here.
+    """
+    out: dict[str, str | None] = {}
+    # A layer-level overflow finding names an origin only where that layer was the first
+    # to overflow in some step; the others downstream only passed the values on.
+    origin_steps = {lay.name: lay.overflow_origin_steps for lay in session.layers}
+    any_origin = any(origin_steps.values())
+
+    def add(module: str | None, op: str | None) -> None:
+        if module and out.get(module) is None:
+            out[module] = op
+
+    for f in session.findings:
+        if f.severity == "info" or not (f.kind in ORIGIN_KINDS or f.kind in _BACKOFF_KINDS):
+            continue
+        if (f.kind == "activation_overflow" and f.op is None and any_origin
+                and not origin_steps.get(f.module or "", 0)):
+            continue
+        add(f.module, f.op)
+    for e in session.events:
+        if e.kind in ORIGIN_KINDS:
+            add(e.module, e.op)
+    if session.scaler is not None:
+        for ev in session.scaler.events:
+            add(ev.forward_origin, None)
     return out
+
+
+def origin_cells(session: Session) -> set[tuple[str, int]]:
+    """(layer, step) pairs where inf/NaN or overflow started, per the events."""
+    cells = {(e.module, e.step) for e in session.events
+             if e.kind in ORIGIN_KINDS and e.module}
+    if session.scaler is not None:
+        cells |= {(ev.forward_origin, ev.step) for ev in session.scaler.events
+                  if ev.forward_origin}
+    return cells
 
 
 # -- heatmaps ----------------------------------------------------------------------------
 
-def _ramp(t: torch.Tensor) -> torch.Tensor:
-    """[H, W] values in [0, 1] -> [3, H, W] float RGB along viridis."""
-    anchors = torch.tensor(_VIRIDIS, dtype=torch.float64)  # [5, 3]
-    pos = t.clamp(0, 1) * (len(_VIRIDIS) - 1)
-    lo = pos.floor().long().clamp(max=len(_VIRIDIS) - 2)
-    frac = (pos - lo).unsqueeze(-1)
-    rgb = anchors[lo] * (1 - frac) + anchors[lo + 1] * frac  # [H, W, 3]
-    return rgb.permute(2, 0, 1)
-
-
-def _paint(rgb: torch.Tensor, mask: torch.Tensor, colour: _RGB) -> None:
-    for c in range(3):
-        rgb[c][mask] = colour[c]
-
-
-def _cell(n: int) -> int:
-    return max(1, min(_CELL_MAX, _IMAGE_TARGET // max(n, 1)))
-
-
-def _upscale(img: torch.Tensor, ch: int, cw: int) -> torch.Tensor:
-    big = img.repeat_interleave(ch, dim=1).repeat_interleave(cw, dim=2)
-    # A dark line between cells keeps neighbouring rows (layers) and columns (steps)
-    # apart when they have the same colour; only where cells are big enough to spare it.
-    if ch >= 4:
-        big[:, ch - 1 :: ch, :] = _GRID
-    if cw >= 4:
-        big[:, :, cw - 1 :: cw] = _GRID
-    return big
-
-
-# The heatmaps: (tag, LayerStep field, figure). Headroom ramps from "no bits left"
+# The heatmaps: (tag, LayerStep field, figure, title). Headroom ramps from "no bits left"
 # (bright) to plenty (dark); underflow from none (dark) to all values (bright).
-_HEATMAPS: tuple[tuple[str, str, str], ...] = (
-    ("heatmap/headroom", "act", "headroom"),
-    ("heatmap/underflow", "act", "underflow"),
-    ("heatmap/grad_headroom", "grad", "headroom"),
+_HEATMAPS: tuple[tuple[str, str, str, str], ...] = (
+    ("heatmap/headroom", "act", "headroom", "Outputs: headroom to {name}'s max"),
+    ("heatmap/underflow", "act", "underflow", "Outputs: underflow in {name}"),
+    ("heatmap/grad_headroom", "grad", "headroom",
+     "Output grads (as scaled): headroom to {name}'s max"),
 )
 
 
-def heatmap_images(session: Session, fmt: FormatLimits) -> dict[str, torch.Tensor]:
-    """Layer x step pictures as uint8 [3, H, W] images, keyed by tag.
+def heatmap_layers(session: Session) -> list[str]:
+    """The heatmaps' rows: every layer in model order, minus exact duplicates.
 
-    Rows are every layer in forward order (``session.layers``), columns the recorded
-    steps of ``session.history``. ``heatmap/headroom`` (outputs) and
-    ``heatmap/grad_headroom`` (output gradients, scaled): yellow = no headroom left,
-    purple = ``HEATMAP_MAX_BITS`` or more. ``heatmap/underflow``: purple = none, yellow =
-    every non-zero output below the smallest normal. In all of them, red = inf/NaN,
-    magenta = values beyond the format's max (overflow; what-if for a float32
-    layer), grey = no data for that layer in that step.
+    A container whose output always was its last child's (``LayerSummary.passthrough``)
+    would repeat that child's row.
     """
-    names = [lay.name for lay in session.layers]
-    steps = session.history
-    rows, cols = len(names), len(steps)
-    if not rows or not cols:
+    return [lay.name for lay in session.layers if not lay.passthrough]
+
+
+def heatmap_grids(session: Session, fmt: FormatLimits) -> dict[str, HeatmapGrid]:
+    """What each heatmap shows, keyed by tag (empty when nothing was recorded)."""
+    names = heatmap_layers(session)
+    recs = session.history
+    if not names or not recs:
         return {}
-    bits = min(HEATMAP_MAX_BITS, float(fmt.max_exponent - fmt.normal_exponent))
-    ch, cw = _cell(rows), _cell(cols)
-    out: dict[str, torch.Tensor] = {}
-    for tag, fld, figure in _HEATMAPS:
-        val = torch.full((rows, cols), math.nan, dtype=torch.float64)
-        nonfinite = torch.zeros(rows, cols, dtype=torch.bool)
-        overflow = torch.zeros(rows, cols, dtype=torch.bool)
-        for c, rec in enumerate(steps):
-            for r, name in enumerate(names):
+    row_of = {n: r for r, n in enumerate(names)}
+    col_of = {rec.step: c for c, rec in enumerate(recs)}
+    culprits = culprit_layers(session)
+    origin_rows = {row_of[n]: op for n, op in culprits.items() if n in row_of}
+    cells = {(row_of[n], col_of[st]) for n, st in origin_cells(session)
+             if n in row_of and st in col_of}
+    out: dict[str, HeatmapGrid] = {}
+    for tag, fld, figure, title in _HEATMAPS:
+        values: list[list[float | None]] = []
+        nonfinite: list[list[bool]] = []
+        overflow: list[list[bool]] = []
+        for name in names:
+            vr: list[float | None] = []
+            nr: list[bool] = []
+            orow: list[bool] = []
+            for rec in recs:
                 ls = rec.layers.get(name)
                 ts: TensorStats | None = getattr(ls, fld) if ls is not None else None
                 if ts is None or not ts.numel:
+                    vr.append(None)
+                    nr.append(False)
+                    orow.append(False)
                     continue
                 v = ts.headroom if figure == "headroom" else ts.underflow_frac
-                # NaN headroom (NaN-only output) is still data: the red mark covers it.
-                val[r, c] = v if not math.isnan(v) else 0.0
-                nonfinite[r, c] = ts.nonfinite_frac > 0
-                overflow[r, c] = ts.overflow_frac > 0
-        missing = val.isnan()
-        if figure == "headroom":
-            t = 1.0 - torch.nan_to_num(val, nan=bits, posinf=bits, neginf=0.0) / bits
-        else:
-            t = torch.nan_to_num(val, nan=0.0)
-        img = _ramp(t)
-        _paint(img, missing, _MISSING_RGB)
-        _paint(img, overflow & ~nonfinite, _OVERFLOW_RGB)
-        _paint(img, nonfinite, _NONFINITE_RGB)
-        out[tag] = _upscale(img.round().clamp(0, 255).to(torch.uint8), ch, cw)
+                # An all-zero output has +inf headroom: as safe as it gets.
+                vr.append(HEATMAP_MAX_BITS if v == math.inf else
+                          (v if math.isfinite(v) else 0.0))
+                nr.append(ts.nonfinite_frac > 0 or not math.isfinite(ts.absmax))
+                orow.append(ts.overflow_frac > 0)
+            values.append(vr)
+            nonfinite.append(nr)
+            overflow.append(orow)
+        out[tag] = HeatmapGrid(
+            names=names, steps=[rec.step for rec in recs], values=values,
+            nonfinite=nonfinite, overflow=overflow, figure=figure,
+            title=title.format(name=fmt.name),
+            origin_rows=origin_rows, origin_cells=cells)
     return out
 
 
+def heatmap_images(session: Session, fmt: FormatLimits) -> dict[str, torch.Tensor]:
+    """Labelled layer x step pictures as uint8 ``[H, W, 3]`` (HWC) images, keyed by tag.
+
+    See :mod:`amp_doctor.sinks.heatmap` for what is drawn.
+    """
+    return {tag: render_heatmap(g, fmt) for tag, g in heatmap_grids(session, fmt).items()}
+
+
 def heatmap_legend(session: Session, fmt: FormatLimits) -> str:
-    """Markdown key for the heatmaps: colours, rows (layers) and columns (steps)."""
-    names = [lay.name for lay in session.layers]
+    """Markdown key for the heatmaps (the images carry their own key; this adds the list)."""
+    names = heatmap_layers(session)
     steps = [rec.step for rec in session.history]
     bits = min(HEATMAP_MAX_BITS, float(fmt.max_exponent - fmt.normal_exponent))
+    culprits = culprit_layers(session)
     lines = [
-        f"**Heatmaps: layers (rows, forward order) x recorded steps (columns), "
-        f"judged against {fmt.name}.**",
+        f"**Heatmaps: layers (rows, model order: first to run at the top) x recorded "
+        f"steps (columns), judged against {fmt.name}.**",
         "",
         f"* `heatmap/headroom`: bits between max\\|output\\| and {fmt.name}'s max "
-        f"({fmt.max:g}). Yellow = 0 bits left, purple = {bits:g} bits or more.",
+        f"({F.limit(fmt.max)}). Yellow = 0 bits left, purple = {bits:g} bits or more.",
         "* `heatmap/grad_headroom`: the same for the layer's output gradients, as scaled "
         "by the GradScaler (what the backward pass holds).",
         "* `heatmap/underflow`: share of non-zero outputs below the smallest normal "
-        f"({fmt.smallest_normal:g}). Purple = none, yellow = all.",
+        f"({F.limit(fmt.smallest_normal)}). Purple = none, yellow = all.",
         "* red = inf/NaN; magenta = values beyond the max (overflow, or "
         "would-overflow for a float32 layer); grey = not recorded.",
+        "* blue frame and highlighted name = where inf/NaN or overflow started (the "
+        "origin); red rows without it only passed the values on.",
+        "* containers whose output is their last child's are left out (same row).",
         "",
         f"Columns: {len(steps)} recorded steps"
         + (f", step {steps[0]} (left) to {steps[-1]} (right)." if steps else "."),
-        "",
-        "| row | layer |",
-        "|---|---|",
     ]
+    if culprits:
+        lines += ["", "Origin: " + ", ".join(
+            f"`{n}`" + (f" (op `{op}`)" if op else "") for n, op in culprits.items())]
+    lines += ["", "| row | layer |", "|---|---|"]
     lines += [f"| {i} | {n} |" for i, n in enumerate(names)]
     return "\n".join(lines) + "\n"
 
@@ -425,6 +544,9 @@ def backoff_groups(session: Session) -> list[tuple[int, str]]:
     if sc is None:
         return []
     evs = sorted((e for e in sc.events if e.kind == "backoff"), key=lambda e: e.step)
+    # Where the findings say inf/NaN started, for backoffs whose forward pass was not
+    # recorded or stayed finite (an op inside a module, found by anomaly mode).
+    started = culprit_layers(session)
     groups: list[list[Any]] = []
     for e in evs:
         if groups and e.step - groups[-1][-1].step <= 1:
@@ -440,6 +562,9 @@ def backoff_groups(session: Session) -> list[tuple[int, str]]:
         origins = sorted({e.forward_origin for e in g if e.forward_origin})
         if origins:
             lines.append(f"* forward pass overflowed first in: {', '.join(origins)}")
+        elif started:
+            lines.append("* inf/NaN started in: " + ", ".join(
+                f"{n} [{op}]" if op else n for n, op in started.items()))
         culprits: dict[str, None] = {}
         for e in g:
             culprits.update(dict.fromkeys(e.culprits))
@@ -457,7 +582,8 @@ def backoff_groups(session: Session) -> list[tuple[int, str]]:
 class TensorBoardSink:
     """Writes one run's TensorBoard event files into ``logdir`` (never elsewhere).
 
-    ``Watch`` calls :meth:`on_step` after each recorded step's host copy and
+    ``Watch`` calls :meth:`on_step` after each recorded step's host copy,
+    :meth:`on_scaler_step` after every training step's scaler bookkeeping, and
     :meth:`finish` from ``close()``. Several models share one writer (their layer names
     already carry the model prefix); ranks each get their own ``logdir``.
     """
@@ -471,9 +597,16 @@ class TensorBoardSink:
         self._buckets: ExpBuckets | None = None
         self._seen: dict[str, None] = {}
         self._live: dict[str, None] = {}  # layers written live, every recorded step
+        # Layers whose output and gradient were exactly an earlier layer's when first
+        # seen (a container returning its last child's output) -> that layer.
+        self._dupe_of: dict[str, str] = {}
         self._deferred = False  # more layers than top_k: pick the worst at finish
         self._totals: dict[tuple[str, str], torch.Tensor] = {}  # deferred: summed raw rows
         self._last_step: int | None = None
+        # The scaler charts: last step written live, and the live cumulative counts.
+        self._scaler_last = -1
+        self._skips = 0
+        self._backoffs = 0
         self._finished = False
         self._writer: SummaryWriter | None = SummaryWriter(
             log_dir=str(self.logdir), flush_secs=flush_secs, max_queue=MAX_QUEUE)
@@ -485,8 +618,36 @@ class TensorBoardSink:
         return list(self._live)
 
     @property
+    def duplicates(self) -> dict[str, str]:
+        """Layers left out of the per-layer tags -> the layer whose figures they repeat."""
+        return dict(self._dupe_of)
+
+    @property
     def deferred(self) -> bool:
         return self._deferred
+
+    def on_scaler_step(self, step: int, outcome: Any) -> None:
+        """Write the loss scaler's state after training step ``step``, as it happens.
+
+        ``outcome`` is the watch's per-step :class:`~amp_doctor.scaler.StepOutcome`
+        (``scale_after``, ``skipped``, ``backoff``): the host mirror of the scale, known
+        after ``GradScaler.update`` without a sync. A step whose scale is not known yet
+        (fused optimizers defer the inf check) is left to :meth:`finish`, which writes
+        the steps after the last live one from the session's timeline.
+        """
+        w = self._writer
+        scale = getattr(outcome, "scale_after", None)
+        if (self._finished or w is None or step <= self._scaler_last
+                or not _finite(scale)):
+            return
+        assert scale is not None
+        self._skips += bool(getattr(outcome, "skipped", False))
+        self._backoffs += bool(getattr(outcome, "backoff", False))
+        w.add_scalar("scaler/scale", scale, global_step=step)
+        w.add_scalar("scaler/log2_scale", math.log2(scale), global_step=step)
+        w.add_scalar("scaler/skipped", float(self._skips), global_step=step)
+        w.add_scalar("scaler/backoffs", float(self._backoffs), global_step=step)
+        self._scaler_last = step
 
     def on_step(self, rec: StepRecord, hs: HostStep) -> None:
         """Write one recorded step. Reads only host data: no device sync."""
@@ -500,16 +661,32 @@ class TensorBoardSink:
             self._fmt = fmt
             self._buckets = exp_buckets(fmt)
         eb = self._buckets
-        new = [n for n in rec.layers if n not in self._seen]
-        self._seen.update(dict.fromkeys(new))
-        if new and not self._deferred:
-            if len(self._seen) <= self.top_k:
-                self._live.update(dict.fromkeys(new))
+        order = list(rec.layers)
+        new = [n for n in order if n not in self._seen]
+        root = order[-1] if order else None  # hooks run in completion order: root last
+        for n in new:
+            # A container (a dotted prefix of the layer, or the root) whose output and
+            # gradient are exactly a sublayer's: its tags would be exact copies. Only
+            # containers: two unrelated layers can both be all-NaN.
+            ls = rec.layers[n]
+            if ls.act is not None:
+                twin = next((m for m in self._seen if m not in self._dupe_of
+                             and (m.startswith(n + ".") or n == root)
+                             and _same_output(rec.layers.get(m), ls)), None)
+                if twin is not None:
+                    self._dupe_of[n] = twin
+            self._seen[n] = None
+        fresh = [n for n in new if n not in self._dupe_of]
+        if fresh and not self._deferred:
+            if len(self._seen) - len(self._dupe_of) <= self.top_k:
+                self._live.update(dict.fromkeys(fresh))
             else:
                 self._deferred = True
         step = rec.step
         self._last_step = step
         for name, ls in rec.layers.items():
+            if name in self._dupe_of:
+                continue
             if name in self._live:
                 self._write_layer_scalars(w, name, ls, step)
                 for fld, group in (("act", "act_exp"), ("grad", "grad_exp")):
@@ -528,34 +705,38 @@ class TensorBoardSink:
                         row.to(torch.float64).clone() if acc is None else acc.add_(row))
 
     def _write_layer_scalars(self, w: SummaryWriter, name: str, ls: LayerStep,
-                             step: int) -> None:
+                             step: int, prefix: str = "",
+                             groups: tuple[str, ...] = LAYER_GROUPS) -> None:
         assert self._fmt is not None
         for group, value in layer_scalars(ls, self._fmt).items():
-            w.add_scalar(f"{group}/{name}", value, global_step=step)
+            if group in groups:
+                tag = f"{prefix}{name}/{group}" if prefix else f"{group}/{name}"
+                w.add_scalar(tag, value, global_step=step)
 
     def _write_hist(self, w: SummaryWriter, tag: str, counts: list[float], step: int,
                     eb: ExpBuckets | None = None) -> None:
         eb = eb or self._buckets
         assert eb is not None
+        counts = list(counts)
+        # Exact zeros have no place on a log axis: they are the zeros/ scalar.
+        counts[eb.zero] = 0.0
         if not any(c > 0 for c in counts):
             return
-        lefts = eb.lefts
-        mids = [(lo + hi) / 2 for lo, hi in zip(lefts, eb.limits, strict=True)]
-        # TensorBoard's data server draws bucket i from bucket_limit[i-1] (the first one
-        # from `min`) to bucket_limit[i] (the last one to `max`), empty ones included. So
-        # min/max are the layout's outer edges: every step shares one fixed x-axis that
-        # runs from the zero bucket to the inf/NaN bucket, with the format's limits on it.
-        w.add_histogram_raw(
-            tag,
-            min=lefts[0],
-            max=eb.limits[-1],
-            num=sum(counts),
-            sum=sum(c * x for c, x in zip(counts, mids, strict=True)),
-            sum_squares=sum(c * x * x for c, x in zip(counts, mids, strict=True)),
-            bucket_limits=list(eb.limits),
-            bucket_counts=counts,
-            global_step=step,
-        )
+        # Written as TensorBoard's own histogram tensor ([k, 3]: left edge, right edge,
+        # count), as tf.summary.histogram does, from the first to the last non-empty
+        # bucket: TensorBoard's DISTRIBUTIONS take the lowest and highest percentiles
+        # from the outer edges, so empty end buckets would draw values that do not
+        # exist. The card's description (its info icon) names the format's limits on
+        # the axis, which TensorBoard cannot draw as lines.
+        nonzero = [i for i, c in enumerate(counts) if c > 0]
+        rows = [[lo, hi, c] for lo, hi, c in zip(eb.lefts, eb.limits, counts, strict=True)]
+        rows = rows[nonzero[0]: nonzero[-1] + 1]
+        value = summary_pb2.Summary.Value(
+            tag=tag,
+            metadata=histogram_metadata.create_summary_metadata(
+                display_name=tag, description=hist_description(eb.fmt)),
+            tensor=tensor_util.make_tensor_proto(np.asarray(rows, dtype=np.float64)))
+        w._get_file_writer().add_summary(summary_pb2.Summary(value=[value]), step)
 
     # -- end of run ----------------------------------------------------------------------
     def finish(self, session: Session) -> None:
@@ -576,6 +757,7 @@ class TensorBoardSink:
             fmt = self._session_format(session)
             parts: list[tuple[str, Callable[[], None]]] = [
                 ("scaler", lambda: self._write_scaler(w, session)),
+                ("culprits", lambda: self._write_culprits(w, session)),
                 ("top-k layers", lambda: self._write_deferred(w, session)),
                 ("heatmaps", lambda: self._write_heatmaps(w, session, fmt)),
                 ("text", lambda: self._write_text(w, session)),
@@ -613,15 +795,30 @@ class TensorBoardSink:
         return max(session.steps - 1, self._last_step or 0, 0)
 
     def _write_scaler(self, w: SummaryWriter, session: Session) -> None:
-        for tag, pts in scaler_series(session).items():
+        # Only after the last live point: a step that goes back would make TensorBoard
+        # drop the later points as if the run had restarted.
+        for tag, pts in scaler_series(session, after=self._scaler_last).items():
             for step, value in pts:
                 w.add_scalar(tag, value, global_step=step)
+
+    def _write_culprits(self, w: SummaryWriter, session: Session) -> None:
+        self._fmt = self._fmt or self._session_format(session)
+        known = {lay.name for lay in session.layers}
+        for name in culprit_layers(session):
+            if name not in known:
+                continue
+            for rec in session.history:  # step order
+                ls = rec.layers.get(name)
+                if ls is not None:
+                    self._write_layer_scalars(w, name, ls, rec.step, prefix="culprits/",
+                                              groups=CULPRIT_GROUPS)
 
     def chosen_layers(self, session: Session) -> list[str]:
         """Layers with per-layer scalars: all live ones, else the ``top_k`` riskiest."""
         if not self._deferred:
             return list(self._live)
-        ranked = risk_order([lay for lay in session.layers if lay.recorded_steps])
+        ranked = risk_order([lay for lay in session.layers if lay.recorded_steps
+                             and not lay.passthrough and lay.name not in self._dupe_of])
         worst = [lay.name for lay in ranked[: self.top_k]]
         return list(dict.fromkeys([*self._live, *worst]))
 
@@ -646,7 +843,7 @@ class TensorBoardSink:
         step = self._final_step(session)
         images = heatmap_images(session, fmt)
         for tag, img in images.items():
-            w.add_image(tag, img, global_step=step, dataformats="CHW")
+            w.add_image(tag, img, global_step=step, dataformats="HWC")
         if images:
             w.add_text("heatmap_legend", heatmap_legend(session, fmt), global_step=step)
 
@@ -654,3 +851,17 @@ class TensorBoardSink:
         for step, md in backoff_groups(session):
             w.add_text("backoffs", md, global_step=step)
         w.add_text("findings", render_markdown(session), global_step=self._final_step(session))
+
+
+def _same_stats(a: TensorStats | None, b: TensorStats | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    # Field by field, with NaN equal to NaN: an all-NaN output is still the same output.
+    return all(x == y or (isinstance(x, float) and isinstance(y, float)
+                          and math.isnan(x) and math.isnan(y))
+               for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b), strict=True))
+
+
+def _same_output(a: LayerStep | None, b: LayerStep) -> bool:
+    return (a is not None and a.act is not None and _same_stats(a.act, b.act)
+            and _same_stats(a.grad, b.grad))

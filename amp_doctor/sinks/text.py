@@ -1,42 +1,46 @@
 """The text report: summary line, findings (most severe first), then the layer table.
 
-Readable in 100 columns. Tables are drawn by tabulate.
+Readable in 100 columns (the layer table may run wider to keep names whole). Tables
+are drawn by tabulate; numbers are printed by :mod:`amp_doctor.format`.
+
+Findings of one kind on many layers (``gradient_underflow`` on eight layers) are
+rendered as one group that lists the layers, worst first, instead of eight copies of the
+same advice. The grouping is a rendering choice: the JSON report keeps every finding.
 """
 
 from __future__ import annotations
 
 import math
 import textwrap
+from dataclasses import dataclass
 
 from tabulate import tabulate
 
+from .. import format as F
 from ..records import Finding, LayerSummary, Session
 
-__all__ = ["render_text", "render_markdown", "risk_order", "WIDTH", "MAX_LAYERS"]
+__all__ = [
+    "render_text",
+    "render_markdown",
+    "render_verdict",
+    "risk_order",
+    "group_findings",
+    "FindingGroup",
+    "layer_table",
+    "summary_line",
+    "WIDTH",
+    "MAX_LAYERS",
+    "MAX_LISTED",
+    "NONFINITE_HEADER",
+]
 
 WIDTH = 100
 MAX_LAYERS = 25
+# A group lists at most this many layers by name; the rest are counted.
+MAX_LISTED = 12
+# The layer table's column of recorded steps with inf/NaN outputs / gradients.
+NONFINITE_HEADER = "inf/NaN out/grad"
 _SEV_LABEL = {"error": "ERROR", "warning": "WARN", "info": "info"}
-
-
-def _num(x: float | None, digits: int = 3) -> str:
-    if x is None:
-        return "-"
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x != 0 and (abs(x) >= 1e5 or abs(x) < 1e-3):
-        return f"{x:.{digits - 1}e}"
-    return f"{x:.{digits}g}"
-
-
-def _pct(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if x == 0:
-        return "0"
-    return f"{100 * x:.2g}%" if x < 0.01 else f"{100 * x:.1f}%"
 
 
 def risk_order(layers: list[LayerSummary]) -> list[LayerSummary]:
@@ -63,16 +67,79 @@ def _wrap(text: str, indent: int) -> str:
                          subsequent_indent=" " * indent, break_on_hyphens=False)
 
 
-def _finding_block(f: Finding) -> str:
-    where = " ".join(x for x in (f.module or "", f"[{f.op}]" if f.op else "",
-                                 f"step {f.step}" if f.step is not None else "") if x)
-    head = f"{_SEV_LABEL[f.severity]:<6} {f.kind}" + (f"  {where}" if where else "")
-    lines = [head, _wrap(f.message, 7)]
+# -- grouping ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FindingGroup:
+    """Findings of one kind and severity; ``lead`` is the first (most severe) of them."""
+
+    findings: tuple[Finding, ...]
+
+    @property
+    def lead(self) -> Finding:
+        return self.findings[0]
+
+    @property
+    def modules(self) -> list[str]:
+        return list(dict.fromkeys(f.module for f in self.findings if f.module))
+
+
+def group_findings(findings: list[Finding],
+                   layers: list[LayerSummary] | None = None) -> list[FindingGroup]:
+    """Same kind and severity on several layers -> one group, at the first one's place.
+
+    Findings without a module (run-wide ones) are never merged: each says something
+    different. Within a group, layers are worst first by :func:`risk_order` of
+    ``layers`` (the layer table's order), else in the analysis order.
+    """
+    groups: list[list[Finding]] = []
+    index: dict[tuple[str, str], int] = {}
+    for f in findings:
+        key = (f.kind, f.severity)
+        if f.module is None or key not in index:
+            if f.module is not None:
+                index[key] = len(groups)
+            groups.append([f])
+        else:
+            groups[index[key]].append(f)
+    if layers:
+        rank = {lay.name: i for i, lay in enumerate(risk_order(list(layers)))}
+        big = len(rank)
+        groups = [sorted(g, key=lambda f: rank.get(f.module or "", big)) if len(g) > 1 else g
+                  for g in groups]
+    return [FindingGroup(tuple(g)) for g in groups]
+
+
+def _listed(names: list[str], code: bool = False) -> str:
+    shown = names[:MAX_LISTED]
+    more = len(names) - len(shown)
+    q = (lambda n: f"`{n}`") if code else (lambda n: n)
+    return ", ".join(q(n) for n in shown) + (f" and {more} more" if more else "")
+
+
+def _where(f: Finding) -> str:
+    return " ".join(x for x in (f.module or "", f"[{f.op}]" if f.op else "",
+                                f"step {f.step}" if f.step is not None else "") if x)
+
+
+def _group_block(g: FindingGroup) -> str:
+    f = g.lead
+    mods = g.modules
+    if len(g.findings) == 1:
+        where = _where(f)
+        lines = [f"{_SEV_LABEL[f.severity]:<6} {f.kind}" + (f"  {where}" if where else "")]
+        lines.append(_wrap(f.message, 7))
+    else:
+        lines = [f"{_SEV_LABEL[f.severity]:<6} {f.kind}  on {len(mods)} layers"]
+        lines.append(_wrap(f"layers (worst first): {_listed(mods)}", 7))
+        lines.append(_wrap(f"worst: {f.message}", 7))
     if f.frame:
         lines.append(_wrap(f"at {f.frame}", 7))
     lines.append(_wrap(f"fix: {f.advice}", 7))
     return "\n".join(lines)
 
+
+# -- scaler and layer table -----------------------------------------------------------------
 
 def _scaler_line(s: Session) -> str | None:
     sc = s.scaler
@@ -84,36 +151,43 @@ def _scaler_line(s: Session) -> str | None:
     last = sc.scale[-1][1] if sc.scale else sc.init_scale
     bo = sc.backoff_steps
     shown = ", ".join(str(x) for x in bo[:8]) + ("..." if len(bo) > 8 else "")
-    return (f"Scaler: scale {_scale(first)} -> {_scale(last)}; {len(bo)} backoffs"
+    return (f"Scaler: scale {F.scale(first)} -> {F.scale(last)}; {len(bo)} backoffs"
             + (f" (steps {shown})" if bo else "") + f"; {len(sc.growth_steps)} growths; "
             f"{len(sc.skipped_steps)} skipped optimizer steps.")
 
 
-def _scale(x: float | None) -> str:
-    # Scales are powers of two; print them whole so 65536 reads as 65536.
-    return "-" if x is None else f"{x:.7g}"
-
-
 def _dtype_cell(lay: LayerSummary) -> str:
-    ins = "/".join(d.replace("float", "f").replace("bf", "bf") for d in lay.input_dtypes) or "-"
+    ins = "/".join(d.replace("float", "f") for d in lay.input_dtypes) or "-"
     outs = "/".join(d.replace("float", "f") for d in lay.output_dtypes) or "-"
     return f"{ins}>{outs}"
+
+
+def _all_nonfinite(lay: LayerSummary) -> bool:
+    # Non-finite outputs and no finite non-zero value in any step: absmax 0 (or NaN)
+    # would read as "tiny", but the layer produced nothing but inf/NaN (and zeros).
+    return lay.nonfinite_steps > 0 and (math.isnan(lay.absmax) or lay.absmax == 0)
 
 
 def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -> str:
     rows = []
     ordered = risk_order([lay for lay in s.layers if lay.recorded_steps])
     for lay in ordered[:max_layers]:
-        name = lay.name if len(lay.name) <= 28 else "..." + lay.name[-25:]
+        name = lay.name if len(lay.name) <= 40 else "..." + lay.name[-37:]
         nonfinite = f"{lay.nonfinite_steps}/" + str(
             max(lay.grad_nonfinite_steps, lay.param_grad_nonfinite_steps))
         gu = lay.grad_underflow_frac if lay.ran_low_precision else lay.param_grad_underflow_frac
+        star = "*" if lay.what_if else ""
+        if _all_nonfinite(lay):
+            absmax, head = "NaN", "NaN"
+        else:
+            absmax, head = F.num(lay.absmax), F.bits(lay.headroom)
         rows.append([
-            name, lay.type[:14], _dtype_cell(lay), _num(lay.absmax),
-            _num(lay.headroom, 2), _pct(lay.overflow_frac) + ("*" if lay.what_if else ""),
-            _pct(lay.underflow_frac) + ("*" if lay.what_if else ""), _pct(gu), nonfinite,
+            name, lay.type, _dtype_cell(lay), absmax, head,
+            F.pct(lay.overflow_frac) + star, F.pct(lay.underflow_frac) + star, F.pct(gu),
+            nonfinite,
         ])
-    headers = ["layer", "type", "in>out", "absmax", "headroom", "ovf", "unf", "grad unf", "nf a/g"]
+    headers = ["layer", "type", "in>out", "absmax", "headroom", "overflow", "underflow",
+               "grad underflow", NONFINITE_HEADER]
     table = tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
     hidden = len(ordered) - min(len(ordered), max_layers)
     if hidden:
@@ -121,18 +195,32 @@ def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -
     return table
 
 
+_TABLE_KEY = (
+    "Layers, worst first. headroom: bits between the largest |output| and the format's "
+    "max (< 0 = overflow). overflow / underflow: share of output values beyond the max / "
+    "below the smallest normal (* = what-if for a float32 layer). grad underflow: the same "
+    f"for its gradients, as scaled. {NONFINITE_HEADER}: how many recorded steps had inf or "
+    "NaN in the outputs / in the gradients."
+)
+
+
+def _counts_line(s: Session) -> str:
+    n = {sev: sum(f.severity == sev for f in s.findings) for sev in ("error", "warning", "info")}
+    return (f"Findings: {n['error']} error(s), {n['warning']} warning(s), {n['info']} info")
+
+
 def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
     out = [summary_line(s)]
     if s.run.error:
         out.append(_wrap(f"The run ended with {s.run.error}", 0))
-    n = {sev: sum(f.severity == sev for f in s.findings) for sev in ("error", "warning", "info")}
     out.append("")
     if s.findings:
-        out.append(f"Findings: {n['error']} error(s), {n['warning']} warning(s), "
-                   f"{n['info']} info")
-        for f in s.findings:
+        groups = group_findings(s.findings, s.layers)
+        merged = len(s.findings) - len(groups)
+        out.append(_counts_line(s) + (f" ({len(groups)} groups)" if merged else ""))
+        for g in groups:
             out.append("")
-            out.append(_finding_block(f))
+            out.append(_group_block(g))
     elif s.recorded_steps == 0 or not s.layers:
         out.append(_wrap("Findings: none, because nothing was recorded: no watched model ran "
                          "a training step (forward with grad, then backward and an optimizer "
@@ -144,27 +232,78 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
     if sl:
         out.extend(["", _wrap(sl, 0)])
     if s.layers:
-        out.extend(["", "Layers, worst first (headroom in bits to the format's max; ovf/unf: "
-                    "share of output values", "beyond max / below smallest normal; "
-                    "* = what-if for a float32 layer; nf a/g: non-finite steps)", ""])
+        out.extend(["", _wrap(_TABLE_KEY, 0), ""])
         out.append(layer_table(s, max_layers))
     return "\n".join(out) + "\n"
 
 
-def render_markdown(s: Session, max_layers: int = MAX_LAYERS) -> str:
-    out = [f"**{summary_line(s)}**", ""]
-    if s.findings:
-        out.append("| severity | kind | module | op | step | message | advice |")
-        out.append("|---|---|---|---|---|---|---|")
-        for f in s.findings:
-            cells = [f.severity, f.kind, f.module or "", f.op or "",
-                     "" if f.step is None else str(f.step), f.message, f.advice]
-            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+# -- markdown (TensorBoard's TEXT tab) ------------------------------------------------------
+
+def _md(text: str) -> str:
+    # TensorBoard renders markdown; keep user strings from turning into markup.
+    return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
+
+
+def render_verdict(s: Session) -> str:
+    """The one-paragraph answer: culprit, op, ``file:line`` and fix of the top finding."""
+    if not s.findings:
+        if s.recorded_steps == 0 or not s.layers:
+            return "**Verdict: nothing recorded.** No watched model ran a training step."
+        return "**Verdict: healthy.** No AMP problem in the recorded steps."
+    f = s.findings[0]
+    culprit = next((x.module for x in s.findings if x.module), None)
+    bits = [f"**Verdict: {_SEV_LABEL[f.severity]} `{f.kind}`**"]
+    if culprit:
+        bits.append(f"**culprit** `{culprit}`")
+    op = f.op or next((x.op for x in s.findings if x.op and x.module == culprit), None)
+    if op:
+        bits.append(f"**op** `{op}`")
+    frame = f.frame or next((x.frame for x in s.findings if x.frame and x.module == culprit),
+                            None)
+    if frame:
+        bits.append(f"**at** `{frame}`")
+    step = f.step
+    if step is not None:
+        bits.append(f"**first at step** {step}")
+    return " · ".join(bits) + "\n\n**Fix:** " + f.advice
+
+
+def _md_group(g: FindingGroup) -> str:
+    f = g.lead
+    mods = g.modules
+    head = f"#### {_SEV_LABEL[f.severity]} · `{f.kind}`"
+    if len(g.findings) > 1:
+        head += f" · on {len(mods)} layers"
     else:
-        out.append("No findings.")
+        if f.module:
+            head += f" · `{f.module}`"
+        if f.op:
+            head += f" · op `{f.op}`"
+        if f.step is not None:
+            head += f" · step {f.step}"
+    lines = [head, ""]
+    if len(g.findings) > 1:
+        lines += [f"Layers, worst first: {_listed(mods, code=True)}.", "",
+                  f"Worst: {_md(f.message)}", ""]
+    else:
+        lines += [_md(f.message), ""]
+    if f.frame:
+        lines += [f"At `{f.frame}`", ""]
+    lines += [f"**Fix:** {f.advice}", ""]
+    return "\n".join(lines)
+
+
+def render_markdown(s: Session, max_layers: int = MAX_LAYERS) -> str:
+    """Markdown for TensorBoard's TEXT tab: verdict first, then one block per finding."""
+    out = [render_verdict(s), "", f"*{summary_line(s)}*", ""]
+    if s.findings:
+        groups = group_findings(s.findings, s.layers)
+        out += [_counts_line(s), "", "---", ""]
+        for g in groups:
+            out.append(_md_group(g))
     sl = _scaler_line(s)
     if sl:
-        out.extend(["", sl])
+        out.extend(["---", "", sl])
     if s.layers:
-        out.extend(["", layer_table(s, max_layers, fmt="github")])
+        out.extend(["", _md(_TABLE_KEY), "", layer_table(s, max_layers, fmt="github")])
     return "\n".join(out) + "\n"
