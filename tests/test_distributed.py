@@ -2,7 +2,7 @@
 
 Each run starts three processes that import torch, so the cases share runs: one per
 launcher (`--nproc-per-node`, plain torchrun) with an overflowing rank, and one healthy
-run whose rank 1 fails.
+run whose rank 1 fails. `make test` runs the first; the other two are slow (`make test-all`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def test_only_rank_1_overflows_and_the_merged_report_says_so(work: Path) -> None
     assert "activation_overflow" in r.stderr and "[rank 1]" in r.stderr
 
 
+@pytest.mark.slow
 def test_healthy_run_has_no_findings_and_a_failing_rank_exit_code_propagates(
         work: Path) -> None:
     # One run for both: rank 1 exits 7 once rank 0's report is written (torchrun stops the
@@ -72,6 +73,7 @@ def test_healthy_run_has_no_findings_and_a_failing_rank_exit_code_propagates(
     assert merged.findings == [] and merged.run.world_size == 2 and merged.steps == 3
 
 
+@pytest.mark.slow
 def test_plain_torchrun_with_amp_doctor_module(work: Path) -> None:
     r = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
              "--nproc-per-node=2", "-m", "amp_doctor", "diagnose", "--every", "1",
