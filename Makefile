@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # installs in seconds; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test lint typecheck demo bench clean
+.PHONY: install test test-all lint typecheck demo bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,11 @@ install: $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 
+# The fast suite; test-all adds the slow subprocess runs (-m slow) and is what CI runs.
 test:
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+test-all:
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 lint:

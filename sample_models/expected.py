@@ -10,10 +10,13 @@ findings, each ``(kind, module, op)``:
 * ``op``: the aten op name (``"aten.log"``, overload dropped) for op-level
   findings, which need amp-doctor's anomaly/op mode; ``None`` otherwise.
 
-Semantics: every listed finding must be reported. Other findings of a listed
-kind on further modules are allowed (e.g. ``missing_scaler`` also on
-``body.4``). A script mapped to ``()`` is healthy: amp-doctor must report no
-finding of severity warning or error for it.
+Semantics: every listed finding must be reported. Other warnings and infos
+are allowed (e.g. ``missing_scaler`` also on ``body.4``), but not other
+errors: every finding of severity error must match a listed finding, and
+each listed finding accounts for at most one error (one error per root
+cause; follow-on effects belong in the origin's finding). A script mapped to
+``()`` is healthy: amp-doctor must report no finding of severity warning or
+error for it.
 
 Each sample's docstring explains the pathology and what it prints when run
 plainly; ``tests/test_samples_plain.py`` checks that the pathology happens.

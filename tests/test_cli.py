@@ -1,4 +1,10 @@
-"""`amp-doctor diagnose/report/view`, run in subprocesses as a user runs them."""
+"""`amp-doctor diagnose/report/view`, as a user runs them.
+
+Each way a run can end (normal, sys.exit(n), an exception, Ctrl-C, a missing script,
+a syntax error, a bad logdir) runs at least once in a subprocess through the installed
+console script. The other checks call the same entry point, ``amp_doctor.cli.main``, in
+this process (``cli`` fixture): seconds of start-up and torch import saved per run.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +15,25 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from amp_doctor import Session
+from amp_doctor.cli import main as cli_main
 from tests.helpers import console_script
 
 FIX = Path(__file__).parent / "fixtures" / "cli"
 AMP_DOCTOR = console_script()
+# How `amp-doctor ARGS...` is run: None is cli_main(ARGS) in this process (the `cli`
+# fixture). The `python -m amp_doctor` runs are only in `make test-all`: its __main__.py
+# calls the same cli_main, and the gallery's subprocess runs use it too.
 ENTRY_POINTS = [
+    pytest.param(None, id="in-process"),
     pytest.param([AMP_DOCTOR], id="amp-doctor"),
-    pytest.param([sys.executable, "-m", "amp_doctor"], id="python-m"),
+    pytest.param([sys.executable, "-m", "amp_doctor"], id="python-m", marks=pytest.mark.slow),
 ]
 
 
@@ -40,14 +53,61 @@ def work(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@dataclass
+class Ran:
+    """What a run of the CLI in this process returned and printed (as CompletedProcess)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Cli = Callable[[list[str]], Ran]
+
+
+@pytest.fixture()
+def cli(work: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Cli:
+    """``amp-doctor ARGS...`` in this process, in ``work``: ``cli_main(ARGS)``, exit status
+    as the shell sees it, and what it printed."""
+    monkeypatch.chdir(work)
+
+    def call(args: list[str]) -> Ran:
+        capsys.readouterr()  # only this run's output
+        try:
+            cli_main(args)
+            code: int = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out, err = capsys.readouterr()
+        return Ran(code, out, err)
+
+    return call
+
+
 def test_console_script_is_installed() -> None:
     assert AMP_DOCTOR, "the amp-doctor console script is not on PATH; run `make install`"
 
 
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
-def test_script_sees_what_python_gives_it(work: Path, entry: list[str]) -> None:
+def _amp_doctor(request: pytest.FixtureRequest, entry: list[str] | None, work: Path,
+                args: list[str]) -> Ran | subprocess.CompletedProcess:
+    if entry is None:
+        ran: Ran = request.getfixturevalue("cli")(args)
+        return ran
+    return run([*entry, *args], work)
+
+
+@pytest.mark.parametrize("entry", [
+    # The normal exit path through the console script already runs in a subprocess in
+    # `make test` (test_exit_codes_and_report_on_every_path).
+    pytest.param(None, id="in-process"),
+    pytest.param([AMP_DOCTOR], id="amp-doctor", marks=pytest.mark.slow),
+    ENTRY_POINTS[2],
+])
+def test_script_sees_what_python_gives_it(request: pytest.FixtureRequest, work: Path,
+                                          entry: list[str] | None) -> None:
     plain = run([sys.executable, "probe.py", "a", "--b"], work)
-    under = run([*entry, "diagnose", "--logdir", "out", "probe.py", "a", "--b"], work)
+    under = _amp_doctor(request, entry, work,
+                        ["diagnose", "--logdir", "out", "probe.py", "a", "--b"])
     assert plain.returncode == under.returncode == 0, under.stderr
     a = json.loads(plain.stdout.splitlines()[0])
     b = json.loads(under.stdout.splitlines()[0])
@@ -58,9 +118,9 @@ def test_script_sees_what_python_gives_it(work: Path, entry: list[str]) -> None:
     assert under.stdout == plain.stdout
 
 
-def test_module_mode_for_packages(work: Path) -> None:
+def test_module_mode_for_packages(work: Path, cli: Cli) -> None:
     plain = run([sys.executable, "-m", "pkgmod", "x"], work)
-    under = run([AMP_DOCTOR, "diagnose", "--logdir", "out", "-m", "pkgmod", "x"], work)
+    under = cli(["diagnose", "--logdir", "out", "-m", "pkgmod", "x"])
     assert plain.stdout == under.stdout == "pkgmod main ['x']\n"
     assert under.returncode == 0
 
@@ -69,16 +129,29 @@ def _report(work: Path, logdir: str = "out") -> Session:
     return Session.load(work / logdir / "amp_doctor.json")
 
 
-@pytest.mark.parametrize(
-    ("args", "code", "outcome"),
-    [([], 0, "completed"), (["--exit", "3"], 3, "exit"), (["--raise-error"], 1, "exception"),
-     # sys.exit(main()) returning 0 is the usual way a script ends.
-     (["--exit", "0"], 0, "completed")],
-)
-def test_exit_codes_and_report_on_every_path(work: Path, args: list[str], code: int,
-                                             outcome: str) -> None:
-    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "train_tiny.py",
-             "--steps", "3", *args], work)
+EXIT_PATHS = [  # (script arguments, exit code, outcome, id)
+    ([], 0, "completed", "completed"),
+    (["--exit", "3"], 3, "exit", "exit-3"),
+    (["--raise-error"], 1, "exception", "exception"),
+    # sys.exit(main()) returning 0 is the usual way a script ends.
+    (["--exit", "0"], 0, "completed", "exit-0"),
+]
+# Every path in process; in a subprocess too, where sys.exit(0)'s run (the same SystemExit
+# path as sys.exit(3)) is only in `make test-all`.
+EXIT_RUNS = [
+    pytest.param(args, code, outcome, in_process, id=f"{name}-{mode}",
+                 marks=[pytest.mark.slow] if name == "exit-0" and not in_process else [])
+    for args, code, outcome, name in EXIT_PATHS
+    for in_process, mode in ((True, "in-process"), (False, "subprocess"))
+]
+
+
+@pytest.mark.parametrize(("args", "code", "outcome", "in_process"), EXIT_RUNS)
+def test_exit_codes_and_report_on_every_path(request: pytest.FixtureRequest, work: Path,
+                                             args: list[str], code: int, outcome: str,
+                                             in_process: bool) -> None:
+    cmd = ["diagnose", "--every", "1", "--logdir", "out", "train_tiny.py", "--steps", "3", *args]
+    r = _amp_doctor(request, None if in_process else [AMP_DOCTOR], work, cmd)
     assert r.returncode == code, r.stderr
     s = _report(work)
     assert s.run.exit_code == code and s.run.outcome == outcome
@@ -110,8 +183,8 @@ def test_ctrl_c_writes_the_report_and_exits_130(work: Path) -> None:
     assert s.run.outcome == "interrupted" and s.steps >= 3 and s.recorded_steps >= 3
 
 
-def test_two_models_are_each_watched_with_prefixes(work: Path) -> None:
-    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "gan.py"], work)
+def test_two_models_are_each_watched_with_prefixes(work: Path, cli: Cli) -> None:
+    r = cli(["diagnose", "--every", "1", "--logdir", "out", "gan.py"])
     assert r.returncode == 0, r.stderr
     s = _report(work)
     names = {lay.name for lay in s.layers}
@@ -120,47 +193,47 @@ def test_two_models_are_each_watched_with_prefixes(work: Path) -> None:
     assert s.steps == 4 and s.scaler is not None and s.amp.scaler
 
 
-def test_fail_on_gates_on_severity(work: Path) -> None:
-    healthy = run([AMP_DOCTOR, "diagnose", "--fail-on", "warning", "--logdir", "a",
-                   "train_tiny.py"], work)
+def test_fail_on_gates_on_severity(work: Path, cli: Cli) -> None:
+    healthy = cli(["diagnose", "--fail-on", "warning", "--logdir", "a", "train_tiny.py"])
     assert healthy.returncode == 0, healthy.stderr
-    sick = run([AMP_DOCTOR, "diagnose", "--fail-on", "error", "--every", "1", "--logdir", "b",
-                "train_tiny.py", "--overflow"], work)
+    sick = cli(["diagnose", "--fail-on", "error", "--every", "1", "--logdir", "b",
+                "train_tiny.py", "--overflow"])
     assert sick.returncode == 1
     assert "--fail-on" in sick.stderr
     s = _report(work, "b")
     assert any(f.kind == "activation_overflow" and f.module == "0" and f.severity == "error"
                for f in s.findings)
-    never = run([AMP_DOCTOR, "diagnose", "--logdir", "c", "train_tiny.py", "--overflow"], work)
+    never = cli(["diagnose", "--logdir", "c", "train_tiny.py", "--overflow"])
     assert never.returncode == 0
 
 
-def test_report_renders_a_saved_run_exactly(work: Path) -> None:
-    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "--json", "r.json",
-             "--report", "r.txt", "train_tiny.py", "--overflow"], work)
+def test_report_renders_a_saved_run_exactly(work: Path, cli: Cli) -> None:
+    r = cli(["diagnose", "--every", "1", "--logdir", "out", "--json", "r.json",
+             "--report", "r.txt", "train_tiny.py", "--overflow"])
     assert r.returncode == 0
     saved = (work / "r.txt").read_text()
-    again = run([AMP_DOCTOR, "report", "out"], work)
+    again = cli(["report", "out"])
     assert again.returncode == 0 and again.stdout == saved
-    from_json = run([AMP_DOCTOR, "report", "r.json", "--format", "json"], work)
+    from_json = cli(["report", "r.json", "--format", "json"])
     assert json.loads(from_json.stdout) == json.loads((work / "r.json").read_text())
-    md = run([AMP_DOCTOR, "report", "out", "--format", "markdown"], work)
+    md = cli(["report", "out", "--format", "markdown"])
     assert md.stdout.startswith("**Verdict:") and "#### ERROR" in md.stdout
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
-def test_missing_script_and_unknown_module(work: Path, entry: list[str]) -> None:
-    r = run([*entry, "diagnose", "trian.py"], work)
+def test_missing_script_and_unknown_module(request: pytest.FixtureRequest, work: Path,
+                                           entry: list[str] | None) -> None:
+    r = _amp_doctor(request, entry, work, ["diagnose", "trian.py"])
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "trian.py" in r.stderr and "Traceback" not in r.stderr
-    r = run([*entry, "diagnose", "-m", "no_such_module_xyz"], work)
+    r = _amp_doctor(request, entry, work, ["diagnose", "-m", "no_such_module_xyz"])
     assert r.returncode == 2 and "no_such_module_xyz" in r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_unwritable_logdir_fails_before_the_script_runs(work: Path) -> None:
+def test_unwritable_logdir_fails_before_the_script_runs(work: Path, cli: Cli) -> None:
     (work / "afile").write_text("")
-    r = run([AMP_DOCTOR, "diagnose", "--logdir", "afile/sub", "train_tiny.py"], work)
+    r = cli(["diagnose", "--logdir", "afile/sub", "train_tiny.py"])
     assert r.returncode == 2
     assert "--logdir" in r.stderr and r.stderr.count("\n") == 1
     assert "trained" not in r.stdout  # the script never started
@@ -180,11 +253,11 @@ def test_report_on_missing_run_is_a_one_line_error(work: Path) -> None:
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "amp_doctor.json" in r.stderr
 
 
-def test_view_serves_tensorboard(work: Path) -> None:
+def test_view_serves_tensorboard(work: Path, cli: Cli) -> None:
     import socket
     import urllib.request
 
-    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "train_tiny.py"], work)
+    r = cli(["diagnose", "--every", "1", "--logdir", "out", "train_tiny.py"])
     assert r.returncode == 0
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -212,10 +285,10 @@ def test_view_serves_tensorboard(work: Path) -> None:
             proc.kill()
 
 
-def test_scheduler_made_before_the_first_forward_does_not_hide_the_scaler(work: Path) -> None:
+def test_scheduler_made_before_the_first_forward_does_not_hide_the_scaler(
+        work: Path, cli: Cli) -> None:
     # LinearLR's constructor shows the optimizer before the model is discovered.
-    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "with_scheduler.py"],
-            work)
+    r = cli(["diagnose", "--every", "1", "--logdir", "out", "with_scheduler.py"])
     assert r.returncode == 0, r.stderr
     s = _report(work)
     assert s.amp.scaler and s.steps == 6 and s.recorded_steps == 6

@@ -1,10 +1,12 @@
 """The sample gallery shows its pathologies when run plainly, without amp-doctor.
 
 Part 1 runs every sample (the scripts named in ``sample_models/expected.py``)
-in a subprocess exactly as a user would (``python sample_models/x.py``) and
-checks the symptom from the numbers it prints. The scripts start in the
-background (two at a time: the machine may have two cores) when this
-module's first test runs; the checks of their output are the last tests.
+and checks the symptom from the numbers it prints: in-process, by calling
+the script's ``main([])`` (what its ``if __name__ == "__main__"`` block
+calls), and, marked slow, in a subprocess exactly as a user would
+(``python sample_models/x.py``). The subprocesses start in the background
+(two at a time: the machine may have two cores) when this module's first
+test runs; the checks of their output are the last tests.
 
 Part 2 imports a few samples in-process and checks *why* the symptom happens
 (which module's output is non-finite, which aten op first produces inf/NaN,
@@ -14,12 +16,15 @@ docstring removes it. It never imports amp_doctor.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import math
 import os
 import re
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -113,6 +118,23 @@ def run_script(script: str) -> Run:
     return Run(script, p.returncode, p.stdout, p.stderr)
 
 
+def run_in_process(script: str) -> Run:
+    """``main([])`` of a freshly loaded script, with what python would print and return.
+
+    As ``python x.py`` does, an uncaught exception becomes its traceback on stderr and
+    exit status 1; ``main``'s return value is the exit status (``sys.exit(main())``).
+    """
+    out, err = io.StringIO(), io.StringIO()
+    mod = load(script)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = mod.main([])
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    return Run(script, code, out.getvalue(), err.getvalue())
+
+
 _PENDING: dict[str, Future[Run]] = {}
 
 
@@ -123,7 +145,8 @@ def _start_plain_runs(request: pytest.FixtureRequest) -> Iterator[None]:
     overlap with them. Two at a time: the machine may have two cores."""
     wanted = [str(item.callspec.params["script"]) for item in request.session.items
               if isinstance(item, pytest.Function)
-              and item.originalname == "test_plain_run_shows_symptom"]
+              and item.originalname == "test_plain_run_shows_symptom"
+              and not item.callspec.params["in_process"]]
     with ThreadPoolExecutor(max_workers=2) as pool:
         for script in wanted:
             _PENDING[script] = pool.submit(run_script, script)
@@ -535,6 +558,10 @@ def test_healthy_exports_for_benchmarks() -> None:
 # scripts run in the background.
 # --------------------------------------------------------------------------
 
+@pytest.mark.parametrize("in_process", [
+    pytest.param(True, id="in-process"),
+    pytest.param(False, id="subprocess", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_plain_run_shows_symptom(script: str, runs: dict[str, Future[Run]]) -> None:
-    CHECKS[script](runs[script].result(timeout=300))
+def test_plain_run_shows_symptom(script: str, in_process: bool,
+                                 runs: dict[str, Future[Run]]) -> None:
+    CHECKS[script](run_in_process(script) if in_process else runs[script].result(timeout=300))

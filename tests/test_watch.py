@@ -289,11 +289,17 @@ def test_odd_outputs_and_modules_never_crash() -> None:
     assert "int64" in s.layer("Odd").output_dtypes and "bool" in s.layer("Odd").output_dtypes
     nop = s.layer("nop")
     assert nop.calls == 2 and nop.output_dtypes == []
-    # No parameters at all, and an output of None.
-    empty = nn.Sequential()
-    with amp_doctor.watch(nn.Sequential(nn.ReLU(), empty)) as d2:
-        nn.Sequential(nn.ReLU(), empty)(torch.randn(2))
-    assert d2.session.steps == 0
+    # No parameters at all, and an empty container that passes its input through.
+    net = nn.Sequential(nn.ReLU(), nn.Sequential())
+    x = torch.randn(2)
+    with amp_doctor.watch(net) as d2:
+        out = net(x)
+    assert torch.equal(out, torch.relu(x))
+    s2 = d2.session
+    assert s2.steps == 0  # no optimizer step, no backward: no step boundary
+    # The watched model is the one that ran: each of its modules was seen once.
+    assert {lay.name: lay.calls for lay in s2.layers} == {"0": 1, "1": 1, "Sequential": 1}
+    assert all(lay.output_dtypes == ["float32"] for lay in s2.layers)
 
 
 def test_session_json_round_trip(tmp_path) -> None:
