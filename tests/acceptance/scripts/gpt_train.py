@@ -217,7 +217,8 @@ def main() -> None:
         if it < warmup:
             return args.learning_rate * (it + 1) / (warmup + 1)
         ratio = (it - warmup) / max(1, args.steps - warmup)
-        return args.learning_rate * 0.1 + 0.5 * (1 + math.cos(math.pi * ratio)) * args.learning_rate * 0.9
+        coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+        return args.learning_rate * (0.1 + 0.9 * coeff)
 
     X, Y = get_batch("train")
     best_val_loss = 1e9
@@ -227,7 +228,8 @@ def main() -> None:
             group["lr"] = lr
         if iter_num > 0 and iter_num % args.eval_interval == 0:
             losses = estimate_loss()
-            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, "
+                  f"val loss {losses['val']:.4f}")
             if losses["val"] < best_val_loss:
                 best_val_loss = losses["val"]
                 checkpoint = {

@@ -14,7 +14,7 @@ each step's loss as ``step N: loss X`` and, at the end, the Trainer's final log 
 from __future__ import annotations
 
 import argparse
-import os
+from collections.abc import Sequence
 
 import torch
 from torch.utils.data import Dataset
@@ -47,7 +47,8 @@ class PrintLoss(TrainerCallback):
             print(f"step {state.global_step}: loss {logs['loss']!r}", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, callbacks: Sequence[TrainerCallback] = ()) -> Trainer:
+    """Train; ``callbacks`` are added to the Trainer's (the integration tests call this)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--callback", action="store_true",
                     help="use amp-doctor's Trainer callback (instead of amp-doctor diagnose)")
     ap.add_argument("--every", type=int, default=10)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -79,14 +80,15 @@ def main() -> None:
         seed=0,
         disable_tqdm=True,
     )
-    callbacks: list[TrainerCallback] = [PrintLoss()]
+    cbs: list[TrainerCallback] = [PrintLoss(), *callbacks]
     if args.callback:
         from amp_doctor.integrations.transformers import AmpDoctorCallback
 
-        callbacks.append(AmpDoctorCallback(every=args.every))
-    trainer = Trainer(model=model, args=targs, train_dataset=train, callbacks=callbacks)
+        cbs.append(AmpDoctorCallback(every=args.every))
+    trainer = Trainer(model=model, args=targs, train_dataset=train, callbacks=cbs)
     trainer.train()
     print(f"final log: {trainer.state.log_history[-1]}")
+    return trainer
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ as ``step N: loss X``.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 import lightning as L
 import torch
@@ -61,22 +62,24 @@ def loader(n: int, seed: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
+    """Fit; ``callbacks`` are added to the Trainer's (the integration tests call this)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--precision", default="16-mixed", choices=["16-mixed", "16-mixed-plugin", "bf16-mixed", "32"])
+    ap.add_argument("--precision", default="16-mixed",
+                    choices=["16-mixed", "16-mixed-plugin", "bf16-mixed", "32"])
     ap.add_argument("--root", default="out-pl")
     ap.add_argument("--callback", action="store_true")
     ap.add_argument("--every", type=int, default=10)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     L.seed_everything(0, verbose=False)
     model = Classifier()
-    callbacks = []
+    cbs = list(callbacks)
     if args.callback:
         from amp_doctor.integrations.lightning import AmpDoctor
 
-        callbacks.append(AmpDoctor(every=args.every))
+        cbs.append(AmpDoctor(every=args.every))
     if args.precision == "16-mixed-plugin":
         from lightning.pytorch.plugins import MixedPrecision
 
@@ -94,9 +97,10 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        callbacks=callbacks,
+        callbacks=cbs,
     )
     trainer.fit(model, loader(256, 1), loader(32, 2))
+    return trainer
 
 
 if __name__ == "__main__":
