@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # installs in seconds; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-all lint typecheck demo bench clean
+.PHONY: install install-test test test-all acceptance lint typecheck demo bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -14,13 +14,23 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(MAKE) install-test
+
+# The test-only extras (transformers, accelerate, lightning), with torch held at TORCH_SPEC
+# so that none of them pulls another torch build.
+install-test: $(BIN)/python
+	printf '%s\n' "$(TORCH_SPEC)" | $(BIN)/python -m pip install -q -c /dev/stdin -e ".[test]"
 
 # The fast suite; test-all adds the slow subprocess runs (-m slow) and is what CI runs.
 test:
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not acceptance" tests
 
 test-all:
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# Real-style training scripts through the CLI (tests/acceptance; `make test` leaves them out).
+acceptance:
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m acceptance tests/acceptance
 
 lint:
 	$(BIN)/python -m ruff check .

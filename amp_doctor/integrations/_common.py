@@ -1,0 +1,130 @@
+"""What both framework callbacks share: where they write, how they close, what they print.
+
+A callback starts a :class:`~amp_doctor.watch.Watch` when training starts and closes it
+when training ends. Frameworks do not always tell a callback that training died
+(transformers has no exception event), so every callback also holds a
+:class:`weakref.finalize` that closes its watch when the callback is garbage-collected or
+the interpreter exits: the hooks never outlive the run, and a report is written with what
+was gathered.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..records import Session
+from ..watch import Watch
+
+__all__ = ["SUBDIR", "WatchOwner", "one_line", "unwrap_model", "missing_framework"]
+
+# The callbacks write into this sub-folder of the framework's log directory, so that
+# TensorBoard pointed at that directory shows amp-doctor as one run among the others.
+SUBDIR = "amp_doctor"
+REPORT_NAME = "report.txt"
+JSON_NAME = "amp_doctor.json"
+
+
+def missing_framework(module: str, package: str) -> ImportError:
+    """The one-line error for an integration imported without its framework."""
+    return ImportError(
+        f"amp_doctor.integrations.{module} needs the {package!r} package, which is not "
+        f"installed; install it with: pip install {package}"
+    )
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP / DataParallel / ``torch.compile`` / Accelerate wrappers."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        for attr in ("module", "_orig_mod"):
+            inner = getattr(model, attr, None)
+            if isinstance(inner, nn.Module) and type(model).__name__ in (
+                    "DistributedDataParallel", "DataParallel", "OptimizedModule",
+                    "FullyShardedDataParallel"):
+                model = inner
+                break
+    return model
+
+
+def _close_quietly(watch: Watch, reason: str) -> None:
+    """The finalizer: close a watch its callback never closed (training raised)."""
+    if watch.closed:
+        return
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    error = f"{type(exc).__name__}: {exc}" if exc is not None else reason
+    watch.set_run_meta(outcome="exception", error=error)
+    try:
+        watch.close()
+    except Exception:  # pragma: no cover - at interpreter exit, never raise
+        pass
+
+
+def one_line(session: Session, where: Path | None) -> str:
+    """``amp-doctor 0.1.0: cpu | bfloat16 autocast | ... | 0 errors, 1 warning (kind) | path``."""
+    from ..sinks.text import summary_line
+
+    errors = [f for f in session.findings if f.severity == "error"]
+    warnings = [f for f in session.findings if f.severity == "warning"]
+    kinds = sorted({f.kind for f in errors + warnings})
+    verdict = f"{len(errors)} error(s), {len(warnings)} warning(s)"
+    if kinds:
+        verdict += f" ({', '.join(kinds)})"
+    elif session.recorded_steps == 0:
+        verdict += " (nothing recorded)"
+    line = f"{summary_line(session)} | {verdict}"
+    if where is not None:
+        line += f" | report: {where / REPORT_NAME}"
+    return line
+
+
+class WatchOwner:
+    """Starts, closes and finalizes one watch for a callback; writes ``report.txt`` too."""
+
+    def __init__(self, every: int, watch_kwargs: dict[str, Any]) -> None:
+        self.every = every
+        self.watch_kwargs = watch_kwargs
+        self.watch: Watch | None = None
+        self.session: Session | None = None
+        self.logdir: Path | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def start(self, owner: object, model: nn.Module, logdir: Path | None,
+              **found: Any) -> Watch:
+        if self.watch is not None:
+            # A second fit/train with the same callback: the first watch is finished.
+            self.close(outcome="completed")
+        self.logdir = logdir
+        kwargs = {**found, **self.watch_kwargs}  # the user's explicit options win
+        kwargs.setdefault("every", self.every)
+        self.watch = Watch(unwrap_model(model), logdir=logdir, **kwargs).start()
+        self.session = None
+        # Holds the watch, not the callback: collecting the callback runs it.
+        self._finalizer = weakref.finalize(
+            owner, _close_quietly, self.watch,
+            "training ended without the framework's end-of-training event")
+        return self.watch
+
+    def close(self, outcome: str = "completed", error: str | None = None) -> Session | None:
+        watch = self.watch
+        if watch is None:
+            return self.session
+        self.watch = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        meta: dict[str, Any] = {"outcome": outcome}
+        if error is not None:
+            meta["error"] = error
+        watch.set_run_meta(**meta)
+        self.session = watch.close()
+        if self.logdir is not None:
+            from ..sinks.text import render_text
+
+            (self.logdir / REPORT_NAME).write_text(render_text(self.session))
+        return self.session
