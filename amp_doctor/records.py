@@ -214,6 +214,8 @@ class RunInfo:
     error: str | None = None
     rank: int | None = None
     world_size: int | None = None
+    # Modules run in float32 under autocast by --fp32 / watch(fp32=...).
+    fp32_modules: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ class Watch:
         top_k: int = 16,
         tensorboard: bool = True,
         discover: bool = False,
+        fp32: Iterable[str] = (),
     ) -> None:
         if not isinstance(every, int) or every < 1:
             raise AmpDoctorError(f"every must be a positive integer, got {every!r}; e.g. every=10.")
@@ -112,6 +113,10 @@ class Watch:
             )
         self.models = {k: _unwrap(m) for k, m in _as_models(model).items()} if model else {}
         self._discover = discover
+        if isinstance(fp32, str):
+            fp32 = [fp32]
+        self._fp32_patterns = tuple(fp32)
+        self._fp32: Any = None
         self.every = every
         self.max_steps = max_steps
         self.logdir = Path(logdir).absolute() if logdir is not None else None
@@ -162,6 +167,14 @@ class Watch:
         try:
             self._owned_params = {id(p) for m in self.models.values() for p in m.parameters()}
             self._probes = Probes(self.models, self._current_buffer, self._on_root_forward)
+            if self._fp32_patterns:
+                from .fp32 import Fp32Islands
+
+                self._fp32 = Fp32Islands(self._fp32_patterns)
+                for prefix, m in self.models.items():
+                    self._fp32.attach(prefix, m)
+                if not self._discover:
+                    self._fp32.check()  # the API knows every model now: fail before training
             self._monitor = AmpMonitor(
                 owns_param=lambda p: id(p) in self._owned_params,
                 on_boundary=self._boundary,
@@ -238,7 +251,7 @@ class Watch:
         # Each removal is independent: one failing must not leave others behind.
         removers: list[Callable[[], Any]] = [h.remove for h in self._global_handles]
         for owner, method in ((self._probes, "remove"), (self._sub, "remove"),
-                              (self._anomaly, "stop")):
+                              (self._anomaly, "stop"), (self._fp32, "remove")):
             if owner is not None:
                 removers.append(getattr(owner, method))
         self._global_handles = []
@@ -308,6 +321,9 @@ class Watch:
         self._owned_params.update(id(p) for p in model.parameters())
         if self._monitor is not None:
             self._monitor.models_changed()
+        if self._fp32 is not None:
+            # Names may have changed (a second model prefixes the first): match anew.
+            self._fp32.reattach(self.models)
 
     @staticmethod
     def _free_name(name: str, taken: set[str]) -> str:
@@ -630,6 +646,7 @@ class Watch:
             error=rm.get("error"),
             rank=rm.get("rank"),
             world_size=rm.get("world_size"),
+            fp32_modules=list(self._fp32.forced) if self._fp32 is not None else [],
         )
         draft = Session(
             version=__version__, amp=amp, steps=self.step_index, recorded_steps=self.recorded,
