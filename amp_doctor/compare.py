@@ -31,9 +31,12 @@ MIN_CHANGE = 0.05
 
 @dataclass(frozen=True)
 class FindingDelta:
+    # resolved: gone in B, or down to info from a warning/error; new: the reverse.
     status: str  # resolved | new | unchanged
     kind: str
-    severity: str  # B's severity when present in B, else A's
+    severity: str  # the worse of the two
+    severity_a: str | None
+    severity_b: str | None
     module: str | None
     op: str | None
     count_a: int
@@ -136,7 +139,7 @@ def _side(label: str, s: Session) -> RunSide:
 
 def _clip(x: float | None) -> float | None:
     if x is None or math.isnan(x):
-        return None
+        return x if x is None else 0.0
     return max(-HEADROOM_CLIP, min(HEADROOM_CLIP, x))
 
 
@@ -154,12 +157,12 @@ def _layer_deltas(a: Session, b: Session) -> list[LayerDelta]:
     out = []
     for name in [*la, *(n for n in lb if n not in la)]:
         x, y = la.get(name), lb.get(name)
-        ha, hb = _clip(x.headroom) if x else None, _clip(y.headroom) if y else None
+        ha, hb = (x.headroom if x else None), (y.headroom if y else None)
         oa, ob = (x.overflow_frac if x else None), (y.overflow_frac if y else None)
         ua, ub = (x.underflow_frac if x else None), (y.underflow_frac if y else None)
         ga = x.grad_underflow_frac if x else None
         gb = y.grad_underflow_frac if y else None
-        score = max(_diff(ha, hb), _diff(oa, ob, 100.0), _diff(ua, ub, 100.0),
+        score = max(_diff(_clip(ha), _clip(hb)), _diff(oa, ob, 100.0), _diff(ua, ub, 100.0),
                     _diff(ga, gb, 100.0) if ga is not None or gb is not None else 0.0)
         if score < MIN_CHANGE:
             continue
@@ -178,16 +181,24 @@ def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> C
         fa.setdefault(_key(f), f)
     for f in b.findings:
         fb.setdefault(_key(f), f)
+    rank = {s: i for i, s in enumerate(SEVERITIES)}
     deltas = []
     for k in [*fa, *(k for k in fb if k not in fa)]:
         x, y = fa.get(k), fb.get(k)
-        status = "unchanged" if x and y else ("resolved" if x else "new")
-        f = y or x
-        assert f is not None
+        sa, sb = (x.severity if x else None), (y.severity if y else None)
+        if x and y:
+            # A problem that is now only a note is resolved; the reverse is new.
+            status = ("resolved" if sb == "info" and sa != "info" else
+                      "new" if sa == "info" and sb != "info" else "unchanged")
+        else:
+            status = "resolved" if x else "new"
+        worst = min((v for v in (sa, sb) if v is not None), key=lambda v: rank.get(v, 9))
+        g = y if y is not None else x
+        assert g is not None
         deltas.append(FindingDelta(
-            status=status, kind=f.kind, severity=f.severity, module=f.module, op=f.op,
-            count_a=x.count if x else 0, count_b=y.count if y else 0, message=f.message))
-    rank = {s: i for i, s in enumerate(SEVERITIES)}
+            status=status, kind=g.kind, severity=worst, severity_a=sa, severity_b=sb,
+            module=g.module, op=g.op, count_a=x.count if x else 0,
+            count_b=y.count if y else 0, message=g.message))
     status_rank = {"resolved": 0, "new": 1, "unchanged": 2}
     deltas.sort(key=lambda d: (status_rank[d.status], rank.get(d.severity, 9)))
     return Comparison(_side(label_a, a), _side(label_b, b), deltas, _layer_deltas(a, b))
@@ -202,6 +213,13 @@ def _n(x: float | None, digits: int = 3) -> str:
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
     return f"{x:.{digits}g}"
+
+
+def _scale(x: float | None) -> str:
+    """Loss scales are powers of two: print them whole where they are whole."""
+    if x is not None and math.isfinite(x) and x == int(x) and abs(x) < 1e9:
+        return str(int(x))
+    return _n(x)
 
 
 def _p(x: float | None) -> str:
@@ -225,7 +243,7 @@ def _run_rows(c: Comparison) -> list[list[str]]:
         row("outcome", lambda s: s.outcome),
         row("errors / warnings", lambda s: f"{s.errors} / {s.warnings}"),
         row("scale: init -> final (min)", lambda s: "-" if s.final_scale is None else
-            f"{_n(s.init_scale)} -> {_n(s.final_scale)} ({_n(s.min_scale)})"),
+            f"{_scale(s.init_scale)} -> {_scale(s.final_scale)} ({_scale(s.min_scale)})"),
         row("backoffs / growths", lambda s: f"{s.backoffs} / {s.growths}"),
         row("skipped steps", lambda s: _steps(s.skipped_steps)),
         row("loss: first -> last (min)", lambda s: "not seen" if not s.loss_seen else
@@ -252,13 +270,18 @@ def _scale_rows(c: Comparison) -> list[list[str]]:
 
     def at(d: dict[int, float], step: int) -> str:
         known = [k for k in d if k <= step]
-        return _n(d[max(known)]) if known else "-"
+        return _scale(d[max(known)]) if known else "-"
 
     return [[str(s), at(a, s), at(b, s)] for s in steps]
 
 
 def _finding_rows(c: Comparison) -> list[list[str]]:
-    return [[d.status, d.severity, d.kind, d.module or "-", d.op or "-",
+    def sev(d: FindingDelta) -> str:
+        if d.severity_a and d.severity_b and d.severity_a != d.severity_b:
+            return f"{d.severity_a} -> {d.severity_b}"
+        return d.severity_b or d.severity_a or ""
+
+    return [[d.status, sev(d), d.kind, d.module or "-", d.op or "-",
              f"{d.count_a} -> {d.count_b}"] for d in c.findings]
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AmpDoctorError", "NonFiniteError", "UsageError"]
+__all__ = ["AmpDoctorError", "NonFiniteError", "StopRun", "UsageError"]
 
 
 class AmpDoctorError(Exception):
@@ -15,3 +15,15 @@ class UsageError(AmpDoctorError):
 
 class NonFiniteError(AmpDoctorError):
     """Raised in anomaly mode with ``on_nonfinite="raise"`` at the first NaN/Inf origin."""
+
+
+class StopRun(BaseException):
+    """Raised at a step boundary once ``stop_after`` steps ran (``--stop-after``).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: it ends the user's loop
+    without being caught by ``except Exception``, after the step completed.
+    """
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(f"amp-doctor stopped the run after {steps} steps (--stop-after)")
+        self.steps = steps

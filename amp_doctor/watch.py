@@ -102,6 +102,8 @@ class Watch:
         tensorboard: bool = True,
         discover: bool = False,
         fp32: Iterable[str] = (),
+        stop_after: int | None = None,
+        target_dtype: str | None = None,
     ) -> None:
         if not isinstance(every, int) or every < 1:
             raise AmpDoctorError(f"every must be a positive integer, got {every!r}; e.g. every=10.")
@@ -117,6 +119,15 @@ class Watch:
             fp32 = [fp32]
         self._fp32_patterns = tuple(fp32)
         self._fp32: Any = None
+        if stop_after is not None and stop_after < 1:
+            raise AmpDoctorError(f"stop_after must be >= 1 or None, got {stop_after!r}.")
+        self._stop_after = stop_after
+        from .whatif import TARGET_DTYPES
+
+        if target_dtype is not None and target_dtype not in TARGET_DTYPES:
+            raise AmpDoctorError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)} or "
+                                 f"None, got {target_dtype!r}.")
+        self._target_dtype = target_dtype
         self.every = every
         self.max_steps = max_steps
         self.logdir = Path(logdir).absolute() if logdir is not None else None
@@ -290,6 +301,11 @@ class Watch:
     def set_run_meta(self, **kw: Any) -> None:
         """Used by the CLI to record the command, exit code and outcome."""
         self._run_meta.update(kw)
+
+    @property
+    def fp32_islands(self) -> Any:
+        """The float32 forcing (``fp32=``), or None."""
+        return self._fp32
 
     def add_listener(self, fn: Callable[[StepRecord, HostStep], None]) -> None:
         self._listeners.append(fn)
@@ -471,6 +487,10 @@ class Watch:
         self._finish_step(partial=False)
         self.step_index += 1
         self._set_recording()
+        if self._stop_after is not None and self.step_index >= self._stop_after:
+            from .errors import StopRun
+
+            raise StopRun(self.step_index)
 
     def _finish_step(self, partial: bool) -> None:
         with own_ops:
@@ -647,6 +667,7 @@ class Watch:
             rank=rm.get("rank"),
             world_size=rm.get("world_size"),
             fp32_modules=list(self._fp32.forced) if self._fp32 is not None else [],
+            target_dtype=self._target_dtype,
         )
         draft = Session(
             version=__version__, amp=amp, steps=self.step_index, recorded_steps=self.recorded,
