@@ -416,6 +416,7 @@ def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: 
                    err=True)
 
     result = fixing.find_fix(run, max_trials=trials or fixing.DEFAULT_TRIALS, log=log)
+    result.command = [*(["-m", module] if module else []), *script_and_args]
     click.echo("\n" + fixing.render_fix(result), nl=False)
     click.echo(f"amp-doctor fix: trial runs are in {workdir}", err=True)
     if json_path is not None:

@@ -80,6 +80,7 @@ class FixResult:
     device_type: str = "cuda"
     models: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)  # the user's script and arguments
 
 
 Runner = Callable[[tuple[str, ...]], tuple[Session | None, int]]
@@ -358,9 +359,10 @@ def render_fix(r: FixResult) -> str:
                    "finding is gone in that run.")
         out.append(f"Cost: {n} layer(s) now run in float32, {mm} of the model's {total} "
                    "matmul/convolution layers.")
-        out.append("Check it: amp-doctor diagnose " + " ".join(
-            f"--fp32 {shlex.quote(x)}" for x in r.best.fp32) + " SCRIPT [ARGS]  and "
-            "amp-doctor compare BEFORE AFTER.")
+        script = " ".join(shlex.quote(c) for c in r.command) or "SCRIPT [ARGS]"
+        out.append("Check it on the full run:  amp-doctor diagnose " + " ".join(
+            f"--fp32 {shlex.quote(x)}" for x in r.best.fp32) + f" {script}")
+        out.append("then compare it with the run before:  amp-doctor compare BEFORE AFTER")
         out.append("")
         out.append("Apply it in code, after building the model:")
         out.append("")

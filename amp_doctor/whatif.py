@@ -25,16 +25,25 @@ from dataclasses import asdict, dataclass
 
 from .records import Finding, LayerSummary, Session, Severity
 
-__all__ = ["Format", "FORMATS", "Fp8Row", "fp8_rows", "float16_rows", "whatif_findings",
-           "TARGET_DTYPES"]
+__all__ = ["Format", "FORMATS", "Fp8Row", "fp8_rows", "float16_rows", "render_fp8_table",
+           "whatif_findings", "TARGET_DTYPES"]
 
 F32_BIAS = 127
 N_BINS = 256
 # Steps of amax history behind each delayed scale (TransformerEngine's amax_history_len
 # is longer; with one step in ten recorded, 16 recorded steps span 160 training steps).
 FP8_AMAX_WINDOW = 16
-# A layer is listed when at least this share of its values is affected.
+# A layer is listed when at least this share of its values overflows, flushes to zero
+# (FP8), or falls below the smallest normal (float16; small outputs are common, so
+# the bar is higher).
 AFFECTED_SHARE = 0.001
+UNDERFLOW_SHARE = 0.01
+# A float16 run would scale its gradients with a GradScaler; judge them at its default
+# init_scale (2**16), not unscaled as a bfloat16 run holds them.
+FP16_GRAD_SCALE_LOG2 = 16
+# Delayed scaling saturates the values above the window's amax; a step counts as
+# "outran the scale" only when its amax exceeds the window's by more than this factor.
+AMAX_OUTRUN_FACTOR = 2.0
 # The listed layers in a finding's message; the rest are in its data.
 MAX_LISTED = 8
 TARGET_DTYPES = ("float16", "float8")
@@ -120,7 +129,7 @@ def _fp8_row(s: Session, lay: LayerSummary, grad: bool) -> Fp8Row | None:
     shift = math.log2(fmt.max / amax)
     zero, sub, _ = _shares(hist, fmt, shift)
     beyond = sum(1 for i in range(1, len(amaxes))
-                 if amaxes[i] > max(amaxes[max(0, i - FP8_AMAX_WINDOW):i]))
+                 if amaxes[i] > AMAX_OUTRUN_FACTOR * max(amaxes[max(0, i - FP8_AMAX_WINDOW):i]))
     spread = math.log2(max(amaxes) / min(amaxes)) if len(amaxes) >= 2 else None
     return Fp8Row(lay.name, "gradient" if grad else "activation", fmt.name, zero, sub,
                   spread, beyond, len(amaxes))
@@ -157,10 +166,30 @@ def float16_rows(s: Session) -> list[Fp16Row]:
         for tensor, hist in (("activation", lay.act_exp_hist), ("gradient", lay.grad_exp_hist)):
             if not hist:
                 continue
-            zero, sub, over = _shares(hist, fmt)
-            if over + zero + sub >= AFFECTED_SHARE:
+            shift = FP16_GRAD_SCALE_LOG2 if tensor == "gradient" else 0
+            zero, sub, over = _shares(hist, fmt, shift)
+            if over >= AFFECTED_SHARE or zero + sub >= UNDERFLOW_SHARE:
                 rows.append(Fp16Row(lay.name, tensor, over, zero + sub))
     return rows
+
+
+def render_fp8_table(s: Session, max_rows: int = 24) -> str:
+    """The FP8 readiness table for the text report (worst first); empty if nothing ran low."""
+    from tabulate import tabulate
+
+    rows = sorted(fp8_rows(s), key=lambda r: (-r.zero_share, -r.steps_amax_beyond_scale))
+    if not rows:
+        return ""
+    body = [[r.layer, r.tensor, r.format, _pct(r.zero_share), _pct(r.subnormal_share),
+             "-" if r.amax_spread_bits is None else f"{r.amax_spread_bits:.1f}",
+             f"{r.steps_amax_beyond_scale}/{max(r.recorded - 1, 0)}"] for r in rows[:max_rows]]
+    table = tabulate(body, headers=["layer", "tensor", "format", "to zero", "subnormal",
+                                    "amax spread (bits)", "amax > 2x scale"],
+                     tablefmt="simple", disable_numparse=True)
+    more = f"\n... {len(rows) - max_rows} more in the JSON report" if len(rows) > max_rows else ""
+    return ("FP8 readiness, simulated from the recorded histograms (per-tensor delayed "
+            f"scaling over {FP8_AMAX_WINDOW} recorded steps; not FP8 training):\n"
+            + table + more)
 
 
 def _pct(x: float) -> str:
@@ -185,7 +214,7 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
         if rows:
             sev: Severity = "warning" if target == "float16" else "info"
             over = [r for r in rows if r.overflow_share >= AFFECTED_SHARE]
-            under = [r for r in rows if r.underflow_share >= AFFECTED_SHARE]
+            under = [r for r in rows if r.underflow_share >= UNDERFLOW_SHARE]
             parts = []
             if over:
                 parts.append("beyond float16's max (65504): " + _listed(
@@ -195,8 +224,9 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
                     f"{r.layer} {r.tensor}s {_pct(r.underflow_share)}" for r in under))
             out.append(Finding(
                 kind="whatif_float16", severity=sev, module=rows[0].layer, op=None, step=None,
-                message=("Simulated from the recorded histograms, in float16 this bfloat16 run "
-                         "would put values " + "; ".join(parts) + "."),
+                message=("Simulated from the recorded histograms (gradients as a GradScaler at "
+                         f"2^{FP16_GRAD_SCALE_LOG2} would hold them), in float16 this bfloat16 "
+                         "run would put values " + "; ".join(parts) + "."),
                 advice=("Stay on bfloat16, or before moving to float16 keep the overflowing "
                         "layers in float32 and use a GradScaler for the gradients."),
                 data={"rows": [asdict(r) for r in rows]},
