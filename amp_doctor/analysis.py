@@ -1281,10 +1281,17 @@ def _events_rule(session: Session) -> Iterable[Finding]:
         )
 
 
+def _whatif_rule(session: Session) -> Iterable[Finding]:
+    from .whatif import whatif_findings
+
+    return whatif_findings(session, session.run.target_dtype)
+
+
 _RULES: list[Callable[[Session], Iterable[Finding]]] = [
     _run_rule,
     _autocast_rule,
     _layers_rules,
     _scaler_rules,
     _events_rule,
+    _whatif_rule,
 ]

@@ -373,6 +373,13 @@ def _severity_reached(session: Session, level: str) -> bool:
               show_default=True, help="Exit 1 when findings reach this severity.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None,
               help="Record only the first N recorded steps; training runs on untouched.")
+@click.option("--fp32", "fp32", multiple=True, metavar="PATTERN",
+              help="Run the layers matching PATTERN (a layer name as the report prints it; "
+                   "* and ? are wildcards) in float32 under autocast. Repeatable.")
+@click.option("--target-dtype", type=click.Choice(["float16", "float8"]), default=None,
+              help="The format you plan to move to: its simulated what-ifs become warnings.")
+@click.option("--stop-after", type=click.IntRange(min=1), default=None, metavar="N",
+              help="End the script after N training steps (a quick trial).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line; print only the report.")
 @click.option("--no-tensorboard", is_flag=True, help="Write no TensorBoard event files.")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
@@ -388,6 +395,9 @@ def diagnose(
     report_path: Path | None,
     fail_on: str,
     max_steps: int | None,
+    fp32: tuple[str, ...],
+    target_dtype: str | None,
+    stop_after: int | None,
     quiet: bool,
     no_tensorboard: bool,
     nproc_per_node: int | None,
@@ -431,6 +441,9 @@ def diagnose(
         forwarded = [*(["--every", str(every)] if every else []),
                      *(["--anomaly"] if anomaly else []),
                      *(["--max-steps", str(max_steps)] if max_steps else []),
+                     *[a for p in fp32 for a in ("--fp32", p)],
+                     *(["--stop-after", str(stop_after)] if stop_after else []),
+                     *(["--target-dtype", target_dtype] if target_dtype else []),
                      *(["--no-tensorboard"] if no_tensorboard else [])]
         sys.exit(_launch(nproc_per_node, target, logdir, forwarded, json_out, report_out,
                          fail_on, not no_tensorboard))
@@ -439,7 +452,8 @@ def diagnose(
         if explicit and not os.environ.get(_LAUNCHER_ENV):
             _note_reused_logdir(logdir, console)
         code = _diagnose(resolved, target, logdir, every, anomaly, json_out, report_out,
-                         fail_on, max_steps, quiet, not no_tensorboard, console)
+                         fail_on, max_steps, quiet, not no_tensorboard, console, fp32,
+                         stop_after, target_dtype)
     finally:
         console.close()
     sys.exit(code)
@@ -461,7 +475,8 @@ def _fail_unknown_option(given: str) -> NoReturn:
 def _diagnose(
     resolved: Any, target: runner.Target, logdir: Path, every: int | None, anomaly: bool,
     json_out: Path | None, report_out: Path | None, fail_on: str, max_steps: int | None,
-    quiet: bool, tensorboard: bool, console: _Console,
+    quiet: bool, tensorboard: bool, console: _Console, fp32: tuple[str, ...] = (),
+    stop_after: int | None = None, target_dtype: str | None = None,
 ) -> int:
     from .merge import rank_dir, rank_env
     from .watch import DEFAULT_EVERY, Watch
@@ -470,7 +485,8 @@ def _diagnose(
     under_launcher = bool(os.environ.get(_LAUNCHER_ENV))
     run_dir = rank_dir(logdir, ranks[0]) if ranks else logdir
     doctor = Watch(None, every=every or DEFAULT_EVERY, logdir=run_dir, anomaly=anomaly,
-                   max_steps=max_steps, discover=True, tensorboard=tensorboard)
+                   max_steps=max_steps, discover=True, tensorboard=tensorboard, fp32=fp32,
+                   stop_after=stop_after, target_dtype=target_dtype)
     speaks = ranks is None or (ranks[0] == 0 and not under_launcher)
     progress = _Progress(enabled=speaks and not quiet and console.isatty(), console=console)
     command = ["python", *(["-m", target.name] if target.kind == "module" else [target.name]),
@@ -497,8 +513,12 @@ def _diagnose(
 
 def _run_script(resolved: Any) -> BaseException | None:
     """Run the user's script; how it ended (None for falling off the end)."""
+    from .errors import StopRun
+
     try:
         runner.run(resolved)
+    except StopRun:
+        pass  # --stop-after: a normal end of a shortened run
     except BaseException as e:  # the user's exit path, whatever it is, is ours to report
         return e
     return None
@@ -548,8 +568,15 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
         # Direct `torchrun -m amp_doctor diagnose`: rank 0 merges what the others wrote.
         merged = merge_run_dir(logdir, ranks[1])
         session = merged or session
-    return _publish(session, logdir, json_out, report_out, fail_on, tensorboard, code,
+    code = _publish(session, logdir, json_out, report_out, fail_on, tensorboard, code,
                     console, exc=exc)
+    if doctor.fp32_islands is not None:
+        try:
+            doctor.fp32_islands.check()
+        except AmpDoctorError as e:  # after the report: what ran is still worth reading
+            console.echo(f"amp-doctor: error: {e}")
+            return EXIT_USAGE
+    return code
 
 
 def _salvage(doctor: Any, run_dir: Path, console: _Console, meta: dict[str, Any]) -> Session:
@@ -723,6 +750,85 @@ def report(run: Path, fmt: str) -> None:
         click.echo(render_markdown(session), nl=False)
     else:
         click.echo(render_text(session), nl=False)
+
+
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    short_help="Find the smallest set of float32 layers that removes every error.",
+)
+@click.option("-m", "module", metavar="MODULE", help="Run a module, as `python -m MODULE`.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None,
+              help="Training steps per trial [default: 20].")
+@click.option("--trials", type=click.IntRange(min=1), default=None,
+              help="Most trial runs after the baseline [default: 12].")
+@click.option("--anomaly/--no-anomaly", default=True, show_default=True,
+              help="Name op-level origins in every trial (slower, more precise culprits).")
+@click.option("--target-dtype", type=click.Choice(["float16", "float8"]), default=None,
+              help="Also remove the simulated what-if warnings for this format.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the trials and the result as JSON here.")
+@click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED)
+def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: bool,
+        target_dtype: str | None, json_path: Path | None,
+        script_and_args: tuple[str, ...]) -> None:
+    """Rerun SCRIPT [ARGS]... with candidate layers in float32 (--fp32) until its errors are
+    gone, and print the smallest such set with a snippet that applies it.
+
+    Each trial is a real, shortened run of the script; it must be deterministic
+    for the steps it runs (fix checks that with a repeated baseline).
+    """
+    from . import fix as fixing
+
+    if module is None and not script_and_args:
+        _fail("no script given; usage: amp-doctor fix [OPTIONS] SCRIPT [ARGS]...")
+    target = (runner.Target("module", module, tuple(script_and_args)) if module is not None
+              else runner.Target("path", script_and_args[0], tuple(script_and_args[1:])))
+    try:
+        runner.resolve(target)
+    except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
+        _fail(str(e))
+    if json_path is not None:
+        _check_writable(json_path.absolute().parent)
+    workdir = fixing.default_workdir()
+    run = fixing.subprocess_runner(
+        script_and_args, module, max_steps or fixing.DEFAULT_MAX_STEPS, anomaly, workdir,
+        lambda line: click.echo(line, err=True), target_dtype)
+
+    def log(t: fixing.Trial) -> None:
+        verdict = "ok" if t.ok else f"{len(t.errors)} error(s)"
+        click.echo(f"amp-doctor fix: float32 [{', '.join(t.fp32) or 'none'}]: {verdict}",
+                   err=True)
+
+    result = fixing.find_fix(run, max_trials=trials or fixing.DEFAULT_TRIALS, log=log)
+    result.command = [*(["-m", module] if module else []), *script_and_args]
+    click.echo("\n" + fixing.render_fix(result), nl=False)
+    click.echo(f"amp-doctor fix: trial runs are in {workdir}", err=True)
+    if json_path is not None:
+        json_path.write_text(fixing.to_json(result))
+    sys.exit(0 if result.best is not None or result.baseline.ok else 1)
+
+
+@cli.command(short_help="Compare two saved runs (e.g. before and after a fix).")
+@click.argument("run_a", type=click.Path(path_type=Path))
+@click.argument("run_b", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json"]), default="text",
+              show_default=True)
+def compare(run_a: Path, run_b: Path, fmt: str) -> None:
+    """Show what changed from RUN_A to RUN_B: findings resolved, new and unchanged, the
+    scale timelines, per-layer headroom and underflow, and the loss."""
+    from .compare import compare as compare_runs
+    from .compare import render
+
+    a, b = _load_session(run_a), _load_session(run_b)
+    la, lb = _run_label(run_a), _run_label(run_b)
+    if la == lb:
+        la, lb = f"A:{la}", f"B:{lb}"
+    click.echo(render(compare_runs(a, b, la, lb), fmt), nl=False)
+
+
+def _run_label(path: Path) -> str:
+    p = path.absolute()
+    return (p.parent.name if p.name == JSON_NAME else p.name) or str(path)
 
 
 # --------------------------------------------------------------------------- view

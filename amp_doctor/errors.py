@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AmpDoctorError", "NonFiniteError", "ReportFormatError", "UsageError"]
+__all__ = ["AmpDoctorError", "NonFiniteError", "ReportFormatError", "StopRun", "UsageError"]
 
 
 class AmpDoctorError(Exception):
@@ -24,3 +24,15 @@ class ReportFormatError(AmpDoctorError, ValueError):
     caller adds the file name. A ``ValueError`` too, so code that skips unreadable
     files (the rank merge) keeps working.
     """
+
+
+class StopRun(BaseException):
+    """Raised at a step boundary once ``stop_after`` steps ran (``--stop-after``).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: it ends the user's loop
+    without being caught by ``except Exception``, after the step completed.
+    """
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(f"amp-doctor stopped the run after {steps} steps (--stop-after)")
+        self.steps = steps

@@ -225,6 +225,10 @@ class RunInfo:
     error: str | None = None
     rank: int | None = None
     world_size: int | None = None
+    # Modules run in float32 under autocast by --fp32 / watch(fp32=...).
+    fp32_modules: list[str] = field(default_factory=list)
+    # --target-dtype: the format the user plans to move to; its what-ifs become warnings.
+    target_dtype: str | None = None
 
 
 @dataclass(frozen=True)

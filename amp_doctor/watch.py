@@ -134,6 +134,9 @@ class Watch:
         top_k: int = 16,
         tensorboard: bool = True,
         discover: bool = False,
+        fp32: Iterable[str] = (),
+        stop_after: int | None = None,
+        target_dtype: str | None = None,
     ) -> None:
         # One-line errors naming the fix, before anything is installed; counts come back
         # as int, a generator of models or optimizers as a list.
@@ -143,6 +146,19 @@ class Watch:
         self._given_models = _as_models(model) if model is not None else {}
         self.models = {k: _unwrap(m) for k, m in self._given_models.items()}
         self._discover = discover
+        if isinstance(fp32, str):
+            fp32 = [fp32]
+        self._fp32_patterns = tuple(fp32)
+        self._fp32: Any = None
+        if stop_after is not None and stop_after < 1:
+            raise AmpDoctorError(f"stop_after must be >= 1 or None, got {stop_after!r}.")
+        self._stop_after = stop_after
+        from .whatif import TARGET_DTYPES
+
+        if target_dtype is not None and target_dtype not in TARGET_DTYPES:
+            raise AmpDoctorError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)} or "
+                                 f"None, got {target_dtype!r}.")
+        self._target_dtype = target_dtype
         self.every = every
         self.max_steps = max_steps
         self.logdir = Path(logdir).absolute() if logdir is not None else None
@@ -215,6 +231,15 @@ class Watch:
                                   events=self._extra_events, on_compiled=self._on_compiled)
             for given in self._given_models.values():
                 self._attach_wrappers(given)
+            self._probes = Probes(self.models, self._current_buffer, self._on_root_forward)
+            if self._fp32_patterns:
+                from .fp32 import Fp32Islands
+
+                self._fp32 = Fp32Islands(self._fp32_patterns)
+                for prefix, m in self.models.items():
+                    self._fp32.attach(prefix, m)
+                if not self._discover:
+                    self._fp32.check()  # the API knows every model now: fail before training
             self._monitor = AmpMonitor(
                 owns_param=self._owns,
                 on_boundary=self._auto_boundary,
@@ -391,7 +416,7 @@ class Watch:
         # Each removal is independent: one failing must not leave others behind.
         removers: list[Callable[[], Any]] = [h.remove for h in self._global_handles]
         for owner, method in ((self._probes, "remove"), (self._sub, "remove"),
-                              (self._anomaly, "stop")):
+                              (self._anomaly, "stop"), (self._fp32, "remove")):
             if owner is not None:
                 removers.append(getattr(owner, method))
         self._global_handles = []
@@ -441,6 +466,11 @@ class Watch:
         """Used by the CLI to record the command, exit code and outcome."""
         self._run_meta.update(kw)
 
+    @property
+    def fp32_islands(self) -> Any:
+        """The float32 forcing (``fp32=``), or None."""
+        return self._fp32
+
     def add_listener(self, fn: Callable[[StepRecord, HostStep], None]) -> None:
         self._listeners.append(fn)
 
@@ -473,6 +503,9 @@ class Watch:
         self._owned_params.update(id(p) for p in model.parameters())
         if self._monitor is not None:
             self._monitor.models_changed()
+        if self._fp32 is not None:
+            # Names may have changed (a second model prefixes the first): match anew.
+            self._fp32.reattach(self.models)
 
     @staticmethod
     def _free_name(name: str, taken: set[str]) -> str:
@@ -852,6 +885,10 @@ class Watch:
         self._backward_reached = False
         self._train_forward_since_boundary = False
         self._auto_boundary_idle = False
+        if self._stop_after is not None and self.step_index >= self._stop_after:
+            from .errors import StopRun
+
+            raise StopRun(self.step_index)
 
     def _finish_step(self, partial: bool) -> None:
         with own_ops:
@@ -1073,6 +1110,8 @@ class Watch:
             error=rm.get("error"),
             rank=rm.get("rank"),
             world_size=rm.get("world_size"),
+            fp32_modules=list(self._fp32.forced) if self._fp32 is not None else [],
+            target_dtype=self._target_dtype,
         )
         draft = Session(
             version=__version__, amp=amp, steps=self.step_index, recorded_steps=self.recorded,

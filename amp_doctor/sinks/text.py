@@ -211,6 +211,9 @@ def _counts_line(s: Session) -> str:
 
 def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
     out = [summary_line(s)]
+    if s.run.fp32_modules:
+        out.append(_wrap("Run in float32 under autocast (--fp32): "
+                         + ", ".join(s.run.fp32_modules), 0))
     if s.run.error:
         out.append(_wrap(f"The run ended with {s.run.error}", 0))
     out.append("")

@@ -1,0 +1,393 @@
+"""``amp-doctor fix``: find the smallest set of float32 modules that removes every error.
+
+Each trial is a real run of the user's script under ``amp-doctor diagnose
+--every 1 --stop-after N --fp32 ...`` in a subprocess, so a trial is exactly
+what the user would get by applying the fix. The search, within a budget of
+trials:
+
+1. a baseline (twice: the search relies on the script being deterministic for
+   the steps it runs, and says so when it is not);
+2. the culprits the baseline's error findings name;
+3. their origin chain: each culprit's enclosing modules, innermost first;
+4. bisection over the model's blocks (the largest list of sibling modules);
+5. once a set works, a smaller one: each member's children in its place, and
+   each member dropped in turn.
+
+It stops at the smallest set found, prints a table of the trials, the cost
+(how many layers and matmul/conv layers now run in float32) and a snippet
+that applies the fix in code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tabulate import tabulate
+
+from .records import Finding, Session
+
+__all__ = ["Trial", "FixResult", "find_fix", "render_fix", "ERROR_KINDS_FIXED_BY_FP32"]
+
+# Enough steps for a GradScaler to show a storm or a collapse (the scale falls
+# 2x per skipped step) while a trial stays short.
+DEFAULT_MAX_STEPS = 20
+DEFAULT_TRIALS = 12
+# Layers whose forward is a matmul or convolution: the expensive part of running in float32.
+MATMUL_TYPES = frozenset({
+    "Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+    "ConvTranspose3d", "MultiheadAttention", "LSTM", "GRU", "RNN", "Conv1D",
+})
+# Findings a float32 island can remove; a trial succeeds when none of these is an error.
+WHATIF_KINDS = frozenset({"whatif_float16", "fp8_readiness"})
+ERROR_KINDS_FIXED_BY_FP32 = frozenset({
+    "activation_overflow", "nonfinite_forward", "nonfinite_backward", "scaler_backoff",
+    "scale_collapse", "nan_loss", "nonfinite_loss",
+})
+
+
+@dataclass(frozen=True)
+class Trial:
+    fp32: tuple[str, ...]
+    why: str
+    errors: tuple[str, ...]  # "kind@module" of each error finding
+    exit_code: int
+    steps: int
+    final_loss: float | None
+    skipped: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and self.exit_code == 0
+
+
+@dataclass
+class FixResult:
+    baseline: Trial
+    trials: list[Trial] = field(default_factory=list)
+    best: Trial | None = None
+    deterministic: bool = True
+    budget_exhausted: bool = False
+    layer_types: dict[str, str] = field(default_factory=dict)
+    device_type: str = "cuda"
+    models: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)  # the user's script and arguments
+
+
+Runner = Callable[[tuple[str, ...]], tuple[Session | None, int]]
+
+
+def _blocking(f: Finding) -> bool:
+    """An error, or a what-if warning for the format the user targets (--target-dtype)."""
+    return f.severity == "error" or (f.kind in WHATIF_KINDS and f.severity == "warning")
+
+
+def _error_keys(s: Session | None) -> tuple[str, ...]:
+    if s is None:
+        return ("no_report",)
+    return tuple(sorted(f"{f.kind}@{f.module or '-'}" for f in s.findings if _blocking(f)))
+
+
+def _trial(fp32: tuple[str, ...], why: str, run: Runner) -> tuple[Trial, Session | None]:
+    s, code = run(fp32)
+    losses = [r.loss for r in s.history if r.loss is not None] if s else []
+    return Trial(
+        fp32=fp32, why=why, errors=_error_keys(s), exit_code=code,
+        steps=s.steps if s else 0, final_loss=losses[-1] if losses else None,
+        skipped=len(s.scaler.skipped_steps) if s and s.scaler else 0,
+    ), s
+
+
+def _parent(name: str) -> str | None:
+    return name.rsplit(".", 1)[0] if "." in name else None
+
+
+def _culprits(s: Session) -> list[str]:
+    """Layers the error findings name, origins first, in model order."""
+    names = {lay.name for lay in s.layers}
+    order = {lay.name: lay.order for lay in s.layers}
+    found: list[str] = []
+    errors = [f for f in s.findings if _blocking(f)]
+    # Op-level and forward origins before the layers a backoff lists.
+    errors.sort(key=lambda f: (f.kind in ("scaler_backoff", "scale_collapse"), f.step or 0))
+    for f in errors:
+        cands = [f.module] if f.module else []
+        for key in ("origin", "forward_origin", "culprits", "layers"):
+            v = f.data.get(key)
+            if isinstance(v, str):
+                cands.append(v)
+            elif isinstance(v, list):
+                cands.extend(x for x in v if isinstance(x, str))
+        rows = f.data.get("rows")
+        if f.kind in WHATIF_KINDS and isinstance(rows, list):
+            cands.extend(r["layer"] for r in rows if isinstance(r, dict) and "layer" in r)
+        for c in cands:
+            if c in names and c not in found:
+                found.append(c)
+    return sorted(found[:4], key=lambda n: order.get(n, 0))
+
+
+def _children(s: Session, name: str) -> list[str]:
+    pre = name + "."
+    return [lay.name for lay in s.layers
+            if lay.name.startswith(pre) and "." not in lay.name[len(pre):]]
+
+
+def _blocks(s: Session) -> list[str]:
+    """The largest run of numbered siblings (``h.0``, ``h.1``...), else the root's children."""
+    groups: dict[str, list[str]] = {}
+    for lay in s.layers:
+        parent, _, last = lay.name.rpartition(".")
+        if last.isdigit():
+            groups.setdefault(parent, []).append(lay.name)
+    if groups:
+        best = max(groups.values(), key=len)
+        if len(best) >= 2:
+            return best
+    return [lay.name for lay in s.layers if "." not in lay.name and lay.order >= 0][1:]
+
+
+def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
+             log: Callable[[Trial], None] | None = None) -> FixResult:
+    """Search float32 module sets with ``run(fp32_patterns) -> (session, exit code)``."""
+    base, bs = _trial((), "baseline", run)
+    result = FixResult(baseline=base)
+    if log:
+        log(base)
+    if bs is None:
+        result.notes.append("The baseline run wrote no report; see its errors above.")
+        return result
+    result.layer_types = {lay.name: lay.type for lay in bs.layers}
+    result.device_type = bs.amp.device_type or "cuda"
+    result.models = list(bs.run.models)
+    if base.ok:
+        result.notes.append("The baseline has no error finding: nothing to fix.")
+        return result
+    again, _ = _trial((), "baseline, repeated", run)
+    if log:
+        log(again)
+    result.trials.append(again)
+    if again.errors != base.errors or not _same_loss(again.final_loss, base.final_loss):
+        result.deterministic = False
+        result.notes.append(
+            "The script is not deterministic for the steps it runs (the baseline gave "
+            "different errors or losses twice): trials may disagree by chance. Seed it "
+            "(torch.manual_seed) and disable nondeterministic data order to trust the result.")
+    tried: set[frozenset[str]] = set()
+
+    def attempt(cand: Iterable[str], why: str) -> Trial | None:
+        key = frozenset(cand)
+        if not key or key in tried:
+            return None
+        if len(result.trials) >= max_trials:
+            result.budget_exhausted = True
+            return None
+        tried.add(key)
+        t, _ = _trial(tuple(sorted(key, key=_order_key(bs))), why, run)
+        result.trials.append(t)
+        if log:
+            log(t)
+        if t.ok and (result.best is None or len(t.fp32) < len(result.best.fp32)):
+            result.best = t
+        return t
+
+    culprits = _culprits(bs)
+    if culprits:
+        attempt(culprits, "the culprits the errors name")
+    # The origin chain: enclosing modules, innermost first.
+    level = culprits
+    while result.best is None and level:
+        level = sorted({p for p in (_parent(n) for n in level) if p})
+        attempt(level, "their enclosing modules")
+    # Bisection over the blocks.
+    blocks = _blocks(bs)
+    while result.best is None and len(blocks) >= 2 and not result.budget_exhausted:
+        half = len(blocks) // 2
+        first, second = blocks[:half], blocks[half:]
+        t = attempt(first, f"bisect: blocks {first[0]}..{first[-1]}")
+        if t is not None and t.ok:
+            blocks = first
+            continue
+        t = attempt(second, f"bisect: blocks {second[0]}..{second[-1]}")
+        if t is not None and t.ok:
+            blocks = second
+            continue
+        attempt(blocks, "all blocks")
+        break
+    # Smaller: a member's children instead of it, then each member dropped.
+    improved = True
+    while result.best is not None and improved and not result.budget_exhausted:
+        improved = False
+        current = list(result.best.fp32)
+        for m in current:
+            kids = _children(bs, m)
+            rest = [x for x in current if x != m]
+            for kid in kids:
+                t = attempt([*rest, kid], f"narrow {m} to {kid}")
+                if t is not None and t.ok:
+                    improved = True
+                    break
+            if improved:
+                break
+            if len(current) > 1:
+                t = attempt(rest, f"drop {m}")
+                if t is not None and t.ok:
+                    improved = True
+                    break
+    return result
+
+
+def _same_loss(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def _order_key(s: Session) -> Callable[[str], tuple[int, str]]:
+    order = {lay.name: lay.order for lay in s.layers}
+    return lambda n: (order.get(n, 1 << 30), n)
+
+
+# -- running trials --------------------------------------------------------------
+def subprocess_runner(script: Sequence[str], module: str | None, max_steps: int,
+                      anomaly: bool, workdir: Path, echo: Callable[[str], None],
+                      target_dtype: str | None = None) -> Runner:
+    """Trials as real ``amp-doctor diagnose`` runs of the user's script."""
+    counter = [0]
+
+    def run(fp32: tuple[str, ...]) -> tuple[Session | None, int]:
+        counter[0] += 1
+        logdir = workdir / f"trial{counter[0]:02d}"
+        cmd = [sys.executable, "-m", "amp_doctor", "diagnose", "--quiet", "--no-tensorboard",
+               "--every", "1", "--stop-after", str(max_steps), "--logdir", str(logdir),
+               *(["--anomaly"] if anomaly else []),
+               *(["--target-dtype", target_dtype] if target_dtype else []),
+               *[a for p in fp32 for a in ("--fp32", p)],
+               *(["-m", module] if module else []), *script]
+        echo("amp-doctor fix: " + " ".join(shlex.quote(c) for c in cmd[1:]))
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "AMP_DOCTOR_FIX_TRIAL": "1"})
+        path = logdir / "amp_doctor.json"
+        try:
+            session = Session.load(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            tail = (proc.stderr or "").strip().splitlines()[-3:]
+            echo("amp-doctor fix: the trial wrote no report: " + " | ".join(tail))
+            session = None
+        return session, proc.returncode
+
+    return run
+
+
+def default_workdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="amp-doctor-fix-"))
+
+
+# -- rendering ------------------------------------------------------------------
+def _cost(names: Sequence[str], types: dict[str, str]) -> tuple[int, int, int]:
+    """(layers now in float32, matmul/conv layers among them, matmul/conv layers in all)."""
+    inside = [n for n in types if any(n == m or n.startswith(m + ".") for m in names)]
+    mm = [n for n in inside if types[n] in MATMUL_TYPES]
+    total = sum(t in MATMUL_TYPES for t in types.values())
+    return len(inside), len(mm), total
+
+
+def snippet(names: Sequence[str], device_type: str, models: Sequence[str]) -> str:
+    """Code that applies the fix without amp-doctor."""
+    by_model: dict[str, list[str]] = {}
+    for n in names:
+        head, _, rest = n.partition(".")
+        if len(models) > 1 and head in models and rest:
+            by_model.setdefault(head, []).append(rest)
+        else:
+            by_model.setdefault("model", []).append(n)
+    lines = [
+        "import functools",
+        "import torch",
+        "",
+        "",
+        f'def keep_in_float32(module: torch.nn.Module, device_type: str = "{device_type}") '
+        "-> None:",
+        '    """Run `module` in float32 under autocast; its output stays float32."""',
+        "    forward = module.forward",
+        "",
+        "    def up(x):",
+        "        return x.float() if torch.is_tensor(x) and x.is_floating_point() else x",
+        "",
+        "    @functools.wraps(forward)",
+        "    def fp32_forward(*args, **kwargs):",
+        "        with torch.autocast(device_type, enabled=False):",
+        "            return forward(*[up(a) for a in args], **{k: up(v) for k, v in "
+        "kwargs.items()})",
+        "",
+        "    module.forward = fp32_forward",
+        "",
+        "",
+    ]
+    for model, quals in by_model.items():
+        lines.append(f"for name in {quals!r}:")
+        lines.append(f"    keep_in_float32({model}.get_submodule(name))")
+    return "\n".join(lines)
+
+
+def render_fix(r: FixResult) -> str:
+    def row(i: int, t: Trial) -> list[str]:
+        loss = "-" if t.final_loss is None else f"{t.final_loss:.4g}"
+        return [str(i), ", ".join(t.fp32) or "(none)", t.why, str(t.steps), str(t.skipped),
+                loss, "ok" if t.ok else (", ".join(t.errors) or f"exit {t.exit_code}")]
+
+    rows = [row(0, r.baseline)] + [row(i + 1, t) for i, t in enumerate(r.trials)]
+    out = ["Trials (each a real run of the script; float32 = layers forced with --fp32):",
+           tabulate(rows, headers=["#", "float32", "why", "steps", "skipped", "last loss",
+                                   "errors left"], tablefmt="simple", disable_numparse=True),
+           ""]
+    out.extend(r.notes)
+    if r.notes:
+        out.append("")
+    if r.best is not None:
+        n, mm, total = _cost(r.best.fp32, r.layer_types)
+        out.append(f"Smallest fix found: keep {', '.join(r.best.fp32)} in float32. Every error "
+                   "finding is gone in that run.")
+        out.append(f"Cost: {n} layer(s) now run in float32, {mm} of the model's {total} "
+                   "matmul/convolution layers.")
+        script = " ".join(shlex.quote(c) for c in r.command) or "SCRIPT [ARGS]"
+        out.append("Check it on the full run:  amp-doctor diagnose " + " ".join(
+            f"--fp32 {shlex.quote(x)}" for x in r.best.fp32) + f" {script}")
+        out.append("then compare it with the run before:  amp-doctor compare BEFORE AFTER")
+        out.append("")
+        out.append("Apply it in code, after building the model:")
+        out.append("")
+        out.extend("    " + line if line else "" for line in
+                   snippet(r.best.fp32, r.device_type, r.models).splitlines())
+    elif not r.baseline.ok and r.baseline.errors != ("no_report",):
+        budget = " within the trial budget (--trials)" if r.budget_exhausted else ""
+        out.append(f"No set of float32 layers removed every error{budget}. Next things to try:")
+        out.append("  - bfloat16 autocast (`torch.autocast(device_type, dtype=torch.bfloat16)`): "
+                   "it has float32's range, so nothing overflows;")
+        out.append("  - loss scaling: `GradScaler(init_scale=..., growth_interval=...)`, or "
+                   "unscale_ before clipping;")
+        out.append("  - normalisation: normalise the inputs, add a LayerNorm before the layer "
+                   "the errors name, or weight decay if its weights grew large.")
+    return "\n".join(out) + "\n"
+
+
+def to_json(r: FixResult) -> str:
+    def t(x: Trial) -> dict[str, object]:
+        return {"fp32": list(x.fp32), "why": x.why, "errors": list(x.errors),
+                "exit_code": x.exit_code, "steps": x.steps, "skipped": x.skipped,
+                "final_loss": None if x.final_loss is None or not math.isfinite(x.final_loss)
+                else x.final_loss, "ok": x.ok}
+
+    return json.dumps({"baseline": t(r.baseline), "trials": [t(x) for x in r.trials],
+                       "best": list(r.best.fp32) if r.best else None,
+                       "deterministic": r.deterministic,
+                       "budget_exhausted": r.budget_exhausted, "notes": r.notes}, indent=1)

@@ -1,0 +1,192 @@
+"""Closing the loop: ``fix`` finds the smallest float32 set, ``compare`` shows the change,
+and the format what-ifs predict another format from the recorded histograms."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amp_doctor
+from amp_doctor.compare import compare, render
+from amp_doctor.fix import find_fix, render_fix, snippet
+from amp_doctor.records import Session
+from amp_doctor.whatif import FORMATS, _shares, fp8_rows, whatif_findings
+from tests.helpers import console_script
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "sample_models"
+
+
+def _sample(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(sample: str, model_cls: str, fp32: tuple[str, ...] = (), steps: int = 10,
+         dtype: torch.dtype = torch.float16, anomaly: bool = False,
+         target_dtype: str | None = None) -> Session:
+    """A sample's training loop, in process, under watch(every=1)."""
+    s = _sample(sample)
+    torch.manual_seed(0)
+    model = getattr(s, model_cls)()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+    with amp_doctor.watch(model, every=1, fp32=fp32, anomaly=anomaly,
+                          target_dtype=target_dtype) as doctor:
+        for _ in range(steps):
+            x, y = s.make_batch(torch.device("cpu"), 64)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=dtype):
+                loss = F.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+def test_compare_shows_the_fix_resolving_the_errors() -> None:
+    before = _run("fp16_activation_overflow", "SensorRegressor")
+    after = _run("fp16_activation_overflow", "SensorRegressor", fp32=("proj",))
+    c = compare(before, after, "before", "after")
+    resolved = {(d.kind, d.severity_a) for d in c.resolved}
+    assert ("scale_collapse", "error") in resolved
+    assert not [d for d in c.new if d.severity == "error"]
+    assert c.a.backoffs == 10 and c.b.backoffs < c.a.backoffs
+    assert c.a.loss_nonfinite == 10 and c.b.loss_nonfinite == 0
+    assert c.b.fp32_modules == ["proj"]
+    # proj now runs in float32: its headroom went from -inf (an inf in its output) to finite.
+    proj = next(d for d in c.layers if d.name == "proj")
+    assert proj.headroom_a == -math.inf and proj.headroom_b is not None
+    assert math.isfinite(proj.headroom_b)
+    text = render(c)
+    assert text.startswith("From before to after: ")
+    assert "error(s) resolved" in text and "proj" in text
+    md = render(c, "markdown")
+    assert "| resolved" in md
+    data = json.loads(render(c, "json"))
+    assert data["b"]["fp32_modules"] == ["proj"]
+    assert {d["status"] for d in data["findings"]} >= {"resolved"}
+
+
+def test_fix_search_with_anomaly_mode_takes_the_op_level_origin() -> None:
+    calls: list[tuple[str, ...]] = []
+
+    def run(fp32: tuple[str, ...]) -> tuple[Session | None, int]:
+        calls.append(fp32)
+        return _run("hidden_op_overflow", "OutlierNet", fp32=fp32, steps=6, anomaly=True), 0
+
+    result = find_fix(run, max_trials=10)
+    assert result.deterministic
+    assert calls == [(), (), ("mlp.act",)]  # baseline, its repeat, the named origin
+    assert result.best is not None and result.best.fp32 == ("mlp.act",)
+    text = render_fix(result)
+    assert "Smallest fix found: keep mlp.act in float32" in text
+    assert "0 of the model's 3 matmul/convolution layers" in text
+    assert "keep_in_float32(model.get_submodule(name))" in text
+
+
+def test_fix_search_without_anomaly_mode_takes_the_named_culprit() -> None:
+    """Without anomaly mode the errors name mlp.fc1, whose weights get the NaN gradients.
+    Forcing it is a real fix too: its float32 output keeps mlp.act's pow in float32."""
+    def run(fp32: tuple[str, ...]) -> tuple[Session | None, int]:
+        return _run("hidden_op_overflow", "OutlierNet", fp32=fp32, steps=6), 0
+
+    result = find_fix(run, max_trials=10)
+    assert result.baseline.errors and not result.baseline.ok
+    assert result.best is not None and result.best.fp32 == ("mlp.fc1",)
+    assert result.best.skipped == 0 and result.best.final_loss is not None
+    assert "1 of the model's 3 matmul/convolution layers" in render_fix(result)
+
+
+def test_fix_snippet_applies_the_same_fix_in_plain_torch() -> None:
+    code = snippet(["proj"], "cpu", ["SensorRegressor"])
+    s = _sample("fp16_activation_overflow")
+    torch.manual_seed(0)
+    model = s.SensorRegressor()
+    exec(code, {"model": model})  # noqa: S102 - the snippet is ours, the point is to run it
+    x, _ = s.make_batch(torch.device("cpu"), 64)
+    with torch.autocast("cpu", dtype=torch.float16):
+        h = model.proj(model.act(model.inp(x)))
+        out = model(x)
+    assert h.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+@pytest.mark.slow
+def test_fix_cli_on_the_overflow_sample(tmp_path: Path) -> None:
+    out = tmp_path / "fix.json"
+    proc = subprocess.run(
+        [console_script(), "fix", "--json", str(out), "--max-steps", "6", "--trials", "4",
+         str(SAMPLES / "fp16_activation_overflow.py")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Smallest fix found: keep proj in float32" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["best"] == ["proj"] and result["deterministic"]
+    assert result["baseline"]["errors"] and result["trials"][-1]["ok"]
+
+
+def test_compare_cli_reads_two_saved_runs(tmp_path: Path) -> None:
+    before = _run("fp16_activation_overflow", "SensorRegressor", steps=4)
+    after = _run("fp16_activation_overflow", "SensorRegressor", fp32=("proj",), steps=4)
+    before.save(tmp_path / "before" / "amp_doctor.json")
+    after.save(tmp_path / "after" / "amp_doctor.json")
+    proc = subprocess.run([console_script(), "compare", str(tmp_path / "before"),
+                           str(tmp_path / "after"), "--format", "json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["a"]["label"] == "before" and data["b"]["label"] == "after"
+    assert data["a"]["loss_nonfinite"] == 4 and data["b"]["loss_nonfinite"] == 0
+
+
+def test_shares_of_a_hand_made_histogram() -> None:
+    hist = [0] * 256
+    hist[127 + 17] = 10  # [2**17, 2**18): beyond float16's max
+    hist[127 - 20] = 30  # [2**-20, 2**-19): float16 subnormal
+    hist[127 - 30] = 60  # [2**-30, 2**-29): flushed to zero in float16
+    zero, sub, over = _shares(hist, FORMATS["float16"])
+    assert (zero, sub, over) == (0.6, 0.3, 0.1)
+    # Scaled up by 2**16 (a GradScaler), only the beyond-max values change bins.
+    zero, sub, over = _shares(hist, FORMATS["float16"], 16)
+    assert (zero, sub, over) == (0.0, 0.0, 0.1)
+
+
+def test_bfloat16_run_predicts_the_float16_overflow() -> None:
+    s = _run("fp16_activation_overflow", "SensorRegressor", dtype=torch.bfloat16, steps=6)
+    (f,) = [f for f in s.findings if f.kind == "whatif_float16"]
+    assert f.severity == "info" and f.module == "proj"
+    row = next(r for r in f.data["rows"] if r["layer"] == "proj" and r["tensor"] == "activation")
+    # The float16 run measures 28.5% of proj's outputs beyond 65504.
+    assert 0.2 < row["overflow_share"] < 0.4
+    # Asking for float16 as the target makes it a warning, judged from the same session.
+    warned = whatif_findings(s, target="float16")
+    assert [x.severity for x in warned if x.kind == "whatif_float16"] == ["warning"]
+    # Every low-precision layer gets FP8 rows with shares in range.
+    rows = fp8_rows(s)
+    assert {r.layer for r in rows} >= {"proj", "head"}
+    assert all(0.0 <= r.zero_share <= 1.0 and r.format in ("e4m3", "e5m2") for r in rows)
+
+
+def test_healthy_bfloat16_run_has_no_whatif_finding(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [console_script(), "diagnose", "--quiet", "--no-tensorboard", "--every", "1",
+         "--stop-after", "12", "--logdir", str(tmp_path / "run"),
+         str(SAMPLES / "healthy_transformer.py"), "--dtype", "bfloat16"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    s = Session.load(tmp_path / "run" / "amp_doctor.json")
+    assert s.amp.dtype == "bfloat16" and s.steps == 12  # --stop-after ended it at 12
+    assert s.run.outcome == "completed"
+    assert not [f for f in s.findings if f.kind in ("whatif_float16", "fp8_readiness")]
+    assert fp8_rows(s)  # the table is there for the report, with nothing to flag
