@@ -1032,6 +1032,10 @@ _EVENT_SEVERITY: dict[str, Severity] = {
     "no_step_boundary": "warning",
     "steps_from_backward": "info",
     "lowp_updates_lost": "error",
+    # Not recorded, and why: a compiled model's inner layers, tensors that cannot be summarised.
+    "compiled_model": "info",
+    "unsummarized": "info",
+    "nonfinite_unlocated": "warning",
 }
 
 
@@ -1165,6 +1169,9 @@ def _event_message(e: Event, n: int, steps: list[int] | None = None) -> str:
     if e.kind in ("nonfinite_forward", "nonfinite_backward", "nonfinite_input") or (
             e.kind == "activation_overflow" and d.get("hidden")):
         return _anomaly_message(e, n, at)
+    if e.kind == "nonfinite_unlocated":
+        return (f"NaN/Inf was seen in {d.get('count', n)} step(s) (first at step {e.step}) but "
+                f"anomaly mode could not locate the op that produced it: {d.get('reason')}.")
     text = d.get("message")
     if text:
         return str(text) + (f" ({n - 1} more like it)" if n > 1 else "")
@@ -1267,6 +1274,8 @@ def _events_rule(session: Session) -> Iterable[Finding]:
                 or any(x.kind == "nonfinite_backward" for x in session.events)):
             # The hidden overflow did harm (skipped steps, NaN in backward): it is the cause.
             sev = "error"
+        if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):
+            sev = "info"  # only steps the GradScaler skipped: the backoff findings cover them
         if kind == "nonfinite_backward" and session.amp.scaler and not any(
                 e.data.get("nan") for e in es):
             # Scaled gradients overflowing is what GradScaler detects and skips.

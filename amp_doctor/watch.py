@@ -978,6 +978,12 @@ class Watch:
                         Event(kind="internal_error", step=step, data={"error": repr(e)}))
         if mon is not None and outcome is not None and not partial:
             self._note_scaler(step, outcome, culprits, loss_bad)
+            if self._tb is not None:
+                try:  # live scaler charts; a sink failing must not stop training
+                    self._tb.on_scaler_step(step, outcome)
+                except Exception as e:
+                    self._extra_events.append(
+                        Event(kind="internal_error", step=step, data={"error": repr(e)}))
 
     def _note_loss(self, step: int, bad: bool) -> None:
         # Host flags only, from copies made anyway: no sync of its own.

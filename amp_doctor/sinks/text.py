@@ -237,6 +237,11 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
     if s.layers:
         out.extend(["", _wrap(_TABLE_KEY, 0), ""])
         out.append(layer_table(s, max_layers))
+        from ..whatif import render_fp8_table
+
+        fp8 = render_fp8_table(s)
+        if fp8:
+            out.extend(["", fp8])
     return "\n".join(out) + "\n"
 
 
