@@ -196,9 +196,13 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
         result.trials.append(t)
         if log:
             log(t)
-        if t.ok and (result.best is None or len(t.fp32) < len(result.best.fp32)):
+        if t.ok and (result.best is None or _size(t.fp32) < _size(result.best.fp32)):
             result.best = t
         return t
+
+    def _size(names: Sequence[str]) -> tuple[int, int]:
+        """Fewer members first, then fewer layers inside them (a child beats its parent)."""
+        return len(names), _cost(names, result.layer_types)[0]
 
     culprits = _culprits(bs)
     if culprits:

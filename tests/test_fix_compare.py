@@ -190,3 +190,33 @@ def test_healthy_bfloat16_run_has_no_whatif_finding(tmp_path: Path) -> None:
     assert s.run.outcome == "completed"
     assert not [f for f in s.findings if f.kind in ("whatif_float16", "fp8_readiness")]
     assert fp8_rows(s)  # the table is there for the report, with nothing to flag
+
+
+def _run_lm(fp32: tuple[str, ...], steps: int = 6) -> Session:
+    s = _sample("log_of_underflowed_softmax")
+    torch.manual_seed(0)
+    model = s.PrototypeClassifier()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, fp32=fp32, anomaly=True) as doctor:
+        for _ in range(steps):
+            x, y = s.make_batch(torch.device("cpu"), 64)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.nll_loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+def test_fix_prefers_a_child_that_works_over_its_parent() -> None:
+    """log(softmax) in ``head``: forcing head works, and so does forcing only head.fc
+    (its float32 logits keep the softmax and log in float32): the narrower one wins."""
+    def run(fp32: tuple[str, ...]) -> tuple[Session | None, int]:
+        return _run_lm(fp32), 0
+
+    result = find_fix(run, max_trials=6)
+    assert result.best is not None
+    assert [t.fp32 for t in result.trials if t.ok][:2] == [("head",), ("head.fc",)]
+    assert result.best.fp32 == ("head.fc",)
