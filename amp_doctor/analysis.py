@@ -6,6 +6,7 @@ session's records, so a saved JSON file analyses the same way again.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -298,6 +299,7 @@ def analyze(session: Session) -> list[Finding]:
     for fn in _RULES:
         out.extend(fn(session))
     out = _fold_follow_ons(session, out)
+    out = _fold_early_end(out)
     if session.amp.dtype == "bfloat16":
         out = [_bf16_advice(f) for f in out]
     out = _cap(out)
@@ -305,6 +307,20 @@ def analyze(session: Session) -> list[Finding]:
     out.sort(key=lambda f: (SEVERITY_RANK[f.severity], f.step if f.step is not None else 0,
                             f.kind in ("scale_collapse", "scaler_backoff", "scale_stuck")))
     return out
+
+
+# Findings that only say the run stopped short: when an error names why it stopped
+# (fp16_params: scaler.step raised), they are that error's consequence, not a cause.
+EARLY_END_KINDS = ("run_ended_early", "no_step_boundary")
+
+
+def _fold_early_end(out: list[Finding]) -> list[Finding]:
+    causes = [f for f in out if f.severity == "error" and f.kind not in EARLY_END_KINDS]
+    if not causes:
+        return out
+    return [dataclasses.replace(f, severity="info", data={**f.data,
+                                                          "follow_on_of": causes[0].kind})
+            if f.kind in EARLY_END_KINDS else f for f in out]
 
 
 def _bf16_advice(f: Finding) -> Finding:

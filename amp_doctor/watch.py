@@ -231,7 +231,6 @@ class Watch:
                                   events=self._extra_events, on_compiled=self._on_compiled)
             for given in self._given_models.values():
                 self._attach_wrappers(given)
-            self._probes = Probes(self.models, self._current_buffer, self._on_root_forward)
             if self._fp32_patterns:
                 from .fp32 import Fp32Islands
 

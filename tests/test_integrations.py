@@ -136,8 +136,6 @@ def test_hf_callback_writes_report_and_matches_diagnose(in_tmp: Path) -> None:
                               "bf16", "--out_dir", "out"))
 
 
-@pytest.mark.xfail(strict=True, reason="needs autocast entered inside the model's forward "
-                   "(Accelerate's wrapped forward) recognised, issue 13 item 5")
 def test_hf_callback_finds_accelerates_autocast(in_tmp: Path) -> None:
     from amp_doctor.integrations.transformers import AmpDoctorCallback
 
