@@ -29,7 +29,13 @@ from ._version import __version__
 from .anomaly import own_ops
 from .dtypes import dtype_name, limits
 from .errors import AmpDoctorError
-from .probes import COMPILED_NOTE, Probes, iter_tensors, run_eagerly_when_called_by_dynamo
+from .probes import (
+    COMPILED_NOTE,
+    Probes,
+    iter_tensors,
+    run_eagerly_when_called_by_dynamo,
+    unsummarizable,
+)
 from .recorder import History, HostStep, LayerAggregate, StepBuffer, count_sync, host_step_layers
 from .records import AmpConfig, Event, RunInfo, ScalerEvent, Session, StepRecord
 from .scaler import AmpMonitor, subscribe
@@ -780,8 +786,9 @@ class Watch:
 
     def _check_input(self, args: tuple[Any, ...]) -> None:
         """On a recorded step: does the batch itself hold NaN/inf? Device flags only."""
+        # vmap's wrapped tensors must not escape into the step's flags; nor odd layouts.
         ts = [t for t in iter_tensors(args) if t.is_floating_point() and t.numel() > 0
-              and not t.is_sparse and t.device.type != "meta"]
+              and unsummarizable(t) is None]
         if not ts:
             return
         with own_ops:

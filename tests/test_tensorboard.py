@@ -609,24 +609,11 @@ def test_backoff_note_names_the_op_where_inf_started() -> None:
     assert tbs.culprit_layers(s) == {"mlp.act": "aten.pow"}
 
 
-class _ScalerHookWatch(amp_doctor.Watch):
-    """The watch with its per-step scaler hook to the sink (see the sink's on_scaler_step).
-
-    ``Watch._note_scaler`` runs once per training step with the host mirror of the
-    scale; this forwards it, exactly as ``Watch`` does once the hook is wired in.
-    """
-
-    def _note_scaler(self, step: int, out: Any, culprits: list[str]) -> None:
-        super()._note_scaler(step, out, culprits)
-        if self._tb is not None:
-            self._tb.on_scaler_step(step, out)
-
-
 def test_the_scale_is_written_at_every_step_as_it_happens(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = MLP()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-    doctor = _ScalerHookWatch(model, every=4, logdir=tmp_path).start()
+    doctor = amp_doctor.watch(model, every=4, logdir=tmp_path)
     try:
         train(model, steps=7, scaler=scaler, batch=_spiky_batches(5))  # 5: not recorded
         # Before the run ends: every step so far is on disk, with the real scale.
