@@ -74,14 +74,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
+from .devicework import count_sync, iter_tensors, own_ops
 from .dtypes import dtype_name
 from .errors import AmpDoctorError, NonFiniteError
-from .recorder import count_sync
 from .records import Event
 
 __all__ = [
     "AnomalyMode",
-    "own_ops",
     "MAX_PENDING_ENTRIES",
     "MAX_ORIGINS_PER_CHECK",
     "MAX_USER_FRAMES",
@@ -227,30 +226,6 @@ class _NonFiniteMode(TorchDispatchMode):
         return self._owner._on_op(func, args, kwargs or {})
 
 
-_own = threading.local()
-
-
-class _OwnOps:
-    """``with own_ops:`` marks amp-doctor's own tensor work (stats, the step's host
-    copy, the scaler observer), which the dispatch mode must neither check nor count.
-
-    Per thread: a user's thread running the model meanwhile must not have its ops
-    taken for ours. On CUDA the backward pass runs on an autograd thread, and
-    amp-doctor's gradient hooks enter and leave ``own_ops`` on that same thread.
-    """
-
-    @staticmethod
-    def active() -> bool:
-        return bool(getattr(_own, "depth", 0))
-
-    def __enter__(self) -> None:
-        _own.depth = getattr(_own, "depth", 0) + 1
-
-    def __exit__(self, *exc: object) -> None:
-        _own.depth -= 1
-
-
-own_ops = _OwnOps()
 
 
 def _leaves(obj: Any) -> Iterator[Any]:
@@ -494,7 +469,6 @@ class AnomalyMode:
     # -- the per-step check ------------------------------------------------------
     def check_inputs(self, module: str, args: Any, root: nn.Module | None = None) -> None:
         """A root model is being called: note its floating inputs (the batch)."""
-        from .probes import iter_tensors
 
         if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
             return  # dynamo tracing the hook (the compiled region is not searched); or
@@ -794,7 +768,7 @@ class AnomalyMode:
     def _on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._to_tag is not None:
             self._tag_previous()
-        if _OwnOps.active() or (
+        if own_ops.active() or (
                 not torch.is_grad_enabled() and torch._C._current_autograd_node() is None):
             # amp-doctor's own work; or neither a training forward nor backward:
             # optimizer updates, GradScaler's unscale, evaluation under no_grad.
@@ -918,7 +892,6 @@ class AnomalyMode:
         name = self._module_name(module) if self._module_name is not None else None
         if name is None:
             return
-        from .probes import iter_tensors
 
         outs = []
         for t in iter_tensors(output):

@@ -26,7 +26,6 @@ pickled (``torch.save(model)``, EMA copies): a copy runs as the user wrote it.
 
 from __future__ import annotations
 
-import copy
 import difflib
 import fnmatch
 import threading
@@ -38,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .devicework import map_tensors
 from .errors import AmpDoctorError
 
 __all__ = ["Fp32Islands", "check_patterns", "layer_name", "near_names"]
@@ -111,23 +111,6 @@ class _Hook:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
         return _inert_hook
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        mapped = [_map_tensors(v, fn) for v in obj]
-        return type(obj)(*mapped) if hasattr(obj, "_fields") else tuple(mapped)
-    if isinstance(obj, list):
-        return [_map_tensors(v, fn) for v in obj]
-    if isinstance(obj, dict):
-        # A shallow copy keeps dict subclasses (OrderedDict, HF ModelOutput) as they are.
-        out = copy.copy(obj)
-        for k, v in obj.items():
-            out[k] = _map_tensors(v, fn)
-        return out
-    return obj
 
 
 def _first_device(obj: Any, module: nn.Module) -> str:
@@ -223,7 +206,7 @@ class Fp32Islands:
         ctx = torch.autocast(dev, enabled=False)
         ctx.__enter__()
         frames.append(ctx)
-        return _map_tensors(args, _up), _map_tensors(kwargs, _up)
+        return map_tensors(args, _up), map_tensors(kwargs, _up)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         frames = self._frames()

@@ -34,9 +34,8 @@ Design choices that keep the cost low and the user's run untouched:
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,17 +44,16 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .anomaly import own_ops
+from .devicework import iter_tensors, own_ops
 from .dtypes import LOW_PRECISION_DTYPES, dtype_name
 from .recorder import StepBuffer
 from .records import Event
 from .stats import summarize
 
-__all__ = ["LayerMeta", "Probes", "Unwatched", "iter_tensors", "unsummarizable",
+__all__ = ["LayerMeta", "Probes", "Unwatched", "unsummarizable",
            "run_eagerly_when_called_by_dynamo", "COMPILED_NOTE"]
 
 # Deeply nested outputs are rare and walking them is pure overhead.
-MAX_OUTPUT_DEPTH = 4
 MAX_TENSORS_PER_OUTPUT = 64
 # Tensor-hook handles kept between step boundaries before the dead ones are pruned.
 MAX_TENSOR_HANDLES = 4096
@@ -260,23 +258,6 @@ class LayerMeta:
     qual: str = ""
     # Calls whose output was the very tensor a sublayer returned (a container).
     passthrough_calls: int = 0
-
-
-def iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors inside an arbitrary module output: tuples, dicts, dataclasses, None..."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth >= MAX_OUTPUT_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float)):
-        return
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from iter_tensors(v, depth + 1)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            yield from iter_tensors(v, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name, None), depth + 1)
 
 
 def _first_tensors(obj: Any) -> list[torch.Tensor]:

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from . import stats as S
+from .devicework import count_sync
 from .dtypes import FormatLimits
 from .records import LayerStep, LayerSummary, StepRecord, TensorStats
 
-__all__ = ["StepBuffer", "HostStep", "LayerAggregate", "History", "host_syncs"]
+__all__ = ["StepBuffer", "HostStep", "LayerAggregate", "History"]
 
 # Bounded memory: the history keeps at most this many step records; when it
 # is full every other record is dropped, so it always spans the whole run.
@@ -27,18 +28,6 @@ HISTORY_LIMIT = 512
 # ... and each record keeps at most this many layers, the step's worst, so the
 # history's size does not grow with the model (issue 14: 165 MB of JSON).
 HISTORY_LAYERS = 32
-
-_SYNCS = [0]
-
-
-def host_syncs() -> int:
-    """How many device->host copies amp-doctor has made (for the benchmark)."""
-    return _SYNCS[0]
-
-
-def count_sync() -> None:
-    _SYNCS[0] += 1
-
 
 FIELDS = ("act", "grad", "param_grad")
 

@@ -54,8 +54,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .anomaly import own_ops
-from .recorder import count_sync
+from .devicework import count_sync, iter_tensors, own_ops
 from .records import Event, ScalerEvent, ScalerTimeline
 
 __all__ = ["AmpMonitor", "ApiSubscriber", "StepOutcome", "subscribe", "patches_installed"]
@@ -243,7 +242,7 @@ class _ApiHub:
     def _mark_scaled(self, scaler: GradScaler, result: Any) -> None:
         sid = id(scaler)
         hook = functools.partial(_flow_hook, sid)
-        for t in _tensors(result):
+        for t in _tensor_list(result):
             if t.requires_grad:
                 self.scaled_outputs[t] = sid
                 t.register_hook(hook)
@@ -413,7 +412,7 @@ class _ApiHub:
                 hub.emit("on_backward", tensors)
                 result = orig(tensors, *args, **kwargs)
                 through = hub.total_flows != flows or any(
-                    t in hub.scaled_outputs for t in _tensors(tensors))
+                    t in hub.scaled_outputs for t in _tensor_list(tensors))
                 hub.emit("on_backward_end", tensors, through)
                 return result
             finally:
@@ -1038,7 +1037,7 @@ class AmpMonitor:
 
     def on_backward(self, tensors: Any) -> None:
         if self._on_backward_cb is not None:
-            self._on_backward_cb(_tensors(tensors))
+            self._on_backward_cb(_tensor_list(tensors))
         step = self._step_of()
         if step == self._bwd_autocast_step:
             return
@@ -1057,7 +1056,7 @@ class AmpMonitor:
                 break
 
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None:
-        ts = _tensors(tensors)
+        ts = _tensor_list(tensors)
         if self._on_backward_done_cb is not None:
             self._on_backward_done_cb(ts)
         if through_scaler:
@@ -1213,9 +1212,5 @@ def _nan(x: float | None) -> float:
     return math.nan if x is None else x
 
 
-def _tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)) and depth < 3:
-        return [t for o in obj for t in _tensors(o, depth + 1)]
-    return []
+def _tensor_list(obj: Any) -> list[torch.Tensor]:
+    return list(iter_tensors(obj))

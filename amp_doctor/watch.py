@@ -26,17 +26,16 @@ from torch.optim import Optimizer
 
 from . import stats as S
 from ._version import __version__
-from .anomaly import own_ops
+from .devicework import count_sync, iter_tensors, own_ops
 from .dtypes import dtype_name, limits
 from .errors import AmpDoctorError
 from .probes import (
     COMPILED_NOTE,
     Probes,
-    iter_tensors,
     run_eagerly_when_called_by_dynamo,
     unsummarizable,
 )
-from .recorder import History, HostStep, LayerAggregate, StepBuffer, count_sync, host_step_layers
+from .recorder import History, HostStep, LayerAggregate, StepBuffer, host_step_layers
 from .records import AmpConfig, Event, RunInfo, ScalerEvent, Session, StepRecord
 from .scaler import AmpMonitor, subscribe
 from .watch_args import check_option_names, check_watch_args

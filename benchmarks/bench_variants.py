@@ -18,7 +18,7 @@ from naive_hooks import NaiveStatsHooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_doctor
-from amp_doctor.recorder import host_syncs
+from amp_doctor.devicework import host_syncs
 from amp_doctor.watch import DEFAULT_EVERY
 
 

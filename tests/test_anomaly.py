@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import amp_doctor
+from amp_doctor.devicework import host_syncs
 from amp_doctor.errors import AmpDoctorError, NonFiniteError
-from amp_doctor.recorder import host_syncs
 from tests.helpers import MLP, train
 
 THIS_FILE = __file__

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 import amp_doctor
 from amp_doctor.anomaly import AnomalyMode
-from amp_doctor.recorder import host_syncs
+from amp_doctor.devicework import host_syncs
 from tests.helpers import MLP, console_script, train
 
 THIS_FILE = __file__

@@ -22,7 +22,7 @@ from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 
 import amp_doctor
 from amp_doctor import Session
-from amp_doctor.recorder import host_syncs
+from amp_doctor.devicework import host_syncs
 from amp_doctor.scaler import patches_installed
 from tests.helpers import MLP
 

@@ -12,7 +12,7 @@ from syncs import PACKAGE_DIR, SyncCounter
 from torch import nn
 
 import amp_doctor
-from amp_doctor.recorder import host_syncs
+from amp_doctor.devicework import host_syncs
 
 
 def _loop(every: int, steps: int, skip_at: int | None = None) -> tuple[list[str], int, int]:
