@@ -1,20 +1,58 @@
-"""Limits of the low-precision floating-point formats AMP runs in.
+"""Low-precision floating-point formats: their names, and the limits AMP runs into.
 
-Everything amp-doctor says about overflow and underflow is measured against
-these limits. They come from ``torch.finfo`` so they are right for whatever
-torch the user brings.
+The one place dtype names are spelled: reports, JSON and analysis say
+``"float16"`` / ``"bfloat16"`` (:func:`dtype_name` of a ``torch.dtype``), and
+compare against the constants here. The names and :data:`FORMAT_MAX` need no
+torch, so the torch-free paths (``amp-doctor report``, analysis) can use them;
+:func:`limits`, :func:`parse_dtype` and :data:`LOW_PRECISION_DTYPES` import
+torch on first use and take their figures from ``torch.finfo``, so they are
+right for whatever torch the user brings.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["FormatLimits", "limits", "LOW_PRECISION_DTYPES", "dtype_name", "parse_dtype"]
+__all__ = [
+    "FLOAT16",
+    "BFLOAT16",
+    "FLOAT32",
+    "LOW_PRECISION_NAMES",
+    "FORMAT_MAX",
+    "FormatLimits",
+    "limits",
+    "LOW_PRECISION_DTYPES",
+    "dtype_name",
+    "parse_dtype",
+]
 
-LOW_PRECISION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+FLOAT16 = "float16"
+BFLOAT16 = "bfloat16"
+FLOAT32 = "float32"
+# The formats autocast runs in, by name: what "ran in low precision" means.
+LOW_PRECISION_NAMES: frozenset[str] = frozenset({FLOAT16, BFLOAT16})
+# torch.finfo(dtype).max, for code that must not import torch (tests check they agree).
+FORMAT_MAX: dict[str, float] = {FLOAT16: 65504.0, BFLOAT16: 3.3895313892515355e38}
+
+if TYPE_CHECKING:
+    LOW_PRECISION_DTYPES: tuple[torch.dtype, ...]
+
+
+def __getattr__(name: str) -> Any:
+    # LOW_PRECISION_DTYPES holds torch.dtype objects: built on first use, so that
+    # importing this module does not import torch.
+    if name == "LOW_PRECISION_DTYPES":
+        import torch
+
+        value = (torch.float16, torch.bfloat16)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -42,6 +80,8 @@ class FormatLimits:
 
 
 def limits(dtype: torch.dtype) -> FormatLimits:
+    import torch
+
     info = torch.finfo(dtype)
     # finfo.eps is 2**-mantissa_bits, so tiny * eps is the smallest subnormal.
     return FormatLimits(
@@ -58,7 +98,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}; expected e.g. 'float16' or 'bfloat16'")
+        raise ValueError(f"unknown dtype {name!r}; expected e.g. {FLOAT16!r} or {BFLOAT16!r}")
     return dtype

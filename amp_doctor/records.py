@@ -1,26 +1,25 @@
-"""Plain dataclasses for everything amp-doctor records, and their JSON form.
+"""Plain dataclasses for everything amp-doctor records, and the report's shared names.
 
 Collection builds these; analysis reads them; sinks render them. A
 :class:`Session` is immutable once built and round-trips through JSON
-exactly (never pickle), which is what ``amp-doctor report`` relies on.
-Non-finite floats are written as the strings ``"inf"``, ``"-inf"`` and
-``"nan"`` so that the files are strict JSON.
+exactly (never pickle), which is what ``amp-doctor report`` relies on; the
+JSON form itself is :mod:`amp_doctor.jsoncodec`. The constants every reader
+and writer of a report shares are defined here once: the file name
+(:data:`REPORT_JSON`), the severities in order (:data:`SEVERITIES`) and the
+ways a run ends (:data:`OUTCOMES`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import types
-import typing
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal
 
-from ._version import __version__
 from .errors import ReportFormatError
+
+# The codec's names stay importable from here, where they always were.
+from .jsoncodec import check_report_version, from_jsonable, to_jsonable
 
 __all__ = [
     "TensorStats",
@@ -35,14 +34,28 @@ __all__ = [
     "RunInfo",
     "Session",
     "SEVERITIES",
+    "SEVERITY_RANK",
     "Severity",
+    "Outcome",
+    "OUTCOMES",
+    "REPORT_JSON",
     "to_jsonable",
     "from_jsonable",
     "check_report_version",
 ]
 
 Severity = Literal["error", "warning", "info"]
+# Worst first: the order findings are listed and ``--fail-on`` thresholds compare in.
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
+SEVERITY_RANK: dict[str, int] = {s: i for i, s in enumerate(SEVERITIES)}
+
+# How a run ended: ``running`` while a watch is open (a session read before close),
+# ``exit`` for sys.exit() with a code.
+Outcome = Literal["completed", "exception", "interrupted", "exit", "running"]
+OUTCOMES: tuple[Outcome, ...] = ("completed", "exception", "interrupted", "exit", "running")
+
+# The JSON report's file name in a run's folder (``<logdir>/amp_doctor.json``).
+REPORT_JSON = "amp_doctor.json"
 
 
 @dataclass(frozen=True)
@@ -221,7 +234,7 @@ class RunInfo:
     models: list[str]
     command: list[str] | None = None
     exit_code: int | None = None
-    outcome: str = "completed"  # completed | exception | interrupted | exit
+    outcome: Outcome = "completed"
     error: str | None = None
     rank: int | None = None
     world_size: int | None = None
@@ -284,266 +297,3 @@ class Session:
 
     def findings_of(self, kind: str) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
-
-
-def _float_out(x: float) -> float | str:
-    if math.isfinite(x):
-        return x
-    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-
-
-def to_jsonable(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, float):
-        return _float_out(obj)
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    return obj
-
-
-T = TypeVar("T")
-_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-
-
-def _any_in(data: Any) -> Any:
-    # Free-form values (Event.data, Finding.data) come back with the
-    # non-finite floats that to_jsonable wrote as strings.
-    if isinstance(data, str):
-        return _NONFINITE.get(data, data)
-    if isinstance(data, list):
-        return [_any_in(v) for v in data]
-    if isinstance(data, dict):
-        return {k: _any_in(v) for k, v in data.items()}
-    return data
-
-
-def check_report_version(data: Any) -> None:
-    """Refuse a report that is not a JSON object or has another major version than ours.
-
-    Minor versions only add fields with defaults, which older readers ignore and newer
-    readers fill in, so they load both ways; a major version may change meanings.
-    """
-    if not isinstance(data, dict):
-        raise ReportFormatError(f"the top level is {_json_kind(data)}, expected an object "
-                                "with 'version', 'amp', 'layers', ...")
-    version = data.get("version")
-    if not isinstance(version, str) or not version.split(".")[0].isdigit():
-        raise ReportFormatError(f"'version' is {_shown(version)}, expected a version string "
-                                f"like {__version__!r}; this is not an amp-doctor report")
-    theirs, ours = version.split(".")[0], __version__.split(".")[0]
-    if theirs != ours:
-        raise ReportFormatError(
-            f"written by amp-doctor {version}, another major version than this amp-doctor "
-            f"({__version__}); read it with amp-doctor {theirs}.x")
-
-
-class _Bad(Exception):
-    """A problem found deep in the data; each level on the way up adds its name."""
-
-    def __init__(self, problem: str, where: str = "") -> None:
-        super().__init__(problem)
-        self.problem = problem
-        self.where = where
-
-    def under(self, part: str) -> _Bad:
-        sep = "" if not self.where or self.where.startswith("[") else "."
-        self.where = f"{part}{sep}{self.where}"
-        return self
-
-
-def _json_kind(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    return "a list" if isinstance(v, list) else "an object" if isinstance(v, dict) else "?"
-
-
-def _shown(v: Any) -> str:
-    if v is None or isinstance(v, (dict, list)):
-        return _json_kind(v)
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def from_jsonable(tp: Any, data: Any) -> Any:
-    """Rebuild a value of type ``tp`` (a dataclass or typing form) from JSON data.
-
-    The data is checked against the types as it is rebuilt: a damaged or foreign file
-    raises :class:`ReportFormatError` naming the field (``findings[2].severity``) and
-    the problem, instead of an ``AttributeError`` somewhere in a renderer later.
-    """
-    try:
-        return _converter(tp)(data)
-    except _Bad as e:
-        raise ReportFormatError(f"{e.where or 'the report'} {e.problem}") from None
-
-
-# One converter per type, built once from its hints: a report holds many thousands of
-# records of a handful of types, and inspecting the types per value was most of the
-# load time.
-_CONVERTERS: dict[Any, Callable[[Any], Any]] = {}
-
-
-def _converter(tp: Any) -> Callable[[Any], Any]:
-    conv = _CONVERTERS.get(tp)
-    if conv is None:
-        conv = _make_converter(tp)
-        _CONVERTERS[tp] = conv
-    return conv
-
-
-def _bad_value(data: Any, tp: Any) -> _Bad:
-    return _Bad(f"is {_shown(data)}, expected {_expected(tp)}")
-
-
-def _find_bad(items: Iterable[tuple[str, Any]], conv: Callable[[Any], Any]) -> _Bad:
-    # The slow path, taken only once a container held a bad value: which one.
-    for part, v in items:
-        try:
-            conv(v)
-        except _Bad as e:
-            return e.under(part)
-    return _Bad("is damaged")  # pragma: no cover - conv failed on the fast path only
-
-
-def _make_converter(tp: Any) -> Callable[[Any], Any]:
-    origin = typing.get_origin(tp)
-    if tp is Any or tp == "Any":
-        return _any_in
-    if origin in (Union, types.UnionType):
-        members = [a for a in typing.get_args(tp) if a is not type(None)]
-        optional = len(members) < len(typing.get_args(tp))
-        convs = [_converter(m) for m in members]
-
-        def union(data: Any) -> Any:
-            if data is None:
-                if optional:
-                    return None
-                raise _bad_value(data, tp)
-            for conv in convs:
-                try:
-                    return conv(data)
-                except _Bad as e:
-                    if len(convs) == 1:
-                        raise e
-            raise _bad_value(data, tp)
-
-        return union
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-
-        def literal(data: Any) -> Any:
-            if data not in allowed or isinstance(data, bool) != any(
-                    isinstance(a, bool) for a in allowed):
-                raise _Bad(f"is {_shown(data)}, expected one of "
-                           + ", ".join(repr(a) for a in allowed))
-            return data
-
-        return literal
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        item = _converter(item_tp)
-
-        def list_(data: Any) -> Any:
-            if type(data) is not list:
-                raise _Bad(f"is {_json_kind(data)}, expected a list")
-            try:
-                return [item(v) for v in data]
-            except _Bad:
-                raise _find_bad(((f"[{i}]", v) for i, v in enumerate(data)), item) from None
-
-        return list_
-    if origin is tuple:
-        convs = [_converter(a) for a in typing.get_args(tp)]
-
-        def tuple_(data: Any) -> Any:
-            if type(data) is not list or len(data) != len(convs):
-                raise _Bad(f"is {_shown(data)}, expected a list of {len(convs)} values")
-            out = []
-            for i, (conv, v) in enumerate(zip(convs, data, strict=True)):
-                try:
-                    out.append(conv(v))
-                except _Bad as e:
-                    raise e.under(f"[{i}]") from None
-            return tuple(out)
-
-        return tuple_
-    if origin is dict:
-        _, value_tp = typing.get_args(tp)
-        value = _converter(value_tp)
-
-        def dict_(data: Any) -> Any:
-            if type(data) is not dict:
-                raise _Bad(f"is {_json_kind(data)}, expected an object")
-            try:
-                return {k: value(v) for k, v in data.items()}
-            except _Bad:
-                raise _find_bad(((f"[{k!r}]", v) for k, v in data.items()), value) from None
-
-        return dict_
-    if tp is float:
-        def float_(data: Any) -> float:
-            t = type(data)
-            if t is float:
-                return data  # type: ignore[no-any-return]
-            if t is int:
-                return float(data)
-            if t is str and data in _NONFINITE:
-                return _NONFINITE[data]  # the strings to_jsonable writes for inf/nan
-            raise _Bad(f"is {_shown(data)}, expected a number")
-
-        return float_
-    if tp in (int, str, bool):
-        def exact(data: Any) -> Any:
-            if type(data) is not tp:  # bool is not an int here: JSON tells them apart
-                raise _bad_value(data, tp)
-            return data
-
-        return exact
-    if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        fields = [(f.name, _converter(hints[f.name]),
-                   f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-                  for f in dataclasses.fields(tp)]
-        cls: Any = tp
-
-        def record(data: Any) -> Any:
-            if type(data) is not dict:
-                raise _Bad(f"is {_shown(data)}, expected an object")
-            kwargs = {}
-            for name, conv, required in fields:
-                if name in data:
-                    try:
-                        kwargs[name] = conv(data[name])
-                    except _Bad as e:
-                        raise e.under(name) from None
-                elif required:
-                    raise _Bad("is missing").under(name)
-                # else: a field a newer minor version added; its default applies
-            return cls(**kwargs)
-
-        return record
-    return lambda data: data
-
-
-def _expected(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        members = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_expected(m) for m in members)
-    if origin in (list, tuple):
-        return "a list"
-    if origin is dict or dataclasses.is_dataclass(tp):
-        return "an object"
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    names = {float: "a number", int: "an integer", str: "a string", bool: "true or false"}
-    return names.get(tp, str(tp))
