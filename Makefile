@@ -44,8 +44,11 @@ demo:
 # e.g. make bench BENCH_ARGS='--threads 1 --rounds 5' (steadier on a small shared machine)
 BENCH_ARGS ?=
 
+# run.py: the sample models and the wide-and-deep GPT (524 leaf modules) against plain
+# AMP; bench_scale.py: cost against the number of layers, appended to results.md.
 bench:
 	$(BIN)/python benchmarks/run.py $(BENCH_ARGS) --markdown benchmarks/results.md --json benchmarks/results.json
+	$(BIN)/python benchmarks/bench_scale.py --threads 1 --markdown benchmarks/results.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs .pytest_cache

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES_DIR = ROOT / "sample_models"
+BENCH_DIR = Path(__file__).resolve().parent
 
 DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,6 +38,10 @@ class ModelSpec:
     # long enough that ratios are not Python noise, short enough for a quick run.
     batch_size: int
     optimizer: OptimizerFactory
+    folder: Path = SAMPLES_DIR
+    # The dtypes it is timed in (None: all of DTYPES). The wide model runs float16 only,
+    # the case with a GradScaler, to keep a full `make bench` near ten minutes.
+    dtypes: tuple[str, ...] | None = None
 
 
 def _adam(params: Iterable[nn.Parameter]) -> Optimizer:
@@ -52,6 +57,9 @@ SPECS: dict[str, ModelSpec] = {
     "cnn": ModelSpec("cnn", "healthy_cnn.py", batch_size=128, optimizer=_adam),
     "transformer": ModelSpec("transformer", "healthy_transformer.py", batch_size=32,
                              optimizer=_adamw),
+    # Wide and deep (issue 15): 40 blocks, 524 leaf modules; benchmarks/gpt_model.py.
+    "gpt": ModelSpec("gpt", "gpt_model.py", batch_size=8, optimizer=_adamw, folder=BENCH_DIR,
+                     dtypes=("float16",)),
 }
 
 # How many distinct fixed batches a trainer cycles through.
@@ -59,8 +67,8 @@ N_BATCHES = 4
 
 
 def load_sample(spec: ModelSpec) -> ModuleType:
-    """Import ``sample_models/<file>`` by path; a clear error when it is missing."""
-    path = SAMPLES_DIR / spec.file
+    """Import ``<folder>/<file>`` by path; a clear error when it is missing."""
+    path = spec.folder / spec.file
     if not path.exists():
         raise SystemExit(
             f"benchmark: {path} is missing; it must expose make_model(device), "

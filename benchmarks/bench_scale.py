@@ -8,6 +8,10 @@ in rounds on one copy of the model each. The machine this runs on is shared,
 so each step is timed by the thread's CPU time (``time.thread_time``), which
 other processes on the same cores do not inflate; the figure is the median.
 On CUDA, steps are timed with ``torch.cuda.Event`` pairs instead.
+
+``--markdown PATH`` appends the table and a text figure of the cost per
+recorded step against the number of layers to PATH (``make bench`` appends them
+to ``benchmarks/results.md``, after ``run.py`` wrote it).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import copy
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -90,19 +95,63 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="a multiple of 10")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--markdown", type=Path, default=None,
+                   help="append the table and the figure to this markdown file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
+    results: list[tuple[int, dict[str, float]]] = []
     for n in (int(v) for v in args.layers.split(",")):
         r = run(n, args.rounds, args.steps, device)
+        results.append((n, r))
         rows.append([n, f"{1e3 * r['plain']:.1f}", f"{r['default'] / r['plain']:.2f}x",
                      f"{r['every1'] / r['plain']:.2f}x",
                      f"{1e6 * (r['every1'] - r['plain']) / n:.0f}"])
         print(f"{n} layers done", file=sys.stderr, flush=True)
-    print(tabulate(rows, headers=["leaf modules", "plain ms/step", "default (every=10)",
-                                  "every=1", "every=1 extra us per module"], tablefmt="github"))
+    table = tabulate(rows, headers=["leaf modules", "plain ms/step", "default (every=10)",
+                                    "every=1", "every=1 extra us per module"],
+                     tablefmt="github")
+    print(table)
+    print(figure(results))
+    if args.markdown:
+        with args.markdown.open("a", encoding="utf-8") as f:
+            f.write(markdown(table, results, args, device))
     return 0
+
+
+FIGURE_WIDTH = 50  # characters of the longest bar
+
+
+def figure(results: list[tuple[int, dict[str, float]]]) -> str:
+    """A text bar chart: the extra time of a recorded step (every=1) per number of layers."""
+    extra = [(n, 1e3 * max(r["every1"] - r["plain"], 0.0)) for n, r in results]
+    top = max((ms for _, ms in extra), default=0.0) or 1.0
+    lines = ["extra ms per recorded step (every=1), by leaf modules:"]
+    for n, ms in extra:
+        bar = "#" * max(1, round(FIGURE_WIDTH * ms / top))
+        lines.append(f"{n:>6} | {bar} {ms:.1f} ms")
+    return "\n".join(lines)
+
+
+def markdown(table: str, results: list[tuple[int, dict[str, float]]],
+             args: argparse.Namespace, device: torch.device) -> str:
+    return "\n".join([
+        "",
+        "## Cost against the number of layers (`benchmarks/bench_scale.py`)",
+        "",
+        f"A stack of `Linear(16, 16)` + `Tanh` pairs, batch 8, float16 with a GradScaler, "
+        f"{args.rounds} rounds x {args.steps} steps, {device.type}, {args.threads} thread(s); "
+        "step time by thread CPU time (CUDA: `torch.cuda.Event`). The last column is the "
+        "slope: near-constant means the cost is linear in the number of modules.",
+        "",
+        table,
+        "",
+        "```",
+        figure(results),
+        "```",
+        "",
+    ])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ watch left open across blocks would slow the plain reference too).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,6 @@ from naive_hooks import NaiveStatsHooks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_doctor
-from amp_doctor.devicework import host_syncs
 from amp_doctor.watch import DEFAULT_EVERY
 
 
@@ -30,7 +28,9 @@ class Attached:
         return 0
 
     def syncs(self) -> int | None:
-        """The variant's own device->host copies so far; None when not instrumented."""
+        """A baseline's own count of its device->host copies so far; None when not
+        countable. amp-doctor's variants are counted from outside instead
+        (``run.count_syncs`` with ``tests/syncs.py``), so theirs is never asked."""
         return 0
 
     def close(self) -> None:
@@ -39,7 +39,6 @@ class Attached:
 
 class _Watch(Attached):
     def __init__(self, trainer: Trainer, every: int, anomaly: bool) -> None:
-        self._syncs0 = host_syncs()
         # Default options otherwise: scaler and optimizer are found automatically,
         # as in a user's loop. No logdir, so nothing is written on close.
         self.watch = amp_doctor.watch(trainer.model, every=every, anomaly=anomaly)
@@ -48,7 +47,7 @@ class _Watch(Attached):
         return self.watch.recorded
 
     def syncs(self) -> int | None:
-        return host_syncs() - self._syncs0
+        return None  # counted independently, by run.count_syncs
 
     def close(self) -> None:
         self.watch.close()
@@ -120,12 +119,6 @@ class Variant:
     target: float | None
     # Record one step in ``every``: sampled steps are weighted accordingly.
     every: int = 1
-
-    def unavailable(self) -> str | None:
-        """Why this variant cannot run in this checkout, or None."""
-        if self.key == "anomaly" and importlib.util.find_spec("amp_doctor.anomaly") is None:
-            return "amp_doctor/anomaly.py is not there yet"
-        return None
 
     def attach(self, trainer: Trainer) -> Attached:
         if self.key == "plain":

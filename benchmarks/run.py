@@ -22,9 +22,13 @@ Method, in short (the module docstrings of the helpers say more):
 * peak memory: a separate untimed pass per variant; peak live tensor bytes of the
   whole run from the torch profiler's allocator events (CPU) or
   ``torch.cuda.max_memory_allocated`` (CUDA), see ``bench_memory``;
-* host syncs: CPU, amp-doctor's own counter (``recorder.host_syncs``) and
-  the naive hook's own ``.item()`` count; CUDA, ``torch.cuda.set_sync_debug_mode``
-  warnings in a separate untimed pass, minus plain's.
+* host syncs: a separate untimed pass per variant of ``max(every)`` steps under
+  ``tests/syncs.py``'s :class:`SyncCounter`, which patches ``Tensor.item``,
+  ``.tolist``, ``.cpu``, ``.numpy``, ``__bool__``, ``nonzero``, ... and counts every
+  call made from amp-doctor's code (on CUDA it also turns on
+  ``torch.cuda.set_sync_debug_mode("warn")``): independent of amp-doctor's own
+  counter, so a sync nobody counted still shows. The baselines report their own
+  count (the naive hook's ``.item()`` calls).
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +49,11 @@ from typing import Any
 
 import bench_memory
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_models import DTYPES, SPECS, Trainer, Workload
 from bench_variants import VARIANTS, Attached, Variant
+from syncs import SyncCounter  # tests/syncs.py: the independent count
 from tabulate import tabulate
 
 MEMORY_TARGET = 0.10  # peak memory overhead vs plain, issue 8
@@ -65,13 +71,11 @@ class VariantRun:
     variant: Variant
     rounds: list[list[float]] = field(default_factory=list)  # seconds, per timed step
     flags: list[list[bool]] = field(default_factory=list)  # step was recorded
-    syncs: int | None = 0
-    recorded: int = 0
+    syncs: int | None = 0  # in the sync pass
+    sync_pass_recorded: int = 0
     attach_s: list[float] = field(default_factory=list)
     close_s: list[float] = field(default_factory=list)
     memory: dict[str, Any] | None = None
-    cuda_syncs_beyond_plain: int | None = None
-    cuda_recorded: int = 0
 
     @property
     def times(self) -> list[float]:
@@ -135,13 +139,9 @@ class Cell:
 
     def syncs_per_recorded(self, key: str) -> float | None:
         run = self.runs[key]
-        if self.device == "cuda":
-            if run.cuda_syncs_beyond_plain is None or not run.cuda_recorded:
-                return None
-            return run.cuda_syncs_beyond_plain / run.cuda_recorded
-        if run.syncs is None or not run.recorded:
+        if run.syncs is None or not run.sync_pass_recorded:
             return None
-        return run.syncs / run.recorded
+        return run.syncs / run.sync_pass_recorded
 
 
 def _sync(device: torch.device) -> None:
@@ -160,7 +160,6 @@ def time_block(run: VariantRun, trainer: Trainer, warmup: int, steps: int) -> No
         for _ in range(warmup):
             trainer.step()
         _sync(dev)
-        rec0, syncs0 = attached.recorded(), attached.syncs()
         times: list[float] = []
         flags: list[bool] = []
         cuda = dev.type == "cuda"
@@ -180,12 +179,6 @@ def time_block(run: VariantRun, trainer: Trainer, warmup: int, steps: int) -> No
                 trainer.step()
                 times.append(time.perf_counter() - t)
             flags.append(attached.recorded() > before)
-        syncs1 = attached.syncs()
-        run.recorded += attached.recorded() - rec0
-        if syncs0 is None or syncs1 is None or run.syncs is None:
-            run.syncs = None
-        else:
-            run.syncs += syncs1 - syncs0
         run.rounds.append(times)
         run.flags.append(flags)
     finally:
@@ -194,23 +187,31 @@ def time_block(run: VariantRun, trainer: Trainer, warmup: int, steps: int) -> No
         run.close_s.append(time.perf_counter() - t0)
 
 
-def count_cuda_syncs(variant: Variant, trainer: Trainer, steps: int) -> tuple[int, int]:
-    """Synchronizing CUDA calls in ``steps`` steps (untimed pass) and steps recorded."""
+def count_syncs(variant: Variant, trainer: Trainer, steps: int) -> tuple[int | None, int]:
+    """Host syncs in ``steps`` untimed steps, and the steps recorded among them.
+
+    amp-doctor's variants are counted by :class:`SyncCounter` (patched tensor
+    methods, and CUDA's sync debug mode), never by amp-doctor's own counter; the
+    baselines report their own count (None: not countable).
+    """
     attached = variant.attach(trainer)
     try:
         for _ in range(2):
             trainer.step()
-        torch.cuda.synchronize()
+        _sync(trainer.device)
         rec0 = attached.recorded()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
+        if variant.key in AMP_DOCTOR_VARIANTS:
+            with SyncCounter() as counter:
                 for _ in range(steps):
                     trainer.step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        n = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+                _sync(trainer.device)
+            n: int | None = len(counter)
+        else:
+            s0 = attached.syncs()
+            for _ in range(steps):
+                trainer.step()
+            s1 = attached.syncs()
+            n = None if s0 is None or s1 is None else s1 - s0
         return n, attached.recorded() - rec0
     finally:
         attached.close()
@@ -230,14 +231,11 @@ def run_cell(device: torch.device, model: str, dtype: str, variants: list[Varian
         plain = cell.runs["plain"]
         log(f"  {device.type} {model} {dtype}: round {r + 1}/{args.rounds} done "
             f"(plain {1e3 * statistics.median(plain.rounds[-1]):.1f} ms/step)")
-    if device.type == "cuda":
-        n_steps = max(v.every for v in variants)
-        counts = {v.key: count_cuda_syncs(v, trainers[v.key], n_steps) for v in variants}
-        plain_n = counts["plain"][0]
-        for v in variants:
-            n, rec = counts[v.key]
-            cell.runs[v.key].cuda_syncs_beyond_plain = n - plain_n
-            cell.runs[v.key].cuda_recorded = rec
+    # One full sampling period of the sparsest variant: each records at least one step.
+    n_steps = max(v.every for v in variants)
+    for v in variants:
+        run = cell.runs[v.key]
+        run.syncs, run.sync_pass_recorded = count_syncs(v, trainers[v.key], n_steps)
     if not args.no_memory:
         for v in variants:
             cell.runs[v.key].memory = bench_memory.measure(work, v, args.mem_steps)
@@ -431,6 +429,7 @@ def as_json(env: dict[str, Any], cells: list[Cell]) -> dict[str, Any]:
                 "timed_steps": len(run.times),
                 "recorded_steps": sum(run.all_flags),
                 "syncs": run.syncs,
+                "sync_pass_recorded_steps": run.sync_pass_recorded,
                 "syncs_per_recorded_step": cell.syncs_per_recorded(key),
                 "memory": run.memory,
                 "memory_overhead": cell.mem_overhead(key),
@@ -497,16 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("benchmark: --device cuda but torch.cuda.is_available() is False")
         devices = ["cuda"] if args.device == "cuda" else ["cpu", "cuda"]
 
-    variants = [VARIANTS["plain"]]
-    for key in args.variants:
-        v = VARIANTS[key]
-        if key == "plain":
-            continue
-        reason = v.unavailable()
-        if reason:
-            print(f"note: skipping {v.label}: {reason}")
-            continue
-        variants.append(v)
+    variants = [VARIANTS["plain"]] + [VARIANTS[k] for k in args.variants if k != "plain"]
 
     env = environment()
     if env["loadavg_start"] > 0.5 * (env["nproc"] or 1):
@@ -518,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     for device in devices:
         for model in args.models:
             for dtype in args.dtypes:
+                if SPECS[model].dtypes is not None and dtype not in SPECS[model].dtypes:
+                    continue
                 cells.append(run_cell(torch.device(device), model, dtype, variants, args, log))
 
     env["loadavg_end"] = os.getloadavg()[0]

@@ -110,3 +110,19 @@ def test_reports_are_written_atomically(report: dict, tmp_path: Path) -> None:
         write_text_atomic(target, 42)  # type: ignore[arg-type]
     assert json.loads(target.read_text()) == report
     assert sorted(p.name for p in target.parent.iterdir()) == ["amp_doctor.json"]
+
+
+def test_the_codec_fast_paths_keep_values_and_their_checks() -> None:
+    import math as _math
+
+    from amp_doctor.jsoncodec import from_jsonable, to_jsonable
+    from amp_doctor.records import ReportFormatError as _RFE
+
+    assert to_jsonable([1, 2, 3]) == [1, 2, 3]
+    assert to_jsonable([1.5, _math.inf, -_math.inf]) == [1.5, "inf", "-inf"]
+    assert to_jsonable((1, 2.0)) == [1, 2.0]
+    assert from_jsonable(list[int], [1, 2, 3]) == [1, 2, 3]
+    assert from_jsonable(list[float], [1, 2.5, "nan"])[:2] == [1.0, 2.5]
+    assert _math.isnan(from_jsonable(list[float], [1, 2.5, "nan"])[2])
+    with pytest.raises(_RFE, match=r"\[1\] is True, expected an integer"):
+        from_jsonable(list[int], [1, True])

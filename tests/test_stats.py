@@ -115,3 +115,12 @@ def test_an_all_nan_tensor_and_an_overflowing_float16_tensor() -> None:
     d = _decoded(big, F16)
     assert d.overflow_frac == 0.5  # 70000 and inf; the max itself fits
     assert _decoded(big, BF16).overflow_frac == 0.25  # only inf
+
+
+def test_the_torch_free_format_names_and_maxima_agree_with_torch() -> None:
+    from amp_doctor import dtypes
+
+    assert dtypes.LOW_PRECISION_NAMES == {dtypes.dtype_name(d)
+                                          for d in dtypes.LOW_PRECISION_DTYPES}
+    for name, fmax in dtypes.FORMAT_MAX.items():
+        assert fmax == torch.finfo(dtypes.parse_dtype(name)).max
