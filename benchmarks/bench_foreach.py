@@ -49,15 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in (torch.float32, torch.bfloat16):
             xs = [torch.randn(numel).to(dtype) for _ in range(count)]
 
-            def per_tensor() -> object:
+            def per_tensor(xs: list[torch.Tensor] = xs) -> object:
                 mm = [torch.aminmax(x) for x in xs]
                 return torch.stack([m for m, _ in mm]), torch.stack([m for _, m in mm])
 
-            def foreach_minmax() -> object:
+            def foreach_minmax(xs: list[torch.Tensor] = xs) -> object:
                 return (torch.stack(torch._foreach_max(xs)),
                         torch.stack(torch._foreach_max(torch._foreach_neg(xs))))
 
-            def foreach_norm() -> object:
+            def foreach_norm(xs: list[torch.Tensor] = xs) -> object:
                 return torch.stack(torch._foreach_norm(xs, ord=math.inf))
 
             base = _time(per_tensor, args.reps)
