@@ -22,6 +22,12 @@ ADVICE: dict[str, str] = {
         "or train with `dtype=torch.bfloat16`, which has float32's range. If the "
         "weights grew large, add weight decay or normalisation before it."
     ),
+    "activation_nonfinite": (
+        "Find the op that made inf/NaN with anomaly mode (`amp-doctor diagnose --anomaly` or "
+        "`watch(model, anomaly=True)`) and keep it in float32 with `torch.autocast(device_type, "
+        "enabled=False)` and `.float()` inputs: for log(softmax) use `torch.log_softmax`, for "
+        "divisions add an epsilon float16 can hold (>= 1e-5) or clamp the denominator."
+    ),
     "activation_headroom": (
         "Values are within 2x of the format's max: rescale the input (normalise it), "
         "or run this layer in float32 with `torch.autocast(device_type, enabled=False)`."

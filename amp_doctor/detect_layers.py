@@ -16,9 +16,11 @@ from .records import Finding, LayerSummary, Session
 from .thresholds import (
     ACT_UNDERFLOW_WARN,
     F16_SMALLEST_NORMAL,
+    FORMAT_MAX,
     GRAD_FLUSHED_WARN,
     GRAD_UNDERFLOW_WARN,
     HEADROOM_WARN_BITS,
+    MADE_INF_HEADROOM_BITS,
     OVERFLOW_FRAC_ERROR,
 )
 
@@ -28,6 +30,30 @@ __all__ = ["layer_findings", "run_findings", "autocast_findings", "low_format",
 
 def _scale(x: float | None) -> str:
     return F.scale(x, unknown="?")
+
+
+# The layout of ``LayerSummary.act_exp_hist`` (see ``stats.exponent_of_bin``): bin b in
+# 1..254 holds |x| in [2**(b - 127), 2**(b - 126)); bin 0 zeros, the last bin inf/NaN.
+_HIST_BINS = 256
+_F32_BIAS = 127
+
+
+def largest_finite(lay: LayerSummary) -> float | None:
+    """The top edge of the largest finite |output| the histograms saw (0: only zeros)."""
+    hist = lay.act_exp_hist
+    if len(hist) != _HIST_BINS or not any(hist[:-1]):
+        return None  # no histogram, or not a single finite value in it
+    top = next((b for b in range(_HIST_BINS - 2, 0, -1) if hist[b]), 0)
+    return 2.0 ** (top - _F32_BIAS + 1) if top else 0.0
+
+
+def _inf_made_by_an_op(lay: LayerSummary, fmt: str) -> float | None:
+    """The largest finite |output| when the layer's infs cannot be values past the max."""
+    big = largest_finite(lay)
+    fmax = FORMAT_MAX.get(fmt)
+    if big is None or fmax is None or not math.isinf(lay.absmax):
+        return None
+    return big if big * 2.0 ** MADE_INF_HEADROOM_BITS <= fmax else None
 
 
 def low_format(session: Session) -> str:
@@ -80,6 +106,22 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                      "made inf/NaN, or its weights diverged."),
             advice=ADVICE_BF16["activation_overflow"],
             data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
+        )
+    elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR and (
+            made := _inf_made_by_an_op(lay, fmt)) is not None:
+        yield Finding(
+            kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
+            message=(f"{lay.name} ({lay.type}) output went non-finite (inf/NaN) in "
+                     f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps "
+                     f"({F.pct(lay.overflow_frac)} of values in the worst step), while its "
+                     + ("finite values were all 0" if made == 0 else
+                        f"finite values stayed below {F.num(made)}")
+                     + f", far from {fmt}'s max: not "
+                     "values growing past the max, but an op in it that made inf/NaN "
+                     "(log(0), x/0, exp of a large value)."),
+            advice=ADVICE["activation_nonfinite"],
+            data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt,
+                  "largest_finite": made},
         )
     elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR:
         yield Finding(

@@ -56,12 +56,19 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
     * GradScaler backoffs, a collapsed scale and NaN losses that began at an origin
       become info, and the origin's finding says what they cost;
     * gradients underflowing because the scale collapsed, or because the gradients
-      were clipped while still scaled, are listed in that finding, not advised on.
+      were clipped while still scaled, are listed in that finding, not advised on;
+    * backoffs and a collapse that began where a NaN loss with no origin finding of
+      its own began are that loss's consequences;
+    * a backward op that went non-finite in a step whose forward pass had already
+      made inf/NaN (anomaly mode's first forward op, or the batch) is that origin's
+      consequence: the backward of a non-finite value is non-finite.
     """
     lay_by = {lay.name: lay for lay in session.layers}
     origin_layers = sorted((lay for lay in session.layers if lay.overflow_origin_steps > 0),
                            key=lambda x: x.order)
-    errors = [f for f in out if f.severity == "error" and f.kind in ROOT_KINDS]
+    backward_of = _backward_follow_ons(out)
+    errors = [f for f in out if f.severity == "error" and f.kind in ROOT_KINDS
+              and id(f) not in backward_of]
 
     def root_for_module(module: str | None) -> Finding | None:
         for f in errors:
@@ -89,6 +96,12 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
     # The scaler and the loss: consequences of the origin they name.
     collapse = next((f for f in out if f.kind == "scale_collapse"), None)
     clip = next((f for f in out if f.kind == "clip_before_unscale"), None)
+    # A NaN loss with no origin finding of its own (NaN made by code between the layers)
+    # is the root of the backoffs that began where it did.
+    loss_root = next((f for f in out if f.kind == "nonfinite_loss" and f.severity == "error"
+                      and isinstance(f.data.get("origin"), str)
+                      and root_for_module(f.data["origin"]) is None
+                      and not any(e.kind == "nonfinite_input" for e in errors)), None)
     kept = []
     for f in out:
         origin = None
@@ -99,6 +112,12 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
         elif f.kind == "nonfinite_loss":
             origin = f.data.get("origin")
         root = root_for_module(origin) if isinstance(origin, str) else None
+        if id(f) in backward_of:
+            root = backward_of[id(f)]
+        if (root is None and loss_root is not None and f is not loss_root
+                and f.kind in ("scaler_backoff", "scale_collapse")
+                and origin == loss_root.data["origin"]):
+            root = loss_root
         if root is None and f.kind == "nonfinite_loss":
             root = next((e for e in errors if e.kind == "nonfinite_input"), None)
         if root is not None:
@@ -140,8 +159,38 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
     return result
 
 
+# Where NaN/inf is made in the forward pass: the backward of the step only carries it on.
+FORWARD_ORIGIN_KINDS = ("nonfinite_input", "nonfinite_forward")
+
+
+def _backward_follow_ons(out: list[Finding]) -> dict[int, Finding]:
+    """Backward errors (by ``id``) that follow from a forward origin, with that origin.
+
+    The origin must be seen in the backward's own step, and be in the same module or
+    have made that step's loss non-finite: a forward -inf that a mask swallowed
+    (the loss stayed finite) does not explain a NaN in backward elsewhere.
+    """
+    roots = [f for f in out if f.severity == "error" and f.kind in FORWARD_ORIGIN_KINDS]
+    losses = [f for f in out if f.kind == "nonfinite_loss"]
+    found: dict[int, Finding] = {}
+    for b in out:
+        if b.kind != "nonfinite_backward" or b.severity != "error" or b.step is None:
+            continue
+        same_step = [r for r in roots if b.step in (r.steps or [r.step])]
+        loss_bad = any(b.step in (x.steps or [x.step]) for x in losses)
+        root = next((r for r in same_step if r.module == b.module), None)
+        if root is None and loss_bad and same_step:
+            root = same_step[0]
+        if root is not None:
+            found[id(b)] = root
+    return found
+
+
 def _consequence(f: Finding) -> str:
     d = f.data
+    if f.kind == "nonfinite_backward":
+        return (f"in the backward pass {f.op} ({d.get('node')}, the backward of "
+                f"{d.get('forward_op')}) then produced NaN/inf from it")
     if f.kind == "scaler_backoff":
         return (f"GradScaler backed off {d.get('backoffs', f.count)}x and skipped that many "
                 f"optimizer steps (scale {_scale(d.get('scale_before'))} -> "

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_PER_KIND",
     "RISK_HEADROOM_BITS",
     "LOWP_UNCHANGED_WARN",
+    "MADE_INF_HEADROOM_BITS",
     "SEVERITY_RANK",
     "F16_SMALLEST_NORMAL",
     "FORMAT_MAX",
@@ -67,6 +68,10 @@ RISK_HEADROOM_BITS = 8.0
 # elements that had a non-zero gradient did not change in the optimizer step, the
 # updates are below the format's resolution.
 LOWP_UNCHANGED_WARN = 0.5
+# A float16 output with inf in it whose finite values all stay this many bits below the
+# max did not overflow: values do not jump from 256x below the max to beyond it in one
+# tensor. An op made the inf (log(0), x/0, exp of a large value).
+MADE_INF_HEADROOM_BITS = 8.0
 
 # Most severe first: the order of the report.
 SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
