@@ -163,6 +163,10 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
 FORWARD_ORIGIN_KINDS = ("nonfinite_input", "nonfinite_forward")
 
 
+def _steps_of(f: Finding) -> list[int]:
+    return f.steps or ([f.step] if f.step is not None else [])
+
+
 def _backward_follow_ons(out: list[Finding]) -> dict[int, Finding]:
     """Backward errors (by ``id``) that follow from a forward origin, with that origin.
 
@@ -176,8 +180,8 @@ def _backward_follow_ons(out: list[Finding]) -> dict[int, Finding]:
     for b in out:
         if b.kind != "nonfinite_backward" or b.severity != "error" or b.step is None:
             continue
-        same_step = [r for r in roots if b.step in (r.steps or [r.step])]
-        loss_bad = any(b.step in (x.steps or [x.step]) for x in losses)
+        same_step = [r for r in roots if b.step in _steps_of(r)]
+        loss_bad = any(b.step in _steps_of(x) for x in losses)
         root = next((r for r in same_step if r.module == b.module), None)
         if root is None and loss_bad and same_step:
             root = same_step[0]
