@@ -16,6 +16,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from . import format as F
 from .records import SEVERITIES, Finding, Session
 
 __all__ = ["Comparison", "FindingDelta", "LayerDelta", "RunSide", "compare", "render"]
@@ -205,33 +206,6 @@ def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> C
 
 
 # -- rendering -----------------------------------------------------------------
-def _n(x: float | None, digits: int = 3) -> str:
-    if x is None:
-        return "-"
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.{digits}g}"
-
-
-def _scale(x: float | None) -> str:
-    """Loss scales are powers of two: print them whole where they are whole."""
-    if x is not None and math.isfinite(x) and x == int(x) and abs(x) < 1e9:
-        return str(int(x))
-    return _n(x)
-
-
-def _p(x: float | None) -> str:
-    if x is None:
-        return "-"
-    if x == 0:
-        return "0%"
-    if x * 100 < 0.001:
-        return "<0.001%"
-    return f"{x * 100:.3g}%"
-
-
 def _run_rows(c: Comparison) -> list[list[str]]:
     def row(name: str, fn: Any) -> list[str]:
         return [name, fn(c.a), fn(c.b)]
@@ -243,22 +217,18 @@ def _run_rows(c: Comparison) -> list[list[str]]:
         row("outcome", lambda s: s.outcome),
         row("errors / warnings", lambda s: f"{s.errors} / {s.warnings}"),
         row("scale: init -> final (min)", lambda s: "-" if s.final_scale is None else
-            f"{_scale(s.init_scale)} -> {_scale(s.final_scale)} ({_scale(s.min_scale)})"),
+            f"{F.scale(s.init_scale)} -> {F.scale(s.final_scale)} ({F.scale(s.min_scale)})"),
         row("backoffs / growths", lambda s: f"{s.backoffs} / {s.growths}"),
         row("skipped steps", lambda s: _steps(s.skipped_steps)),
         row("loss: first -> last (min)", lambda s: "not seen" if not s.loss_seen else
-            f"{_n(s.loss_first, 4)} -> {_n(s.loss_last, 4)} ({_n(s.loss_min, 4)})"),
+            f"{F.num(s.loss_first, 4)} -> {F.num(s.loss_last, 4)} ({F.num(s.loss_min, 4)})"),
         row("non-finite losses", lambda s: f"{s.loss_nonfinite} of {s.loss_seen}"
             if s.loss_seen else "-"),
     ]
 
 
-def _steps(steps: list[int], limit: int = 8) -> str:
-    if not steps:
-        return "none"
-    shown = ", ".join(map(str, steps[:limit]))
-    more = f", ... ({len(steps)} in all)" if len(steps) > limit else ""
-    return shown + more
+def _steps(steps: list[int]) -> str:
+    return F.steps_list(steps) if steps else "none"
 
 
 def _scale_rows(c: Comparison) -> list[list[str]]:
@@ -270,7 +240,7 @@ def _scale_rows(c: Comparison) -> list[list[str]]:
 
     def at(d: dict[int, float], step: int) -> str:
         known = [k for k in d if k <= step]
-        return _scale(d[max(known)]) if known else "-"
+        return F.scale(d[max(known)]) if known else "-"
 
     return [[str(s), at(a, s), at(b, s)] for s in steps]
 
@@ -286,10 +256,10 @@ def _finding_rows(c: Comparison) -> list[list[str]]:
 
 
 def _layer_rows(c: Comparison) -> list[list[str]]:
-    return [[d.name, f"{_n(d.headroom_a, 3)} -> {_n(d.headroom_b, 3)}",
-             f"{_p(d.overflow_a)} -> {_p(d.overflow_b)}",
-             f"{_p(d.underflow_a)} -> {_p(d.underflow_b)}",
-             f"{_p(d.grad_underflow_a)} -> {_p(d.grad_underflow_b)}"]
+    return [[d.name, f"{F.num(d.headroom_a, 3)} -> {F.num(d.headroom_b, 3)}",
+             f"{F.pct(d.overflow_a)} -> {F.pct(d.overflow_b)}",
+             f"{F.pct(d.underflow_a)} -> {F.pct(d.underflow_b)}",
+             f"{F.pct(d.grad_underflow_a)} -> {F.pct(d.grad_underflow_b)}"]
             for d in c.layers[:MAX_ROWS]]
 
 

@@ -2,12 +2,16 @@
 
 Every sink (text, markdown, TensorBoard) and the analysis messages print numbers
 through these functions, so a share reads the same everywhere: ``"<0.001%"``, not
-``"4.9e-15%"``, and a loss scale reads ``65536``, not ``6.55e+04``.
+``"4.9e-15%"``, and a loss scale reads ``65536``, not ``6.55e+04``. Lists of steps
+(``0, 1, 2, ... (40 in all)``) and runs of consecutive steps (one backoff episode)
+are spelled here too, for the same reason.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
 
 __all__ = [
     "num",
@@ -15,6 +19,10 @@ __all__ = [
     "scale",
     "bits",
     "limit",
+    "times",
+    "steps_list",
+    "consecutive_runs",
+    "AtStep",
     "MISSING",
     "PCT_FLOOR",
     "SCI_HIGH",
@@ -29,6 +37,10 @@ PCT_FLOOR = 0.001
 # Plain numbers outside [SCI_LOW, SCI_HIGH) switch to scientific notation.
 SCI_HIGH = 1e5
 SCI_LOW = 1e-3
+# Whole loss scales print in full up to here (2**39); beyond, scientific notation.
+WHOLE_MAX = 1e12
+# A list of steps names at most this many.
+STEPS_SHOWN = 8
 
 
 def _nonfinite(x: float) -> str:
@@ -73,12 +85,20 @@ def pct(x: float | None) -> str:
     return f"{p:.3g}%"
 
 
-def scale(x: float | None) -> str:
-    """A loss scale: powers of two print whole (``65536``), however large or small."""
+def scale(x: float | None, unknown: str | None = None) -> str:
+    """A loss scale: powers of two print whole (``65536``), however large or small.
+
+    ``unknown``, when given, is printed for a scale that is not known (``None`` or
+    NaN): the findings' sentences say ``"?"`` where a table cell says ``"-"``.
+    """
+    if unknown is not None and (x is None or math.isnan(x)):
+        return unknown
     if x is None:
         return MISSING
     if not math.isfinite(x):
         return _nonfinite(x)
+    if 1 <= x < WHOLE_MAX and x == int(x):
+        return str(int(x))
     if x != 0 and abs(x) < SCI_LOW:
         m, e = math.frexp(x)
         if m == 0.5:
@@ -98,3 +118,35 @@ def bits(x: float | None, digits: int = 2) -> str:
 def limit(x: float) -> str:
     """A format's limit, as people know it: ``65504``, ``6.10352e-05``, ``3.38953e+38``."""
     return f"{x:.6g}" if math.isfinite(x) else _nonfinite(x)
+
+
+def times(n: int) -> str:
+    """``once``, ``3 times``."""
+    return "once" if n == 1 else f"{n} times"
+
+
+def steps_list(steps: list[int], limit: int = STEPS_SHOWN) -> str:
+    """The first ``limit`` steps, and how many there were in all when more."""
+    shown = ", ".join(str(s) for s in steps[:limit])
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
+
+
+class AtStep(Protocol):
+    """Anything that happened at a step (a scaler event, a finding's event)."""
+
+    @property
+    def step(self) -> int: ...
+
+
+T = TypeVar("T", bound=AtStep)
+
+
+def consecutive_runs(items: Iterable[T]) -> list[list[T]]:
+    """Items (sorted by step) in consecutive steps form one run: one backoff episode."""
+    runs: list[list[T]] = []
+    for e in items:
+        if runs and e.step - runs[-1][-1].step <= 1:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return runs

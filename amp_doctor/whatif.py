@@ -23,6 +23,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from . import format as F
 from .records import Finding, LayerSummary, Session, Severity
 
 __all__ = ["Format", "FORMATS", "Fp8Row", "fp8_rows", "float16_rows", "render_fp8_table",
@@ -180,7 +181,7 @@ def render_fp8_table(s: Session, max_rows: int = 24) -> str:
     rows = sorted(fp8_rows(s), key=lambda r: (-r.zero_share, -r.steps_amax_beyond_scale))
     if not rows:
         return ""
-    body = [[r.layer, r.tensor, r.format, _pct(r.zero_share), _pct(r.subnormal_share),
+    body = [[r.layer, r.tensor, r.format, F.pct(r.zero_share), F.pct(r.subnormal_share),
              "-" if r.amax_spread_bits is None else f"{r.amax_spread_bits:.1f}",
              f"{r.steps_amax_beyond_scale}/{max(r.recorded - 1, 0)}"] for r in rows[:max_rows]]
     table = tabulate(body, headers=["layer", "tensor", "format", "to zero", "subnormal",
@@ -190,14 +191,6 @@ def render_fp8_table(s: Session, max_rows: int = 24) -> str:
     return ("FP8 readiness, simulated from the recorded histograms (per-tensor delayed "
             f"scaling over {FP8_AMAX_WINDOW} recorded steps; not FP8 training):\n"
             + table + more)
-
-
-def _pct(x: float) -> str:
-    if x == 0:
-        return "0%"
-    if x * 100 < 0.001:
-        return "<0.001%"
-    return f"{x * 100:.3g}%"
 
 
 def _listed(items: Iterable[str]) -> str:
@@ -218,10 +211,10 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
             parts = []
             if over:
                 parts.append("beyond float16's max (65504): " + _listed(
-                    f"{r.layer} {r.tensor}s {_pct(r.overflow_share)}" for r in over))
+                    f"{r.layer} {r.tensor}s {F.pct(r.overflow_share)}" for r in over))
             if under:
                 parts.append("below float16's smallest normal (6.1e-05): " + _listed(
-                    f"{r.layer} {r.tensor}s {_pct(r.underflow_share)}" for r in under))
+                    f"{r.layer} {r.tensor}s {F.pct(r.underflow_share)}" for r in under))
             out.append(Finding(
                 kind="whatif_float16", severity=sev, module=rows[0].layer, op=None, step=None,
                 message=("Simulated from the recorded histograms (gradients as a GradScaler at "
@@ -238,7 +231,7 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
         sev8: Severity = "warning" if target == "float8" else "info"
         if bad:
             listed = _listed(
-                f"{r.layer} {r.tensor}s ({r.format}: {_pct(r.zero_share)} to zero"
+                f"{r.layer} {r.tensor}s ({r.format}: {F.pct(r.zero_share)} to zero"
                 + (f", amax outran the scale in {r.steps_amax_beyond_scale} steps"
                    if r.steps_amax_beyond_scale else "") + ")" for r in bad)
             msg = (f"FP8 simulation (per-tensor delayed scaling, amax window "

@@ -22,11 +22,6 @@ from expected import EXPECTED  # noqa: E402
 MODES = [pytest.param(True, id="in-process"),
          pytest.param(False, id="subprocess", marks=pytest.mark.slow)]
 PATHOLOGICAL = [s for s, found in EXPECTED.items() if found]
-# Extra errors today that are follow-on effects of the listed origin, reported beside it:
-# the backward NaN that the forward's non-finite value causes, a second error in the same module.
-FOLLOW_ON = pytest.mark.xfail(
-    strict=True, reason="follow-on errors not yet folded into the origin (issue 13 item 3)")
-NOT_YET_FOLDED = {"log_of_underflowed_softmax.py", "eps_underflow.py"}
 # The one sample whose own exit status is not 0: the crash is its symptom.
 EXIT_CODES = {"half_params_with_scaler.py": 1}
 
@@ -66,8 +61,7 @@ def test_sample_is_diagnosed_as_expected(
 
 
 @pytest.mark.parametrize("in_process", MODES)
-@pytest.mark.parametrize("script", [
-    pytest.param(s, marks=FOLLOW_ON) if s in NOT_YET_FOLDED else s for s in PATHOLOGICAL])
+@pytest.mark.parametrize("script", PATHOLOGICAL)
 def test_pathological_sample_has_no_extra_errors(
         script: str, in_process: bool, diagnosed: Callable[[str, bool], gallery.Verdict]
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 import amp_doctor
 from amp_doctor.analysis import risk_order
+from amp_doctor.folding import fold_follow_ons
 from amp_doctor.records import Finding, Session
 from tests.fixtures.findings import tiny_gpt
 from tests.helpers import MLP
@@ -211,6 +213,106 @@ def test_nan_loss_from_a_fully_masked_row_is_always_a_finding() -> None:
     assert (f.data["steps_bad"], f.data["checked"], f.step) == (2, 2, 0)
     assert "outside the watched modules" in f.message
     assert "looks healthy" not in doctor.report()
+
+
+class _PaddedAttention(nn.Module):
+    """Hand-written attention: a fully padded row softmaxes over all -inf, 0/0 = NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        att = (q @ k.transpose(1, 2)) / 4.0
+        att = att.masked_fill(pad[:, None, :], float("-inf")).softmax(-1)
+        return self.head(att @ v)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("every", [3, 100])
+def test_nan_loss_on_every_step_from_a_padded_attention_row_is_one_error(
+        dtype: str, every: int) -> None:
+    torch.manual_seed(0)
+    model = _PaddedAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == "float16")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=every, tensorboard=False) as doctor:
+        for _ in range(6):
+            x = torch.randn(4, 5, 16, generator=g)
+            pad = torch.zeros(4, 5, dtype=torch.bool)
+            pad[1] = True  # one sequence is all padding
+            with torch.autocast("cpu", dtype=getattr(torch, dtype)):
+                out = model(x, pad)
+            loss = out.float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    # The NaN loss is the one error; the backoffs and the collapse it caused are its
+    # consequences (float16), not errors of their own.
+    assert [f.kind for f in errors(s)] == ["nonfinite_loss"], s.findings
+    f = errors(s)[0]
+    # Every step whose loss was checked was NaN (with a scaler: every step; without: the
+    # recorded ones).
+    assert f.data["steps_bad"] == f.data["checked"] >= 1
+    if dtype == "float16":
+        assert "Consequences: GradScaler backed off 6x" in f.message
+        assert {x.kind: x.severity for x in s.findings if x.kind.startswith("scale")} == {
+            "scaler_backoff": "info", "scale_collapse": "info"}
+    assert "looks healthy" not in doctor.report()
+
+
+def _finding(kind: str, module: str | None, op: str | None = None, step: int = 0,
+             severity: str = "error", **data: object) -> Finding:
+    return Finding(kind=kind, severity=severity, module=module, op=op,  # type: ignore[arg-type]
+                   step=step, message=f"{kind}.", advice="", steps=[step], data=dict(data))
+
+
+def test_backward_nan_after_a_forward_origin_is_folded_into_it() -> None:
+    s = Session.load(Path(__file__).parent / "golden" / "fp16_overflow.json")
+    fwd = _finding("nonfinite_forward", "head", "aten.log")
+    bwd = _finding("nonfinite_backward", "head", "aten.div", node="LogBackward0",
+                   forward_op="aten.log", nan=True)
+    out = fold_follow_ons(s, [fwd, bwd])
+    assert [(f.kind, f.severity) for f in out] == [("nonfinite_forward", "error"),
+                                                    ("nonfinite_backward", "info")]
+    assert out[1].data["follow_on_of"] == "head"
+    assert "LogBackward0, the backward of aten.log" in out[0].data["consequences"][0]
+    # Another module, a finite loss (a mask swallowed the forward's -inf), or another
+    # step: the backward NaN is a problem of its own.
+    other = _finding("nonfinite_backward", "body", "aten.mul")
+    later = _finding("nonfinite_backward", "head", "aten.div", step=5)
+    out = fold_follow_ons(s, [fwd, other, later])
+    assert [f.severity for f in out] == ["error", "error", "error"]
+    # With the loss NaN in that step, the forward origin explains it wherever it is.
+    loss = _finding("nonfinite_loss", None, severity="info", origin="head")
+    out = fold_follow_ons(s, [fwd, other, loss])
+    assert [f.severity for f in out if f.kind != "nonfinite_loss"] == ["error", "info"]
+
+
+def test_float16_log0_is_not_called_values_beyond_the_max() -> None:
+    """Without anomaly mode: -inf from log(0) is inf in float16 too, but not an overflow."""
+    torch.manual_seed(0)
+    model = _LogSoftmaxHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                logp = model(torch.randn(8, 16, generator=g))
+            loss = nn.functional.nll_loss(logp.float(), torch.zeros(8).long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    [f] = errors(s)
+    assert f.kind == "activation_overflow" and f.module == "_LogSoftmaxHead"
+    assert "beyond the format's max" not in f.message and "log(0)" in f.message
+    assert "anomaly" in f.advice and "dtype=torch.bfloat16" not in f.advice
 
 
 class _LogSoftmaxHead(nn.Module):

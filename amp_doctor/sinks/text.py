@@ -18,6 +18,7 @@ from tabulate import tabulate
 
 from .. import format as F
 from ..records import Finding, LayerSummary, Session
+from ..risk import risk_order
 
 __all__ = [
     "render_text",
@@ -41,13 +42,6 @@ MAX_LISTED = 12
 # The layer table's column of recorded steps with inf/NaN outputs / gradients.
 NONFINITE_HEADER = "inf/NaN out/grad"
 _SEV_LABEL = {"error": "ERROR", "warning": "WARN", "info": "info"}
-
-
-def risk_order(layers: list[LayerSummary]) -> list[LayerSummary]:
-    """Worst layers first; the order lives in :func:`amp_doctor.analysis.risk_order`."""
-    from ..analysis import risk_order as order
-
-    return order(layers)
 
 
 def summary_line(s: Session) -> str:

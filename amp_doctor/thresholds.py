@@ -1,0 +1,84 @@
+"""The named thresholds analysis judges a run by: every "too much" in one place.
+
+Each constant says why it has its value. The detectors (``detect_*.py``), the
+follow-on folding and the layer order read them from here.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "OVERFLOW_FRAC_ERROR",
+    "HEADROOM_WARN_BITS",
+    "ACT_UNDERFLOW_WARN",
+    "GRAD_UNDERFLOW_WARN",
+    "GRAD_FLUSHED_WARN",
+    "SCALE_COLLAPSE_MIN",
+    "BACKOFF_SHARE_COLLAPSE",
+    "BACKOFF_RUN_COLLAPSE",
+    "CALIBRATION_START",
+    "CALIBRATION_STEPS",
+    "STUCK_INTERVALS",
+    "SCALED_GRAD_OVERFLOW_INFO_STEPS",
+    "MAX_PER_KIND",
+    "RISK_HEADROOM_BITS",
+    "LOWP_UNCHANGED_WARN",
+    "MADE_INF_HEADROOM_BITS",
+    "SEVERITY_RANK",
+    "F16_SMALLEST_NORMAL",
+    "FORMAT_MAX",
+    "DEFAULT_INIT_SCALE",
+    "DEFAULT_GROWTH_INTERVAL",
+]
+
+# Any value beyond the format's max in a layer that ran in low precision is
+# an inf in the user's forward pass.
+OVERFLOW_FRAC_ERROR = 0.0
+# Less than one bit of exponent left: the next larger batch can overflow.
+HEADROOM_WARN_BITS = 1.0
+# Share of an activation's values that flush to zero / lose precision.
+ACT_UNDERFLOW_WARN = 0.05
+# Share of a layer's gradient values that flush to zero in the low-precision format.
+GRAD_UNDERFLOW_WARN = 0.10
+# Share of exact zeros in the output gradient of a layer that runs before (in
+# forward order) one whose gradients underflow: they arrived flushed to zero.
+GRAD_FLUSHED_WARN = 0.90
+# The scale has no business below 1: the loss is then scaled *down*.
+SCALE_COLLAPSE_MIN = 1.0
+# Backoffs in more than this share of steps (after calibration) is a collapse.
+BACKOFF_SHARE_COLLAPSE = 0.2
+# Or this many backoffs in a row.
+BACKOFF_RUN_COLLAPSE = 5
+# GradScaler starts at 2**16 and backs off until the scale fits: a short run of
+# backoffs that starts in the first few steps is normal calibration, not a problem.
+CALIBRATION_START = 3
+# Backoffs in the first steps are not counted in the share of backoffs below.
+CALIBRATION_STEPS = 20
+# No growth across this many growth intervals means the scale is stuck.
+STUCK_INTERVALS = 3
+# Anomaly mode: a backward op whose float16 output overflowed to inf (no NaN)
+# while a GradScaler was on is the scaler's own business, as long as it
+# happens in at most this many steps (calibration); more is a warning.
+SCALED_GRAD_OVERFLOW_INFO_STEPS = 3
+# At most this many findings of one kind are itemised; the rest are counted.
+MAX_PER_KIND = 8
+# "Worst first": a layer within this many bits of the format's max ranks by its
+# headroom, ahead of every layer that only has some underflow.
+RISK_HEADROOM_BITS = 8.0
+# Pure float16/bfloat16 training: when more than this share of the sampled weight
+# elements that had a non-zero gradient did not change in the optimizer step, the
+# updates are below the format's resolution.
+LOWP_UNCHANGED_WARN = 0.5
+# A float16 output with inf in it whose finite values all stay this many bits below the
+# max did not overflow: values do not jump from 256x below the max to beyond it in one
+# tensor. An op made the inf (log(0), x/0, exp of a large value).
+MADE_INF_HEADROOM_BITS = 8.0
+
+# Most severe first: the order of the report.
+SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
+# float16's smallest normal, 2**-14: below it a gradient loses precision or flushes.
+F16_SMALLEST_NORMAL = 2.0 ** -14
+# The formats' max, without importing torch (analysis runs on saved reports too).
+FORMAT_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
+# torch.amp.GradScaler's defaults, for a saved timeline that lacks them.
+DEFAULT_INIT_SCALE = 65536.0
+DEFAULT_GROWTH_INTERVAL = 2000
