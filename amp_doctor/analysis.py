@@ -25,7 +25,7 @@ from .detect_events import event_findings
 from .detect_layers import autocast_findings, layer_findings, run_findings
 from .detect_scaler import scaler_findings
 from .folding import cap_per_kind, fold_early_end, fold_follow_ons
-from .records import Finding, Session
+from .records import SEVERITY_RANK, Finding, Session
 from .risk import risk_order
 from .thresholds import (
     ACT_UNDERFLOW_WARN,
@@ -41,7 +41,6 @@ from .thresholds import (
     RISK_HEADROOM_BITS,
     SCALE_COLLAPSE_MIN,
     SCALED_GRAD_OVERFLOW_INFO_STEPS,
-    SEVERITY_RANK,
     STUCK_INTERVALS,
 )
 

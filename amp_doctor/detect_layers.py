@@ -12,11 +12,11 @@ from collections.abc import Iterable
 
 from . import format as F
 from .advice import ADVICE, ADVICE_BF16
+from .dtypes import FORMAT_MAX
 from .records import Finding, LayerSummary, Session
 from .thresholds import (
     ACT_UNDERFLOW_WARN,
     F16_SMALLEST_NORMAL,
-    FORMAT_MAX,
     GRAD_FLUSHED_WARN,
     GRAD_UNDERFLOW_WARN,
     HEADROOM_WARN_BITS,

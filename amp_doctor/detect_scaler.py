@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from . import format as F
 from .advice import ADVICE
 from .detect_layers import low_format
+from .dtypes import FORMAT_MAX
 from .records import Finding, ScalerEvent, Session
 from .thresholds import (
     BACKOFF_RUN_COLLAPSE,
@@ -23,7 +24,6 @@ from .thresholds import (
     CALIBRATION_STEPS,
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INIT_SCALE,
-    FORMAT_MAX,
     SCALE_COLLAPSE_MIN,
     STUCK_INTERVALS,
 )

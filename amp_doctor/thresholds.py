@@ -23,9 +23,7 @@ __all__ = [
     "RISK_HEADROOM_BITS",
     "LOWP_UNCHANGED_WARN",
     "MADE_INF_HEADROOM_BITS",
-    "SEVERITY_RANK",
     "F16_SMALLEST_NORMAL",
-    "FORMAT_MAX",
     "DEFAULT_INIT_SCALE",
     "DEFAULT_GROWTH_INTERVAL",
 ]
@@ -73,12 +71,8 @@ LOWP_UNCHANGED_WARN = 0.5
 # tensor. An op made the inf (log(0), x/0, exp of a large value).
 MADE_INF_HEADROOM_BITS = 8.0
 
-# Most severe first: the order of the report.
-SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
 # float16's smallest normal, 2**-14: below it a gradient loses precision or flushes.
 F16_SMALLEST_NORMAL = 2.0 ** -14
-# The formats' max, without importing torch (analysis runs on saved reports too).
-FORMAT_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 # torch.amp.GradScaler's defaults, for a saved timeline that lacks them.
 DEFAULT_INIT_SCALE = 65536.0
 DEFAULT_GROWTH_INTERVAL = 2000
