@@ -35,26 +35,26 @@ session is built.
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
-import sys
-import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.optim import Optimizer
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .devicework import count_sync, iter_tensors, own_ops
+from .devicework import count_sync
+from .patching import (
+    ApiSubscriber,
+    in_scaler_step,
+    patches_installed,
+    scaled_backwards,
+    subscribe,
+    tensor_list,
+)
 from .records import Event, ScalerEvent, ScalerTimeline
 
 __all__ = ["AmpMonitor", "ApiSubscriber", "StepOutcome", "subscribe", "patches_installed"]
@@ -70,33 +70,6 @@ GRAPH_WALK_LIMIT = 200_000
 _SCALER_METHODS = ("scale", "unscale_", "step", "update", "load_state_dict")
 
 
-class ApiSubscriber(Protocol):
-    """What the hub forwards; :class:`AmpMonitor` is the one implementation."""
-
-    def on_scale_begin(self, scaler: GradScaler) -> None: ...
-    def on_scale(self, scaler: GradScaler, outputs: Any, result: Any) -> None: ...
-    def on_unscale(self, scaler: GradScaler, optimizer: Optimizer) -> None: ...
-    def on_scaler_step_begin(self, scaler: GradScaler, optimizer: Optimizer) -> None: ...
-    def on_scaler_step(self, scaler: GradScaler, optimizer: Optimizer, stepped: bool) -> None: ...
-    def on_update_begin(self, scaler: GradScaler, new_scale: Any) -> None: ...
-    def on_update_end(self, scaler: GradScaler, new_scale: Any) -> None: ...
-    def on_optimizer_pre(self, optimizer: Optimizer) -> None: ...
-    def on_optimizer_post(self, optimizer: Optimizer) -> None: ...
-    def on_clip(self, func: str, parameters: list[torch.Tensor], info: dict[str, Any]) -> None: ...
-    def on_scheduler_step(self, scheduler: Any) -> None: ...
-    def on_backward(self, tensors: Any) -> None: ...
-    def on_backward_end(self, tensors: Any, through_scaler: bool) -> None: ...
-    def on_scaler_load(self, scaler: GradScaler, state: Any) -> None: ...
-
-
-def _all_subclasses(cls: type) -> list[type]:
-    out = [cls]
-    sub: type
-    for sub in cls.__subclasses__():
-        out.extend(_all_subclasses(sub))
-    return out
-
-
 def _f32(x: float) -> float:
     """``x`` rounded to float32, as GradScaler's scale tensor holds it."""
     try:
@@ -109,368 +82,6 @@ def _is_deferred(opt: Any) -> bool:
     """Optimizers whose skip GradScaler does not decide on the host."""
     return bool(getattr(opt, "_step_supports_amp_scaling", False)) or not isinstance(
         opt, Optimizer)
-
-
-class _ApiHub:
-    """Process-wide patches, installed once and restored when unused."""
-
-    def __init__(self) -> None:
-        self.subscribers: list[ApiSubscriber] = []
-        self._restore: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
-        self.step_counts: dict[int, int] = {}
-        self.in_scaler_step = 0
-        # Re-entrancy per patched function: a subclass method that calls
-        # super(), or clip_grad_norm (deprecated) calling clip_grad_norm_,
-        # is forwarded once.
-        self._depth: dict[str, int] = {}
-        # Backward passes that went through a scaled output, per scaler id.
-        self.flows: dict[int, int] = {}
-        self.total_flows = 0
-        self.scaled_outputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.backward_depth = 0
-
-    # -- subscription ------------------------------------------------------
-    def add(self, sub: ApiSubscriber) -> None:
-        with self._lock:
-            if not self.subscribers:
-                self._install()
-            self.subscribers.append(sub)
-
-    def remove(self, sub: ApiSubscriber) -> None:
-        with self._lock:
-            if sub in self.subscribers:
-                self.subscribers.remove(sub)
-            if not self.subscribers:
-                self._uninstall()
-
-    def emit(self, method: str, *args: Any) -> None:
-        with own_ops:
-            for sub in list(self.subscribers):
-                try:
-                    getattr(sub, method)(*args)
-                except Exception as e:  # never let amp-doctor break a training run
-                    _internal_error(sub, method, e)
-
-    def _enter(self, key: str) -> bool:
-        d = self._depth.get(key, 0)
-        self._depth[key] = d + 1
-        return d == 0
-
-    def _leave(self, key: str) -> None:
-        self._depth[key] -= 1
-
-    # -- installation ------------------------------------------------------
-    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        had = name in vars(owner)
-        orig = vars(owner)[name] if had else getattr(owner, name)
-        setattr(owner, name, make(orig))
-
-        def restore() -> None:
-            if had:
-                setattr(owner, name, orig)
-            else:
-                delattr(owner, name)
-
-        self._restore.append(restore)
-
-    def _install(self) -> None:
-        self.step_counts.clear()
-        self._depth.clear()
-        self.in_scaler_step = 0
-        self.backward_depth = 0
-        wrappers = {"scale": self._wrap_scale, "unscale_": self._wrap_unscale,
-                    "step": self._wrap_step, "update": self._wrap_update,
-                    "load_state_dict": self._wrap_load}
-        # Subclasses that override a method (e.g. FSDP's ShardedGradScaler)
-        # need their own patch; the deprecated torch.cuda.amp / torch.cpu.amp
-        # spellings inherit and are covered by the base class.
-        for cls in _all_subclasses(GradScaler):
-            for meth in _SCALER_METHODS:
-                if meth in vars(cls):
-                    self._patch(cls, meth, wrappers[meth])
-        h1 = register_optimizer_step_pre_hook(self._opt_pre)
-        h2 = register_optimizer_step_post_hook(self._opt_post)
-        self._restore.extend([h1.remove, h2.remove])
-        import torch.nn.utils as nnu
-        import torch.nn.utils.clip_grad as cg
-
-        # clip_grad_norm_ calls these through its module's globals, so the
-        # patch sees the clip even through a reference imported earlier.
-        self._patch(cg, "_clip_grads_with_norm_", self._wrap_clip_norm)
-        if getattr(nnu, "clip_grads_with_norm_", None) is not None:
-            self._patch(nnu, "clip_grads_with_norm_", self._wrap_clip_norm)
-        if hasattr(cg, "_group_tensors_by_device_and_dtype"):
-            self._patch(cg, "_group_tensors_by_device_and_dtype", self._wrap_clip_value_probe)
-        from torch.optim.lr_scheduler import LRScheduler
-
-        for cls in _all_subclasses(LRScheduler):
-            if "step" in vars(cls):
-                self._patch(cls, "step", self._wrap_sched)
-        self._patch(torch.autograd, "backward", self._wrap_backward)
-
-    def _uninstall(self) -> None:
-        while self._restore:
-            try:
-                self._restore.pop()()
-            except Exception:  # pragma: no cover - restore the others regardless
-                pass
-
-    # -- wrappers ------------------------------------------------------------
-    def _wrap_scale(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        hub = self
-
-        @functools.wraps(orig)
-        def scale(scaler: GradScaler, outputs: Any) -> Any:
-            if not hub._enter("scale"):
-                try:
-                    return orig(scaler, outputs)
-                finally:
-                    hub._leave("scale")
-            try:
-                hub.emit("on_scale_begin", scaler)
-                result = orig(scaler, outputs)
-                if scaler._enabled:
-                    hub._mark_scaled(scaler, result)
-                hub.emit("on_scale", scaler, outputs, result)
-                return result
-            finally:
-                hub._leave("scale")
-
-        return scale
-
-    def _mark_scaled(self, scaler: GradScaler, result: Any) -> None:
-        sid = id(scaler)
-        hook = functools.partial(_flow_hook, sid)
-        for t in _tensor_list(result):
-            if t.requires_grad:
-                self.scaled_outputs[t] = sid
-                t.register_hook(hook)
-
-    def _wrap_unscale(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        hub = self
-
-        @functools.wraps(orig)
-        def unscale_(scaler: GradScaler, optimizer: Any) -> Any:
-            outer = hub._enter("unscale_")
-            try:
-                # Before the call: unscale_ raises on float16 gradients and
-                # on a second unscale_ without update(); the event must exist
-                # by then so that the report explains the exception.
-                if outer and scaler._enabled:
-                    hub.emit("on_unscale", scaler, optimizer)
-                return orig(scaler, optimizer)
-            finally:
-                hub._leave("unscale_")
-
-        return unscale_
-
-    def _wrap_step(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        hub = self
-
-        @functools.wraps(orig)
-        def step(scaler: GradScaler, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            if not hub._enter("step"):
-                try:
-                    return orig(scaler, optimizer, *args, **kwargs)
-                finally:
-                    hub._leave("step")
-            try:
-                # Before the call: a second step() without update() raises.
-                hub.emit("on_scaler_step_begin", scaler, optimizer)
-                before = hub.step_counts.get(id(optimizer), 0)
-                hub.in_scaler_step += 1
-                try:
-                    result = orig(scaler, optimizer, *args, **kwargs)
-                finally:
-                    hub.in_scaler_step -= 1
-                stepped = hub.step_counts.get(id(optimizer), 0) != before
-                hub.emit("on_scaler_step", scaler, optimizer, stepped)
-                return result
-            finally:
-                hub._leave("step")
-
-        return step
-
-    def _wrap_update(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        hub = self
-
-        @functools.wraps(orig)
-        def update(scaler: GradScaler, new_scale: Any = None) -> Any:
-            if not hub._enter("update"):
-                try:
-                    return orig(scaler, new_scale)
-                finally:
-                    hub._leave("update")
-            try:
-                hub.emit("on_update_begin", scaler, new_scale)
-                result = orig(scaler, new_scale)
-                hub.emit("on_update_end", scaler, new_scale)
-                return result
-            finally:
-                hub._leave("update")
-
-        return update
-
-    def _wrap_load(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        hub = self
-
-        @functools.wraps(orig)
-        def load_state_dict(scaler: GradScaler, state_dict: Any) -> Any:
-            result = orig(scaler, state_dict)
-            # After the call: a resumed run's scale is the loaded one from here on.
-            if hub._enter("load"):
-                try:
-                    hub.emit("on_scaler_load", scaler, state_dict)
-                finally:
-                    hub._leave("load")
-            else:
-                hub._leave("load")
-            return result
-
-        return load_state_dict
-
-    def _opt_pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self.emit("on_optimizer_pre", optimizer)
-
-    def _opt_post(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self.step_counts[id(optimizer)] = self.step_counts.get(id(optimizer), 0) + 1
-        self.emit("on_optimizer_post", optimizer)
-
-    def _wrap_clip_norm(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        hub = self
-
-        @functools.wraps(orig)
-        def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Any,
-                                  *args: Any, **kwargs: Any) -> Any:
-            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if hub._enter("clip"):
-                try:
-                    caller = sys._getframe(1).f_code.co_name
-                    name = "clip_grad_norm_" if caller == "clip_grad_norm_" else \
-                        "clip_grads_with_norm_"
-                    hub.emit("on_clip", name, params,
-                             {"max_norm": max_norm, "total_norm": total_norm})
-                    return orig(params, max_norm, total_norm, *args, **kwargs)
-                finally:
-                    hub._leave("clip")
-            try:
-                return orig(params, max_norm, total_norm, *args, **kwargs)
-            finally:
-                hub._leave("clip")
-
-        return clip_grads_with_norm_
-
-    def _wrap_clip_value_probe(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        # clip_grad_value_ has no helper of its own to patch; it groups the
-        # gradients with this one, which it looks up at call time.
-        hub = self
-
-        @functools.wraps(orig)
-        def group(*args: Any, **kwargs: Any) -> Any:
-            try:
-                frame = sys._getframe(1)
-                if frame.f_code.co_name == "clip_grad_value_" and hub._depth.get("clip", 0) == 0:
-                    # Its parameters may be a spent generator by now: pass the grads.
-                    loc = frame.f_locals
-                    grads = [g for g in loc.get("grads") or [] if isinstance(g, torch.Tensor)]
-                    hub.emit("on_clip", "clip_grad_value_", [],
-                             {"clip_value": loc.get("clip_value"), "grads": grads})
-            except Exception:  # pragma: no cover - observing must never break clipping
-                pass
-            return orig(*args, **kwargs)
-
-        return group
-
-    def _wrap_sched(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        hub = self
-
-        @functools.wraps(orig)
-        def sched_step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-            # SequentialLR / ChainedScheduler step their children: one emit.
-            outer = hub._enter("sched")
-            try:
-                if outer:
-                    hub.emit("on_scheduler_step", scheduler)
-                return orig(scheduler, *args, **kwargs)
-            finally:
-                hub._leave("sched")
-
-        return sched_step
-
-    def _wrap_backward(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        hub = self
-
-        @functools.wraps(orig)
-        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            hub.backward_depth += 1
-            try:
-                if hub.backward_depth > 1:
-                    # Reentrant checkpointing runs backward inside backward.
-                    return orig(tensors, *args, **kwargs)
-                flows = hub.total_flows
-                hub.emit("on_backward", tensors)
-                result = orig(tensors, *args, **kwargs)
-                through = hub.total_flows != flows or any(
-                    t in hub.scaled_outputs for t in _tensor_list(tensors))
-                hub.emit("on_backward_end", tensors, through)
-                return result
-            finally:
-                hub.backward_depth -= 1
-
-        return backward
-
-
-def _flow_hook(scaler_id: int, grad: torch.Tensor) -> None:
-    """Tensor hook on a scaled output: a backward went through the scaler."""
-    _HUB.flows[scaler_id] = _HUB.flows.get(scaler_id, 0) + 1
-    _HUB.total_flows += 1
-
-
-_HUB = _ApiHub()
-_REPORTED: set[tuple[int, str]] = set()
-
-
-def _internal_error(sub: Any, method: str, exc: Exception) -> None:
-    key = (id(sub), method)
-    if key not in _REPORTED:
-        _REPORTED.add(key)
-        import warnings
-
-        warnings.warn(
-            f"amp-doctor: internal error in {method} ({type(exc).__name__}: {exc}); "
-            "training continues unaffected, but this part of the report may be incomplete. "
-            "Please report it with the traceback from AMP_DOCTOR_DEBUG=1.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    import os
-
-    if os.environ.get("AMP_DOCTOR_DEBUG"):
-        raise exc
-
-
-class _Subscription:
-    """Removable like a hook handle; removing the last one restores every patch."""
-
-    def __init__(self, sub: ApiSubscriber) -> None:
-        self._sub: ApiSubscriber | None = sub
-        _HUB.add(sub)
-
-    def remove(self) -> None:
-        if self._sub is not None:
-            _HUB.remove(self._sub)
-            self._sub = None
-
-
-def subscribe(sub: ApiSubscriber) -> _Subscription:
-    """Start forwarding AMP API calls to ``sub``; the handle's ``remove`` stops it."""
-    return _Subscription(sub)
-
-
-def patches_installed() -> bool:
-    """True while any watch is active (tests use it to prove nothing is left behind)."""
-    return bool(_HUB._restore)
 
 
 # ---------------------------------------------------------------------------
@@ -522,7 +133,7 @@ class _ScalerState:
     @property
     def scaled_since_update(self) -> bool:
         """A backward went through this scaler's scaled outputs since the last update()."""
-        return _HUB.flows.get(id(self.ref()), 0) != self.flows_at_update
+        return scaled_backwards(self.ref()) != self.flows_at_update
 
 
 @dataclass
@@ -645,7 +256,7 @@ class AmpMonitor:
                     tracker = None
             st = _ScalerState(ref=weakref.ref(scaler), name=f"scaler{len(self.scalers)}",
                               enabled=enabled, scale=scale, tracker=tracker,
-                              flows_at_update=_HUB.flows.get(id(scaler), 0),
+                              flows_at_update=scaled_backwards(scaler),
                               init_scale=scale if scale is not None else float(
                                   getattr(scaler, "_init_scale", 2.0 ** 16)))
             st.params()
@@ -827,9 +438,6 @@ class AmpMonitor:
             if relevant and self._on_skip is not None:
                 self._on_skip(self._params(optimizer))
 
-    def on_update_begin(self, scaler: GradScaler, new_scale: Any) -> None:
-        pass
-
     def on_update_end(self, scaler: GradScaler, new_scale: Any) -> None:
         st = self._state(scaler)
         if st is None:
@@ -870,7 +478,7 @@ class AmpMonitor:
         st.flags = {}
         st.skipped = {}
         st.steps_since_update = 0
-        st.flows_at_update = _HUB.flows.get(id(scaler), 0)
+        st.flows_at_update = scaled_backwards(scaler)
         self._unscaled_roots = []
         if not self.manual_steps and primary:
             self._on_boundary()
@@ -889,11 +497,11 @@ class AmpMonitor:
             return
         params = self._params(optimizer)
         self.step_params[id(optimizer)] = params
-        if _HUB.in_scaler_step == 0:
+        if not in_scaler_step():
             self._judge_plain_step(optimizer)
         if self._on_unscale is None:
             return
-        if _HUB.in_scaler_step == 0:
+        if not in_scaler_step():
             self._on_unscale(params, None)
             return
         # Inside scaler.step: unscale_ has summarised the gradients, unless
@@ -928,7 +536,7 @@ class AmpMonitor:
             return
         if self._on_optimizer_done_cb is not None:
             self._on_optimizer_done_cb(self.step_params.get(id(optimizer)) or [])
-        if _HUB.in_scaler_step == 0:
+        if not in_scaler_step():
             # A plain optimizer.step(): those backward passes are not a scaler's.
             self._unscaled_roots = []
         if self._primary_opt is None:
@@ -1037,7 +645,7 @@ class AmpMonitor:
 
     def on_backward(self, tensors: Any) -> None:
         if self._on_backward_cb is not None:
-            self._on_backward_cb(_tensor_list(tensors))
+            self._on_backward_cb(tensor_list(tensors))
         step = self._step_of()
         if step == self._bwd_autocast_step:
             return
@@ -1056,7 +664,7 @@ class AmpMonitor:
                 break
 
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None:
-        ts = _tensor_list(tensors)
+        ts = tensor_list(tensors)
         if self._on_backward_done_cb is not None:
             self._on_backward_done_cb(ts)
         if through_scaler:
@@ -1210,7 +818,3 @@ class AmpMonitor:
 
 def _nan(x: float | None) -> float:
     return math.nan if x is None else x
-
-
-def _tensor_list(obj: Any) -> list[torch.Tensor]:
-    return list(iter_tensors(obj))
