@@ -43,6 +43,7 @@ from .errors import AmpDoctorError
 from .loop import LoopSignals
 from .monitor import AmpMonitor, LoopCallbacks
 from .patching import Subscription, subscribe
+from .precision import PrecisionSeen
 from .probes import COMPILED_NOTE, Probes
 from .recorder import StepBuffer
 from .records import AmpConfig, Event, RunInfo, Session
@@ -55,10 +56,6 @@ __all__ = ["Watch", "watch", "DEFAULT_EVERY"]
 # to leave on (see benchmarks/results.md). Skips, backoffs and misuse are
 # tracked on every step regardless.
 DEFAULT_EVERY = 10
-# Judge what-if overflow/underflow against float16 when autocast never ran:
-# it is the format with the narrower range, so the stricter question.
-WHAT_IF_DTYPE = torch.float16
-_LOW_DTYPE_NAMES = {"float16", "bfloat16"}
 
 
 def _in_backward() -> bool:
@@ -137,12 +134,14 @@ class Watch:
         self.session_: Session | None = None
         self._started = time.perf_counter()
         self._started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-        self._device_type: str | None = None
-        self._autocast_dtypes: dict[str, int] = {}
         self._buffer: StepBuffer | None = None
         self._extra_events: list[Event] = []
         self._listeners: list[StepListener] = []
         self._probes: Probes | None = None
+        self._precision = PrecisionSeen(
+            lambda: self._probes.layers.values() if self._probes is not None else None,
+            lambda: self._probes.low_precision_outputs() if self._probes else set(),
+            lambda: self.recorded)
         self._folder = StepFolder(self._layer_metas, self._set.label, self._extra_events)
         self._loop = LoopSignals()
         self._sub: Subscription | None = None
@@ -164,9 +163,6 @@ class Watch:
         # starts the next step (a second model's forward in the same iteration does not).
         self._lead_root: int | None = None
         self._implicit_steps = False
-        # Autocast entered inside the model's forward, judged once per recorded step.
-        self._inside: str | None = None
-        self._inside_at = -1
 
     @property
     def models(self) -> dict[str, nn.Module]:
@@ -200,7 +196,7 @@ class Watch:
                     skip=self._on_skip, scale=self._on_scale, backward=self._on_backward,
                     backward_done=self._on_backward_done,
                     optimizer_done=self._on_optimizer_done),
-                autocast_dtype=self._autocast_dtype,
+                autocast_dtype=self._precision.autocast_dtype,
                 scaler=self._explicit_scaler,
                 optimizers=self._explicit_opts,
             )
@@ -291,9 +287,7 @@ class Watch:
         if dt:
             # The forward hooks cannot see autocast inside a compiled graph; the
             # trace-time state the graph was compiled for stands in for them.
-            self._autocast_dtypes[dt] = self._autocast_dtypes.get(dt, 0) + 1
-            if self._device_type is None:
-                self._device_type = dev
+            self._precision.note_compiled(dev, dt)
         if name in self._compiled_names:
             return
         self._compiled_names.add(name)
@@ -428,56 +422,7 @@ class Watch:
         if self._anomaly is not None and self._probes is not None:
             self._anomaly.check_inputs(self._probes.name_of(module) or type(module).__name__, args,
                                        module)
-        if self._device_type is None:
-            dev = None
-            for t in iter_tensors(args):
-                dev = t.device.type
-                break
-            if dev is None:
-                p = next(module.parameters(), None)
-                dev = p.device.type if p is not None else "cpu"
-            self._device_type = dev
-        dev = self._device_type
-        if torch.is_grad_enabled() and torch.is_autocast_enabled(dev):
-            name = dtype_name(torch.get_autocast_dtype(dev))
-            self._autocast_dtypes[name] = self._autocast_dtypes.get(name, 0) + 1
-
-    def _autocast_dtype(self) -> torch.dtype | None:
-        if not self._autocast_dtypes:
-            inside = self._autocast_inside()
-            return getattr(torch, inside) if inside else None
-        name = max(self._autocast_dtypes, key=lambda k: self._autocast_dtypes[k])
-        return getattr(torch, name)
-
-    def _autocast_inside(self) -> str | None:
-        """Autocast entered inside the model's forward (Accelerate wraps ``forward``).
-
-        The root's pre-hook runs before it, so it sees no autocast. But a layer
-        whose own parameters are float32 and whose output is float16/bfloat16
-        ran under autocast: its recorded output dtype says so.
-        """
-        if self._probes is None:
-            return None
-        # Output dtypes only change on recorded steps: judge once per recorded step.
-        if self._inside_at == self.recorded:
-            return self._inside
-        self._inside_at = self.recorded
-        seen: dict[str, int] = {}
-        for meta in self._probes.layers.values():
-            if meta.param_dtypes and meta.param_dtypes <= {"float32"}:
-                for d in meta.output_dtypes & _LOW_DTYPE_NAMES:
-                    seen[d] = seen.get(d, 0) + 1
-        self._inside = max(seen, key=lambda k: seen[k]) if seen else None
-        return self._inside
-
-    def _low_dtype(self) -> torch.dtype:
-        dt = self._autocast_dtype()
-        if dt is not None:
-            return dt
-        lows = self._probes.low_precision_outputs() if self._probes else set()
-        if lows:
-            return torch.float16 if "float16" in lows else torch.bfloat16
-        return WHAT_IF_DTYPE
+        self._precision.note_forward(module, args)
 
     def _on_scale(self, scale: torch.Tensor | None, outputs: Any) -> None:
         buf = self._buffer
@@ -655,8 +600,9 @@ class Watch:
                     if outcome is not None:
                         outcome.scale_after = real_scale
                 folded = self._folder.fold(
-                    hs, fmt=limits(self._low_dtype()), param_grads_scaled=buf.param_grads_scaled,
-                    skipped=skipped, scale=outcome.scale_after if outcome else None,
+                    hs, fmt=limits(self._precision.low_dtype()),
+                    param_grads_scaled=buf.param_grads_scaled, skipped=skipped,
+                    scale=outcome.scale_after if outcome else None,
                     check_input=self._anomaly is None)
                 if folded.loss_bad is not None:
                     loss_bad = folded.loss_bad
@@ -683,7 +629,6 @@ class Watch:
         from .analysis import analyze
 
         probes = self._probes
-        fmt_dtype = self._low_dtype()
         layers = []
         if probes is not None:
             ops = self._anomaly.op_dtypes() if self._anomaly is not None else {}
@@ -697,11 +642,11 @@ class Watch:
         events.extend(self._loop_events())
         scaler_on = bool(timeline and timeline.enabled)
         amp = AmpConfig(
-            device_type=self._device_type,
-            dtype=dtype_name(fmt_dtype) if (self._autocast_dtypes or (
-                probes and probes.low_precision_outputs())) else None,
+            device_type=self._precision.device_type,
+            dtype=dtype_name(self._precision.low_dtype())
+            if self._precision.low_precision_seen else None,
             scaler=scaler_on,
-            autocast_seen=bool(self._autocast_dtypes) or self._autocast_inside() is not None,
+            autocast_seen=self._precision.autocast_seen,
         )
         rm = self._run_meta
         run = RunInfo(
