@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,39 @@ def _in_backward() -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class _Options:
+    """What ``watch()`` was asked for, beyond the public settings on :class:`Watch`."""
+
+    discover: bool
+    fp32: tuple[str, ...]
+    stop_after: int | None
+    target_dtype: str | None
+    tensorboard: bool
+    anomaly: bool
+    on_nonfinite: str
+    anomaly_allow: tuple[str, ...]
+    scaler: GradScaler | None
+    optimizers: tuple[Optimizer, ...]
+
+
+@dataclass
+class _Boundaries:
+    """Where the step boundary stands (see :meth:`Watch._auto_boundary`)."""
+
+    # An automatic boundary waits for the next forward of the step's first model.
+    pending: bool = False
+    # Another model trains after the boundary in the same iteration: boundaries wait.
+    defer: bool = False
+    # An automatic boundary just happened and no training work followed yet.
+    idle: bool = False
+    # The model whose training forward came first in the step: its next forward
+    # starts the next step (a second model's forward in the same iteration does not).
+    lead_root: int | None = None
+    # Steps were counted from backward passes (no optimizer, scaler or doctor.step()).
+    implicit: bool = False
+
+
 class Watch:
     """Records how a model behaves under AMP, per layer and per step.
 
@@ -100,40 +134,37 @@ class Watch:
             model, every=every, max_steps=max_steps, top_k=top_k, scaler=scaler,
             optimizer=optimizer, on_nonfinite=on_nonfinite, logdir=logdir, discover=discover)
         self._set = ModelSet(as_models(model) if model is not None else {})
-        self._discover = discover
         if isinstance(fp32, str):
             fp32 = [fp32]
-        self._fp32_patterns = tuple(fp32)
-        self._fp32: Any = None
         if stop_after is not None and stop_after < 1:
             raise AmpDoctorError(f"stop_after must be >= 1 or None, got {stop_after!r}.")
-        self._stop_after = stop_after
         from .whatif import TARGET_DTYPES
 
         if target_dtype is not None and target_dtype not in TARGET_DTYPES:
             raise AmpDoctorError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)} or "
                                  f"None, got {target_dtype!r}.")
-        self._target_dtype = target_dtype
         self.every = every
         self.max_steps = max_steps
         self.logdir = Path(logdir).absolute() if logdir is not None else None
         self.top_k = top_k
-        self._tensorboard = tensorboard
-        self._anomaly_opts = (anomaly, on_nonfinite, tuple(anomaly_allow))
         opts: list[Optimizer] = []
         if isinstance(optimizer, Optimizer):
             opts = [optimizer]
         elif optimizer is not None:
             opts = list(optimizer)
-        self._explicit_scaler = scaler
-        self._explicit_opts = opts
+        self._opts = _Options(
+            discover=discover, fp32=tuple(fp32), stop_after=stop_after,
+            target_dtype=target_dtype, tensorboard=tensorboard, anomaly=anomaly,
+            on_nonfinite=on_nonfinite, anomaly_allow=tuple(anomaly_allow), scaler=scaler,
+            optimizers=tuple(opts))
+        self._fp32: Any = None
 
         self.step_index = 0
         self.recorded = 0
         self.closed = False
         self.session_: Session | None = None
-        self._started = time.perf_counter()
-        self._started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        self._started = (time.perf_counter(),
+                         _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
         self._buffer: StepBuffer | None = None
         self._extra_events: list[Event] = []
         self._listeners: list[StepListener] = []
@@ -155,14 +186,7 @@ class Watch:
         # Found by the skip's one sync on an unrecorded step, for the step's end.
         self._pending_culprits: list[str] | None = None
         self._pending_loss_bad: bool | None = None
-        # Step boundaries (see _auto_boundary).
-        self._boundary_pending = False
-        self._defer_boundaries = False
-        self._auto_boundary_idle = False
-        # The model whose training forward came first in the step: its next forward
-        # starts the next step (a second model's forward in the same iteration does not).
-        self._lead_root: int | None = None
-        self._implicit_steps = False
+        self._bounds = _Boundaries()
 
     @property
     def models(self) -> dict[str, nn.Module]:
@@ -180,13 +204,13 @@ class Watch:
                                   events=self._extra_events, on_compiled=self._on_compiled)
             for given in self._set.given.values():
                 self._attach_wrappers(given)
-            if self._fp32_patterns:
+            if self._opts.fp32:
                 from .fp32 import Fp32Islands
 
-                self._fp32 = Fp32Islands(self._fp32_patterns)
+                self._fp32 = Fp32Islands(self._opts.fp32)
                 for prefix, m in self.models.items():
                     self._fp32.attach(prefix, m)
-                if not self._discover:
+                if not self._opts.discover:
                     self._fp32.check()  # the API knows every model now: fail before training
             self._monitor = AmpMonitor(
                 owns_param=self._owns,
@@ -197,26 +221,25 @@ class Watch:
                     backward_done=self._on_backward_done,
                     optimizer_done=self._on_optimizer_done),
                 autocast_dtype=self._precision.autocast_dtype,
-                scaler=self._explicit_scaler,
-                optimizers=self._explicit_opts,
+                scaler=self._opts.scaler,
+                optimizers=self._opts.optimizers,
             )
             self._sub = subscribe(self._monitor)
-            if self._discover:
+            if self._opts.discover:
                 self._discovery = GlobalDiscovery(self._wants, self._found)
                 self._discovery.start()
-            anomaly, mode, allow = self._anomaly_opts
-            if anomaly:
+            if self._opts.anomaly:
                 from .anomaly import AnomalyMode
 
                 self._anomaly = AnomalyMode(
                     current_module=self._probes.current_module,
                     step_of=lambda: self.step_index,
-                    mode=mode,
-                    allow=allow,
+                    mode=self._opts.on_nonfinite,
+                    allow=self._opts.anomaly_allow,
                     module_name=self._probes.name_of,
                 )
                 self._anomaly.start()
-            if self.logdir is not None and self._tensorboard:
+            if self.logdir is not None and self._opts.tensorboard:
                 from .sinks.tensorboard import TensorBoardSink
 
                 self._tb = TensorBoardSink(self.logdir, top_k=self.top_k)
@@ -243,7 +266,7 @@ class Watch:
         if self.closed:
             assert self.session_ is not None
             return self.session_
-        pending, self._boundary_pending = self._boundary_pending, False
+        pending, self._bounds.pending = self._bounds.pending, False
         implicit_last = self._implicit_candidate() and self._loop.backward_reached
         self.closed = True
         try:
@@ -252,7 +275,7 @@ class Watch:
                 self.step_index += 1
             elif implicit_last:
                 # A loop without optimizer or scaler: its last step ends with the run.
-                self._implicit_steps = True
+                self._bounds.implicit = True
                 self._finish_step(partial=False)
                 self.step_index += 1
             elif self._buffer is not None and self._loop.trained_since_boundary:
@@ -321,10 +344,10 @@ class Watch:
         mon = self._monitor
         if mon is not None and not mon.manual_steps:
             mon.manual_steps = True
-            if self._auto_boundary_idle:
+            if self._bounds.idle:
                 self._take_pending_boundary()
                 return
-        self._boundary_pending = False
+        self._bounds.pending = False
         self._boundary()
 
     @property
@@ -403,12 +426,12 @@ class Watch:
     def _on_root_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         training = torch.is_grad_enabled() and module.training and not _in_backward()
         if training:
-            if self._lead_root is None:
-                self._lead_root = id(module)
-            elif id(module) != self._lead_root and self._auto_boundary_idle:
+            if self._bounds.lead_root is None:
+                self._bounds.lead_root = id(module)
+            elif id(module) != self._bounds.lead_root and self._bounds.idle:
                 # Right after the boundary, another model trains: same iteration.
-                self._defer_boundaries = True
-            if id(module) == self._lead_root and self._take_pending_boundary():
+                self._bounds.defer = True
+            if id(module) == self._bounds.lead_root and self._take_pending_boundary():
                 if self._probes is not None:
                     # Before any sublayer ran: hooking or unhooking them loses nothing.
                     self._probes._apply_armed()
@@ -416,7 +439,7 @@ class Watch:
                   and self._loop.updated()):
                 self._implicit_boundary()
             self._loop.train_forward = True
-            self._auto_boundary_idle = False
+            self._bounds.idle = False
             if self._buffer is not None:
                 self._loop.check_input(args)
         if self._anomaly is not None and self._probes is not None:
@@ -483,7 +506,7 @@ class Watch:
 
     def _on_backward_done(self, roots: list[torch.Tensor]) -> None:
         self._loop.backward = True
-        self._auto_boundary_idle = False
+        self._bounds.idle = False
         if self._implicit_candidate():
             # Only where no optimizer or scaler ends the steps: does this backward
             # reach the watched parameters (a training step), or another model's?
@@ -498,7 +521,7 @@ class Watch:
     def _implicit_boundary(self) -> None:
         # A hand-written update (``p.add_(p.grad, alpha=-lr)``): a new training
         # forward after a backward that reached the watched parameters.
-        self._implicit_steps = True
+        self._bounds.implicit = True
         self._boundary()
         if self._probes is not None:
             # Called from the root's pre-hook, before any sublayer ran: hooking or
@@ -533,21 +556,21 @@ class Watch:
         """
         if self.closed:
             return
-        if not self._defer_boundaries:
+        if not self._bounds.defer:
             self._boundary()
-            self._auto_boundary_idle = True
+            self._bounds.idle = True
             return
-        if self._boundary_pending:
+        if self._bounds.pending:
             # Two boundaries and no forward of the step's first model in between
             # (a loop that calls submodules directly): the first one ends its step now.
             self._boundary()
-        self._boundary_pending = True
-        self._auto_boundary_idle = True
+        self._bounds.pending = True
+        self._bounds.idle = True
 
     def _take_pending_boundary(self) -> bool:
-        if not self._boundary_pending:
+        if not self._bounds.pending:
             return False
-        self._boundary_pending = False
+        self._bounds.pending = False
         self._boundary()
         return True
 
@@ -558,8 +581,8 @@ class Watch:
         self.step_index += 1
         self._set_recording()
         self._loop.new_step()
-        self._auto_boundary_idle = False
-        if self._stop_after is not None and self.step_index >= self._stop_after:
+        self._bounds.idle = False
+        if self._opts.stop_after is not None and self.step_index >= self._opts.stop_after:
             from .errors import StopRun
 
             raise StopRun(self.step_index)
@@ -651,8 +674,8 @@ class Watch:
         rm = self._run_meta
         run = RunInfo(
             torch_version=torch.__version__,
-            started=self._started_at,
-            duration_s=round(time.perf_counter() - self._started, 3),
+            started=self._started[1],
+            duration_s=round(time.perf_counter() - self._started[0], 3),
             every=self.every,
             models=self._set.names(),
             command=rm.get("command"),
@@ -662,7 +685,7 @@ class Watch:
             rank=rm.get("rank"),
             world_size=rm.get("world_size"),
             fp32_modules=list(self._fp32.forced) if self._fp32 is not None else [],
-            target_dtype=self._target_dtype,
+            target_dtype=self._opts.target_dtype,
         )
         draft = Session(
             version=__version__, amp=amp, steps=self.step_index, recorded_steps=self.recorded,
@@ -675,7 +698,7 @@ class Watch:
         """What the loop itself showed: NaN losses, how steps were counted, frozen weights."""
         out = self._folder.loss_events(self.step_index)
         mon = self._monitor
-        if self._implicit_steps:
+        if self._bounds.implicit:
             out.append(Event(kind="steps_from_backward", step=0, data={
                 "steps": self.step_index, "severity": "info"}))
         elif (mon is not None and self.step_index == 0 and not mon.manual_steps
