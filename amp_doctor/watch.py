@@ -9,9 +9,11 @@ boundary the buffer is copied to the host once and folded
 Everything installed is removed in ``close()``, which ``__exit__`` calls on
 normal exit, on exceptions and on KeyboardInterrupt.
 
-Longer than 500 lines: this is the one place where the step boundary is
-decided (automatic, deferred, manual, implicit), and splitting it would
-spread one state machine over several files.
+Longer than 500 lines: the watch wires the stages together (probes, the AMP
+monitor, the step folder, anomaly mode, the sinks) and decides the step
+boundary (automatic, deferred, manual, implicit); each stage's own state lives
+in its module (discovery, loop, precision, monitor, steps), and splitting the
+boundary state machine further would spread one decision over several files.
 """
 
 from __future__ import annotations
