@@ -18,9 +18,10 @@ import torch
 from . import stats as S
 from .devicework import count_sync
 from .dtypes import FormatLimits
+from .listeners import StepRows
 from .records import LayerStep, LayerSummary, StepRecord, TensorStats
 
-__all__ = ["StepBuffer", "HostStep", "LayerAggregate", "History"]
+__all__ = ["StepBuffer", "HostCopy", "HostStep", "LayerAggregate", "History"]
 
 # Bounded memory: the history keeps at most this many step records; when it
 # is full every other record is dropped, so it always spans the whole run.
@@ -72,10 +73,16 @@ class StepBuffer:
         """Keep a device scalar (loss, scale) for the step's single host copy."""
         self._scalars[key] = value.detach().reshape(-1)[:1].to(torch.float64)
 
+    def rename(self, mapping: dict[str, str]) -> None:
+        """Layers were renamed mid-step (a second model prefixes the first's names)."""
+        self.assigned = {(mapping.get(k, k), f): v for (k, f), v in self.assigned.items()}
+        self.backward_order = [mapping.get(k, k) for k in self.backward_order]
+        self.param_grads_done = {mapping.get(k, k) for k in self.param_grads_done}
+
     def has_scalar(self, key: str) -> bool:
         return key in self._scalars
 
-    def flush(self) -> HostStep:
+    def flush(self) -> HostCopy:
         """The one host sync of a recorded step: copy every summary and scalar at once."""
         self.closed = True
         keys = list(self._scalars)
@@ -97,8 +104,8 @@ class StepBuffer:
         return hs
 
 
-def unpack_host(flat: torch.Tensor, buf: StepBuffer) -> HostStep:
-    """The host copy of a step -> a :class:`HostStep` (host data only, no device tensor)."""
+def unpack_host(flat: torch.Tensor, buf: StepBuffer) -> HostCopy:
+    """The host copy of a step -> a :class:`HostCopy` (host data only, no device tensor)."""
     n_rows = len(buf._where)
     device_part = torch.zeros(n_rows, S.DEVICE_LEN, dtype=torch.float64)
     metas: list[S.Summary] = [None] * n_rows  # type: ignore[list-item]
@@ -114,7 +121,7 @@ def unpack_host(flat: torch.Tensor, buf: StepBuffer) -> HostStep:
     matrix = S.host_rows(device_part, metas)
     keys = list(buf._scalars)
     scalars = dict(zip(keys, flat[pos : pos + len(keys)].tolist(), strict=True))
-    return HostStep(buf.step, matrix, scalars, dict(buf.assigned), list(buf.backward_order))
+    return HostCopy(buf.step, matrix, scalars, dict(buf.assigned), list(buf.backward_order))
 
 
 def to_host(flat: torch.Tensor) -> torch.Tensor:
@@ -136,7 +143,9 @@ def to_host(flat: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class HostStep:
+class HostCopy:
+    """The host copy of one recorded step (a :class:`~amp_doctor.listeners.StepRows`)."""
+
     step: int
     matrix: torch.Tensor  # [rows, SUMMARY_LEN] float64, on the host
     scalars: dict[str, float]
@@ -164,7 +173,7 @@ def scale_log2_of(scale: float | None) -> int:
 
 
 def host_step_layers(
-    hs: HostStep, fmt: FormatLimits, grad_scale: float | None, param_grad_scale: float | None
+    hs: HostCopy, fmt: FormatLimits, grad_scale: float | None, param_grad_scale: float | None
 ) -> tuple[dict[str, LayerStep], dict[str, dict[str, torch.Tensor]]]:
     """Decode a host step into per-layer records and the raw merged rows."""
     names: dict[str, None] = {}
@@ -408,3 +417,7 @@ class History:
             keep = [r for i, r in enumerate(self.records) if i % 2 == 0 or r.skipped]
             self.records = keep[-self.limit :]
             self.stride *= 2
+
+
+# The old name of the listeners' view of a step (amp_doctor.listeners.StepRows).
+HostStep = StepRows

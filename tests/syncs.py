@@ -43,7 +43,7 @@ THIS_FILE = str(Path(__file__).resolve())
 HOST_SIDE: frozenset[tuple[str, str]] = frozenset({
     ("recorder.py", "unpack_host"),
     ("recorder.py", "host_step_layers"),
-    ("recorder.py", "HostStep.merged"),
+    ("recorder.py", "HostCopy.merged"),
     ("recorder.py", "LayerAggregate.add"),
     ("recorder.py", "LayerAggregate.summary"),
     ("stats.py", "host_rows"),

@@ -54,7 +54,7 @@ def test_a_skipped_step_that_was_not_recorded_costs_one_more_sync() -> None:
     sites, recorded, _ = _loop(10, 20, skip_at=13)
     assert recorded == 2
     assert len(sites) == 3, sites
-    assert sum("_on_skip" in s for s in sites) == 1
+    assert sum("skip_culprits" in s for s in sites) == 1
 
 
 def test_a_skipped_step_that_was_recorded_costs_no_extra_sync() -> None:
