@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from . import format as F
 from .advice import ADVICE, ADVICE_BF16, bf16_advice, event_advice
 from .detect_events import event_findings
 from .detect_layers import autocast_findings, layer_findings, run_findings
@@ -68,7 +67,6 @@ __all__ = [
 ]
 
 # Kept for callers of the old private name; new code uses amp_doctor.format.num.
-_fmt = F.num
 
 # Findings about the loss scale: at the same severity and step, their causes come first.
 _SCALE_KINDS = ("scale_collapse", "scaler_backoff", "scale_stuck")

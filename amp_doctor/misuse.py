@@ -16,6 +16,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 
 from .devicework import count_sync
+from .dtypes import dtype_name
 from .records import Event
 from .registry import AmpRegistry, optimizer_params, optimizer_stage
 from .scaler import ScalerMirror
@@ -111,7 +112,7 @@ class MisuseChecks:
                 "optimizer": self._reg.opt_name(optimizer),
                 "count": len(halfs), "total": len(params),
                 "numel": sum(p.numel() for p in halfs),
-                "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in halfs}),
+                "param_dtypes": sorted({dtype_name(p.dtype) for p in halfs}),
                 "scale": st.scale})
 
     def scaler_step(self, scaler: GradScaler, st: ScalerMirror, optimizer: Any) -> None:
@@ -236,7 +237,7 @@ class MisuseChecks:
             if on:
                 self._bwd_autocast_step = step
                 try:
-                    dt = str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+                    dt = dtype_name(torch.get_autocast_dtype(dev))
                 except Exception:  # pragma: no cover
                     dt = None
                 self._event("backward_in_autocast", data={"device": dev, "dtype": dt})

@@ -16,14 +16,13 @@ import torch
 from torch import nn
 
 from .devicework import iter_tensors
-from .dtypes import dtype_name
+from .dtypes import LOW_PRECISION_NAMES, dtype_name
 
 __all__ = ["PrecisionSeen", "WHAT_IF_DTYPE"]
 
 # Judge what-if overflow/underflow against float16 when autocast never ran:
 # it is the format with the narrower range, so the stricter question.
 WHAT_IF_DTYPE = torch.float16
-_LOW_DTYPE_NAMES = {"float16", "bfloat16"}
 
 
 class _LayerDtypes(Protocol):
@@ -102,7 +101,7 @@ class PrecisionSeen:
         seen: dict[str, int] = {}
         for meta in layers:
             if meta.param_dtypes and meta.param_dtypes <= {"float32"}:
-                for d in meta.output_dtypes & _LOW_DTYPE_NAMES:
+                for d in meta.output_dtypes & LOW_PRECISION_NAMES:
                     seen[d] = seen.get(d, 0) + 1
         self._inside = max(seen, key=lambda k: seen[k]) if seen else None
         return self._inside

@@ -17,7 +17,7 @@ import torch
 
 from . import stats as S
 from .devicework import count_sync
-from .dtypes import FormatLimits
+from .dtypes import LOW_PRECISION_NAMES, FormatLimits
 from .listeners import StepRows
 from .records import LayerStep, LayerSummary, StepRecord, TensorStats
 
@@ -322,7 +322,7 @@ class LayerAggregate:
     def summary(self, meta_name: str, meta_type: str, order: int, calls: int,
                 input_dtypes: set[str], output_dtypes: set[str], param_dtypes: set[str],
                 ops: dict[str, dict[str, int]], passthrough: bool = False) -> LayerSummary:
-        lows = {"float16", "bfloat16"}
+        lows = LOW_PRECISION_NAMES
         ran_low = bool(output_dtypes & lows)
         floats = {d for d in output_dtypes if d.startswith(("float", "bfloat"))}
         return LayerSummary(
@@ -359,8 +359,8 @@ class LayerAggregate:
             passthrough=passthrough,
             ops=ops,
             # Sampled tensors give scaled, fractional counts.
-            act_exp_hist=[round(v) for v in self.act_hist.tolist()],
-            grad_exp_hist=[round(v) for v in self.grad_hist.tolist()],
+            act_exp_hist=self.act_hist.round().to(torch.int64).tolist(),
+            grad_exp_hist=self.grad_hist.round().to(torch.int64).tolist(),
         )
 
 

@@ -115,7 +115,7 @@ def instrumented(timers: Timers) -> Iterator[None]:
     patch(probes_mod.Probes, "_grad_hook", wrap_grad_hook)
     patch(probes_mod.Probes, "summarize_param_grads", wrap_method("param grads"))
     patch(recorder_mod.StepBuffer, "flush", wrap_method("flush (host copy)"))
-    patch(watch_mod, "host_step_layers", wrap_method("host decode"))
+    patch(sys.modules["amp_doctor.steps"], "host_step_layers", wrap_method("host decode"))
     patch(recorder_mod.LayerAggregate, "add", wrap_method("aggregate"))
     patch(watch_mod.Watch, "_finish_step", wrap_method("step boundary"))
     try:

@@ -396,7 +396,7 @@ def test_clip_before_unscale(how: str) -> None:
 
 
 def _e(x: float) -> str:
-    from amp_doctor.analysis import _fmt
+    from amp_doctor.format import num as _fmt
 
     return _fmt(x)
 
