@@ -34,7 +34,6 @@ Design choices that keep the cost low and the user's run untouched:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,9 +45,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .devicework import iter_tensors, own_ops
 from .dtypes import LOW_PRECISION_DTYPES, dtype_name
+from .moduleends import publish
 from .recorder import StepBuffer
 from .records import Event
 from .stats import summarize
+from .weakhooks import Unwatched, WeakHook
 
 __all__ = ["LayerMeta", "Probes", "Unwatched", "unsummarizable",
            "run_eagerly_when_called_by_dynamo", "COMPILED_NOTE"]
@@ -102,61 +103,6 @@ def unsummarizable(t: torch.Tensor) -> str | None:
     return None
 
 
-def _drop_hook(module: nn.Module, hook: object) -> None:
-    """Remove every registration of ``hook`` from ``module``'s forward hook dicts."""
-    for hooks, flags in (
-        (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
-        (module._forward_hooks, (module._forward_hooks_with_kwargs,
-                                 module._forward_hooks_always_called)),
-    ):
-        for k in [k for k, v in hooks.items() if v is hook]:
-            del hooks[k]
-            for f in flags:
-                f.pop(k, None)
-
-
-class Unwatched:
-    """What a watched model's hook becomes in a deep copy or an unpickled model.
-
-    It does nothing and, on its first eager call on a module, removes itself from
-    it. A copy of a watched model (``copy.deepcopy``, ``AveragedModel``,
-    ``torch.save``/``torch.load``) is therefore an unwatched model.
-    """
-
-    # Tensor hooks: torch.save must not warn that this hook is not serialised.
-    __torch_unserializable__ = True
-
-    def __call__(self, *args: Any) -> None:
-        if torch.compiler.is_compiling():
-            return None
-        if args and isinstance(args[0], nn.Module):
-            _drop_hook(args[0], self)
-        return None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Unwatched, ())
-
-
-class _Hook:
-    """Base of the hooks put on the user's modules and tensors.
-
-    Holds only a weak reference to the probes: nothing reachable from the
-    user's model may keep the watch (its writer, its locks) alive or make the
-    model unpicklable.
-    """
-
-    __torch_unserializable__ = True
-
-    def __init__(self, probes: Probes) -> None:
-        self._probes = weakref.ref(probes)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Unwatched, ())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Unwatched:
-        return Unwatched()
-
-
 def run_eagerly_when_called_by_dynamo(*fns: Callable[..., Any]) -> None:
     """Have dynamo run ``fns`` as plain Python when it meets them as frames of their own.
 
@@ -197,7 +143,7 @@ def _compiled_autocast() -> str:
     return ""
 
 
-class _PreHook(_Hook):
+class _PreHook(WeakHook["Probes"]):
     def __init__(self, probes: Probes) -> None:
         super().__init__(probes)
         # Set only while dynamo traces this hook: the autocast state the
@@ -208,24 +154,24 @@ class _PreHook(_Hook):
         if torch.compiler.is_compiling():
             self.traced = _compiled_autocast()
             return None
-        probes = self._probes()
+        probes = self.owner()
         if probes is not None:
             probes._pre(module, args, kwargs)
         return None
 
 
-class _PostHook(_Hook):
+class _PostHook(WeakHook["Probes"]):
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
         if torch.compiler.is_compiling():
             return None
-        probes = self._probes()
+        probes = self.owner()
         if probes is not None:
             probes._post(module, args, kwargs, output)
         return None
 
 
-class _GradHook(_Hook):
+class _GradHook(WeakHook["Probes"]):
     # The hook holds the layer names and the step's buffer, never the
     # activation: a finished step keeps no reference to user tensors.
     def __init__(self, probes: Probes, owners: list[str], buf: StepBuffer) -> None:
@@ -236,7 +182,7 @@ class _GradHook(_Hook):
     def __call__(self, grad: torch.Tensor) -> None:
         if torch.compiler.is_compiling():
             return None
-        probes = self._probes()
+        probes = self.owner()
         if probes is not None:
             probes._on_grad(self.owners, self.buf, grad)
         return None
@@ -546,6 +492,7 @@ class Probes:
         self._depth = max(0, self._depth - 1)
         if self.stack:
             self.stack.pop()
+        publish(module, output)
         # Inference passes (validation under no_grad) are not training steps.
         if not self.recording or not torch.is_grad_enabled():
             return

@@ -237,7 +237,7 @@ def test_a_transient_nonfinite_step_that_does_not_come_back_is_reported_unlocate
 
 # -- cost ------------------------------------------------------------------------------
 class _HostReads:
-    """Counts host reads of tensor values made from amp_doctor/anomaly.py, independently
+    """Counts host reads of tensor values made from anomaly mode's modules, independently
     of amp-doctor's own counter: any such read that forgot ``count_sync`` shows up."""
 
     NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "nonzero", "__float__", "__int__")
@@ -247,14 +247,21 @@ class _HostReads:
         self._saved: dict[str, object] = {}
 
     def __enter__(self) -> _HostReads:
-        import amp_doctor.anomaly as mod
+        import amp_doctor.anomaly
+        import amp_doctor.anomalyevents
+        import amp_doctor.oprecord
+        import amp_doctor.origins
+        import amp_doctor.stepcheck
 
+        files = {m.__file__ for m in (amp_doctor.anomaly, amp_doctor.anomalyevents,
+                                      amp_doctor.oprecord, amp_doctor.origins,
+                                      amp_doctor.stepcheck)}
         for name in self.NAMES:
             orig = getattr(torch.Tensor, name)
             self._saved[name] = orig
 
             def wrapper(t, *a, _orig=orig, **k):
-                if sys._getframe(1).f_code.co_filename == mod.__file__:
+                if sys._getframe(1).f_code.co_filename in files:
                     self.n += 1
                 return _orig(t, *a, **k)
 
