@@ -43,12 +43,19 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .compiled import (
+    COMPILED_NOTE,
+    compiled_autocast,
+    dynamo_compiled_something,
+    run_eagerly_when_called_by_dynamo,
+)
 from .devicework import iter_tensors, own_ops
 from .dtypes import LOW_PRECISION_DTYPES, dtype_name
 from .moduleends import publish
 from .recorder import StepBuffer
 from .records import Event
 from .stats import summarize
+from .tensorkinds import unsummarizable
 from .weakhooks import Unwatched, WeakHook
 
 __all__ = ["LayerMeta", "Probes", "Unwatched", "unsummarizable",
@@ -58,89 +65,6 @@ __all__ = ["LayerMeta", "Probes", "Unwatched", "unsummarizable",
 MAX_TENSORS_PER_OUTPUT = 64
 # Tensor-hook handles kept between step boundaries before the dead ones are pruned.
 MAX_TENSOR_HANDLES = 4096
-
-# What the session says about a model that ran under torch.compile.
-COMPILED_NOTE = (
-    "ran under torch.compile: activations and gradients of the layers inside the compiled "
-    "graph are not recorded (hooks there would add graph breaks and recompiles). Recorded: "
-    "the model's own output where torch calls its hooks outside the graph (a model with its "
-    "own forward, compiled with torch.compile(model) or model.compile()), parameter "
-    "gradients, the GradScaler and the optimizer. For per-layer statistics, run a few steps "
-    "without compiling."
-)
-
-_FLOAT8 = frozenset(
-    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                                "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
-
-
-def _is_functorch_wrapped(t: torch.Tensor) -> bool:
-    # vmap's BatchedTensor and grad's GradTrackingTensor: summarising them would
-    # run inside the transform, and most queries on them assert.
-    fn = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(fn(t)) if fn is not None else False
-
-
-def unsummarizable(t: torch.Tensor) -> str | None:
-    """Why ``t`` (a floating-point tensor) cannot be summarised, or None if it can.
-
-    Only metadata is read: no host sync, no kernel.
-    """
-    if _is_functorch_wrapped(t):
-        return "functorch"
-    if t.is_nested:
-        return "nested"
-    if t.layout is not torch.strided:
-        return "sparse" if t.is_sparse or t.layout in (
-            torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc) else str(
-            t.layout).replace("torch.", "")
-    if t.is_meta:
-        return "meta"
-    if t.dtype in _FLOAT8:
-        return "float8"
-    if t.is_quantized:
-        return "quantized"
-    return None
-
-
-def run_eagerly_when_called_by_dynamo(*fns: Callable[..., Any]) -> None:
-    """Have dynamo run ``fns`` as plain Python when it meets them as frames of their own.
-
-    ``model.compile()`` compiles ``Module._call_impl``, which dynamo skips, so
-    each hook it calls would become a frame that dynamo compiles (and counts in
-    ``counters["frames"]``). Marking the code objects SKIP (recursively) keeps
-    dynamo out of them and of whatever they call; they then run eagerly around
-    the compiled forward. Inside a graph (a hook traced inline) this changes
-    nothing: there the hooks see ``torch.compiler.is_compiling()`` and return.
-    """
-    try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:  # pragma: no cover - other torch versions: hooks still no-op in graphs
-        return
-    for fn in fns:
-        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-        if code is not None:
-            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-
-
-def _dynamo_compiled_something() -> bool:
-    """Whether dynamo made any graph in this process (a dict lookup, no import)."""
-    import sys
-
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None)
-    return bool(counters is not None and counters["stats"].get("unique_graphs"))
-
-
-def _compiled_autocast() -> str:
-    """``"device:dtype"`` of the active autocast, "" if none; traced at compile time."""
-    if not torch.is_grad_enabled():
-        return "-"
-    for dev in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(dev):
-            return dev + ":" + str(torch.get_autocast_dtype(dev)).replace("torch.", "")
-    return ""
 
 
 class _PreHook(WeakHook["Probes"]):
@@ -152,7 +76,7 @@ class _PreHook(WeakHook["Probes"]):
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():
-            self.traced = _compiled_autocast()
+            self.traced = compiled_autocast()
             return None
         probes = self.owner()
         if probes is not None:
@@ -434,7 +358,7 @@ class Probes:
             return
         for root, n in self._armed_root_calls.items():
             if (n and not self._sub_calls.get(root) and root not in self._frozen
-                    and _dynamo_compiled_something()
+                    and dynamo_compiled_something()
                     and any(self._root_of(id(m)) == root for m in self._subs)):
                 self._frozen.add(root)
                 self._on_compiled(self._names[root], "")

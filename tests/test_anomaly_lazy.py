@@ -561,3 +561,42 @@ def test_cli_names_the_discovered_root_model_as_the_origins_module(tmp_path: Pat
     assert ev[0]["data"]["neg_inf"] and not ev[0]["data"]["pos_inf"]
     assert ev[0]["data"]["output_min"] == "-inf" and ev[0]["data"]["output_max"] != "inf"
     assert "outside the watched model" not in proc.stdout
+
+
+class _LogHead(nn.Module):
+    def __init__(self, log_inside: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.log_inside = log_inside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc(x) * 400.0
+        return torch.log(torch.softmax(z, dim=-1)) if self.log_inside else z
+
+
+@pytest.mark.parametrize("log_inside", [True, False])
+def test_discovered_model_names_its_own_ops_and_not_the_loss_after_it(log_inside: bool) -> None:
+    """Issue 14 (item 6), in process: a model found inside its first call (the CLI's
+    discovery) owns the ops of that call, ``Net`` and not "outside the watched model";
+    a log(softmax) in the loss, after the model returned, stays outside."""
+    from amp_doctor.watch import Watch
+
+    torch.manual_seed(0)
+    model = _LogHead(log_inside)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    w = Watch(None, every=1, discover=True, anomaly=True, tensorboard=False).start()
+    try:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(torch.randn(8, 16, generator=g))
+                logp = out if log_inside else torch.log(torch.softmax(out, dim=-1))
+            loss = -logp.float()[:, 0].mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        s = w.close()
+    ev = [e for e in s.events if e.kind == "nonfinite_forward"]
+    assert ev and ev[0].op == "aten.log" and ev[0].step == 0
+    assert ev[0].module == ("_LogHead" if log_inside else None)
