@@ -47,6 +47,7 @@ The parts, one module each: :mod:`~amp_doctor.stepcheck` (the per-step
 check), :mod:`~amp_doctor.oprecord` (the op-level search's per-op recording,
 in the private dispatch mode of :mod:`~amp_doctor.dispatchstack`),
 :mod:`~amp_doctor.origins` (which op is an origin, and its event),
+:mod:`~amp_doctor.checkwindow` (what one check reads, as one device vector),
 :mod:`~amp_doctor.anomalyevents` (the events kept) and
 :mod:`~amp_doctor.userframes` (the user's frames). This module is the public
 :class:`AnomalyMode`, which schedules them.
@@ -64,10 +65,8 @@ extra graph break or recompile.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -75,6 +74,7 @@ from torch import nn
 
 from . import moduleends
 from .anomalyevents import EventLog, one_line
+from .checkwindow import CheckWindow, gather, input_event
 from .devicework import count_sync, iter_tensors, own_ops
 from .dispatchstack import OpMode, enter_below_user_modes, remove_mode
 from .dtypes import dtype_name
@@ -86,11 +86,10 @@ from .origins import (
     OpWindow,
     origin_flags,
     report_origins,
-    stack_rows,
 )
 from .records import Event
-from .stepcheck import RootCall, StepCheck, StepFlag
-from .userframes import MAX_USER_FRAMES, format_frames
+from .stepcheck import RootCall, StepCheck
+from .userframes import MAX_USER_FRAMES
 
 __all__ = [
     "AnomalyMode",
@@ -117,23 +116,6 @@ FIRST_COOLDOWN_STEPS = 16
 LIGHT_WINDOW_STEPS = 64
 # Steps listed in a ``nonfinite_unlocated`` event.
 MAX_LISTED_STEPS = 50
-
-
-@dataclass
-class _Window:
-    """Everything checked together: op entries, root calls, per-step gradient flags.
-
-    ``flags`` is one device bool vector over the three, in that order; ``call_rows``
-    the root calls' (min, max) rows, fetched with the flags when anything was flagged.
-    """
-
-    ops: OpWindow
-    calls: list[RootCall]
-    grads: list[StepFlag]
-    flags: torch.Tensor
-    op_rows: torch.Tensor | None
-    call_rows: torch.Tensor | None
-    weights: list[StepFlag] = field(default_factory=list)
 
 
 class _RootRunning(NamedTuple):
@@ -171,7 +153,7 @@ class AnomalyMode:
         self._mode: OpMode | None = None
         self._handle: moduleends.Listening | None = None
         self._thread = threading.get_ident()
-        self._window: _Window | None = None
+        self._window: CheckWindow | None = None
         # The root model whose forward is running (its own hooks may not see this
         # call: the CLI discovers a model in its first call): ops in it are its own.
         self._root_call: _RootRunning | None = None
@@ -358,30 +340,11 @@ class AnomalyMode:
             if bool(w.flags.any()):
                 self._finish(w)
 
-    def _take_window(self) -> _Window | None:
-        p = self._recorder.take()
+    def _take_window(self) -> CheckWindow | None:
         calls, grads, wts = self._check.take()
-        parts: list[torch.Tensor] = []
-        op_rows = call_rows = None
-        if p.entries:
-            op_flags, op_rows = origin_flags(p, p.entries)
-            parts.append(op_flags)
-        if calls:
-            call_rows = stack_rows([c.row for c in calls])
-            # The batch: NaN or +inf is bad data; -inf is how masks are written.
-            parts.append(torch.isnan(call_rows).any(1) | (call_rows[:, 1] == math.inf))
-        sums = [g.value for g in grads] + [g.value for g in wts]
-        if not parts and not sums:
-            return None
-        # Gather on an accelerator if there is one: a copy to the CPU would sync.
-        home = next((x.device for x in parts + sums if x.device.type != "cpu"),
-                    (parts + sums)[0].device)
-        if sums:
-            parts.append(~torch.isfinite(torch.stack([s.to(home) for s in sums])))
-        flags = torch.cat([x.to(home) for x in parts])
-        return _Window(p, calls, grads, flags, op_rows, call_rows, wts)
+        return gather(self._recorder.take(), calls, grads, wts)
 
-    def _finish(self, w: _Window) -> None:
+    def _finish(self, w: CheckWindow) -> None:
         """Events from a window in which something was flagged (syncs: an abnormal step)."""
         n_ops = len(w.ops.entries)
         host = w.flags.cpu()
@@ -410,16 +373,7 @@ class AnomalyMode:
             self._explained()
 
     def _input_event(self, c: RootCall, row: torch.Tensor) -> None:
-        lo, hi = float(row[0]), float(row[1])
-        nan = math.isnan(lo) or math.isnan(hi)
-        data: dict[str, Any] = {
-            "dtype": c.dtype, "nan": nan, "pos_inf": hi == math.inf, "neg_inf": lo == -math.inf,
-            "frames": format_frames(c.frames),
-            "output_min": lo, "output_max": hi,
-        }
-        frame = data["frames"][0] if data["frames"] else None
-        ev = Event(kind="nonfinite_input", step=c.step, module=c.module, frame=frame, data=data)
-        self._log.store(ev, [c.step])
+        self._log.store(input_event(c, row), [c.step])
         self._input_steps.add(c.step)
 
     def _note_bad(self, steps: list[int]) -> None:

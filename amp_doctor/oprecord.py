@@ -61,7 +61,7 @@ class _Cached(NamedTuple):
     version: int
     ref: weakref.ref[torch.Tensor]
     window: OpWindow
-    index: int  # in ``window.sums``
+    pos: int  # in ``window.sums``
 
     def valid_for(self, t: torch.Tensor) -> bool:
         return self.ref() is t and not t.is_inference() and self.version == t._version
@@ -280,7 +280,7 @@ class OpRecorder:
         """The index of a cached summary in the current window (added once if it is new)."""
         w = self.window
         if e.window is w:
-            return e.index
+            return e.pos
         w.sums.append(e.summary)
         return len(w.sums) - 1
 

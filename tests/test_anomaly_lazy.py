@@ -249,13 +249,14 @@ class _HostReads:
     def __enter__(self) -> _HostReads:
         import amp_doctor.anomaly
         import amp_doctor.anomalyevents
+        import amp_doctor.checkwindow
         import amp_doctor.oprecord
         import amp_doctor.origins
         import amp_doctor.stepcheck
 
         files = {m.__file__ for m in (amp_doctor.anomaly, amp_doctor.anomalyevents,
-                                      amp_doctor.oprecord, amp_doctor.origins,
-                                      amp_doctor.stepcheck)}
+                                      amp_doctor.checkwindow, amp_doctor.oprecord,
+                                      amp_doctor.origins, amp_doctor.stepcheck)}
         for name in self.NAMES:
             orig = getattr(torch.Tensor, name)
             self._saved[name] = orig
