@@ -443,6 +443,10 @@ class AnomalyMode:
                 "GradScaler to skip it, the bad step's update wrote NaN/Inf into them, so no "
                 "later op starts from finite inputs. on_nonfinite='raise' checks every op of "
                 "every step and stops at the origin" if self._weights_bad_at is not None
+                else "the op-level search ran on the next steps but saw no op inside the "
+                "watched model: it runs under torch.compile, whose compiled ops are not "
+                "searched one by one (run a few steps without compiling to name the op)"
+                if self._searched and not self._recorder.saw_module_ops()
                 else "the op-level search ran on the next steps and they stayed finite"
                 if self._searched else "the run ended before the op-level search ran"),
         }

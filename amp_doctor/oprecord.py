@@ -31,6 +31,8 @@ from .userframes import Frame, UserFrames
 __all__ = ["OpRecorder", "OpTag", "summarizable"]
 
 _TAG = "amp_doctor"
+# The op_dtypes key of the ops that ran outside every watched module.
+_OUTSIDE = "<outside>"
 # Ops whose output is garbage or constant by design: never an origin.
 _UNINITIALIZED = frozenset({
     "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.new_empty",
@@ -149,6 +151,11 @@ class OpRecorder:
     def op_dtypes(self) -> dict[str, dict[str, dict[str, int]]]:
         return {m: {op: dict(d) for op, d in ops.items()} for m, ops in self._op_dtypes.items()}
 
+    def saw_module_ops(self) -> bool:
+        """Whether any searched forward op ran inside a watched module (not so when the
+        model runs compiled: its ops are not dispatched one by one)."""
+        return any(m != _OUTSIDE for m in self._op_dtypes)
+
     def add(self, entry: OpEntry) -> None:
         self.window.entries.append(entry)
         self._on_entry()
@@ -237,7 +244,7 @@ class OpRecorder:
             module = self._module_of()
             frames = self.frames.capture(2)
             if dtype:
-                per = self._op_dtypes.setdefault(module or "<outside>", {}).setdefault(name, {})
+                per = self._op_dtypes.setdefault(module or _OUTSIDE, {}).setdefault(name, {})
                 per[dtype] = per.get(dtype, 0) + 1
             if torch.is_grad_enabled():
                 self._to_tag = _ToTag(outs, OpTag(module, name, frames))

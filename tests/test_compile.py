@@ -261,3 +261,37 @@ def test_compiled_training_function_with_the_model_inside(every: int) -> None:
     assert session.amp.autocast_seen and session.amp.dtype == "float16"
     assert [e.module for e in session.events if e.kind == "compiled_model"] == ["MLP"]
     assert "autocast_inactive" not in {f.kind for f in session.findings}
+
+
+def test_anomaly_mode_says_why_an_overflow_inside_a_compiled_graph_is_not_located() -> None:
+    """The ops inside a compiled graph are not searched one by one: the per-step check
+    still sees their NaN/Inf, and the report says why no op is named."""
+
+    class Blowup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * 1e5  # past float16's max
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = Blowup()
+    c = torch.compile(m)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(c, anomaly=True, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = c(torch.randn(8, 16, generator=g)).float().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    events = doctor.session.events
+    unlocated = [e for e in events if e.kind == "nonfinite_unlocated"]
+    assert unlocated and unlocated[0].step == 0
+    assert "torch.compile" in unlocated[0].data["reason"]
+    assert any(e.kind == "compiled_model" for e in events)
