@@ -20,8 +20,9 @@ activations) now see float32, as they would after the hand-written fix.
 This changes the run's numerics on purpose; a run with no matching module
 is unchanged.
 
-The hooks are small objects that become inert when a model is deep-copied or
-pickled (``torch.save(model)``, EMA copies): a copy runs as the user wrote it.
+The hooks are :class:`~amp_doctor.weakhooks.WeakMethodHook` objects: a deep copy
+or a pickle of the model (``torch.save(model)``, EMA copies) gets unwatched hooks,
+so a copy runs as the user wrote it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import threading
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .devicework import map_tensors
 from .errors import AmpDoctorError
+from .weakhooks import WeakMethodHook
 
 __all__ = ["Fp32Islands", "check_patterns", "layer_name", "near_names"]
 
@@ -77,40 +78,6 @@ def check_patterns(patterns: Sequence[str], matched: dict[str, list[str]],
             f"--fp32 pattern {pat!r} matches no layer ({hint}); use the layer names "
             "the report prints, with * and ? as wildcards (e.g. 'blocks.1.mlp.*')."
         )
-
-
-def _inert_hook(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _make_inert() -> Callable[..., None]:
-    return _inert_hook
-
-
-class _Hook:
-    """A hook that calls back into its owner through a weak reference.
-
-    A deep copy or a pickle of the model gets an inert hook instead: nothing
-    unpicklable is reachable from the model, and the copy runs unforced.
-    """
-
-    __slots__ = ("_owner", "_method")
-
-    def __init__(self, owner: Fp32Islands, method: str) -> None:
-        self._owner = weakref.ref(owner)
-        self._method = method
-
-    def __call__(self, *args: Any) -> Any:
-        owner = self._owner()
-        if owner is None:
-            return None
-        return getattr(owner, self._method)(*args)
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return (_make_inert, ())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
-        return _inert_hook
 
 
 def _first_device(obj: Any, module: nn.Module) -> str:
@@ -166,9 +133,9 @@ class Fp32Islands:
             inside_forced.update(id(m) for m in mod.modules())
             forced_here.append(name)
             self._handles.append(mod.register_forward_pre_hook(
-                _Hook(self, "_pre"), with_kwargs=True, prepend=True))
+                WeakMethodHook(self, Fp32Islands._pre), with_kwargs=True, prepend=True))
             self._handles.append(mod.register_forward_hook(
-                _Hook(self, "_post"), always_call=True))
+                WeakMethodHook(self, Fp32Islands._post), always_call=True))
         self.forced.extend(forced_here)
         return forced_here
 

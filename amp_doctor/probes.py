@@ -34,7 +34,6 @@ Design choices that keep the cost low and the user's run untouched:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,11 +43,20 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .compiled import (
+    COMPILED_NOTE,
+    compiled_autocast,
+    dynamo_compiled_something,
+    run_eagerly_when_called_by_dynamo,
+)
 from .devicework import iter_tensors, own_ops
 from .dtypes import LOW_PRECISION_DTYPES, dtype_name
+from .moduleends import publish
 from .recorder import StepBuffer
 from .records import Event
 from .stats import summarize
+from .tensorkinds import unsummarizable
+from .weakhooks import Unwatched, WeakHook
 
 __all__ = ["LayerMeta", "Probes", "Unwatched", "unsummarizable",
            "run_eagerly_when_called_by_dynamo", "COMPILED_NOTE"]
@@ -58,146 +66,8 @@ MAX_TENSORS_PER_OUTPUT = 64
 # Tensor-hook handles kept between step boundaries before the dead ones are pruned.
 MAX_TENSOR_HANDLES = 4096
 
-# What the session says about a model that ran under torch.compile.
-COMPILED_NOTE = (
-    "ran under torch.compile: activations and gradients of the layers inside the compiled "
-    "graph are not recorded (hooks there would add graph breaks and recompiles). Recorded: "
-    "the model's own output where torch calls its hooks outside the graph (a model with its "
-    "own forward, compiled with torch.compile(model) or model.compile()), parameter "
-    "gradients, the GradScaler and the optimizer. For per-layer statistics, run a few steps "
-    "without compiling."
-)
 
-_FLOAT8 = frozenset(
-    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                                "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
-
-
-def _is_functorch_wrapped(t: torch.Tensor) -> bool:
-    # vmap's BatchedTensor and grad's GradTrackingTensor: summarising them would
-    # run inside the transform, and most queries on them assert.
-    fn = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(fn(t)) if fn is not None else False
-
-
-def unsummarizable(t: torch.Tensor) -> str | None:
-    """Why ``t`` (a floating-point tensor) cannot be summarised, or None if it can.
-
-    Only metadata is read: no host sync, no kernel.
-    """
-    if _is_functorch_wrapped(t):
-        return "functorch"
-    if t.is_nested:
-        return "nested"
-    if t.layout is not torch.strided:
-        return "sparse" if t.is_sparse or t.layout in (
-            torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc) else str(
-            t.layout).replace("torch.", "")
-    if t.is_meta:
-        return "meta"
-    if t.dtype in _FLOAT8:
-        return "float8"
-    if t.is_quantized:
-        return "quantized"
-    return None
-
-
-def _drop_hook(module: nn.Module, hook: object) -> None:
-    """Remove every registration of ``hook`` from ``module``'s forward hook dicts."""
-    for hooks, flags in (
-        (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
-        (module._forward_hooks, (module._forward_hooks_with_kwargs,
-                                 module._forward_hooks_always_called)),
-    ):
-        for k in [k for k, v in hooks.items() if v is hook]:
-            del hooks[k]
-            for f in flags:
-                f.pop(k, None)
-
-
-class Unwatched:
-    """What a watched model's hook becomes in a deep copy or an unpickled model.
-
-    It does nothing and, on its first eager call on a module, removes itself from
-    it. A copy of a watched model (``copy.deepcopy``, ``AveragedModel``,
-    ``torch.save``/``torch.load``) is therefore an unwatched model.
-    """
-
-    # Tensor hooks: torch.save must not warn that this hook is not serialised.
-    __torch_unserializable__ = True
-
-    def __call__(self, *args: Any) -> None:
-        if torch.compiler.is_compiling():
-            return None
-        if args and isinstance(args[0], nn.Module):
-            _drop_hook(args[0], self)
-        return None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Unwatched, ())
-
-
-class _Hook:
-    """Base of the hooks put on the user's modules and tensors.
-
-    Holds only a weak reference to the probes: nothing reachable from the
-    user's model may keep the watch (its writer, its locks) alive or make the
-    model unpicklable.
-    """
-
-    __torch_unserializable__ = True
-
-    def __init__(self, probes: Probes) -> None:
-        self._probes = weakref.ref(probes)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Unwatched, ())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Unwatched:
-        return Unwatched()
-
-
-def run_eagerly_when_called_by_dynamo(*fns: Callable[..., Any]) -> None:
-    """Have dynamo run ``fns`` as plain Python when it meets them as frames of their own.
-
-    ``model.compile()`` compiles ``Module._call_impl``, which dynamo skips, so
-    each hook it calls would become a frame that dynamo compiles (and counts in
-    ``counters["frames"]``). Marking the code objects SKIP (recursively) keeps
-    dynamo out of them and of whatever they call; they then run eagerly around
-    the compiled forward. Inside a graph (a hook traced inline) this changes
-    nothing: there the hooks see ``torch.compiler.is_compiling()`` and return.
-    """
-    try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:  # pragma: no cover - other torch versions: hooks still no-op in graphs
-        return
-    for fn in fns:
-        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-        if code is not None:
-            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-
-
-def _dynamo_compiled_something() -> bool:
-    """Whether dynamo made any graph in this process (a dict lookup, no import)."""
-    import sys
-
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None)
-    return bool(counters is not None and counters["stats"].get("unique_graphs"))
-
-
-def _compiled_autocast() -> str:
-    """``"device:dtype"`` of the active autocast, "" if none; traced at compile time."""
-    if not torch.is_grad_enabled():
-        return "-"
-    for dev in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(dev):
-            return dev + ":" + str(torch.get_autocast_dtype(dev)).replace("torch.", "")
-    return ""
-
-
-class _PreHook(_Hook):
+class _PreHook(WeakHook["Probes"]):
     def __init__(self, probes: Probes) -> None:
         super().__init__(probes)
         # Set only while dynamo traces this hook: the autocast state the
@@ -206,26 +76,26 @@ class _PreHook(_Hook):
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():
-            self.traced = _compiled_autocast()
+            self.traced = compiled_autocast()
             return None
-        probes = self._probes()
+        probes = self.owner()
         if probes is not None:
             probes._pre(module, args, kwargs)
         return None
 
 
-class _PostHook(_Hook):
+class _PostHook(WeakHook["Probes"]):
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
         if torch.compiler.is_compiling():
             return None
-        probes = self._probes()
+        probes = self.owner()
         if probes is not None:
             probes._post(module, args, kwargs, output)
         return None
 
 
-class _GradHook(_Hook):
+class _GradHook(WeakHook["Probes"]):
     # The hook holds the layer names and the step's buffer, never the
     # activation: a finished step keeps no reference to user tensors.
     def __init__(self, probes: Probes, owners: list[str], buf: StepBuffer) -> None:
@@ -236,7 +106,7 @@ class _GradHook(_Hook):
     def __call__(self, grad: torch.Tensor) -> None:
         if torch.compiler.is_compiling():
             return None
-        probes = self._probes()
+        probes = self.owner()
         if probes is not None:
             probes._on_grad(self.owners, self.buf, grad)
         return None
@@ -488,7 +358,7 @@ class Probes:
             return
         for root, n in self._armed_root_calls.items():
             if (n and not self._sub_calls.get(root) and root not in self._frozen
-                    and _dynamo_compiled_something()
+                    and dynamo_compiled_something()
                     and any(self._root_of(id(m)) == root for m in self._subs)):
                 self._frozen.add(root)
                 self._on_compiled(self._names[root], "")
@@ -546,6 +416,7 @@ class Probes:
         self._depth = max(0, self._depth - 1)
         if self.stack:
             self.stack.pop()
+        publish(module, output)
         # Inference passes (validation under no_grad) are not training steps.
         if not self.recording or not torch.is_grad_enabled():
             return

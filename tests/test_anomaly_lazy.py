@@ -237,7 +237,7 @@ def test_a_transient_nonfinite_step_that_does_not_come_back_is_reported_unlocate
 
 # -- cost ------------------------------------------------------------------------------
 class _HostReads:
-    """Counts host reads of tensor values made from amp_doctor/anomaly.py, independently
+    """Counts host reads of tensor values made from anomaly mode's modules, independently
     of amp-doctor's own counter: any such read that forgot ``count_sync`` shows up."""
 
     NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "nonzero", "__float__", "__int__")
@@ -247,14 +247,22 @@ class _HostReads:
         self._saved: dict[str, object] = {}
 
     def __enter__(self) -> _HostReads:
-        import amp_doctor.anomaly as mod
+        import amp_doctor.anomaly
+        import amp_doctor.anomalyevents
+        import amp_doctor.checkwindow
+        import amp_doctor.oprecord
+        import amp_doctor.origins
+        import amp_doctor.stepcheck
 
+        files = {m.__file__ for m in (amp_doctor.anomaly, amp_doctor.anomalyevents,
+                                      amp_doctor.checkwindow, amp_doctor.oprecord,
+                                      amp_doctor.origins, amp_doctor.stepcheck)}
         for name in self.NAMES:
             orig = getattr(torch.Tensor, name)
             self._saved[name] = orig
 
             def wrapper(t, *a, _orig=orig, **k):
-                if sys._getframe(1).f_code.co_filename == mod.__file__:
+                if sys._getframe(1).f_code.co_filename in files:
                     self.n += 1
                 return _orig(t, *a, **k)
 
@@ -554,3 +562,42 @@ def test_cli_names_the_discovered_root_model_as_the_origins_module(tmp_path: Pat
     assert ev[0]["data"]["neg_inf"] and not ev[0]["data"]["pos_inf"]
     assert ev[0]["data"]["output_min"] == "-inf" and ev[0]["data"]["output_max"] != "inf"
     assert "outside the watched model" not in proc.stdout
+
+
+class _LogHead(nn.Module):
+    def __init__(self, log_inside: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.log_inside = log_inside
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc(x) * 400.0
+        return torch.log(torch.softmax(z, dim=-1)) if self.log_inside else z
+
+
+@pytest.mark.parametrize("log_inside", [True, False])
+def test_discovered_model_names_its_own_ops_and_not_the_loss_after_it(log_inside: bool) -> None:
+    """Issue 14 (item 6), in process: a model found inside its first call (the CLI's
+    discovery) owns the ops of that call, ``Net`` and not "outside the watched model";
+    a log(softmax) in the loss, after the model returned, stays outside."""
+    from amp_doctor.watch import Watch
+
+    torch.manual_seed(0)
+    model = _LogHead(log_inside)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    w = Watch(None, every=1, discover=True, anomaly=True, tensorboard=False).start()
+    try:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(torch.randn(8, 16, generator=g))
+                logp = out if log_inside else torch.log(torch.softmax(out, dim=-1))
+            loss = -logp.float()[:, 0].mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        s = w.close()
+    ev = [e for e in s.events if e.kind == "nonfinite_forward"]
+    assert ev and ev[0].op == "aten.log" and ev[0].step == 0
+    assert ev[0].module == ("_LogHead" if log_inside else None)

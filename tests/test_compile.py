@@ -54,7 +54,7 @@ def _make(how: str) -> tuple[nn.Module, nn.Module]:
     raise AssertionError(how)
 
 
-def _run(how: str, watched: bool, every: int = 1, discover: bool = False
+def _run(how: str, watched: bool, every: int = 1, discover: bool = False, anomaly: bool = False
          ) -> tuple[list[float], dict[str, dict[str, int]], Any, list[str]]:
     torch._dynamo.reset()
     counters.clear()
@@ -63,8 +63,8 @@ def _run(how: str, watched: bool, every: int = 1, discover: bool = False
         model, given = _make(how)
         w: Watch | None = None
         if watched:
-            w = Watch(None, every=every, discover=True).start() if discover else amp_doctor.watch(
-                given, every=every)
+            w = Watch(None, every=every, discover=True, anomaly=anomaly).start() if discover \
+                else amp_doctor.watch(given, every=every, anomaly=anomaly)
         if how == "compile_after":
             model = torch.compile(model)
         g = torch.Generator().manual_seed(0)
@@ -148,6 +148,26 @@ def test_compiled_model_discovered_by_global_hooks() -> None:
 
     assert not _has_any_global_hook()
     assert not hasattr(OptimizedModule.__call__, "__wrapped__")
+
+
+@pytest.mark.parametrize(("how", "discover"), [("compile_before", False), ("method", False),
+                                               ("compile_before", True)])
+def test_anomaly_mode_leaves_the_compiled_model_alone(how: str, discover: bool) -> None:
+    """Issue 13: ``--anomaly`` added graph breaks and a recompile (its global module hook
+    was traced and guarded on). Module ends now come from the probes' own hooks."""
+    from torch.nn.modules.module import _has_any_global_hook
+
+    plain_losses, plain_counts, _, plain_warn = _run(how, watched=False)
+    losses, counts, session, warn = _run(how, watched=True, discover=discover, anomaly=True)
+    assert losses == plain_losses
+    assert counts == plain_counts
+    assert set(warn) <= set(plain_warn)
+    assert session.recorded_steps == STEPS
+    # What anomaly mode cannot do inside the graph is said in the report.
+    notes = [e for e in session.events if e.kind == "compiled_model"]
+    assert notes and "anomaly mode" in notes[0].data["message"]
+    assert not [e for e in session.events if e.kind == "internal_error"]
+    assert not _has_any_global_hook()
 
 
 SCRIPT = textwrap.dedent("""
@@ -241,3 +261,37 @@ def test_compiled_training_function_with_the_model_inside(every: int) -> None:
     assert session.amp.autocast_seen and session.amp.dtype == "float16"
     assert [e.module for e in session.events if e.kind == "compiled_model"] == ["MLP"]
     assert "autocast_inactive" not in {f.kind for f in session.findings}
+
+
+def test_anomaly_mode_says_why_an_overflow_inside_a_compiled_graph_is_not_located() -> None:
+    """The ops inside a compiled graph are not searched one by one: the per-step check
+    still sees their NaN/Inf, and the report says why no op is named."""
+
+    class Blowup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * 1e5  # past float16's max
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = Blowup()
+    c = torch.compile(m)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(c, anomaly=True, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = c(torch.randn(8, 16, generator=g)).float().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    events = doctor.session.events
+    unlocated = [e for e in events if e.kind == "nonfinite_unlocated"]
+    assert unlocated and unlocated[0].step == 0
+    assert "torch.compile" in unlocated[0].data["reason"]
+    assert any(e.kind == "compiled_model" for e in events)

@@ -241,14 +241,8 @@ def _dynamo_counters(proc: subprocess.CompletedProcess[str]) -> dict[str, int]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-COMPILE_ANOMALY_BREAKS = pytest.mark.xfail(
-    strict=True, reason="under `diagnose --anomaly` (global discovery hooks plus the dispatch "
-    "mode) the compiled MLP gets 8 graph breaks and 7 graphs instead of 0 and 1")
-
-
 @pytest.mark.parametrize("opts", [pytest.param((), id="default"),
-                                  pytest.param(("--anomaly",), id="anomaly",
-                                               marks=COMPILE_ANOMALY_BREAKS)])
+                                  pytest.param(("--anomaly",), id="anomaly")])
 def test_compiled_model_unchanged(runs: Runs, opts: tuple[str, ...]) -> None:
     p = runs.get("compiled_mlp.py", ("--steps", "8"), opts)
     assert p.plain.returncode == p.under.returncode == 0, p.under.stderr[-3000:]

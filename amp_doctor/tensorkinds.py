@@ -1,0 +1,45 @@
+"""Which tensors can be summarised: metadata only, no host sync, no kernel.
+
+Sparse, nested, meta, float8, quantized and functorch-wrapped tensors (under
+``vmap``/``grad``) are skipped by the probes and counted in an
+``unsummarized`` event instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["unsummarizable"]
+
+_FLOAT8 = frozenset(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+                                "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
+
+
+def _is_functorch_wrapped(t: torch.Tensor) -> bool:
+    # vmap's BatchedTensor and grad's GradTrackingTensor: summarising them would
+    # run inside the transform, and most queries on them assert.
+    fn = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(fn(t)) if fn is not None else False
+
+
+def unsummarizable(t: torch.Tensor) -> str | None:
+    """Why ``t`` (a floating-point tensor) cannot be summarised, or None if it can.
+
+    Only metadata is read: no host sync, no kernel.
+    """
+    if _is_functorch_wrapped(t):
+        return "functorch"
+    if t.is_nested:
+        return "nested"
+    if t.layout is not torch.strided:
+        return "sparse" if t.is_sparse or t.layout in (
+            torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc) else str(
+            t.layout).replace("torch.", "")
+    if t.is_meta:
+        return "meta"
+    if t.dtype in _FLOAT8:
+        return "float8"
+    if t.is_quantized:
+        return "quantized"
+    return None

@@ -1,0 +1,96 @@
+"""Hooks on the user's modules and tensors that never keep a watch alive.
+
+Whatever amp-doctor registers on a user's model is reachable from it: by
+``copy.deepcopy(model)``, ``torch.save(model)``, an EMA's ``AveragedModel``.
+So a hook holds only a *weak* reference to its owner (never a writer, a lock
+or a step buffer's owner), and a deep copy or a pickle of it is an
+:class:`Unwatched` hook: the copy is an unwatched model that runs as the user
+wrote it, and each of those hooks removes itself from its module on its first
+call.
+
+A leaf module: it imports nothing else from amp-doctor.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import nn
+
+__all__ = ["Unwatched", "WeakHook", "WeakMethodHook", "drop_hook"]
+
+_O = TypeVar("_O")
+
+
+def drop_hook(module: nn.Module, hook: object) -> None:
+    """Remove every registration of ``hook`` from ``module``'s forward hook dicts."""
+    for hooks, flags in (
+        (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
+        (module._forward_hooks, (module._forward_hooks_with_kwargs,
+                                 module._forward_hooks_always_called)),
+    ):
+        for k in [k for k, v in hooks.items() if v is hook]:
+            del hooks[k]
+            for f in flags:
+                f.pop(k, None)
+
+
+class Unwatched:
+    """What a watched model's hook becomes in a deep copy or an unpickled model.
+
+    It does nothing and, on its first eager call on a module, removes itself from
+    it. A copy of a watched model (``copy.deepcopy``, ``AveragedModel``,
+    ``torch.save``/``torch.load``) is therefore an unwatched model.
+    """
+
+    # Tensor hooks: torch.save must not warn that this hook is not serialised.
+    __torch_unserializable__ = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        if args and isinstance(args[0], nn.Module):
+            drop_hook(args[0], self)
+        return None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Unwatched, ())
+
+
+class WeakHook(Generic[_O]):
+    """Base of every hook amp-doctor puts on a user's module or tensor.
+
+    :meth:`owner` is the object the hook reports to, or None once it is gone;
+    a deep copy or a pickle is an :class:`Unwatched` hook.
+    """
+
+    __torch_unserializable__ = True
+
+    def __init__(self, owner: _O) -> None:
+        self._owner = weakref.ref(owner)
+
+    def owner(self) -> _O | None:
+        return self._owner()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Unwatched, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Unwatched:
+        return Unwatched()
+
+
+class WeakMethodHook(WeakHook[_O]):
+    """A hook that calls ``method(owner, *args)`` while its owner lives."""
+
+    def __init__(self, owner: _O, method: Callable[..., Any]) -> None:
+        super().__init__(owner)
+        self._method = method
+
+    def __call__(self, *args: Any) -> Any:
+        owner = self._owner()
+        if owner is None:
+            return None
+        return self._method(owner, *args)
