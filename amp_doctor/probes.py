@@ -254,9 +254,9 @@ class Probes:
         """
         self._want_armed = armed
         if self._depth == 0:
-            self._apply_armed()
+            self.apply_armed()
 
-    def _apply_armed(self) -> None:
+    def apply_armed(self) -> None:
         if self._want_armed == self.armed:
             return
         if self._want_armed:
@@ -393,7 +393,7 @@ class Probes:
             # copy.copy(module) shares the hook dicts: that copy is not watched.
             return
         if self._depth == 0 and self._want_armed != self.armed:
-            self._apply_armed()
+            self.apply_armed()
         self._depth += 1
         self.stack.append(name)
         if id(module) in self._roots and self._depth == 1:

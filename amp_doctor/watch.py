@@ -436,7 +436,7 @@ class Watch:
             if id(module) == self._bounds.lead_root and self._take_pending_boundary():
                 if self._probes is not None:
                     # Before any sublayer ran: hooking or unhooking them loses nothing.
-                    self._probes._apply_armed()
+                    self._probes.apply_armed()
             elif (self._implicit_candidate() and self._loop.backward_reached
                   and self._loop.updated()):
                 self._implicit_boundary()
@@ -528,7 +528,7 @@ class Watch:
         if self._probes is not None:
             # Called from the root's pre-hook, before any sublayer ran: hooking or
             # unhooking them now loses no post-hook.
-            self._probes._apply_armed()
+            self._probes.apply_armed()
 
     def _on_optimizer_done(self, params: list[torch.Tensor]) -> None:
         """After a plain optimizer step on a recorded step: did low-precision weights move?"""

@@ -36,6 +36,8 @@ from tabulate import tabulate
 import amp_doctor
 import amp_doctor.probes as probes_mod
 import amp_doctor.recorder as recorder_mod
+import amp_doctor.steps as steps_mod
+import amp_doctor.watch  # noqa: F401  (the package loads it lazily)
 
 # ``amp_doctor.watch`` the attribute is the function; the module is in sys.modules.
 watch_mod = sys.modules["amp_doctor.watch"]
@@ -97,25 +99,13 @@ def instrumented(timers: Timers) -> Iterator[None]:
 
         return make
 
-    def wrap_grad_hook(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def make_hook(self: Any, owners: list[str], buf: Any) -> Callable[[torch.Tensor], None]:
-            hook = orig(self, owners, buf)
-
-            def timed(grad: torch.Tensor) -> None:
-                with timers.span("grad hook"):
-                    hook(grad)
-
-            return timed
-
-        return make_hook
-
     patch(probes_mod, "summarize", wrap_summarize)
     patch(probes_mod.Probes, "_pre", wrap_method("forward pre-hook"))
     patch(probes_mod.Probes, "_post", wrap_method("forward hook"))
-    patch(probes_mod.Probes, "_grad_hook", wrap_grad_hook)
+    patch(probes_mod.Probes, "_on_grad", wrap_method("grad hook"))
     patch(probes_mod.Probes, "summarize_param_grads", wrap_method("param grads"))
     patch(recorder_mod.StepBuffer, "flush", wrap_method("flush (host copy)"))
-    patch(sys.modules["amp_doctor.steps"], "host_step_layers", wrap_method("host decode"))
+    patch(steps_mod, "host_step_layers", wrap_method("host decode"))
     patch(recorder_mod.LayerAggregate, "add", wrap_method("aggregate"))
     patch(watch_mod.Watch, "_finish_step", wrap_method("step boundary"))
     try:
