@@ -142,6 +142,9 @@ def run(resolved: ResolvedTarget) -> None:
     afterwards whatever happens; the working directory and stdin are never touched, so a
     script that calls ``os.chdir`` leaves the process there (make output paths absolute
     before calling this). May be called again with the same ``resolved``.
+
+    The script's globals outlive the call, as under python, where ``__main__`` lives until
+    the interpreter exits: they are released at exit, or when the next :func:`run` starts.
     """
     main = ModuleType("__main__")
     namespace = main.__dict__
@@ -170,6 +173,8 @@ def run(resolved: ResolvedTarget) -> None:
     # multiprocessing spawn child re-runs the script under the name "__mp_main__".
     sys.modules["__main__"] = main
     sys.modules["__mp_main__"] = main
+    # Taking the previous run's globals over releases them, before this run allocates.
+    _last_main[:] = [main]
     try:
         _exec_main(resolved.code, namespace)
     finally:
@@ -275,6 +280,17 @@ def report_exit(exc: BaseException | None, file: TextIO | None = None) -> int:
         stream.write(user_traceback(exc))
     stream.flush()
     return exit_code(exc)
+
+
+# The module of the last script run, kept alive until the interpreter exits, as python
+# keeps ``__main__``. Releasing it as soon as the script returns would run the C++
+# destructors of the script's objects on the spot, holding the GIL, which deadlocks a
+# DDP run: ``~Reducer`` -> ``~ProcessGroupGloo`` joins a gloo worker thread that is still
+# freeing its last allreduce, whose captured thread-local state (torch's backward stashes
+# a ``contextvars.Context`` there) needs the GIL to be freed. Under load that worker lags
+# behind the script's end, and the rank hung before writing its report. At interpreter
+# exit the workers have long been idle, as in a plain ``python train.py``.
+_last_main: list[ModuleType] = []
 
 
 # --------------------------------------------------------------------------- resolution
