@@ -34,6 +34,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from .records import Finding, Session
+from .runfiles import JSON_NAME
 
 __all__ = ["Trial", "FixResult", "find_fix", "render_fix", "ERROR_KINDS_FIXED_BY_FP32"]
 
@@ -280,7 +281,7 @@ def subprocess_runner(script: Sequence[str], module: str | None, max_steps: int,
         echo("amp-doctor fix: " + " ".join(shlex.quote(c) for c in cmd[1:]))
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, env={**os.environ, "AMP_DOCTOR_FIX_TRIAL": "1"})
-        path = logdir / "amp_doctor.json"
+        path = logdir / JSON_NAME
         try:
             session = Session.load(path)
         except (OSError, ValueError, KeyError, TypeError):

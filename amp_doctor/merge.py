@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .records import Event, Finding, LayerSummary, RunInfo, Session
+from .runfiles import JSON_NAME
 from .sinks.jsonfile import write_json
 
 __all__ = ["rank_env", "rank_dir", "merge_sessions", "merge_run_dir", "wait_for_ranks",
@@ -21,7 +22,6 @@ __all__ = ["rank_env", "rank_dir", "merge_sessions", "merge_run_dir", "wait_for_
 
 # How long rank 0 waits for the other ranks' reports when it merges them.
 RANK_WAIT_S = 60.0
-JSON_NAME = "amp_doctor.json"
 
 
 def rank_env() -> tuple[int, int] | None:

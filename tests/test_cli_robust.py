@@ -168,11 +168,11 @@ def test_parallel_runs_get_their_own_logdirs(work: Path) -> None:
 def test_default_logdirs_made_in_one_second_are_distinct(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from amp_doctor import runner
-    from amp_doctor.cli import _default_logdir
+    from amp_doctor.commands.paths import default_logdir
 
     monkeypatch.chdir(tmp_path)
     target = runner.Target("path", "sweep.py")
-    dirs = [_default_logdir(target) for _ in range(3)]
+    dirs = [default_logdir(target) for _ in range(3)]
     assert len(set(dirs)) == 3 and all(d.is_dir() for d in dirs)
     stamp = dirs[0].name
     if dirs[1].name.startswith(stamp):  # made within the same second

@@ -95,3 +95,32 @@ def test_misspelt_option_names_the_option_not_a_missing_script(tmp_path: Path) -
     assert len(lines) == 1, lines
     assert "no such option: --evry. Did you mean --every?" in lines[0]
     assert not torch_modules(names)
+
+
+def test_no_fast_path_imports_torch_in_one_process(saved_run: Path, tmp_path: Path) -> None:
+    # Every torch-free path run through the entry point in one fresh interpreter; torch
+    # must not be in sys.modules afterwards (what was imported, not how long it took).
+    calls = [["--help"], ["diagnose", "--help"], ["diagnose", "--every", "zero", "t.py"],
+             ["diagnose", "no_such_script.py"], ["diagnose", "--evry", "3", "t.py"],
+             ["fix", "no_such_script.py"], ["report", str(saved_run)],
+             ["report", str(saved_run), "--format", "markdown"],
+             ["compare", str(saved_run), str(saved_run)], ["view", str(tmp_path / "nope")]]
+    code = ("import sys, json\n"
+            "from amp_doctor.cli import main\n"
+            "codes = []\n"
+            f"for args in {calls!r}:\n"
+            "    try:\n"
+            "        main(args)\n"
+            "    except SystemExit as e:\n"
+            "        codes.append(e.code)\n"
+            "torch = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "sys.__stderr__.write('RESULT ' + json.dumps([codes, torch[:5]]) + '\\n')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("RESULT ")]
+    assert line, r.stderr[-2000:]
+    import json
+
+    codes, torch = json.loads(line[-1][len("RESULT "):])
+    assert codes == [0, 0, 2, 2, 2, 2, 0, 0, 0, 2], r.stderr[-2000:]
+    assert torch == []

@@ -345,6 +345,25 @@ def test_run_sets_then_restores_interpreter_state(
     assert "/nonexistent/inserted-by-script" not in sys.path
 
 
+def test_script_globals_live_until_the_next_run_as_under_python(tmp_path: Path) -> None:
+    # Freeing a DDP script's objects the moment it returns deadlocked a rank (see
+    # runner._last_main); python keeps __main__'s globals until the interpreter exits.
+    import gc
+    import weakref
+
+    script = tmp_path / "keeps.py"
+    script.write_text("import sys\nclass Box: pass\nbox = Box()\nsys.amp_doctor_test_box = box\n")
+    runner.run(runner.resolve(runner.Target("path", str(script))))
+    box = weakref.ref(sys.__dict__.pop("amp_doctor_test_box"))
+    gc.collect()
+    assert box() is not None and type(box()).__name__ == "Box"
+    empty = tmp_path / "empty.py"
+    empty.write_text("")
+    runner.run(runner.resolve(runner.Target("path", str(empty))))
+    gc.collect()
+    assert box() is None  # the next run released the previous run's globals
+
+
 def test_exceptions_propagate_unchanged_and_traceback_hides_the_runner(in_fixtures: Path) -> None:
     resolved = runner.resolve(runner.Target("path", "boom.py", ()))
     with pytest.raises(ValueError) as caught:

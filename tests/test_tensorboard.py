@@ -36,6 +36,7 @@ from amp_doctor import stats as S
 from amp_doctor.dtypes import limits
 from amp_doctor.records import TensorStats
 from amp_doctor.sinks import heatmap as hm
+from amp_doctor.sinks import tb_session as tbv
 from amp_doctor.sinks import tensorboard as tbs
 from amp_doctor.sinks.tensorboard import TensorBoardSink, exp_buckets, exp_counts
 from amp_doctor.sinks.text import risk_order
@@ -303,7 +304,7 @@ def test_heatmaps_text_and_layout_are_in_the_event_files(run: tuple[Path, Sessio
     logdir, s = run
     acc = _load(logdir)
     fmt = F16
-    grids = tbs.heatmap_grids(s, fmt)
+    grids = tbv.heatmap_grids(s, fmt)
     names = _distinct(s)
     for tag in ("heatmap/headroom", "heatmap/underflow", "heatmap/grad_headroom"):
         (ev,) = acc.Images(tag)
@@ -421,7 +422,7 @@ def test_only_the_worst_k_layers_get_scalars_and_every_layer_is_in_the_heatmap(
                                             for a in acts)
     assert not [t for t in acc.Tags()["tensors"] if t.startswith("act_exp/")]
     (img,) = acc.Images("heatmap/headroom")
-    grid = tbs.heatmap_grids(s, F16)["heatmap/headroom"]
+    grid = tbv.heatmap_grids(s, F16)["heatmap/headroom"]
     geo = hm.geometry(grid)
     assert grid.names == _distinct(s) and len(grid.names) > 4
     bands = _bands(_rgb(img), geo.x0 + geo.cw // 2, geo.y0, geo.y0 + len(grid.names) * geo.ch)
@@ -603,10 +604,10 @@ def test_a_real_tensorboard_serves_the_dashboards(run: tuple[Path, Session],
 
 def test_backoff_note_names_the_op_where_inf_started() -> None:
     s = Session.load(Path(__file__).parent / "golden" / "anomaly_hidden_op.json")
-    ((step, note),) = tbs.backoff_groups(s)
+    ((step, note),) = tbv.backoff_groups(s)
     assert step == 0 and "steps 0-11" in note
     assert "inf/NaN started in: mlp.act [aten.pow]" in note
-    assert tbs.culprit_layers(s) == {"mlp.act": "aten.pow"}
+    assert tbv.culprit_layers(s) == {"mlp.act": "aten.pow"}
 
 
 def test_the_scale_is_written_at_every_step_as_it_happens(tmp_path: Path) -> None:

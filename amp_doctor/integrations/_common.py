@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from ..records import Session
+from ..runfiles import TEXT_NAME
 from ..watch import Watch
 
 __all__ = ["SUBDIR", "WatchOwner", "one_line", "unwrap_model", "missing_framework"]
@@ -25,8 +26,6 @@ __all__ = ["SUBDIR", "WatchOwner", "one_line", "unwrap_model", "missing_framewor
 # The callbacks write into this sub-folder of the framework's log directory, so that
 # TensorBoard pointed at that directory shows amp-doctor as one run among the others.
 SUBDIR = "amp_doctor"
-REPORT_NAME = "report.txt"
-JSON_NAME = "amp_doctor.json"
 
 
 def missing_framework(module: str, package: str) -> ImportError:
@@ -79,7 +78,7 @@ def one_line(session: Session, where: Path | None) -> str:
         verdict += " (nothing recorded)"
     line = f"{summary_line(session)} | {verdict}"
     if where is not None:
-        line += f" | report: {where / REPORT_NAME}"
+        line += f" | report: {where / TEXT_NAME}"
     return line
 
 
@@ -126,5 +125,5 @@ class WatchOwner:
         if self.logdir is not None:
             from ..sinks.text import render_text
 
-            (self.logdir / REPORT_NAME).write_text(render_text(self.session))
+            (self.logdir / TEXT_NAME).write_text(render_text(self.session))
         return self.session

@@ -1,5 +1,8 @@
 """TensorBoard dashboards of a watched run, written with ``torch.utils.tensorboard``.
 
+(Longer than 500 lines by its tag reference below; the code is ~490 lines. What is drawn
+from the finished session lives in :mod:`amp_doctor.sinks.tb_session`.)
+
 Where the files go: the event file is written straight into the run's ``logdir`` (next
 to ``amp_doctor.json``), and nowhere else. TensorBoard names a run after its folder
 relative to ``--logdir``, so point TensorBoard at the folder that *holds* the runs
@@ -109,7 +112,15 @@ from .. import stats as S
 from ..dtypes import LOW_PRECISION_DTYPES, FormatLimits, limits, parse_dtype
 from ..recorder import HostStep
 from ..records import LayerStep, Session, StepRecord, TensorStats
-from .heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
+from .tb_session import (
+    CULPRIT_GROUPS,
+    LAYOUT,
+    backoff_groups,
+    culprit_layers,
+    heatmap_images,
+    heatmap_legend,
+    scaler_series,
+)
 from .text import render_markdown, risk_order
 
 __all__ = [
@@ -120,18 +131,9 @@ __all__ = [
     "hist_description",
     "infer_format",
     "layer_scalars",
-    "scaler_series",
-    "culprit_layers",
-    "heatmap_images",
-    "heatmap_legend",
-    "backoff_groups",
-    "LAYOUT",
     "LAYER_GROUPS",
-    "CULPRIT_GROUPS",
     "FLUSH_SECS",
-    "HEATMAP_MAX_BITS",
     "FALLBACK_DTYPE",
-    "SCALER_FILL_LIMIT",
 ]
 
 # SummaryWriter's own background thread flushes this often, so a live dashboard trails
@@ -143,66 +145,11 @@ MAX_QUEUE = 1000
 # Judge against float16 when the run's format is unknown: it is what watch() uses for
 # what-if figures when autocast never ran (see watch.WHAT_IF_DTYPE).
 FALLBACK_DTYPE = "float16"
-# At the end, the scale is written at every step of runs up to this many steps (a step
-# line); longer runs get the timeline's points plus the step before each change, which
-# draws the same staircase in far fewer points.
-SCALER_FILL_LIMIT = 20_000
-
 # Per-layer scalar groups, in the order the README documents them.
 LAYER_GROUPS: tuple[str, ...] = (
     "overflow", "underflow", "zeros", "headroom", "absmax", "nonfinite",
     "grad_underflow", "grad_zeros", "grad_headroom", "grad_nonfinite",
 )
-# The figures repeated under culprits/<layer>/ for the layers where trouble started.
-CULPRIT_GROUPS: tuple[str, ...] = (
-    "headroom", "overflow", "nonfinite", "absmax", "grad_headroom", "grad_nonfinite",
-    "underflow", "grad_underflow",
-)
-# Finding and event kinds that name where inf/NaN or overflow started (not where it
-# was only passed on).
-ORIGIN_KINDS: tuple[str, ...] = (
-    "nonfinite_input", "nonfinite_forward", "activation_overflow", "nonfinite_backward")
-# Findings of these kinds name the origin layer of the backoffs in their module.
-_BACKOFF_KINDS = ("scale_collapse", "scaler_backoff")
-
-# The custom-scalars tab. Regexes are anchored: the plugin's backend uses re.match, and
-# the anchors keep e.g. "underflow/" from also matching "grad_underflow/" anywhere.
-LAYOUT: dict[str, dict[str, list[Any]]] = {
-    "Culprits (where inf/NaN or overflow started)": {
-        "headroom to the format's max (bits; < 0 = overflow)": [
-            "Multiline", [r"^culprits/.*/headroom$"]],
-        "inf/NaN outputs (count)": ["Multiline", [r"^culprits/.*/nonfinite$"]],
-        "share of outputs beyond the format's max": ["Multiline", [r"^culprits/.*/overflow$"]],
-        "headroom of (scaled) output grads (bits)": [
-            "Multiline", [r"^culprits/.*/grad_headroom$"]],
-    },
-    "Scaler": {
-        "loss scale (after each update)": ["Multiline", [r"^scaler/scale$"]],
-        "log2 of the loss scale (a collapse is a straight line down)": [
-            "Multiline", [r"^scaler/log2_scale$"]],
-        "skipped optimizer steps (cumulative)": ["Multiline", [r"^scaler/skipped$"]],
-        "scale backoffs (cumulative)": ["Multiline", [r"^scaler/backoffs$"]],
-    },
-    "Overflow risk": {
-        "headroom to the format's max (bits; < 0 = overflow)": ["Multiline", [r"^headroom/"]],
-        "share of outputs beyond the format's max": ["Multiline", [r"^overflow/"]],
-        "inf/NaN outputs (count)": ["Multiline", [r"^nonfinite/"]],
-        "max |output| (finite)": ["Multiline", [r"^absmax/"]],
-    },
-    "Underflow": {
-        "share of non-zero outputs below the smallest normal": ["Multiline", [r"^underflow/"]],
-        "share of outputs that are exactly zero": ["Multiline", [r"^zeros/"]],
-    },
-    "Gradients": {
-        "share of (scaled) output grads below the smallest normal": [
-            "Multiline", [r"^grad_underflow/"]],
-        "share of (scaled) output grads that are exactly zero": [
-            "Multiline", [r"^grad_zeros/"]],
-        "headroom of (scaled) output grads (bits)": ["Multiline", [r"^grad_headroom/"]],
-        "inf/NaN output grads (count)": ["Multiline", [r"^grad_nonfinite/"]],
-    },
-}
-
 
 # -- exponent histograms ---------------------------------------------------------------
 
@@ -341,240 +288,6 @@ def layer_scalars(ls: LayerStep, fmt: FormatLimits) -> dict[str, float]:
 
 def _finite(v: float | None) -> bool:
     return v is not None and math.isfinite(v) and v > 0
-
-
-def scaler_series(session: Session, after: int = -1) -> dict[str, list[tuple[int, float]]]:
-    """``scaler/*`` points in step order, for the steps after ``after``.
-
-    The scale after each update is a step function of the timeline (it holds every
-    change), so it is written at every step up to :data:`SCALER_FILL_LIMIT` steps.
-    ``scaler/skipped`` and ``scaler/backoffs`` are cumulative counts (a rise is an
-    event; no thinning can hide one), at the same steps.
-    """
-    sc = session.scaler
-    if sc is None or not sc.enabled or not sc.scale:
-        return {}
-    pts = sorted((int(st), float(v)) for st, v in sc.scale if _finite(v))
-    if not pts:
-        return {}
-    last = max(pts[-1][0], session.steps - 1, *sc.skipped_steps, *sc.backoff_steps)
-    if last + 1 - pts[0][0] <= SCALER_FILL_LIMIT:
-        steps = list(range(pts[0][0], last + 1))
-    else:  # the staircase's corners only
-        corners = {st for st, _ in pts} | {st - 1 for st, _ in pts[1:]}
-        steps = sorted(corners | set(sc.skipped_steps) | set(sc.backoff_steps) | {last})
-    steps = [st for st in steps if st > after and st >= pts[0][0]]
-    out: dict[str, list[tuple[int, float]]] = {
-        "scaler/scale": [], "scaler/log2_scale": [], "scaler/skipped": [],
-        "scaler/backoffs": []}
-    skipped, backoffs = sorted(sc.skipped_steps), sorted(sc.backoff_steps)
-    i = j = k = 0
-    value = pts[0][1]
-    for st in steps:
-        while i < len(pts) and pts[i][0] <= st:
-            value = pts[i][1]
-            i += 1
-        while j < len(skipped) and skipped[j] <= st:
-            j += 1
-        while k < len(backoffs) and backoffs[k] <= st:
-            k += 1
-        out["scaler/scale"].append((st, value))
-        out["scaler/log2_scale"].append((st, math.log2(value)))
-        out["scaler/skipped"].append((st, float(j)))
-        out["scaler/backoffs"].append((st, float(k)))
-    return out if steps else {}
-
-
-def culprit_layers(session: Session) -> dict[str, str | None]:
-    """Layers where inf/NaN or overflow started -> the op that did it (when known).
-
-    From the findings first (their order is most severe first), then the run's events
-    (anomaly mode names module and op per step) and the backoffs' forward origins.
-    Layers that only passed the values on are not here.
-    """
-    out: dict[str, str | None] = {}
-    # A layer-level overflow finding names an origin only where that layer was the first
-    # to overflow in some step; the others downstream only passed the values on.
-    origin_steps = {lay.name: lay.overflow_origin_steps for lay in session.layers}
-    any_origin = any(origin_steps.values())
-
-    def add(module: str | None, op: str | None) -> None:
-        if module and out.get(module) is None:
-            out[module] = op
-
-    for f in session.findings:
-        if f.severity == "info" or not (f.kind in ORIGIN_KINDS or f.kind in _BACKOFF_KINDS):
-            continue
-        if (f.kind == "activation_overflow" and f.op is None and any_origin
-                and not origin_steps.get(f.module or "", 0)):
-            continue
-        add(f.module, f.op)
-    for e in session.events:
-        if e.kind in ORIGIN_KINDS:
-            add(e.module, e.op)
-    if session.scaler is not None:
-        for ev in session.scaler.events:
-            add(ev.forward_origin, None)
-    return out
-
-
-def origin_cells(session: Session) -> set[tuple[str, int]]:
-    """(layer, step) pairs where inf/NaN or overflow started, per the events."""
-    cells = {(e.module, e.step) for e in session.events
-             if e.kind in ORIGIN_KINDS and e.module}
-    if session.scaler is not None:
-        cells |= {(ev.forward_origin, ev.step) for ev in session.scaler.events
-                  if ev.forward_origin}
-    return cells
-
-
-# -- heatmaps ----------------------------------------------------------------------------
-
-# The heatmaps: (tag, LayerStep field, figure, title). Headroom ramps from "no bits left"
-# (bright) to plenty (dark); underflow from none (dark) to all values (bright).
-_HEATMAPS: tuple[tuple[str, str, str, str], ...] = (
-    ("heatmap/headroom", "act", "headroom", "Outputs: headroom to {name}'s max"),
-    ("heatmap/underflow", "act", "underflow", "Outputs: underflow in {name}"),
-    ("heatmap/grad_headroom", "grad", "headroom",
-     "Output grads (as scaled): headroom to {name}'s max"),
-)
-
-
-def heatmap_layers(session: Session) -> list[str]:
-    """The heatmaps' rows: every layer in model order, minus exact duplicates.
-
-    A container whose output always was its last child's (``LayerSummary.passthrough``)
-    would repeat that child's row.
-    """
-    return [lay.name for lay in session.layers if not lay.passthrough]
-
-
-def heatmap_grids(session: Session, fmt: FormatLimits) -> dict[str, HeatmapGrid]:
-    """What each heatmap shows, keyed by tag (empty when nothing was recorded)."""
-    names = heatmap_layers(session)
-    recs = session.history
-    if not names or not recs:
-        return {}
-    row_of = {n: r for r, n in enumerate(names)}
-    col_of = {rec.step: c for c, rec in enumerate(recs)}
-    culprits = culprit_layers(session)
-    origin_rows = {row_of[n]: op for n, op in culprits.items() if n in row_of}
-    cells = {(row_of[n], col_of[st]) for n, st in origin_cells(session)
-             if n in row_of and st in col_of}
-    out: dict[str, HeatmapGrid] = {}
-    for tag, fld, figure, title in _HEATMAPS:
-        values: list[list[float | None]] = []
-        nonfinite: list[list[bool]] = []
-        overflow: list[list[bool]] = []
-        for name in names:
-            vr: list[float | None] = []
-            nr: list[bool] = []
-            orow: list[bool] = []
-            for rec in recs:
-                ls = rec.layers.get(name)
-                ts: TensorStats | None = getattr(ls, fld) if ls is not None else None
-                if ts is None or not ts.numel:
-                    vr.append(None)
-                    nr.append(False)
-                    orow.append(False)
-                    continue
-                v = ts.headroom if figure == "headroom" else ts.underflow_frac
-                # An all-zero output has +inf headroom: as safe as it gets.
-                vr.append(HEATMAP_MAX_BITS if v == math.inf else
-                          (v if math.isfinite(v) else 0.0))
-                nr.append(ts.nonfinite_frac > 0 or not math.isfinite(ts.absmax))
-                orow.append(ts.overflow_frac > 0)
-            values.append(vr)
-            nonfinite.append(nr)
-            overflow.append(orow)
-        out[tag] = HeatmapGrid(
-            names=names, steps=[rec.step for rec in recs], values=values,
-            nonfinite=nonfinite, overflow=overflow, figure=figure,
-            title=title.format(name=fmt.name),
-            origin_rows=origin_rows, origin_cells=cells)
-    return out
-
-
-def heatmap_images(session: Session, fmt: FormatLimits) -> dict[str, torch.Tensor]:
-    """Labelled layer x step pictures as uint8 ``[H, W, 3]`` (HWC) images, keyed by tag.
-
-    See :mod:`amp_doctor.sinks.heatmap` for what is drawn.
-    """
-    return {tag: render_heatmap(g, fmt) for tag, g in heatmap_grids(session, fmt).items()}
-
-
-def heatmap_legend(session: Session, fmt: FormatLimits) -> str:
-    """Markdown key for the heatmaps (the images carry their own key; this adds the list)."""
-    names = heatmap_layers(session)
-    steps = [rec.step for rec in session.history]
-    bits = min(HEATMAP_MAX_BITS, float(fmt.max_exponent - fmt.normal_exponent))
-    culprits = culprit_layers(session)
-    lines = [
-        f"**Heatmaps: layers (rows, model order: first to run at the top) x recorded "
-        f"steps (columns), judged against {fmt.name}.**",
-        "",
-        f"* `heatmap/headroom`: bits between max\\|output\\| and {fmt.name}'s max "
-        f"({F.limit(fmt.max)}). Yellow = 0 bits left, purple = {bits:g} bits or more.",
-        "* `heatmap/grad_headroom`: the same for the layer's output gradients, as scaled "
-        "by the GradScaler (what the backward pass holds).",
-        "* `heatmap/underflow`: share of non-zero outputs below the smallest normal "
-        f"({F.limit(fmt.smallest_normal)}). Purple = none, yellow = all.",
-        "* red = inf/NaN; magenta = values beyond the max (overflow, or "
-        "would-overflow for a float32 layer); grey = not recorded.",
-        "* blue frame and highlighted name = where inf/NaN or overflow started (the "
-        "origin); red rows without it only passed the values on.",
-        "* containers whose output is their last child's are left out (same row).",
-        "",
-        f"Columns: {len(steps)} recorded steps"
-        + (f", step {steps[0]} (left) to {steps[-1]} (right)." if steps else "."),
-    ]
-    if culprits:
-        lines += ["", "Origin: " + ", ".join(
-            f"`{n}`" + (f" (op `{op}`)" if op else "") for n, op in culprits.items())]
-    lines += ["", "| row | layer |", "|---|---|"]
-    lines += [f"| {i} | {n} |" for i, n in enumerate(names)]
-    return "\n".join(lines) + "\n"
-
-
-# -- text --------------------------------------------------------------------------------
-
-def backoff_groups(session: Session) -> list[tuple[int, str]]:
-    """One markdown note per run of consecutive backoffs: (first step, text)."""
-    sc = session.scaler
-    if sc is None:
-        return []
-    evs = sorted((e for e in sc.events if e.kind == "backoff"), key=lambda e: e.step)
-    # Where the findings say inf/NaN started, for backoffs whose forward pass was not
-    # recorded or stayed finite (an op inside a module, found by anomaly mode).
-    started = culprit_layers(session)
-    groups: list[list[Any]] = []
-    for e in evs:
-        if groups and e.step - groups[-1][-1].step <= 1:
-            groups[-1].append(e)
-        else:
-            groups.append([e])
-    out = []
-    for g in groups:
-        first, last = g[0], g[-1]
-        span = f"step {first.step}" if len(g) == 1 else f"steps {first.step}-{last.step}"
-        lines = [f"**Scale backoff, {span}**: {len(g)} skipped update(s), scale "
-                 f"{first.scale_before:.7g} -> {last.scale_after:.7g}."]
-        origins = sorted({e.forward_origin for e in g if e.forward_origin})
-        if origins:
-            lines.append(f"* forward pass overflowed first in: {', '.join(origins)}")
-        elif started:
-            lines.append("* inf/NaN started in: " + ", ".join(
-                f"{n} [{op}]" if op else n for n, op in started.items()))
-        culprits: dict[str, None] = {}
-        for e in g:
-            culprits.update(dict.fromkeys(e.culprits))
-        if culprits:
-            shown = list(culprits)[:10]
-            more = len(culprits) - len(shown)
-            lines.append("* non-finite gradients in (backward order): " + ", ".join(shown)
-                         + (f" and {more} more" if more else ""))
-        out.append((first.step, "\n".join(lines) + "\n"))
-    return out
 
 
 # -- the sink ----------------------------------------------------------------------------

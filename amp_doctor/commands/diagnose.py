@@ -1,0 +1,285 @@
+"""``amp-doctor diagnose``: run a script as python would under a watch that finds the
+models, scalers and optimizers by itself, then finish the run on every exit path.
+
+The script runs faithfully (:mod:`amp_doctor.runner`); how it ended (falling off the
+end, ``sys.exit``, an exception, Ctrl-C) becomes the run's outcome and exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+from .._version import __version__
+from ..errors import AmpDoctorError
+from ..runfiles import JSON_NAME, TEXT_NAME
+from .common import EXIT_USAGE, LAUNCHER_ENV, fail
+from .launch import launch
+from .paths import check_output_file, check_writable, default_logdir, note_reused_logdir
+from .publish import print_user_exit, publish, render_report, write_or_warn
+from .terminal import Console, Progress, restore_std_streams, sigint_shield
+
+if TYPE_CHECKING:
+    from .. import runner
+    from ..records import Session
+
+__all__ = ["diagnose"]
+
+
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    short_help="Run a training script under amp-doctor.",
+)
+@click.option("-m", "module", metavar="MODULE", help="Run a module, as `python -m MODULE`.")
+@click.option("--logdir", type=click.Path(path_type=Path), default=None,
+              help="Where the JSON and TensorBoard logs go "
+                   "[default: a new runs/amp-doctor/<script>-<timestamp> per run].")
+@click.option("--every", type=click.IntRange(min=1), default=None,
+              help="Record one training step in N [default: 10].")
+@click.option("--anomaly", is_flag=True,
+              help="Find the first op that produced NaN/Inf (slower).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the JSON report to this file.")
+@click.option("--report", "report_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the text report to this file.")
+@click.option("--fail-on", type=click.Choice(["never", "warning", "error"]), default="never",
+              show_default=True, help="Exit 1 when findings reach this severity.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None,
+              help="Record only the first N recorded steps; training runs on untouched.")
+@click.option("--fp32", "fp32", multiple=True, metavar="PATTERN",
+              help="Run the layers matching PATTERN (a layer name as the report prints it; "
+                   "* and ? are wildcards) in float32 under autocast. Repeatable.")
+@click.option("--target-dtype", type=click.Choice(["float16", "float8"]), default=None,
+              help="The format you plan to move to: its simulated what-ifs become warnings.")
+@click.option("--stop-after", type=click.IntRange(min=1), default=None, metavar="N",
+              help="End the script after N training steps (a quick trial).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line; print only the report.")
+@click.option("--no-tensorboard", is_flag=True, help="Write no TensorBoard event files.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
+              help="Launch N processes with torch.distributed.run (torchrun), each under "
+                   "amp-doctor; logs go to <logdir>/rank<k>/ and one merged report.")
+@click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED)
+def diagnose(
+    module: str | None,
+    logdir: Path | None,
+    every: int | None,
+    anomaly: bool,
+    json_path: Path | None,
+    report_path: Path | None,
+    fail_on: str,
+    max_steps: int | None,
+    fp32: tuple[str, ...],
+    target_dtype: str | None,
+    stop_after: int | None,
+    quiet: bool,
+    no_tensorboard: bool,
+    nproc_per_node: int | None,
+    script_and_args: tuple[str, ...],
+) -> None:
+    """Run SCRIPT [ARGS]... (or -m MODULE [ARGS]...) as python would, and diagnose its AMP.
+
+    Everything after the script or module belongs to it:
+
+        amp-doctor diagnose --every 1 train.py --epochs 3
+    """
+    from .. import runner
+
+    if module is not None:
+        target = runner.Target("module", module, tuple(script_and_args))
+    elif script_and_args:
+        target = runner.Target("path", script_and_args[0], tuple(script_and_args[1:]))
+    else:
+        fail("no script given; usage: amp-doctor diagnose [OPTIONS] SCRIPT [ARGS]... "
+             "or -m MODULE [ARGS]...")
+    if target.kind == "path" and target.name.startswith("-") and not Path(target.name).exists():
+        _fail_unknown_option(target.name)
+    try:
+        resolved = runner.resolve(target)
+    except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
+        fail(str(e))
+    except BaseException as e:
+        # A SyntaxError in the script, or whatever `-m pkg.mod` raised while
+        # importing pkg: python reports these before anything runs, and so do we.
+        sys.exit(runner.report_exit(e))
+    # Every output path is checked before the script runs: a report that cannot be
+    # written must fail now, not after hours of training. Absolute: the script may chdir.
+    json_out = json_path.absolute() if json_path else None
+    report_out = report_path.absolute() if report_path else None
+    if json_out is not None:
+        check_output_file(json_out, "--json", JSON_NAME)
+    if report_out is not None:
+        check_output_file(report_out, "--report", TEXT_NAME)
+    explicit = logdir is not None
+    logdir = (logdir or default_logdir(target)).absolute()
+    check_writable(logdir)
+    if nproc_per_node is not None and nproc_per_node > 1:
+        forwarded = [*(["--every", str(every)] if every else []),
+                     *(["--anomaly"] if anomaly else []),
+                     *(["--max-steps", str(max_steps)] if max_steps else []),
+                     *[a for p in fp32 for a in ("--fp32", p)],
+                     *(["--stop-after", str(stop_after)] if stop_after else []),
+                     *(["--target-dtype", target_dtype] if target_dtype else []),
+                     *(["--no-tensorboard"] if no_tensorboard else [])]
+        sys.exit(launch(nproc_per_node, target, logdir, forwarded, json_out, report_out,
+                        fail_on, not no_tensorboard))
+    console = Console()
+    try:
+        if explicit and not os.environ.get(LAUNCHER_ENV):
+            note_reused_logdir(logdir, console)
+        code = _diagnose(resolved, target, logdir, every, anomaly, json_out, report_out,
+                         fail_on, max_steps, quiet, not no_tensorboard, console, fp32,
+                         stop_after, target_dtype)
+    finally:
+        console.close()
+    sys.exit(code)
+
+
+def _fail_unknown_option(given: str) -> NoReturn:
+    # diagnose passes unknown options through to the script, so a misspelt option of
+    # ours arrives here as the "script" name: say so, instead of "No script at '--evry'".
+    import difflib
+
+    known = [opt for param in click.get_current_context().command.params
+             for opt in getattr(param, "opts", []) if opt.startswith("-")]
+    close = difflib.get_close_matches(given.split("=")[0], known, n=1)
+    hint = f" Did you mean {close[0]}?" if close else ""
+    fail(f"no such option: {given}.{hint} amp-doctor's options go before the script: "
+         "amp-doctor diagnose [OPTIONS] SCRIPT [ARGS]... (see amp-doctor diagnose --help).")
+
+
+def _diagnose(
+    resolved: Any, target: runner.Target, logdir: Path, every: int | None, anomaly: bool,
+    json_out: Path | None, report_out: Path | None, fail_on: str, max_steps: int | None,
+    quiet: bool, tensorboard: bool, console: Console, fp32: tuple[str, ...] = (),
+    stop_after: int | None = None, target_dtype: str | None = None,
+) -> int:
+    from ..merge import rank_dir, rank_env
+    from ..watch import DEFAULT_EVERY, Watch
+
+    ranks = rank_env()
+    under_launcher = bool(os.environ.get(LAUNCHER_ENV))
+    run_dir = rank_dir(logdir, ranks[0]) if ranks else logdir
+    doctor = Watch(None, every=every or DEFAULT_EVERY, logdir=run_dir, anomaly=anomaly,
+                   max_steps=max_steps, discover=True, tensorboard=tensorboard, fp32=fp32,
+                   stop_after=stop_after, target_dtype=target_dtype)
+    speaks = ranks is None or (ranks[0] == 0 and not under_launcher)
+    progress = Progress(enabled=speaks and not quiet and console.isatty(), console=console)
+    command = ["python", *(["-m", target.name] if target.kind == "module" else [target.name]),
+               *target.args]
+    doctor.start()
+    doctor.add_listener(progress)
+    progress.wrap_std_streams()
+    try:
+        exc = _run_script(resolved)
+    except KeyboardInterrupt as late:  # a second Ctrl-C as the script's own exit unwound
+        exc = late
+    # A Ctrl-C in the instant before the shield is up only means "interrupted": nothing is
+    # written yet, so take it as the outcome and finish again, shielded.
+    while True:
+        try:
+            with sigint_shield(console):
+                progress.unwrap_std_streams()
+                progress.clear()
+                return _finish(doctor, exc, command, ranks, speaks, run_dir, logdir, json_out,
+                               report_out, fail_on, tensorboard, console)
+        except KeyboardInterrupt as late:
+            exc = exc if exc is not None else late
+
+
+def _run_script(resolved: Any) -> BaseException | None:
+    """Run the user's script; how it ended (None for falling off the end)."""
+    from .. import runner
+    from ..errors import StopRun
+
+    try:
+        runner.run(resolved)
+    except StopRun:
+        pass  # --stop-after: a normal end of a shortened run
+    except BaseException as e:  # the user's exit path, whatever it is, is ours to report
+        return e
+    return None
+
+
+def _finish(doctor: Any, exc: BaseException | None, command: list[str],
+            ranks: tuple[int, int] | None, speaks: bool, run_dir: Path, logdir: Path,
+            json_out: Path | None, report_out: Path | None, fail_on: str, tensorboard: bool,
+            console: Console) -> int:
+    """Close the watch, write every file, then print; the exit code."""
+    from .. import runner
+    from ..merge import merge_run_dir
+    from ..sinks.jsonfile import write_text_atomic
+
+    restore_std_streams(console)
+    code = runner.exit_code(exc)
+    outcome = "completed"
+    error = None
+    if isinstance(exc, KeyboardInterrupt):
+        outcome = "interrupted"
+    elif isinstance(exc, SystemExit):
+        # sys.exit(0) / sys.exit(None), as in `sys.exit(main())`, is a normal end.
+        outcome = "exit" if code != 0 else "completed"
+    elif exc is not None:
+        outcome = "exception"
+        error = f"{type(exc).__name__}: {exc}"
+    meta: dict[str, Any] = dict(command=command, exit_code=code, outcome=outcome, error=error,
+                                rank=ranks[0] if ranks else None,
+                                world_size=ranks[1] if ranks else None)
+    doctor.set_run_meta(**meta)
+    try:
+        session = doctor.close()
+    except OSError as e:
+        console.echo(f"amp-doctor: error: could not write the logs in {run_dir} ({e}); "
+                     "check free space and permissions.")
+        session = doctor.session
+    except Exception as e:  # amp-doctor's own bug: still write what was gathered
+        console.echo(f"amp-doctor: internal error while finishing the run "
+                     f"({type(e).__name__}: {e}); the report holds what was recorded before "
+                     "it. Please report this bug.")
+        session = _salvage(doctor, run_dir, console, meta)
+    if ranks is not None:
+        write_or_warn(lambda: write_text_atomic(run_dir / TEXT_NAME, render_report(session)),
+                       run_dir / TEXT_NAME, console)
+        if not speaks:
+            print_user_exit(exc, console)
+            return code
+        # Direct `torchrun -m amp_doctor diagnose`: rank 0 merges what the others wrote.
+        merged = merge_run_dir(logdir, ranks[1])
+        session = merged or session
+    code = publish(session, logdir, json_out, report_out, fail_on, tensorboard, code,
+                   console, exc=exc)
+    if doctor.fp32_islands is not None:
+        try:
+            doctor.fp32_islands.check()
+        except AmpDoctorError as e:  # after the report: what ran is still worth reading
+            console.echo(f"amp-doctor: error: {e}")
+            return EXIT_USAGE
+    return code
+
+
+def _salvage(doctor: Any, run_dir: Path, console: Console, meta: dict[str, Any]) -> Session:
+    """The session as far as it can be built after ``close()`` failed, written to disk."""
+    from ..records import AmpConfig, RunInfo, Session
+    from ..sinks.jsonfile import write_json
+
+    try:
+        session: Session = doctor.session
+    except Exception:
+        # Not even a snapshot: an empty report that still says how the run ended.
+        torch_version = str(getattr(sys.modules.get("torch"), "__version__", "?"))
+        session = Session(
+            version=__version__, amp=AmpConfig(device_type=None, dtype=None, scaler=False),
+            steps=int(getattr(doctor, "step_index", 0)),
+            recorded_steps=int(getattr(doctor, "recorded", 0)), layers=[], scaler=None,
+            history=[], events=[], findings=[],
+            run=RunInfo(torch_version=torch_version, started="", duration_s=0.0,
+                        every=int(getattr(doctor, "every", 0)), models=[],
+                        command=meta.get("command"), exit_code=meta.get("exit_code"),
+                        outcome=meta["outcome"], error=meta["error"], rank=meta["rank"],
+                        world_size=meta["world_size"]))
+    write_or_warn(lambda: write_json(session, run_dir / JSON_NAME), run_dir / JSON_NAME,
+                  console)
+    return session

@@ -1,0 +1,71 @@
+"""``amp-doctor fix``: search the smallest set of float32 layers that removes the errors
+(the search itself is :mod:`amp_doctor.fix`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from .common import fail
+from .paths import check_writable
+
+__all__ = ["fix"]
+
+
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    short_help="Find the smallest set of float32 layers that removes every error.",
+)
+@click.option("-m", "module", metavar="MODULE", help="Run a module, as `python -m MODULE`.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None,
+              help="Training steps per trial [default: 20].")
+@click.option("--trials", type=click.IntRange(min=1), default=None,
+              help="Most trial runs after the baseline [default: 12].")
+@click.option("--anomaly/--no-anomaly", default=True, show_default=True,
+              help="Name op-level origins in every trial (slower, more precise culprits).")
+@click.option("--target-dtype", type=click.Choice(["float16", "float8"]), default=None,
+              help="Also remove the simulated what-if warnings for this format.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the trials and the result as JSON here.")
+@click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED)
+def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: bool,
+        target_dtype: str | None, json_path: Path | None,
+        script_and_args: tuple[str, ...]) -> None:
+    """Rerun SCRIPT [ARGS]... with candidate layers in float32 (--fp32) until its errors are
+    gone, and print the smallest such set with a snippet that applies it.
+
+    Each trial is a real, shortened run of the script; it must be deterministic
+    for the steps it runs (fix checks that with a repeated baseline).
+    """
+    from .. import fix as fixing
+    from .. import runner
+
+    if module is None and not script_and_args:
+        fail("no script given; usage: amp-doctor fix [OPTIONS] SCRIPT [ARGS]...")
+    target = (runner.Target("module", module, tuple(script_and_args)) if module is not None
+              else runner.Target("path", script_and_args[0], tuple(script_and_args[1:])))
+    try:
+        runner.resolve(target)
+    except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
+        fail(str(e))
+    if json_path is not None:
+        check_writable(json_path.absolute().parent)
+    workdir = fixing.default_workdir()
+    run = fixing.subprocess_runner(
+        script_and_args, module, max_steps or fixing.DEFAULT_MAX_STEPS, anomaly, workdir,
+        lambda line: click.echo(line, err=True), target_dtype)
+
+    def log(t: fixing.Trial) -> None:
+        verdict = "ok" if t.ok else f"{len(t.errors)} error(s)"
+        click.echo(f"amp-doctor fix: float32 [{', '.join(t.fp32) or 'none'}]: {verdict}",
+                   err=True)
+
+    result = fixing.find_fix(run, max_trials=trials or fixing.DEFAULT_TRIALS, log=log)
+    result.command = [*(["-m", module] if module else []), *script_and_args]
+    click.echo("\n" + fixing.render_fix(result), nl=False)
+    click.echo(f"amp-doctor fix: trial runs are in {workdir}", err=True)
+    if json_path is not None:
+        json_path.write_text(fixing.to_json(result))
+    sys.exit(0 if result.best is not None or result.baseline.ok else 1)

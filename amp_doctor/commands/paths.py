@@ -1,0 +1,83 @@
+"""The run folder (a fresh one per run by default) and the checks, before the script
+runs, that every output path can be written."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..runfiles import JSON_NAME
+from .common import fail
+from .terminal import Console
+
+if TYPE_CHECKING:
+    from .. import runner
+
+__all__ = ["DEFAULT_RUNS_DIR", "check_output_file", "check_writable", "default_logdir",
+           "note_reused_logdir"]
+
+DEFAULT_RUNS_DIR = Path("runs") / "amp-doctor"
+# Parallel runs started in the same second (a sweep) get "-2", "-3", ... suffixes; a
+# cap only so that a folder we cannot create by any name ends in an error, not a loop.
+MAX_LOGDIR_SUFFIX = 1000
+
+
+def default_logdir(target: runner.Target) -> Path:
+    """A fresh folder per run under runs/amp-doctor/: <script>-<timestamp>[-N].
+
+    Claimed with an exclusive mkdir, so parallel runs started in the same second (a
+    sweep) never share one: a shared folder would keep one JSON and mix the event files.
+    The ranks of one torchrun job must agree on the folder instead: they share it,
+    named by the job's run id when torchrun gives one.
+    """
+    from ..merge import rank_env
+
+    stem = Path(target.name).stem if target.kind == "path" else target.name.replace(".", "_")
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if rank_env() is not None:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        name = f"{stem}-torchrun-{run_id[:8]}" if run_id not in ("", "none") else f"{stem}-{stamp}"
+        return DEFAULT_RUNS_DIR / name
+    for n in range(1, MAX_LOGDIR_SUFFIX + 1):
+        d = DEFAULT_RUNS_DIR / (f"{stem}-{stamp}" if n == 1 else f"{stem}-{stamp}-{n}")
+        try:
+            d.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            fail(f"cannot create the default logdir {str(d)!r} ({e.strerror or e}); "
+                 "pass a writable directory with --logdir DIR.")
+        return d
+    fail(f"no free folder name for {stem}-{stamp} in {str(DEFAULT_RUNS_DIR)!r}; "
+         "pass --logdir DIR.")
+
+
+def check_writable(d: Path, option: str = "--logdir") -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".amp-doctor-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        what = "logdir" if option == "--logdir" else f"the folder of {option}"
+        fail(f"cannot write to {what} {str(d)!r} ({e.strerror or e}); "
+             f"pass a writable {'directory' if option == '--logdir' else 'path'} "
+             f"with {option}.")
+
+
+def check_output_file(p: Path, option: str, example: str) -> None:
+    """Fail before the script runs if the report cannot be written to ``p``."""
+    if p.is_dir():
+        fail(f"{option} {str(p)!r} is a directory; pass a file path, "
+             f"e.g. {option} {shlex.quote(str(p / example))}.")
+    check_writable(p.parent, option)
+
+
+def note_reused_logdir(logdir: Path, console: Console) -> None:
+    if (logdir / JSON_NAME).exists() or any(logdir.glob("events.out.tfevents.*")):
+        console.echo(f"amp-doctor: note: {logdir} already holds a run: its reports will be "
+                     "replaced and TensorBoard will show both runs' event files as one run. "
+                     "Leave out --logdir for a fresh folder per run.")

@@ -1,0 +1,55 @@
+"""``amp-doctor report`` and ``compare``: saved runs, rendered from their JSON alone.
+
+Both load only the report modules (no torch), so they answer in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..runfiles import JSON_NAME
+from .common import load_session
+
+__all__ = ["compare", "report"]
+
+
+@click.command(short_help="Render a saved run again.")
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "markdown"]), default="text",
+              show_default=True)
+def report(run: Path, fmt: str) -> None:
+    """Render RUN (a run directory or its amp_doctor.json) from the JSON alone."""
+    from ..sinks.text import render_markdown, render_text
+
+    session = load_session(run)
+    if fmt == "json":
+        click.echo(session.to_json())
+    elif fmt == "markdown":
+        click.echo(render_markdown(session), nl=False)
+    else:
+        click.echo(render_text(session), nl=False)
+
+
+@click.command(short_help="Compare two saved runs (e.g. before and after a fix).")
+@click.argument("run_a", type=click.Path(path_type=Path))
+@click.argument("run_b", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["text", "markdown", "json"]), default="text",
+              show_default=True)
+def compare(run_a: Path, run_b: Path, fmt: str) -> None:
+    """Show what changed from RUN_A to RUN_B: findings resolved, new and unchanged, the
+    scale timelines, per-layer headroom and underflow, and the loss."""
+    from ..compare import compare as compare_runs
+    from ..compare import render
+
+    a, b = load_session(run_a), load_session(run_b)
+    la, lb = _run_label(run_a), _run_label(run_b)
+    if la == lb:
+        la, lb = f"A:{la}", f"B:{lb}"
+    click.echo(render(compare_runs(a, b, la, lb), fmt), nl=False)
+
+
+def _run_label(path: Path) -> str:
+    p = path.absolute()
+    return (p.parent.name if p.name == JSON_NAME else p.name) or str(path)

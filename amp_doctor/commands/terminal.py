@@ -1,0 +1,237 @@
+"""amp-doctor's own handle on the terminal, the live status line, the Ctrl-C shield.
+
+The user's script owns sys.stdout/sys.stderr while it runs and may redirect or
+close them; the report must still reach the terminal, and a second Ctrl-C must not
+abort the writing of the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from ..recorder import HostStep
+    from ..records import StepRecord
+
+__all__ = ["Console", "GuardedStream", "Progress", "restore_std_streams", "sigint_shield",
+           "usable"]
+
+# Redraw the live status line at most this often.
+STATUS_INTERVAL_S = 0.5
+_CLEAR_LINE = "\r\x1b[2K"
+
+
+class Console:
+    """amp-doctor's own handle on the terminal, kept apart from the script's ``sys.stderr``.
+
+    A script may point ``sys.stderr`` at a file and close it, or close the real one; the
+    report must still reach the terminal. So the handle is a duplicate of file
+    descriptor 2 taken before the script runs. Where stderr has no file descriptor
+    (captured in-process, e.g. by click's test runner) it is the stream object itself.
+    """
+
+    def __init__(self) -> None:
+        self.stream: TextIO | None = sys.stderr
+        self.fd: int | None = None
+        self._owned = False
+        try:
+            err = sys.stderr
+            err.flush()
+            fd = os.dup(err.fileno())
+        except (AttributeError, OSError, ValueError):
+            return  # io.UnsupportedOperation is an OSError and a ValueError
+        self.fd = fd
+        self.stream = os.fdopen(fd, "w", buffering=1,
+                                encoding=getattr(err, "encoding", None) or "utf-8",
+                                errors="backslashreplace")
+        self._owned = True
+
+    def write(self, text: str) -> None:
+        # The terminal may be gone (closed pipe, hung-up tty): the files are written
+        # already, so losing the printout must not change the exit code.
+        stream = self.stream
+        if stream is None:
+            return
+        try:
+            stream.write(text)
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def echo(self, text: str) -> None:
+        self.write(text + "\n")
+
+    def write_now(self, text: str) -> None:
+        """Write from a signal handler: unbuffered, so never re-entering a buffer's lock."""
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(self.fd, text.encode("utf-8", "backslashreplace"))
+
+    def isatty(self) -> bool:
+        try:
+            return bool(self.stream is not None and self.stream.isatty())
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        if self._owned and self.stream is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.stream.close()
+        self._owned = False
+
+
+def usable(stream: Any) -> bool:
+    return stream is not None and not getattr(stream, "closed", False)
+
+
+def restore_std_streams(console: Console) -> None:
+    """Give the process working std streams again if the script closed its own.
+
+    Python keeps whatever ``sys.stdout``/``sys.stderr`` the script left, and so do we,
+    unless it is closed: then warnings or anything else printed while the report is
+    built would raise ``ValueError: I/O operation on closed file``.
+    """
+    if not usable(sys.stderr):
+        if usable(sys.__stderr__):
+            sys.stderr = sys.__stderr__
+        elif console.stream is not None:
+            sys.stderr = console.stream
+            console._owned = False  # now the process's; Python closes it at exit
+    if not usable(sys.stdout) and usable(sys.__stdout__):
+        sys.stdout = sys.__stdout__
+
+
+class Progress:
+    """A live status line on the terminal for long runs (TTY only), drawn like tqdm's.
+
+    The line is written with carriage return + clear-to-end-of-line and no newline. So
+    that the script's own output never lands glued onto it, ``sys.stdout`` and
+    ``sys.stderr`` (when they are terminals) are wrapped while the script runs: each
+    write first clears the status line; it is redrawn on a later step.
+    """
+
+    def __init__(self, enabled: bool, console: Console) -> None:
+        self.enabled = enabled
+        self.console = console
+        self._last = 0.0
+        self.shown = False
+        self._user_mid_line = False
+        self._wrapped: list[tuple[str, Any, GuardedStream]] = []
+
+    def __call__(self, rec: StepRecord, hs: HostStep) -> None:
+        del hs
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last < STATUS_INTERVAL_S or self._user_mid_line:
+            return  # never wipe half a line the script has printed
+        self._last = now
+        scale = f"{rec.scale:g}" if rec.scale is not None else "-"
+        loss = f"{rec.loss:.4g}" if rec.loss is not None else "-"
+        bad = sum(
+            1 for ls in rec.layers.values()
+            if ls.act is not None and (ls.act.nonfinite_frac > 0 or ls.act.overflow_frac > 0)
+        )
+        self.console.write(
+            f"{_CLEAR_LINE}amp-doctor: step {rec.step}  loss {loss}  scale {scale}  "
+            f"layers overflowing {bad}"
+        )
+        self.shown = True
+
+    def before_user_write(self, text: str) -> None:
+        if self.shown:
+            self.shown = False
+            self.console.write(_CLEAR_LINE)
+        if text:
+            self._user_mid_line = not text.endswith("\n")
+
+    def wrap_std_streams(self) -> None:
+        if not self.enabled:
+            return
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            try:
+                tty = stream.isatty()
+            except (AttributeError, OSError, ValueError):
+                tty = False
+            if tty:
+                guard = GuardedStream(stream, self)
+                setattr(sys, name, guard)
+                self._wrapped.append((name, stream, guard))
+
+    def unwrap_std_streams(self) -> None:
+        for name, original, guard in self._wrapped:
+            if getattr(sys, name) is guard:  # the script may have replaced it: keep theirs
+                setattr(sys, name, original)
+        self._wrapped = []
+
+    def clear(self) -> None:
+        if self.shown:
+            self.shown = False
+            self.console.write(_CLEAR_LINE)
+
+
+class GuardedStream:
+    """A script's terminal stream that clears amp-doctor's status line before each write.
+
+    Everything but ``write``/``writelines`` is the wrapped stream's own (``buffer``,
+    ``fileno``, ``isatty``, ``encoding``...).
+    """
+
+    def __init__(self, inner: Any, progress: Progress) -> None:
+        self._inner = inner
+        self._progress = progress
+
+    def write(self, text: str) -> int:
+        self._progress.before_user_write(text)
+        n: int = self._inner.write(text)
+        return n
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def sigint_shield(console: Console) -> Iterator[None]:
+    """While the report is written, a further Ctrl-C does not abort the writing.
+
+    A second Ctrl-C used to land in the middle of ``close()`` and lose everything
+    ("Aborted!", exit 1). The run is over by then; the writing takes a moment. The
+    previous handler is restored afterwards. Only the main thread may set handlers.
+    """
+    noted = False
+
+    def ignore(signum: int, frame: Any) -> None:
+        nonlocal noted
+        del signum, frame
+        if not noted:
+            noted = True
+            console.write_now("\namp-doctor: writing the report; Ctrl-C is ignored until "
+                              "it is written.\n")
+
+    previous: Any = None
+    installed = False
+    if threading.current_thread() is threading.main_thread():
+        try:
+            previous = signal.signal(signal.SIGINT, ignore)
+            installed = True
+        except (ValueError, OSError):
+            pass
+    try:
+        yield
+    finally:
+        if installed:
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(signal.SIGINT, previous if previous is not None
+                              else signal.default_int_handler)
