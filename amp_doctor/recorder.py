@@ -18,10 +18,9 @@ import torch
 from . import stats as S
 from .devicework import count_sync
 from .dtypes import LOW_PRECISION_NAMES, FormatLimits
-from .listeners import StepRows
 from .records import LayerStep, LayerSummary, StepRecord, TensorStats
 
-__all__ = ["StepBuffer", "HostCopy", "HostStep", "LayerAggregate", "History"]
+__all__ = ["StepBuffer", "HostCopy", "LayerAggregate", "History"]
 
 # Bounded memory: the history keeps at most this many step records; when it
 # is full every other record is dropped, so it always spans the whole run.
@@ -418,6 +417,3 @@ class History:
             self.records = keep[-self.limit :]
             self.stride *= 2
 
-
-# The old name of the listeners' view of a step (amp_doctor.listeners.StepRows).
-HostStep = StepRows

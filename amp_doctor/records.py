@@ -4,9 +4,9 @@ Collection builds these; analysis reads them; sinks render them. A
 :class:`Session` is immutable once built and round-trips through JSON
 exactly (never pickle), which is what ``amp-doctor report`` relies on; the
 JSON form itself is :mod:`amp_doctor.jsoncodec`. The constants every reader
-and writer of a report shares are defined here once: the file name
-(:data:`REPORT_JSON`), the severities in order (:data:`SEVERITIES`) and the
-ways a run ends (:data:`OUTCOMES`).
+and writer of a report shares are defined here once: the severities in order
+(:data:`SEVERITIES`) and the ways a run ends (:data:`OUTCOMES`). The run folder's
+file names are :mod:`amp_doctor.runfiles`'.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ __all__ = [
     "Severity",
     "Outcome",
     "OUTCOMES",
-    "REPORT_JSON",
     "to_jsonable",
     "from_jsonable",
     "check_report_version",
@@ -53,9 +52,6 @@ SEVERITY_RANK: dict[str, int] = {s: i for i, s in enumerate(SEVERITIES)}
 # ``exit`` for sys.exit() with a code.
 Outcome = Literal["completed", "exception", "interrupted", "exit", "running"]
 OUTCOMES: tuple[Outcome, ...] = ("completed", "exception", "interrupted", "exit", "running")
-
-# The JSON report's file name in a run's folder (``<logdir>/amp_doctor.json``).
-REPORT_JSON = "amp_doctor.json"
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ from .patching import Subscription, subscribe
 from .precision import PrecisionSeen
 from .probes import COMPILED_NOTE, Probes
 from .recorder import StepBuffer
-from .records import REPORT_JSON, AmpConfig, Event, RunInfo, Session
+from .records import AmpConfig, Event, RunInfo, Session
+from .runfiles import JSON_NAME
 from .steps import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
 from .watch_args import check_option_names, check_watch_args
 
@@ -714,7 +715,7 @@ class Watch:
         from .sinks.jsonfile import write_json
 
         assert self.logdir is not None
-        write_json(session, self.logdir / REPORT_JSON)
+        write_json(session, self.logdir / JSON_NAME)
         if self._tb is not None:
             self._tb.finish(session)
 

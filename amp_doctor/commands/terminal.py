@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from ..recorder import HostStep
+    from ..listeners import StepRows
     from ..records import StepRecord
 
 __all__ = ["Console", "GuardedStream", "Progress", "restore_std_streams", "sigint_shield",
@@ -125,7 +125,7 @@ class Progress:
         self._user_mid_line = False
         self._wrapped: list[tuple[str, Any, GuardedStream]] = []
 
-    def __call__(self, rec: StepRecord, hs: HostStep) -> None:
+    def __call__(self, rec: StepRecord, hs: StepRows) -> None:
         del hs
         if not self.enabled:
             return

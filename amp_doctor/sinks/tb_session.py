@@ -287,18 +287,13 @@ def backoff_groups(session: Session) -> list[tuple[int, str]]:
     # Where the findings say inf/NaN started, for backoffs whose forward pass was not
     # recorded or stayed finite (an op inside a module, found by anomaly mode).
     started = culprit_layers(session)
-    groups: list[list[Any]] = []
-    for e in evs:
-        if groups and e.step - groups[-1][-1].step <= 1:
-            groups[-1].append(e)
-        else:
-            groups.append([e])
+    groups = F.consecutive_runs(evs)
     out = []
     for g in groups:
         first, last = g[0], g[-1]
         span = f"step {first.step}" if len(g) == 1 else f"steps {first.step}-{last.step}"
         lines = [f"**Scale backoff, {span}**: {len(g)} skipped update(s), scale "
-                 f"{first.scale_before:.7g} -> {last.scale_after:.7g}."]
+                 f"{F.scale(first.scale_before)} -> {F.scale(last.scale_after)}."]
         origins = sorted({e.forward_origin for e in g if e.forward_origin})
         if origins:
             lines.append(f"* forward pass overflowed first in: {', '.join(origins)}")

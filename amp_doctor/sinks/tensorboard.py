@@ -110,7 +110,7 @@ from torch.utils.tensorboard import SummaryWriter
 from .. import format as F
 from .. import stats as S
 from ..dtypes import LOW_PRECISION_DTYPES, FormatLimits, limits, parse_dtype
-from ..recorder import HostStep
+from ..listeners import StepRows
 from ..records import LayerStep, Session, StepRecord, TensorStats
 from .tb_session import (
     CULPRIT_GROUPS,
@@ -362,7 +362,7 @@ class TensorBoardSink:
         w.add_scalar("scaler/backoffs", float(self._backoffs), global_step=step)
         self._scaler_last = step
 
-    def on_step(self, rec: StepRecord, hs: HostStep) -> None:
+    def on_step(self, rec: StepRecord, hs: StepRows) -> None:
         """Write one recorded step. Reads only host data: no device sync."""
         w = self._writer
         if self._finished or w is None:
