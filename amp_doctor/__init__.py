@@ -16,12 +16,12 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
-from .errors import AmpDoctorError, NonFiniteError
+from amp_doctor._version import __version__
+from amp_doctor.errors import AmpDoctorError, NonFiniteError
 
 if TYPE_CHECKING:
-    from .records import Finding, Session
-    from .watch import Watch, watch
+    from amp_doctor.records import Finding, Session
+    from amp_doctor.watch import Watch, watch
 
 __all__ = ["watch", "Watch", "Session", "Finding", "AmpDoctorError", "NonFiniteError",
            "__version__"]

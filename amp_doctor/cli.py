@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import click
 
-from ._version import __version__
-from .commands.common import fail
-from .commands.diagnose import diagnose
-from .commands.fixing import fix
-from .commands.saved import compare, report
-from .commands.view import view
-from .errors import AmpDoctorError
+from amp_doctor._version import __version__
+from amp_doctor.commands.common import fail
+from amp_doctor.commands.diagnose import diagnose
+from amp_doctor.commands.fixing import fix
+from amp_doctor.commands.saved import compare, report
+from amp_doctor.commands.view import view
+from amp_doctor.errors import AmpDoctorError
 
 __all__ = ["cli", "main"]
 

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from .records import Finding, Session
-from .runfiles import JSON_NAME
+from amp_doctor.records import Finding, Session
+from amp_doctor.runfiles import JSON_NAME
 
 __all__ = ["Trial", "FixResult", "find_fix", "render_fix", "ERROR_KINDS_FIXED_BY_FP32"]
 

@@ -18,8 +18,8 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, Union
 
-from ._version import __version__
-from .errors import ReportFormatError
+from amp_doctor._version import __version__
+from amp_doctor.errors import ReportFormatError
 
 __all__ = ["to_jsonable", "from_jsonable", "check_report_version"]
 

@@ -13,9 +13,9 @@ import os
 import time
 from pathlib import Path
 
-from .records import Event, Finding, LayerSummary, RunInfo, Session
-from .runfiles import JSON_NAME
-from .sinks.jsonfile import write_json
+from amp_doctor.records import Event, Finding, LayerSummary, RunInfo, Session
+from amp_doctor.runfiles import JSON_NAME
+from amp_doctor.sinks.jsonfile import write_json
 
 __all__ = ["rank_env", "rank_dir", "merge_sessions", "merge_run_dir", "wait_for_ranks",
            "RANK_WAIT_S"]

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import ReportFormatError
+from amp_doctor.errors import ReportFormatError
 
 # The codec's names stay importable from here, where they always were.
-from .jsoncodec import check_report_version, from_jsonable, to_jsonable
+from amp_doctor.jsoncodec import check_report_version, from_jsonable, to_jsonable
 
 __all__ = [
     "TensorStats",

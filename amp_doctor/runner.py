@@ -30,7 +30,7 @@ import traceback
 from types import CodeType, ModuleType, TracebackType
 from typing import Any, TextIO
 
-from .targets import (
+from amp_doctor.targets import (
     ModuleNotFound,
     ResolvedTarget,
     ScriptNotFound,

@@ -3,7 +3,7 @@
 Data flows one way: probes (module hooks) and the AMP API monitor put
 device-side summaries into a per-step buffer; at each recorded step
 boundary the buffer is copied to the host once and folded
-(:mod:`amp_doctor.steps`) into per-layer aggregates and a bounded history;
+(:mod:`amp_doctor.steps.folder`) into per-layer aggregates and a bounded history;
 ``close()`` freezes all of it into an immutable
 :class:`~amp_doctor.records.Session`, runs the analysis and writes the sinks.
 Everything installed is removed in ``close()``, which ``__exit__`` calls on
@@ -30,9 +30,12 @@ from torch import nn
 from torch.amp.grad_scaler import GradScaler
 from torch.optim import Optimizer
 
-from ._version import __version__
-from .devicework import iter_tensors, own_ops
-from .discovery import (
+from amp_doctor._version import __version__
+from amp_doctor.device.recorder import StepBuffer
+from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.dtypes import dtype_name, limits
+from amp_doctor.errors import AmpDoctorError
+from amp_doctor.hooks.discovery import (
     GlobalDiscovery,
     Models,
     ModelSet,
@@ -41,18 +44,15 @@ from .discovery import (
     compiled_by_method,
     unwrap,
 )
-from .dtypes import dtype_name, limits
-from .errors import AmpDoctorError
-from .loop import LoopSignals
-from .monitor import AmpMonitor, LoopCallbacks
-from .patching import Subscription, subscribe
-from .precision import PrecisionSeen
-from .probes import COMPILED_NOTE, Probes
-from .recorder import StepBuffer
-from .records import AmpConfig, Event, RunInfo, Session
-from .runfiles import JSON_NAME
-from .steps import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
-from .watch_args import check_option_names, check_watch_args
+from amp_doctor.hooks.patching import Subscription, subscribe
+from amp_doctor.hooks.probes import COMPILED_NOTE, Probes
+from amp_doctor.records import AmpConfig, Event, RunInfo, Session
+from amp_doctor.runfiles import JSON_NAME
+from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
+from amp_doctor.steps.loop import LoopSignals
+from amp_doctor.steps.monitor import AmpMonitor, LoopCallbacks
+from amp_doctor.steps.precision import PrecisionSeen
+from amp_doctor.watch_args import check_option_names, check_watch_args
 
 __all__ = ["Watch", "watch", "DEFAULT_EVERY"]
 
@@ -141,7 +141,7 @@ class Watch:
             fp32 = [fp32]
         if stop_after is not None and stop_after < 1:
             raise AmpDoctorError(f"stop_after must be >= 1 or None, got {stop_after!r}.")
-        from .whatif import TARGET_DTYPES
+        from amp_doctor.analysis.whatif import TARGET_DTYPES
 
         if target_dtype is not None and target_dtype not in TARGET_DTYPES:
             raise AmpDoctorError(f"target_dtype must be one of {', '.join(TARGET_DTYPES)} or "
@@ -208,7 +208,7 @@ class Watch:
             for given in self._set.given.values():
                 self._attach_wrappers(given)
             if self._opts.fp32:
-                from .fp32 import Fp32Islands
+                from amp_doctor.hooks.fp32 import Fp32Islands
 
                 self._fp32 = Fp32Islands(self._opts.fp32)
                 for prefix, m in self.models.items():
@@ -232,7 +232,7 @@ class Watch:
                 self._discovery = GlobalDiscovery(self._wants, self._found)
                 self._discovery.start()
             if self._opts.anomaly:
-                from .anomaly import AnomalyMode
+                from amp_doctor.anomaly.mode import AnomalyMode
 
                 self._anomaly = AnomalyMode(
                     current_module=self._probes.current_module,
@@ -243,7 +243,7 @@ class Watch:
                 )
                 self._anomaly.start()
             if self.logdir is not None and self._opts.tensorboard:
-                from .sinks.tensorboard import TensorBoardSink
+                from amp_doctor.sinks.tensorboard import TensorBoardSink
 
                 self._tb = TensorBoardSink(self.logdir, top_k=self.top_k)
                 self._listeners.append(self._tb.on_step)
@@ -298,7 +298,7 @@ class Watch:
         """A model compiled before watch(): say so, and never toggle its sublayer hooks.
 
         Its root hooks still run eagerly around the compiled forward (see
-        :func:`~amp_doctor.probes.run_eagerly_when_called_by_dynamo`).
+        :func:`~amp_doctor.hooks.probes.run_eagerly_when_called_by_dynamo`).
         """
         assert self._probes is not None
         inner = unwrap(given)
@@ -361,7 +361,7 @@ class Watch:
         return self._build_session()
 
     def report(self, **kwargs: Any) -> str:
-        from .sinks.text import render_text
+        from amp_doctor.sinks.text import render_text
 
         return render_text(self.session, **kwargs)
 
@@ -375,7 +375,7 @@ class Watch:
         return self._fp32
 
     def add_listener(self, fn: StepListener) -> None:
-        """Call ``fn(record, rows)`` after each recorded step (see :mod:`amp_doctor.steps`)."""
+        """Call ``fn(record, rows)`` after each recorded step (:mod:`amp_doctor.steps.folder`)."""
         self._listeners.append(fn)
 
     # -- discovery (the CLI's way in) ------------------------------------------
@@ -586,7 +586,7 @@ class Watch:
         self._loop.new_step()
         self._bounds.idle = False
         if self._opts.stop_after is not None and self.step_index >= self._opts.stop_after:
-            from .errors import StopRun
+            from amp_doctor.errors import StopRun
 
             raise StopRun(self.step_index)
 
@@ -652,7 +652,7 @@ class Watch:
 
     # -- session ---------------------------------------------------------------
     def _build_session(self) -> Session:
-        from .analysis import analyze
+        from amp_doctor.analysis.analyze import analyze
 
         probes = self._probes
         layers = []
@@ -712,7 +712,7 @@ class Watch:
         return out + self._folder.lowp_events(d for m in metas for d in m.param_dtypes)
 
     def _write_outputs(self, session: Session) -> None:
-        from .sinks.jsonfile import write_json
+        from amp_doctor.sinks.jsonfile import write_json
 
         assert self.logdir is not None
         write_json(session, self.logdir / JSON_NAME)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.amp.grad_scaler import GradScaler
 from torch.optim import Optimizer
 
-from .errors import UsageError
+from amp_doctor.errors import UsageError
 
 __all__ = ["CheckedArgs", "check_option_names", "check_watch_args"]
 

@@ -2,7 +2,7 @@
 
 ``python benchmarks/bench_foreach.py``
 
-Times, on many tensors at once, what :func:`amp_doctor.stats.summarize` needs per
+Times, on many tensors at once, what :func:`amp_doctor.device.stats.summarize` needs per
 tensor (the exact signed min and max) in three ways, by thread CPU time:
 
 * ``aminmax``: one ``torch.aminmax`` per tensor, then one ``stack`` (today's code);

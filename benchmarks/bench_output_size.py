@@ -28,8 +28,8 @@ import torch
 from bench_scale import make_model
 
 import amp_doctor
+from amp_doctor.device.recorder import HISTORY_LIMIT
 from amp_doctor.jsoncodec import to_jsonable
-from amp_doctor.recorder import HISTORY_LIMIT
 from amp_doctor.records import REPORT_JSON, Session
 
 JSON_TARGET = 20 * 2**20

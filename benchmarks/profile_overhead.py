@@ -34,9 +34,9 @@ from bench_models import DTYPES, SPECS, Trainer, Workload
 from tabulate import tabulate
 
 import amp_doctor
-import amp_doctor.probes as probes_mod
-import amp_doctor.recorder as recorder_mod
-import amp_doctor.steps as steps_mod
+import amp_doctor.device.recorder as recorder_mod
+import amp_doctor.hooks.probes as probes_mod
+import amp_doctor.steps.folder as steps_mod
 import amp_doctor.watch  # noqa: F401  (the package loads it lazily)
 
 # ``amp_doctor.watch`` the attribute is the function; the module is in sys.modules.

@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:
 @pytest.fixture(autouse=True)
 def _clean_torch_state():
     """Every test must leave torch's global state as it found it."""
-    from amp_doctor.scaler import patches_installed
+    from amp_doctor.steps.scaler import patches_installed
 
     anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
     yield

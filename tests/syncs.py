@@ -39,19 +39,20 @@ PACKAGE_DIR = str(Path(amp_doctor.__file__).resolve().parent)
 TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 THIS_FILE = str(Path(__file__).resolve())
 
-# (file relative to amp_doctor/, function name) or (file, "*"): host-side code.
+# (file relative to amp_doctor/, function name), (file, "*") or (folder/, "*"): host-side code.
 HOST_SIDE: frozenset[tuple[str, str]] = frozenset({
-    ("recorder.py", "unpack_host"),
-    ("recorder.py", "host_step_layers"),
-    ("recorder.py", "HostCopy.merged"),
-    ("recorder.py", "LayerAggregate.add"),
-    ("recorder.py", "LayerAggregate.summary"),
-    ("stats.py", "host_rows"),
-    ("stats.py", "decode"),
-    ("stats.py", "decode_many"),
-    ("stats.py", "decode_table"),
-    ("stats.py", "_absmax_from_hist"),
-    ("analysis.py", "*"),
+    ("device/recorder.py", "unpack_host"),
+    ("device/recorder.py", "host_step_layers"),
+    ("device/recorder.py", "HostCopy.merged"),
+    ("device/recorder.py", "LayerAggregate.add"),
+    ("device/recorder.py", "LayerAggregate.summary"),
+    ("device/stats.py", "host_rows"),
+    ("device/stats.py", "decode"),
+    ("device/stats.py", "decode_many"),
+    ("device/stats.py", "decode_table"),
+    ("device/stats.py", "_absmax_from_hist"),
+    ("analysis/", "*"),
+    ("format.py", "*"),
     ("records.py", "*"),
     ("merge.py", "*"),
     ("sinks/text.py", "*"),
@@ -111,7 +112,8 @@ class SyncCounter:
         rel, where = site
         func = where.split(":")[0]
         short = func.rsplit(".", 1)[-1]
-        if ((rel, func) in HOST_SIDE or (rel, short) in HOST_SIDE or (rel, "*") in HOST_SIDE):
+        if ((rel, func) in HOST_SIDE or (rel, short) in HOST_SIDE or (rel, "*") in HOST_SIDE
+                or (rel.rsplit("/", 1)[0] + "/", "*") in HOST_SIDE):
             return
         dev = t.device.type if isinstance(t, torch.Tensor) else "?"
         self.calls.append(SyncCall(what, f"amp_doctor/{rel}:{where.split(':')[1]} in {func}",

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 import amp_doctor
-from amp_doctor.anomaly import AnomalyMode
+from amp_doctor.anomaly.mode import AnomalyMode
 from amp_doctor.devicework import host_syncs
 from tests.helpers import MLP, console_script, train
 
@@ -247,16 +247,16 @@ class _HostReads:
         self._saved: dict[str, object] = {}
 
     def __enter__(self) -> _HostReads:
-        import amp_doctor.anomaly
-        import amp_doctor.anomalyevents
-        import amp_doctor.checkwindow
-        import amp_doctor.oprecord
-        import amp_doctor.origins
-        import amp_doctor.stepcheck
+        import amp_doctor.anomaly.checkwindow
+        import amp_doctor.anomaly.events
+        import amp_doctor.anomaly.mode
+        import amp_doctor.anomaly.oprecord
+        import amp_doctor.anomaly.origins
+        import amp_doctor.anomaly.stepcheck
 
-        files = {m.__file__ for m in (amp_doctor.anomaly, amp_doctor.anomalyevents,
-                                      amp_doctor.checkwindow, amp_doctor.oprecord,
-                                      amp_doctor.origins, amp_doctor.stepcheck)}
+        files = {m.__file__ for m in (amp_doctor.anomaly.mode, amp_doctor.anomaly.events,
+                                      amp_doctor.anomaly.checkwindow, amp_doctor.anomaly.oprecord,
+                                      amp_doctor.anomaly.origins, amp_doctor.anomaly.stepcheck)}
         for name in self.NAMES:
             orig = getattr(torch.Tensor, name)
             self._saved[name] = orig

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import amp_doctor
-from amp_doctor.recorder import HISTORY_LAYERS, HISTORY_LIMIT, History
+from amp_doctor.device.recorder import HISTORY_LAYERS, HISTORY_LIMIT, History
 from amp_doctor.records import LayerStep, StepRecord, TensorStats, to_jsonable
 
 JSON_LIMIT = 20 * 2**20

@@ -64,7 +64,7 @@ def test_report_imports_no_torch(saved_run: Path, fmt: str) -> None:
 
 def test_report_modules_import_without_torch(tmp_path: Path) -> None:
     code = ("import sys\n"
-            "import amp_doctor, amp_doctor.cli, amp_doctor.records, amp_doctor.analysis\n"
+            "import amp_doctor, amp_doctor.cli, amp_doctor.records, amp_doctor.analysis.analyze\n"
             "import amp_doctor.sinks.text, amp_doctor.sinks.jsonfile, amp_doctor.merge\n"
             "from amp_doctor import Session, Finding\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import amp_doctor
-from amp_doctor.compare import compare, render
+from amp_doctor.analysis.compare import compare, render
+from amp_doctor.analysis.whatif import FORMATS, _shares, fp8_rows, whatif_findings
 from amp_doctor.fix import find_fix, render_fix, snippet
 from amp_doctor.records import Session
-from amp_doctor.whatif import FORMATS, _shares, fp8_rows, whatif_findings
 from tests.helpers import console_script
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from torch import nn
 
 import amp_doctor
 from amp_doctor.errors import AmpDoctorError
-from amp_doctor.fp32 import Fp32Islands
+from amp_doctor.hooks.fp32 import Fp32Islands
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_models"
 

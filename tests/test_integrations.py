@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from amp_doctor import Session
-from amp_doctor.scaler import patches_installed
+from amp_doctor.steps.scaler import patches_installed
 from tests.helpers import console_script
 
 SCRIPTS = Path(__file__).parent / "acceptance" / "scripts"

@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import amp_doctor
-from amp_doctor.probes import Unwatched
+from amp_doctor.hooks.probes import Unwatched
 from tests.helpers import MLP
 
 STEPS = 6

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import amp_doctor
-from amp_doctor.analysis import risk_order
-from amp_doctor.folding import fold_follow_ons
+from amp_doctor.analysis.analyze import risk_order
+from amp_doctor.analysis.folding import fold_follow_ons
 from amp_doctor.records import Finding, Session
 from tests.fixtures.findings import tiny_gpt
 from tests.helpers import MLP

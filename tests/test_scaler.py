@@ -23,7 +23,7 @@ from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 import amp_doctor
 from amp_doctor import Session
 from amp_doctor.devicework import host_syncs
-from amp_doctor.scaler import patches_installed
+from amp_doctor.steps.scaler import patches_installed
 from tests.helpers import MLP
 
 F16_MAX = torch.finfo(torch.float16).max

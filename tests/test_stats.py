@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from amp_doctor import stats as S
+from amp_doctor.device import stats as S
 from amp_doctor.dtypes import limits
 
 F16 = limits(torch.float16)

@@ -9,8 +9,8 @@ import weakref
 import pytest
 import torch
 
-from amp_doctor import stats as S
-from amp_doctor.recorder import StepBuffer, to_host
+from amp_doctor.device import stats as S
+from amp_doctor.device.recorder import StepBuffer, to_host
 
 
 def _tensors() -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ from torch import nn
 
 import amp_doctor
 from amp_doctor import Session
-from amp_doctor import stats as S
+from amp_doctor.device import stats as S
 from amp_doctor.dtypes import limits
 from amp_doctor.records import TensorStats
 from amp_doctor.sinks import heatmap as hm

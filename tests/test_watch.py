@@ -14,7 +14,7 @@ from torch import nn
 
 import amp_doctor
 from amp_doctor import Session
-from amp_doctor.scaler import patches_installed
+from amp_doctor.steps.scaler import patches_installed
 from tests.helpers import MLP, train
 
 
@@ -238,7 +238,7 @@ def test_sampling_every_n_and_max_steps() -> None:
 
 
 def test_history_is_bounded_and_spans_the_run() -> None:
-    from amp_doctor.recorder import History
+    from amp_doctor.device.recorder import History
     from amp_doctor.records import StepRecord
 
     h = History(limit=16)

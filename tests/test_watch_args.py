@@ -9,7 +9,7 @@ from torch import nn
 
 import amp_doctor
 from amp_doctor.errors import UsageError
-from amp_doctor.scaler import patches_installed
+from amp_doctor.steps.scaler import patches_installed
 from tests.helpers import MLP
 
 

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-from ..runfiles import JSON_NAME
+from amp_doctor.runfiles import JSON_NAME
 
 if TYPE_CHECKING:
-    from ..records import Session
+    from amp_doctor.records import Session
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "LAUNCHER_ENV", "SMOOTHING_HINT", "fail",
            "load_session", "severity_reached"]
@@ -33,7 +33,7 @@ def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
 def severity_reached(session: Session, level: str) -> bool:
     if level == "never":
         return False
-    from ..records import SEVERITIES
+    from amp_doctor.records import SEVERITIES
 
     worst = SEVERITIES.index(level)
     return any(SEVERITIES.index(f.severity) <= worst for f in session.findings)
@@ -42,8 +42,8 @@ def severity_reached(session: Session, level: str) -> bool:
 def load_session(path: Path) -> Session:
     """A saved run's Session, or a one-line error naming the file and the problem."""
     # Imported here: --help and argument errors need neither (the CLI starts faster).
-    from ..errors import ReportFormatError
-    from ..records import Session
+    from amp_doctor.errors import ReportFormatError
+    from amp_doctor.records import Session
 
     p = path / JSON_NAME if path.is_dir() else path
     if not p.exists():

@@ -14,18 +14,23 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from .._version import __version__
-from ..errors import AmpDoctorError
-from ..runfiles import JSON_NAME, TEXT_NAME
-from .common import EXIT_USAGE, LAUNCHER_ENV, fail
-from .launch import launch
-from .paths import check_output_file, check_writable, default_logdir, note_reused_logdir
-from .publish import print_user_exit, publish, render_report, write_or_warn
-from .terminal import Console, Progress, restore_std_streams, sigint_shield
+from amp_doctor._version import __version__
+from amp_doctor.commands.common import EXIT_USAGE, LAUNCHER_ENV, fail
+from amp_doctor.commands.launch import launch
+from amp_doctor.commands.paths import (
+    check_output_file,
+    check_writable,
+    default_logdir,
+    note_reused_logdir,
+)
+from amp_doctor.commands.publish import print_user_exit, publish, render_report, write_or_warn
+from amp_doctor.commands.terminal import Console, Progress, restore_std_streams, sigint_shield
+from amp_doctor.errors import AmpDoctorError
+from amp_doctor.runfiles import JSON_NAME, TEXT_NAME
 
 if TYPE_CHECKING:
-    from .. import runner
-    from ..records import Session
+    from amp_doctor import runner
+    from amp_doctor.records import Session
 
 __all__ = ["diagnose"]
 
@@ -86,7 +91,7 @@ def diagnose(
 
         amp-doctor diagnose --every 1 train.py --epochs 3
     """
-    from .. import runner
+    from amp_doctor import runner
 
     if module is not None:
         target = runner.Target("module", module, tuple(script_and_args))
@@ -157,8 +162,8 @@ def _diagnose(
     quiet: bool, tensorboard: bool, console: Console, fp32: tuple[str, ...] = (),
     stop_after: int | None = None, target_dtype: str | None = None,
 ) -> int:
-    from ..merge import rank_dir, rank_env
-    from ..watch import DEFAULT_EVERY, Watch
+    from amp_doctor.merge import rank_dir, rank_env
+    from amp_doctor.watch import DEFAULT_EVERY, Watch
 
     ranks = rank_env()
     under_launcher = bool(os.environ.get(LAUNCHER_ENV))
@@ -192,8 +197,8 @@ def _diagnose(
 
 def _run_script(resolved: Any) -> BaseException | None:
     """Run the user's script; how it ended (None for falling off the end)."""
-    from .. import runner
-    from ..errors import StopRun
+    from amp_doctor import runner
+    from amp_doctor.errors import StopRun
 
     try:
         runner.run(resolved)
@@ -209,9 +214,9 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
             json_out: Path | None, report_out: Path | None, fail_on: str, tensorboard: bool,
             console: Console) -> int:
     """Close the watch, write every file, then print; the exit code."""
-    from .. import runner
-    from ..merge import merge_run_dir
-    from ..sinks.jsonfile import write_text_atomic
+    from amp_doctor import runner
+    from amp_doctor.merge import merge_run_dir
+    from amp_doctor.sinks.jsonfile import write_text_atomic
 
     restore_std_streams(console)
     code = runner.exit_code(exc)
@@ -262,8 +267,8 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
 
 def _salvage(doctor: Any, run_dir: Path, console: Console, meta: dict[str, Any]) -> Session:
     """The session as far as it can be built after ``close()`` failed, written to disk."""
-    from ..records import AmpConfig, RunInfo, Session
-    from ..sinks.jsonfile import write_json
+    from amp_doctor.records import AmpConfig, RunInfo, Session
+    from amp_doctor.sinks.jsonfile import write_json
 
     try:
         session: Session = doctor.session

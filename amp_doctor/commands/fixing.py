@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from .common import fail
-from .paths import check_writable
+from amp_doctor.commands.common import fail
+from amp_doctor.commands.paths import check_writable
 
 __all__ = ["fix"]
 
@@ -39,8 +39,8 @@ def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: 
     Each trial is a real, shortened run of the script; it must be deterministic
     for the steps it runs (fix checks that with a repeated baseline).
     """
-    from .. import fix as fixing
-    from .. import runner
+    from amp_doctor import fix as fixing
+    from amp_doctor import runner
 
     if module is None and not script_and_args:
         fail("no script given; usage: amp-doctor fix [OPTIONS] SCRIPT [ARGS]...")

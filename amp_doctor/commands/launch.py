@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .common import EXIT_INTERRUPTED, LAUNCHER_ENV, fail
-from .publish import publish
-from .terminal import Console, sigint_shield
+from amp_doctor.commands.common import EXIT_INTERRUPTED, LAUNCHER_ENV, fail
+from amp_doctor.commands.publish import publish
+from amp_doctor.commands.terminal import Console, sigint_shield
 
 if TYPE_CHECKING:
-    from .. import runner
+    from amp_doctor import runner
 
 __all__ = ["launch"]
 
@@ -27,7 +27,7 @@ def launch(nproc: int, target: runner.Target, logdir: Path, forwarded: list[str]
     """Run every rank under amp-doctor with PyTorch's own launcher, then merge the ranks."""
     import subprocess
 
-    from ..merge import merge_run_dir
+    from amp_doctor.merge import merge_run_dir
 
     what = ["-m", target.name] if target.kind == "module" else [target.name]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

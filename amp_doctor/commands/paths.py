@@ -9,12 +9,12 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..runfiles import JSON_NAME
-from .common import fail
-from .terminal import Console
+from amp_doctor.commands.common import fail
+from amp_doctor.commands.terminal import Console
+from amp_doctor.runfiles import JSON_NAME
 
 if TYPE_CHECKING:
-    from .. import runner
+    from amp_doctor import runner
 
 __all__ = ["DEFAULT_RUNS_DIR", "check_output_file", "check_writable", "default_logdir",
            "note_reused_logdir"]
@@ -33,7 +33,7 @@ def default_logdir(target: runner.Target) -> Path:
     The ranks of one torchrun job must agree on the folder instead: they share it,
     named by the job's run id when torchrun gives one.
     """
-    from ..merge import rank_env
+    from amp_doctor.merge import rank_env
 
     stem = Path(target.name).stem if target.kind == "path" else target.name.replace(".", "_")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

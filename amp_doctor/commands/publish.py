@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..runfiles import JSON_NAME, TEXT_NAME
-from .common import SMOOTHING_HINT, severity_reached
-from .terminal import Console, usable
+from amp_doctor.commands.common import SMOOTHING_HINT, severity_reached
+from amp_doctor.commands.terminal import Console, usable
+from amp_doctor.runfiles import JSON_NAME, TEXT_NAME
 
 if TYPE_CHECKING:
-    from ..records import Session
+    from amp_doctor.records import Session
 
 __all__ = ["MAX_PRINTED_LINES", "print_user_exit", "publish", "render_report", "view_hint",
            "write_or_warn"]
@@ -29,7 +29,7 @@ MAX_PRINTED_LINES = 60
 
 def print_user_exit(exc: BaseException | None, console: Console) -> None:
     """The user's own traceback, exactly as python would print it, where python would."""
-    from .. import runner
+    from amp_doctor import runner
 
     stream: Any = sys.stderr if usable(sys.stderr) else console.stream
     try:
@@ -50,7 +50,7 @@ def write_or_warn(write: Any, path: Path, console: Console) -> bool:
 
 
 def render_report(session: Session) -> str:
-    from ..sinks.text import render_text
+    from amp_doctor.sinks.text import render_text
 
     return render_text(session)
 
@@ -70,7 +70,7 @@ def publish(session: Session, logdir: Path, json_out: Path | None, report_out: P
                            console, exc)
         finally:
             console.close()
-    from ..sinks.jsonfile import write_json, write_text_atomic
+    from amp_doctor.sinks.jsonfile import write_json, write_text_atomic
 
     text = render_report(session)
     text_file = logdir / TEXT_NAME

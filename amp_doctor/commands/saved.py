@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from ..runfiles import JSON_NAME
-from .common import load_session
+from amp_doctor.commands.common import load_session
+from amp_doctor.runfiles import JSON_NAME
 
 __all__ = ["compare", "report"]
 
@@ -21,7 +21,7 @@ __all__ = ["compare", "report"]
               show_default=True)
 def report(run: Path, fmt: str) -> None:
     """Render RUN (a run directory or its amp_doctor.json) from the JSON alone."""
-    from ..sinks.text import render_markdown, render_text
+    from amp_doctor.sinks.text import render_markdown, render_text
 
     session = load_session(run)
     if fmt == "json":
@@ -40,8 +40,8 @@ def report(run: Path, fmt: str) -> None:
 def compare(run_a: Path, run_b: Path, fmt: str) -> None:
     """Show what changed from RUN_A to RUN_B: findings resolved, new and unchanged, the
     scale timelines, per-layer headroom and underflow, and the loss."""
-    from ..compare import compare as compare_runs
-    from ..compare import render
+    from amp_doctor.analysis.compare import compare as compare_runs
+    from amp_doctor.analysis.compare import render
 
     a, b = load_session(run_a), load_session(run_b)
     la, lb = _run_label(run_a), _run_label(run_b)

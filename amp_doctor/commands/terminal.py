@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from ..listeners import StepRows
-    from ..records import StepRecord
+    from amp_doctor.records import StepRecord
+    from amp_doctor.steps.listeners import StepRows
 
 __all__ = ["Console", "GuardedStream", "Progress", "restore_std_streams", "sigint_shield",
            "usable"]

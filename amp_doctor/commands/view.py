@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .common import SMOOTHING_HINT, fail
+from amp_doctor.commands.common import SMOOTHING_HINT, fail
 
 __all__ = ["view"]
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from ..records import Session
-from ..runfiles import TEXT_NAME
-from ..watch import Watch
+from amp_doctor.records import Session
+from amp_doctor.runfiles import TEXT_NAME
+from amp_doctor.watch import Watch
 
 __all__ = ["SUBDIR", "WatchOwner", "one_line", "unwrap_model", "missing_framework"]
 
@@ -66,7 +66,7 @@ def _close_quietly(watch: Watch, reason: str) -> None:
 
 def one_line(session: Session, where: Path | None) -> str:
     """``amp-doctor 0.1.0: cpu | bfloat16 autocast | ... | 0 errors, 1 warning (kind) | path``."""
-    from ..sinks.text import summary_line
+    from amp_doctor.sinks.text import summary_line
 
     errors = [f for f in session.findings if f.severity == "error"]
     warnings = [f for f in session.findings if f.severity == "warning"]
@@ -123,7 +123,7 @@ class WatchOwner:
         watch.set_run_meta(**meta)
         self.session = watch.close()
         if self.logdir is not None:
-            from ..sinks.text import render_text
+            from amp_doctor.sinks.text import render_text
 
             (self.logdir / TEXT_NAME).write_text(render_text(self.session))
         return self.session

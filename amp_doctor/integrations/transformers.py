@@ -22,9 +22,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..records import Session
-from ..watch import DEFAULT_EVERY, Watch
-from ._common import SUBDIR, WatchOwner, missing_framework, one_line
+from amp_doctor.integrations._common import SUBDIR, WatchOwner, missing_framework, one_line
+from amp_doctor.records import Session
+from amp_doctor.watch import DEFAULT_EVERY, Watch
 
 try:
     from transformers import TrainerCallback

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import format as F
-from ..dtypes import FormatLimits
+from amp_doctor import format as F
+from amp_doctor.dtypes import FormatLimits
 
 if TYPE_CHECKING:
     from PIL.ImageFont import FreeTypeFont, ImageFont

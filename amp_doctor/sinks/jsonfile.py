@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..records import Session
+from amp_doctor.records import Session
 
 __all__ = ["write_json", "write_text_atomic"]
 

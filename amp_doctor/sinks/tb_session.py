@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from .. import format as F
-from ..dtypes import FormatLimits
-from ..records import Session, TensorStats
-from .heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
+from amp_doctor import format as F
+from amp_doctor.dtypes import FormatLimits
+from amp_doctor.records import Session, TensorStats
+from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
 
 __all__ = ["CULPRIT_GROUPS", "LAYOUT", "ORIGIN_KINDS", "SCALER_FILL_LIMIT", "backoff_groups",
            "culprit_layers", "heatmap_grids", "heatmap_images", "heatmap_layers",

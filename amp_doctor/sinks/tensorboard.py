@@ -107,12 +107,11 @@ from tensorboard.plugins.histogram import metadata as histogram_metadata
 from tensorboard.util import tensor_util
 from torch.utils.tensorboard import SummaryWriter
 
-from .. import format as F
-from .. import stats as S
-from ..dtypes import LOW_PRECISION_DTYPES, FormatLimits, limits, parse_dtype
-from ..listeners import StepRows
-from ..records import LayerStep, Session, StepRecord, TensorStats
-from .tb_session import (
+from amp_doctor import format as F
+from amp_doctor.device import stats as S
+from amp_doctor.dtypes import LOW_PRECISION_DTYPES, FormatLimits, limits, parse_dtype
+from amp_doctor.records import LayerStep, Session, StepRecord, TensorStats
+from amp_doctor.sinks.tb_session import (
     CULPRIT_GROUPS,
     LAYOUT,
     backoff_groups,
@@ -121,7 +120,8 @@ from .tb_session import (
     heatmap_legend,
     scaler_series,
 )
-from .text import render_markdown, risk_order
+from amp_doctor.sinks.text import render_markdown, risk_order
+from amp_doctor.steps.listeners import StepRows
 
 __all__ = [
     "TensorBoardSink",
@@ -202,7 +202,7 @@ def exp_counts(row: torch.Tensor, eb: ExpBuckets) -> list[float]:
     """Bucket counts of one raw host summary row (or a sum of rows) for ``eb``.
 
     Linear in ``row``, so the counts of a sum of rows are the sum of the counts
-    (up to :func:`~amp_doctor.stats.decode_many`'s "at least one" beyond the max).
+    (up to :func:`~amp_doctor.device.stats.decode_many`'s "at least one" beyond the max).
     """
     r = row.to(torch.float64)
     counts = torch.zeros(len(eb), dtype=torch.float64)
@@ -342,7 +342,7 @@ class TensorBoardSink:
     def on_scaler_step(self, step: int, outcome: Any) -> None:
         """Write the loss scaler's state after training step ``step``, as it happens.
 
-        ``outcome`` is the watch's per-step :class:`~amp_doctor.scaler.StepOutcome`
+        ``outcome`` is the watch's per-step :class:`~amp_doctor.steps.scaler.StepOutcome`
         (``scale_after``, ``skipped``, ``backoff``): the host mirror of the scale, known
         after ``GradScaler.update`` without a sync. A step whose scale is not known yet
         (fused optimizers defer the inf check) is left to :meth:`finish`, which writes

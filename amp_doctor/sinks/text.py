@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from tabulate import tabulate
 
-from .. import format as F
-from ..records import Finding, LayerSummary, Session
-from ..risk import risk_order
+from amp_doctor import format as F
+from amp_doctor.analysis.risk import risk_order
+from amp_doctor.records import Finding, LayerSummary, Session
 
 __all__ = [
     "render_text",
@@ -231,7 +231,7 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
     if s.layers:
         out.extend(["", _wrap(_TABLE_KEY, 0), ""])
         out.append(layer_table(s, max_layers))
-        from ..whatif import render_fp8_table
+        from amp_doctor.analysis.whatif import render_fp8_table
 
         fp8 = render_fp8_table(s)
         if fp8:

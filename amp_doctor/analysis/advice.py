@@ -1,0 +1,257 @@
+"""What to do about each kind of finding: the advice table, and the fix for one event.
+
+``ADVICE`` maps a finding's kind to its fix, as flop_counter maps an op to its
+formula; ``ADVICE_BF16`` overrides it for runs that already train in bfloat16
+(they are never told to "use bfloat16"), and ``OP_ADVICE`` names the fix for the
+op anomaly mode found. Detectors look their advice up here instead of carrying it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from amp_doctor.records import Event, Finding
+
+__all__ = ["ADVICE", "ADVICE_BF16", "OP_ADVICE", "advice_for", "event_advice", "bf16_advice"]
+
+ADVICE: dict[str, str] = {
+    "activation_overflow": (
+        "Keep this layer in float32: wrap its call in "
+        "`with torch.autocast(device_type, enabled=False): out = layer(x.float())`, "
+        "or train with `dtype=torch.bfloat16`, which has float32's range. If the "
+        "weights grew large, add weight decay or normalisation before it."
+    ),
+    "activation_nonfinite": (
+        "Find the op that made inf/NaN with anomaly mode (`amp-doctor diagnose --anomaly` or "
+        "`watch(model, anomaly=True)`) and keep it in float32 with `torch.autocast(device_type, "
+        "enabled=False)` and `.float()` inputs: for log(softmax) use `torch.log_softmax`, for "
+        "divisions add an epsilon float16 can hold (>= 1e-5) or clamp the denominator."
+    ),
+    "activation_headroom": (
+        "Values are within 2x of the format's max: rescale the input (normalise it), "
+        "or run this layer in float32 with `torch.autocast(device_type, enabled=False)`."
+    ),
+    "activation_underflow": (
+        "Small values flush to zero in this format: use `dtype=torch.bfloat16` (same range "
+        "as float32), or compute this layer in float32 with "
+        "`torch.autocast(device_type, enabled=False)`; avoid tiny constants such as eps=1e-8 "
+        "(use >= 1e-5 in float16)."
+    ),
+    "gradient_underflow": (
+        "Gradients flush to zero in float16: use `torch.amp.GradScaler(device_type)` and "
+        "call `scaler.scale(loss).backward()`; if a scaler is in use, raise `init_scale` "
+        "or lower `growth_interval` so the scale can grow; or switch to bfloat16."
+    ),
+    "missing_scaler": (
+        "float16 autocast without a GradScaler lets small gradients flush to zero. Create "
+        "`scaler = torch.amp.GradScaler(device_type)` and use `scaler.scale(loss).backward()`, "
+        "`scaler.step(optimizer)`, `scaler.update()`; or use `dtype=torch.bfloat16`."
+    ),
+    "autocast_inactive": (
+        "Nothing ran in float16/bfloat16. Wrap the forward pass and loss in "
+        "`with torch.autocast(device_type='cuda' or 'cpu', dtype=torch.float16):` and check "
+        "that `enabled=` is True and the device_type matches where the model lives."
+    ),
+    "scaler_backoff": (
+        "Each backoff is a skipped optimizer step caused by inf/NaN gradients. Look at the "
+        "first culprit layer: keep it in float32 with `torch.autocast(device_type, "
+        "enabled=False)`, add normalisation, lower the learning rate, or use bfloat16."
+    ),
+    "scale_collapse": (
+        "The loss scale keeps falling because gradients keep overflowing; the optimizer is "
+        "skipping steps. Fix the culprit layer named in the backoffs (run it in float32 or "
+        "use bfloat16); do not just lower `init_scale`. If the model was trained in bf16, "
+        "fine-tune it in bf16 (`dtype=torch.bfloat16`) rather than float16."
+    ),
+    "scale_stuck": (
+        "The scale cannot grow because some scaled gradient keeps reaching float16's max. "
+        "Look at the layer named in the message (least gradient headroom, or first culprit): "
+        "run it in float32 with `with torch.autocast(device_type, enabled=False): "
+        "y = layer(x.float())`, normalise its input, or train in bfloat16 "
+        "(`dtype=torch.bfloat16`). Harmless if no gradient underflows at the current scale."
+    ),
+    "clip_before_unscale": (
+        "Call `scaler.unscale_(optimizer)` before `torch.nn.utils.clip_grad_norm_(...)`: "
+        "clipping scaled gradients clips at max_norm * scale, so the clip does nothing "
+        "(or everything)."
+    ),
+    "missing_update": (
+        "Call `scaler.update()` once per iteration, after `scaler.step(optimizer)` for every "
+        "optimizer (with gradient accumulation: after the last micro-step's `scaler.step`). "
+        "Without it the scale never adapts and the next `scaler.step` raises."
+    ),
+    "scaler_with_bf16": (
+        "bfloat16 has float32's exponent range, so a GradScaler is not needed: remove it, or "
+        "construct it with `enabled=False` (`torch.amp.GradScaler(device_type, enabled=False)`)."
+    ),
+    "fp16_params": (
+        "Keep parameters in float32 and let autocast cast them: remove `model.half()` (or "
+        "`.to(torch.float16)`; use `model.float()`), keep `torch.autocast(device_type, "
+        "dtype=torch.float16)` around the forward pass and the GradScaler as is. GradScaler's "
+        "`unscale_` refuses float16 gradients ('Attempting to unscale FP16 gradients') because "
+        "unscaling in float16 would itself underflow/overflow. For pure-float16 weights keep a "
+        "float32 master copy, or use bfloat16 without a scaler."
+    ),
+    "scheduler_on_skipped_step": (
+        "Step the scheduler only when the optimizer stepped: `scale = scaler.get_scale(); "
+        "scaler.update(); if scaler.get_scale() >= scale: scheduler.step()`. Usually harmless "
+        "for a few skips during calibration."
+    ),
+    "loss_not_scaled": (
+        "Call `scaler.scale(loss).backward()`, not `loss.backward()`, while a GradScaler is "
+        "enabled; otherwise `scaler.step` unscales gradients that were never scaled and "
+        "divides them by the scale."
+    ),
+    "backward_in_autocast": (
+        "Call backward outside the autocast block: `with torch.autocast(device_type, "
+        "dtype=...): loss = loss_fn(model(x), y)` and then, dedented, "
+        "`scaler.scale(loss).backward()`. Autocast should wrap only the forward pass and the "
+        "loss; backward ops already run in the dtype their forward used."
+    ),
+    "nonfinite_forward": (
+        "Keep this op in float32: wrap it in `with torch.autocast(device_type, "
+        "enabled=False):` and cast its input with `.float()`; or use bfloat16. For "
+        "log(softmax) use `torch.log_softmax`; for divisions add an epsilon representable "
+        "in float16 (>= 1e-5) or clamp the denominator."
+    ),
+    "nonfinite_backward": (
+        "The backward of this op produced NaN/Inf: run the forward op in float32 with "
+        "`torch.autocast(device_type, enabled=False)`, clamp its input, or use bfloat16."
+    ),
+    "nonfinite_input": (
+        "The batch itself contains NaN/Inf: check the data pipeline "
+        "(`torch.isfinite(x).all()` on each batch) before blaming the model."
+    ),
+    "scaled_grads_stepped": (
+        "Let the scaler step the optimizer: `scaler.scale(loss).backward(); "
+        "scaler.step(optimizer); scaler.update()`. If you need the gradients first (clipping), "
+        "call `scaler.unscale_(optimizer)` before using them. `optimizer.step()` on scaled "
+        "gradients makes every update `scale` times too large and never skips inf/NaN steps."
+    ),
+    "nonfinite_loss": (
+        "A NaN/inf loss poisons every gradient. Look where it first appeared: a layer's "
+        "output (run it in float32 with `torch.autocast(device_type, enabled=False)`), or the "
+        "loss computation itself (a fully masked attention row or an all-ignored batch gives "
+        "0/0: mask with a large negative number instead of -inf, or skip empty batches; "
+        "compute the loss in float32 with `loss_fn(out.float(), y)`)."
+    ),
+    "no_step_boundary": (
+        "amp-doctor ends a step at `scaler.update()`, at `optimizer.step()`, or at the next "
+        "forward after a backward once the weights changed. None of these happened: call "
+        "`doctor.step()` at the end of each iteration (with `doctor = amp_doctor.watch(model)`)."
+    ),
+    "steps_from_backward": (
+        "No optimizer or GradScaler was seen, so each step was taken to end when the loop "
+        "updated the weights (or reset the gradients) after a backward. If your loop differs, "
+        "call `doctor.step()` at the end of each iteration."
+    ),
+    "lowp_updates_lost": (
+        "Keep float32 master weights: remove `model.half()` / `.to(torch.float16)`, keep the "
+        "model in float32 and run the forward under `torch.autocast(device_type, "
+        "dtype=torch.float16)` with a `torch.amp.GradScaler`; the optimizer then updates the "
+        "float32 weights, where small updates are not rounded away."
+    ),
+    "run_ended_early": (
+        "Fix the error that stopped the script (see the outcome above), then run again: "
+        "amp-doctor judges training steps, and none finished."
+    ),
+}
+
+# The same advice for a run that already trains in bfloat16: never "use bfloat16".
+ADVICE_BF16: dict[str, str] = {
+    "activation_overflow": (
+        "bfloat16 has float32's range, so this is not the format overflowing: an op made "
+        "inf/NaN (log(0), x/0, exp of a large value) or the weights diverged. Find the op "
+        "with anomaly mode (`amp-doctor diagnose --anomaly` or `watch(model, anomaly=True)`) "
+        "and keep it in float32 with `torch.autocast(device_type, enabled=False)`; lower the "
+        "learning rate or add weight decay if the weights grew."
+    ),
+    "activation_underflow": (
+        "Compute this layer in float32 with `torch.autocast(device_type, enabled=False)`, "
+        "and avoid constants below bfloat16's resolution."
+    ),
+    "scaler_backoff": (
+        "Each backoff is a skipped optimizer step caused by inf/NaN gradients. Look at the "
+        "first culprit layer: keep it in float32 with `torch.autocast(device_type, "
+        "enabled=False)`, add normalisation, or lower the learning rate."
+    ),
+    "scale_collapse": (
+        "The loss scale keeps falling because gradients keep becoming inf/NaN; the optimizer "
+        "is skipping steps. Fix the culprit layer named in the backoffs (run it in float32); "
+        "under bfloat16 the GradScaler itself is not needed."
+    ),
+    "scale_stuck": (
+        "The scale cannot grow because some scaled gradient keeps becoming inf/NaN; under "
+        "bfloat16 the GradScaler is not needed (`GradScaler(device_type, enabled=False)`)."
+    ),
+    "nonfinite_forward": (
+        "Keep this op in float32: wrap it in `with torch.autocast(device_type, "
+        "enabled=False):` and cast its input with `.float()`. For log(softmax) use "
+        "`torch.log_softmax`; for divisions add an epsilon or clamp the denominator."
+    ),
+    "nonfinite_backward": (
+        "The backward of this op produced NaN/Inf: run the forward op in float32 with "
+        "`torch.autocast(device_type, enabled=False)` or clamp its input."
+    ),
+}
+
+
+# Op-specific fixes for an op that produced NaN/Inf in the forward pass.
+OP_ADVICE: dict[str, str] = {
+    "aten.log": "use `torch.log_softmax` instead of `log(softmax(x))`, or "
+                "`torch.log(p.float().clamp_min(1e-12))`",
+    "aten.div": "add an epsilon that float16 can hold (>= 1e-5; 1e-8 rounds to 0) or compute "
+                "the denominator in float32: `x / torch.sqrt(var.float() + eps)`",
+    "aten.rsqrt": "add an epsilon that float16 can hold (>= 1e-5) before rsqrt, or compute it "
+                  "in float32",
+    "aten.pow": "compute the power in float32: `torch.pow(x.float(), p)` inside "
+                "`with torch.autocast(device_type, enabled=False):`",
+    "aten.exp": "subtract the max before exp (or use `torch.softmax`/`logsumexp`), or compute "
+                "it in float32",
+}
+
+
+def advice_for(kind: str, dtype: str | None = None) -> str:
+    """The fix for a finding of ``kind`` in a run whose low-precision format is ``dtype``."""
+    if dtype == "bfloat16" and kind in ADVICE_BF16:
+        return ADVICE_BF16[kind]
+    return ADVICE.get(kind, "")
+
+
+def event_advice(e: Event, dtype: str | None = None) -> str:
+    """The fix for one run-time event (also used for anomaly mode's exception).
+
+    ``dtype`` is the run's low-precision format: a bfloat16 run is never told
+    to train in bfloat16.
+    """
+    op_fix = OP_ADVICE.get(e.op or "")
+    bf16 = dtype == "bfloat16"
+    if e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix:
+        where = f" in {e.module}" if e.module else ""
+        f32 = ("" if "autocast" in op_fix else " Or keep the op in float32 with `with "
+               "torch.autocast(device_type, enabled=False):` around it and `.float()` inputs.")
+        return (f"For {e.op}{where}: {op_fix}.{f32}"
+                + ("" if bf16 else " Or train with `dtype=torch.bfloat16`."))
+    if e.kind == "nonfinite_backward" and not e.module:
+        return ("The gradient went non-finite where the loss is computed, outside the model: "
+                "keep the loss O(1) (a mean rather than a sum reduction, targets normalised "
+                "to unit scale), compute it in float32 (`loss_fn(out.float(), y.float())`), "
+                "or start the GradScaler lower (`init_scale=...`).")
+    if e.kind == "activation_overflow" and e.data.get("hidden"):
+        return (f"Compute {e.op} in float32: wrap it in `with torch.autocast(device_type, "
+                "enabled=False):` and cast its input with `.float()`"
+                + (", or train with `dtype=torch.bfloat16`." if not bf16 else "."))
+    return advice_for(e.kind, dtype)
+
+
+def bf16_advice(f: Finding) -> Finding:
+    """A bfloat16 run is never told to train in bfloat16."""
+    if "bfloat16" not in f.advice or f.kind == "scaler_with_bf16":
+        return f
+    adv = ADVICE_BF16.get(f.kind)
+    if adv is None or f.op:
+        # Op-specific advice: drop the sentence that proposes bfloat16.
+        adv = " ".join(x for x in re.split(r"(?<=[.])\s+", f.advice)
+                       if "bfloat16" not in x) or (adv or "")
+    return replace(f, advice=adv)

@@ -1,0 +1,105 @@
+"""Session -> findings: run the detectors, fold follow-on effects, order the result.
+
+The stage is split by concern; a newcomer reads it in this order:
+
+* :mod:`~amp_doctor.analysis.detect_layers`: layer figures and the run's outcome;
+* :mod:`~amp_doctor.analysis.detect_scaler`: the GradScaler's timeline;
+* :mod:`~amp_doctor.analysis.detect_events`: run-time events (misuse, NaN loss, anomaly mode's
+  ops), worded by :mod:`~amp_doctor.analysis.messages`;
+* :mod:`~amp_doctor.analysis.whatif`: what another format would do;
+* :mod:`~amp_doctor.analysis.folding`: one error per root cause;
+* :mod:`~amp_doctor.analysis.advice`: the fix for each kind;
+* :mod:`~amp_doctor.analysis.thresholds`: the named thresholds;
+* :mod:`~amp_doctor.analysis.risk`: "worst first" for the layers.
+
+Analysis reads only the session's records, so a saved JSON file analyses the
+same way again. The names other modules import from here stay importable here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from amp_doctor.analysis.advice import ADVICE, ADVICE_BF16, bf16_advice, event_advice
+from amp_doctor.analysis.detect_events import event_findings
+from amp_doctor.analysis.detect_layers import autocast_findings, layer_findings, run_findings
+from amp_doctor.analysis.detect_scaler import scaler_findings
+from amp_doctor.analysis.folding import cap_per_kind, fold_early_end, fold_follow_ons
+from amp_doctor.analysis.risk import risk_order
+from amp_doctor.analysis.thresholds import (
+    ACT_UNDERFLOW_WARN,
+    BACKOFF_RUN_COLLAPSE,
+    BACKOFF_SHARE_COLLAPSE,
+    CALIBRATION_START,
+    CALIBRATION_STEPS,
+    GRAD_FLUSHED_WARN,
+    GRAD_UNDERFLOW_WARN,
+    HEADROOM_WARN_BITS,
+    LOWP_UNCHANGED_WARN,
+    OVERFLOW_FRAC_ERROR,
+    RISK_HEADROOM_BITS,
+    SCALE_COLLAPSE_MIN,
+    SCALED_GRAD_OVERFLOW_INFO_STEPS,
+    STUCK_INTERVALS,
+)
+from amp_doctor.records import SEVERITY_RANK, Finding, Session
+
+__all__ = [
+    "analyze",
+    "DETECTORS",
+    "event_advice",
+    "risk_order",
+    "RISK_HEADROOM_BITS",
+    "LOWP_UNCHANGED_WARN",
+    "ADVICE",
+    "ADVICE_BF16",
+    "OVERFLOW_FRAC_ERROR",
+    "HEADROOM_WARN_BITS",
+    "ACT_UNDERFLOW_WARN",
+    "GRAD_UNDERFLOW_WARN",
+    "GRAD_FLUSHED_WARN",
+    "SCALE_COLLAPSE_MIN",
+    "BACKOFF_SHARE_COLLAPSE",
+    "BACKOFF_RUN_COLLAPSE",
+    "CALIBRATION_START",
+    "CALIBRATION_STEPS",
+    "STUCK_INTERVALS",
+    "SCALED_GRAD_OVERFLOW_INFO_STEPS",
+]
+
+# Kept for callers of the old private name; new code uses amp_doctor.format.num.
+
+# Findings about the loss scale: at the same severity and step, their causes come first.
+_SCALE_KINDS = ("scale_collapse", "scaler_backoff", "scale_stuck")
+
+
+def _whatif_findings(session: Session) -> Iterable[Finding]:
+    # whatif imports tabulate for its table: loaded only when a session is analysed.
+    from amp_doctor.analysis.whatif import whatif_findings
+
+    return whatif_findings(session, session.run.target_dtype)
+
+
+DETECTORS: list[Callable[[Session], Iterable[Finding]]] = [
+    run_findings,
+    autocast_findings,
+    layer_findings,
+    scaler_findings,
+    event_findings,
+    _whatif_findings,
+]
+
+
+def analyze(session: Session) -> list[Finding]:
+    """Every finding of the session: most severe first, causes before consequences."""
+    out: list[Finding] = []
+    for detect in DETECTORS:
+        out.extend(detect(session))
+    out = fold_follow_ons(session, out)
+    out = fold_early_end(out)
+    if session.amp.dtype == "bfloat16":
+        out = [bf16_advice(f) for f in out]
+    out = cap_per_kind(out)
+    out.sort(key=lambda f: (SEVERITY_RANK[f.severity], f.step if f.step is not None else 0,
+                            f.kind in _SCALE_KINDS))
+    return out

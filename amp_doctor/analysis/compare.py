@@ -1,0 +1,315 @@
+"""Compare two saved runs: what a fix (or another format) changed.
+
+``amp-doctor compare RUN_A RUN_B`` reads two sessions and shows, from A to B:
+findings resolved, new and unchanged; the two scale timelines and skipped
+steps side by side; per-layer headroom and underflow deltas, largest changes
+first; and the loss, when it was seen. Works on saved JSON only, so it needs
+no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tabulate import tabulate
+
+from amp_doctor import format as F
+from amp_doctor.records import SEVERITIES, Finding, Session
+
+__all__ = ["Comparison", "FindingDelta", "LayerDelta", "RunSide", "compare", "render"]
+
+# Headroom is +/-inf for a layer that was all zeros or non-finite: clip it so that a
+# delta stays a number. 64 bits is beyond every format's range.
+HEADROOM_CLIP = 64.0
+# Rows shown per table in text/markdown (everything is in the JSON).
+MAX_ROWS = 20
+# A layer change smaller than this (bits of headroom, or percentage points) is noise.
+MIN_CHANGE = 0.05
+
+
+@dataclass(frozen=True)
+class FindingDelta:
+    # resolved: gone in B, or down to info from a warning/error; new: the reverse.
+    status: str  # resolved | new | unchanged
+    kind: str
+    severity: str  # the worse of the two
+    severity_a: str | None
+    severity_b: str | None
+    module: str | None
+    op: str | None
+    count_a: int
+    count_b: int
+    message: str
+
+
+@dataclass(frozen=True)
+class LayerDelta:
+    name: str
+    headroom_a: float | None
+    headroom_b: float | None
+    overflow_a: float | None
+    overflow_b: float | None
+    underflow_a: float | None
+    underflow_b: float | None
+    grad_underflow_a: float | None
+    grad_underflow_b: float | None
+    score: float  # size of the change, for ordering
+
+
+@dataclass(frozen=True)
+class RunSide:
+    label: str
+    dtype: str | None
+    scaler: bool
+    steps: int
+    recorded_steps: int
+    outcome: str
+    fp32_modules: list[str]
+    errors: int
+    warnings: int
+    init_scale: float | None = None
+    final_scale: float | None = None
+    min_scale: float | None = None
+    backoffs: int = 0
+    growths: int = 0
+    skipped_steps: list[int] = field(default_factory=list)
+    scale_points: list[tuple[int, float]] = field(default_factory=list)
+    loss_first: float | None = None
+    loss_last: float | None = None
+    loss_min: float | None = None
+    loss_nonfinite: int = 0
+    loss_seen: int = 0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    a: RunSide
+    b: RunSide
+    findings: list[FindingDelta]
+    layers: list[LayerDelta]
+
+    @property
+    def resolved(self) -> list[FindingDelta]:
+        return [d for d in self.findings if d.status == "resolved"]
+
+    @property
+    def new(self) -> list[FindingDelta]:
+        return [d for d in self.findings if d.status == "new"]
+
+    @property
+    def unchanged(self) -> list[FindingDelta]:
+        return [d for d in self.findings if d.status == "unchanged"]
+
+
+def _key(f: Finding) -> tuple[str, str | None, str | None]:
+    return (f.kind, f.module, f.op)
+
+
+def _side(label: str, s: Session) -> RunSide:
+    losses = [r.loss for r in s.history if r.loss is not None]
+    finite = [x for x in losses if math.isfinite(x)]
+    sc = s.scaler if s.scaler is not None and s.scaler.enabled else None
+    scales = [v for _, v in sc.scale] if sc else []
+    return RunSide(
+        label=label,
+        dtype=s.amp.dtype,
+        scaler=s.amp.scaler,
+        steps=s.steps,
+        recorded_steps=s.recorded_steps,
+        outcome=s.run.outcome,
+        fp32_modules=list(s.run.fp32_modules),
+        errors=sum(f.severity == "error" for f in s.findings),
+        warnings=sum(f.severity == "warning" for f in s.findings),
+        init_scale=sc.init_scale if sc else None,
+        final_scale=scales[-1] if scales else None,
+        min_scale=min(scales) if scales else None,
+        backoffs=len(sc.backoff_steps) if sc else 0,
+        growths=len(sc.growth_steps) if sc else 0,
+        skipped_steps=list(sc.skipped_steps) if sc else [],
+        scale_points=[(int(k), float(v)) for k, v in sc.scale] if sc else [],
+        loss_first=losses[0] if losses else None,
+        loss_last=losses[-1] if losses else None,
+        loss_min=min(finite) if finite else None,
+        loss_nonfinite=len(losses) - len(finite),
+        loss_seen=len(losses),
+    )
+
+
+def _clip(x: float | None) -> float | None:
+    if x is None or math.isnan(x):
+        return x if x is None else 0.0
+    return max(-HEADROOM_CLIP, min(HEADROOM_CLIP, x))
+
+
+def _diff(a: float | None, b: float | None, scale: float = 1.0) -> float:
+    if a is None and b is None:
+        return 0.0
+    if a is None or b is None:
+        return math.inf  # a layer that appeared or vanished is a change worth showing
+    return abs(b - a) * scale
+
+
+def _layer_deltas(a: Session, b: Session) -> list[LayerDelta]:
+    la = {x.name: x for x in a.layers}
+    lb = {x.name: x for x in b.layers}
+    out = []
+    for name in [*la, *(n for n in lb if n not in la)]:
+        x, y = la.get(name), lb.get(name)
+        ha, hb = (x.headroom if x else None), (y.headroom if y else None)
+        oa, ob = (x.overflow_frac if x else None), (y.overflow_frac if y else None)
+        ua, ub = (x.underflow_frac if x else None), (y.underflow_frac if y else None)
+        ga = x.grad_underflow_frac if x else None
+        gb = y.grad_underflow_frac if y else None
+        score = max(_diff(_clip(ha), _clip(hb)), _diff(oa, ob, 100.0), _diff(ua, ub, 100.0),
+                    _diff(ga, gb, 100.0) if ga is not None or gb is not None else 0.0)
+        if score < MIN_CHANGE:
+            continue
+        out.append(LayerDelta(name, ha, hb, oa, ob, ua, ub, ga, gb, score))
+    # Largest change first; ties (e.g. appeared/vanished) in model order.
+    order = {n: i for i, n in enumerate([*la, *lb])}
+    out.sort(key=lambda d: (-d.score, order.get(d.name, 0)))
+    return out
+
+
+def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> Comparison:
+    """What changed from run A to run B."""
+    fa: dict[tuple[str, str | None, str | None], Finding] = {}
+    fb: dict[tuple[str, str | None, str | None], Finding] = {}
+    for f in a.findings:
+        fa.setdefault(_key(f), f)
+    for f in b.findings:
+        fb.setdefault(_key(f), f)
+    rank = {s: i for i, s in enumerate(SEVERITIES)}
+    deltas = []
+    for k in [*fa, *(k for k in fb if k not in fa)]:
+        x, y = fa.get(k), fb.get(k)
+        sa, sb = (x.severity if x else None), (y.severity if y else None)
+        if x and y:
+            # A problem that is now only a note is resolved; the reverse is new.
+            status = ("resolved" if sb == "info" and sa != "info" else
+                      "new" if sa == "info" and sb != "info" else "unchanged")
+        else:
+            status = "resolved" if x else "new"
+        worst = min((v for v in (sa, sb) if v is not None), key=lambda v: rank.get(v, 9))
+        g = y if y is not None else x
+        assert g is not None
+        deltas.append(FindingDelta(
+            status=status, kind=g.kind, severity=worst, severity_a=sa, severity_b=sb,
+            module=g.module, op=g.op, count_a=x.count if x else 0,
+            count_b=y.count if y else 0, message=g.message))
+    status_rank = {"resolved": 0, "new": 1, "unchanged": 2}
+    deltas.sort(key=lambda d: (status_rank[d.status], rank.get(d.severity, 9)))
+    return Comparison(_side(label_a, a), _side(label_b, b), deltas, _layer_deltas(a, b))
+
+
+# -- rendering -----------------------------------------------------------------
+def _run_rows(c: Comparison) -> list[list[str]]:
+    def row(name: str, fn: Any) -> list[str]:
+        return [name, fn(c.a), fn(c.b)]
+
+    return [
+        row("format", lambda s: (s.dtype or "float32") + (" + GradScaler" if s.scaler else "")),
+        row("float32 modules", lambda s: ", ".join(s.fp32_modules) or "-"),
+        row("steps (recorded)", lambda s: f"{s.steps} ({s.recorded_steps})"),
+        row("outcome", lambda s: s.outcome),
+        row("errors / warnings", lambda s: f"{s.errors} / {s.warnings}"),
+        row("scale: init -> final (min)", lambda s: "-" if s.final_scale is None else
+            f"{F.scale(s.init_scale)} -> {F.scale(s.final_scale)} ({F.scale(s.min_scale)})"),
+        row("backoffs / growths", lambda s: f"{s.backoffs} / {s.growths}"),
+        row("skipped steps", lambda s: _steps(s.skipped_steps)),
+        row("loss: first -> last (min)", lambda s: "not seen" if not s.loss_seen else
+            f"{F.num(s.loss_first, 4)} -> {F.num(s.loss_last, 4)} ({F.num(s.loss_min, 4)})"),
+        row("non-finite losses", lambda s: f"{s.loss_nonfinite} of {s.loss_seen}"
+            if s.loss_seen else "-"),
+    ]
+
+
+def _steps(steps: list[int]) -> str:
+    return F.steps_list(steps) if steps else "none"
+
+
+def _scale_rows(c: Comparison) -> list[list[str]]:
+    a, b = dict(c.a.scale_points), dict(c.b.scale_points)
+    steps = sorted(set(a) | set(b))
+    if len(steps) > MAX_ROWS:  # keep the ends and an even spread between
+        stride = len(steps) / (MAX_ROWS - 1)
+        steps = sorted({steps[min(len(steps) - 1, round(i * stride))] for i in range(MAX_ROWS)})
+
+    def at(d: dict[int, float], step: int) -> str:
+        known = [k for k in d if k <= step]
+        return F.scale(d[max(known)]) if known else "-"
+
+    return [[str(s), at(a, s), at(b, s)] for s in steps]
+
+
+def _finding_rows(c: Comparison) -> list[list[str]]:
+    def sev(d: FindingDelta) -> str:
+        if d.severity_a and d.severity_b and d.severity_a != d.severity_b:
+            return f"{d.severity_a} -> {d.severity_b}"
+        return d.severity_b or d.severity_a or ""
+
+    return [[d.status, sev(d), d.kind, d.module or "-", d.op or "-",
+             f"{d.count_a} -> {d.count_b}"] for d in c.findings]
+
+
+def _layer_rows(c: Comparison) -> list[list[str]]:
+    return [[d.name, f"{F.num(d.headroom_a, 3)} -> {F.num(d.headroom_b, 3)}",
+             f"{F.pct(d.overflow_a)} -> {F.pct(d.overflow_b)}",
+             f"{F.pct(d.underflow_a)} -> {F.pct(d.underflow_b)}",
+             f"{F.pct(d.grad_underflow_a)} -> {F.pct(d.grad_underflow_b)}"]
+            for d in c.layers[:MAX_ROWS]]
+
+
+def _verdict(c: Comparison) -> str:
+    res = [d for d in c.resolved if d.severity == "error"]
+    new = [d for d in c.new if d.severity == "error"]
+    left = [d for d in c.unchanged if d.severity == "error"]
+    parts = [f"{len(res)} error(s) resolved", f"{len(new)} new", f"{len(left)} unchanged"]
+    return f"From {c.a.label} to {c.b.label}: " + ", ".join(parts) + "."
+
+
+def render(c: Comparison, fmt: str = "text") -> str:
+    """``fmt`` is ``text``, ``markdown`` or ``json``."""
+    if fmt == "json":
+        return json.dumps(_jsonable(asdict(c)), indent=1, allow_nan=False)
+    table = "github" if fmt == "markdown" else "simple"
+    h = (lambda t: f"### {t}") if fmt == "markdown" else (lambda t: t)
+    out = [f"**{_verdict(c)}**" if fmt == "markdown" else _verdict(c), ""]
+    out += [h("Runs"), tabulate(_run_rows(c), headers=["", c.a.label, c.b.label],
+                                tablefmt=table, disable_numparse=True), ""]
+    out.append(h("Findings"))
+    if c.findings:
+        out.append(tabulate(_finding_rows(c), headers=["status", "severity", "kind", "module",
+                                                       "op", f"count {c.a.label} -> {c.b.label}"],
+                            tablefmt=table, disable_numparse=True))
+    else:
+        out.append("No findings in either run.")
+    out.append("")
+    if c.a.scale_points or c.b.scale_points:
+        out += [h("Loss scale (after each update)"),
+                tabulate(_scale_rows(c), headers=["step", c.a.label, c.b.label],
+                         tablefmt=table, disable_numparse=True), ""]
+    out.append(h("Layers that changed, largest change first (headroom in bits; shares of "
+                 "values beyond max / below smallest normal)"))
+    if c.layers:
+        out.append(tabulate(_layer_rows(c), headers=["layer", "headroom", "overflow",
+                                                     "underflow", "grad underflow"],
+                            tablefmt=table, disable_numparse=True))
+        if len(c.layers) > MAX_ROWS:
+            out.append(f"... {len(c.layers) - MAX_ROWS} more in --format json")
+    else:
+        out.append("No layer changed.")
+    return "\n".join(out) + "\n"
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x

@@ -1,0 +1,83 @@
+"""Run-time events -> findings: misuse the patches saw, NaN losses, anomaly mode's ops.
+
+Events of one kind at one place (module, op) become one finding that counts them.
+Each kind has a default severity here; its message comes from
+:mod:`amp_doctor.analysis.messages` and its fix from :mod:`amp_doctor.analysis.advice`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from amp_doctor.analysis.advice import event_advice
+from amp_doctor.analysis.messages import event_message
+from amp_doctor.analysis.thresholds import LOWP_UNCHANGED_WARN, SCALED_GRAD_OVERFLOW_INFO_STEPS
+from amp_doctor.records import Event, Finding, Session, Severity
+
+__all__ = ["EVENT_SEVERITY", "event_findings"]
+
+EVENT_SEVERITY: dict[str, Severity] = {
+    "clip_before_unscale": "error",
+    "missing_update": "error",
+    "scaler_with_bf16": "info",
+    "fp16_params": "error",
+    "scheduler_on_skipped_step": "info",
+    "loss_not_scaled": "error",
+    "backward_in_autocast": "warning",
+    "nonfinite_forward": "error",
+    "nonfinite_backward": "error",
+    "nonfinite_input": "error",
+    "activation_overflow": "warning",
+    "scaled_grads_stepped": "error",
+    "nonfinite_loss": "error",
+    "no_step_boundary": "warning",
+    "steps_from_backward": "info",
+    "lowp_updates_lost": "error",
+    # Not recorded, and why: a compiled model's inner layers, tensors that cannot be summarised.
+    "compiled_model": "info",
+    "unsummarized": "info",
+    "nonfinite_unlocated": "warning",
+}
+# Findings keep at most this many of their steps.
+MAX_STEPS_KEPT = 50
+
+
+def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
+    first = es[0]
+    sev: Severity = first.data.get("severity") or EVENT_SEVERITY[kind]
+    skipped = set(session.scaler.skipped_steps) if session.scaler else set()
+    if kind == "activation_overflow" and first.data.get("hidden") and (
+            skipped.intersection(e.step for e in es)
+            or any(x.kind == "nonfinite_backward" for x in session.events)):
+        # The hidden overflow did harm (skipped steps, NaN in backward): it is the cause.
+        sev = "error"
+    if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):
+        sev = "info"  # only steps the GradScaler skipped: the backoff findings cover them
+    if kind == "nonfinite_backward" and session.amp.scaler and not any(
+            e.data.get("nan") for e in es):
+        # Scaled gradients overflowing is what GradScaler detects and skips.
+        sev = "info" if n <= SCALED_GRAD_OVERFLOW_INFO_STEPS else "warning"
+    return sev
+
+
+def event_findings(session: Session) -> Iterable[Finding]:
+    grouped: dict[tuple[str, str | None, str | None], list[Event]] = {}
+    for e in session.events:
+        if e.kind not in EVENT_SEVERITY:
+            continue
+        grouped.setdefault((e.kind, e.module, e.op), []).append(e)
+    for (kind, module, op), es in grouped.items():
+        first = es[0]
+        if kind == "lowp_updates_lost" and not (first.data.get("frac") or 0) > \
+                LOWP_UNCHANGED_WARN:
+            continue
+        n = max(len(es), int(first.data.get("occurrences") or 0))
+        steps = [e.step for e in es]
+        yield Finding(
+            kind=kind, severity=_severity(session, kind, es, n), module=module, op=op,
+            step=first.step,
+            message=event_message(first, n, steps),
+            advice=first.data.get("advice") or event_advice(first, session.amp.dtype),
+            frame=first.frame, count=n, steps=steps[:MAX_STEPS_KEPT],
+            data={k: v for k, v in first.data.items() if k not in ("message", "advice")},
+        )

@@ -1,0 +1,254 @@
+"""Layer and run figures -> findings: overflow, headroom, underflow, a run with no steps.
+
+These detectors read the per-layer summaries (absmax, headroom, the shares beyond
+the format's max or below its smallest normal) and the run's outcome; none of
+them looks at events or the scaler's timeline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from amp_doctor import format as F
+from amp_doctor.analysis.advice import ADVICE, ADVICE_BF16
+from amp_doctor.analysis.thresholds import (
+    ACT_UNDERFLOW_WARN,
+    F16_SMALLEST_NORMAL,
+    GRAD_FLUSHED_WARN,
+    GRAD_UNDERFLOW_WARN,
+    HEADROOM_WARN_BITS,
+    MADE_INF_HEADROOM_BITS,
+    OVERFLOW_FRAC_ERROR,
+)
+from amp_doctor.dtypes import FORMAT_MAX
+from amp_doctor.records import Finding, LayerSummary, Session
+
+__all__ = ["layer_findings", "run_findings", "autocast_findings", "low_format",
+           "grad_underflow"]
+
+
+def _scale(x: float | None) -> str:
+    return F.scale(x, unknown="?")
+
+
+# The layout of ``LayerSummary.act_exp_hist`` (see ``stats.exponent_of_bin``): bin b in
+# 1..254 holds |x| in [2**(b - 127), 2**(b - 126)); bin 0 zeros, the last bin inf/NaN.
+_HIST_BINS = 256
+_F32_BIAS = 127
+
+
+def largest_finite(lay: LayerSummary) -> float | None:
+    """The top edge of the largest finite |output| the histograms saw (0: only zeros)."""
+    hist = lay.act_exp_hist
+    if len(hist) != _HIST_BINS or not any(hist[:-1]):
+        return None  # no histogram, or not a single finite value in it
+    top = next((b for b in range(_HIST_BINS - 2, 0, -1) if hist[b]), 0)
+    return 2.0 ** (top - _F32_BIAS + 1) if top else 0.0
+
+
+def _inf_made_by_an_op(lay: LayerSummary, fmt: str) -> float | None:
+    """The largest finite |output| when the layer's infs cannot be values past the max."""
+    big = largest_finite(lay)
+    fmax = FORMAT_MAX.get(fmt)
+    if big is None or fmax is None or not math.isinf(lay.absmax):
+        return None
+    return big if big * 2.0 ** MADE_INF_HEADROOM_BITS <= fmax else None
+
+
+def low_format(session: Session) -> str:
+    """The run's low-precision format; float16 when none was seen."""
+    return session.amp.dtype or "float16"
+
+
+def layer_findings(session: Session) -> Iterable[Finding]:
+    fmt = low_format(session)
+    # Gradients that underflowed in one layer reach the layers before it as
+    # exact zeros: those layers are flushed, not merely subnormal.
+    under = [lay for lay in session.layers if lay.recorded_steps and
+             (grad_underflow(lay) or 0.0) > GRAD_UNDERFLOW_WARN]
+
+    def same_output(a: LayerSummary, b: LayerSummary) -> bool:
+        # A container returning its last child's output is credited the same tensor.
+        return (a.absmax, a.grad_absmax, a.grad_underflow_frac) == (
+            b.absmax, b.grad_absmax, b.grad_underflow_frac)
+
+    leaves = [c for c in under
+              if not any(u.order < c.order and same_output(u, c) for u in under)]
+    source = max(leaves, key=lambda x: x.order) if leaves else None
+    for lay in session.layers:
+        yield from _layer_findings(session, lay, fmt, source)
+
+
+def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
+                    source: LayerSummary | None = None) -> Iterable[Finding]:
+    if lay.recorded_steps == 0:
+        return
+    # Its output is a sublayer's tensor (a container), and that sublayer is reported; or
+    # anomaly mode found the op in it that made NaN/-inf from finite inputs (log(0),
+    # 0/0), which that finding explains better than "overflow".
+    # An op anomaly mode placed outside every module (module None) that made NaN/-inf
+    # from finite inputs explains the first layer to show it: log(0) is not an overflow.
+    explained = lay.passthrough or any(
+        e.kind == "nonfinite_forward" and (e.module == lay.name or (
+            not e.module and lay.overflow_origin_steps > 0)) for e in session.events)
+    if explained:
+        pass
+    elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR and fmt == "bfloat16":
+        # bfloat16's max is float32's: these values are inf/NaN an op made (log(0), x/0)
+        # or diverged weights, not values beyond the format's range.
+        yield Finding(
+            kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
+            message=(f"{lay.name} ({lay.type}) output went non-finite (inf/NaN) in "
+                     f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps "
+                     f"({F.pct(lay.overflow_frac)} of values in the worst step). bfloat16 has "
+                     "float32's range, so this is not an overflow of the format: an op in it "
+                     "made inf/NaN, or its weights diverged."),
+            advice=ADVICE_BF16["activation_overflow"],
+            data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
+        )
+    elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR and (
+            made := _inf_made_by_an_op(lay, fmt)) is not None:
+        yield Finding(
+            kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
+            message=(f"{lay.name} ({lay.type}) output went non-finite (inf/NaN) in "
+                     f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps "
+                     f"({F.pct(lay.overflow_frac)} of values in the worst step), while its "
+                     + ("finite values were all 0" if made == 0 else
+                        f"finite values stayed below {F.num(made)}")
+                     + f", far from {fmt}'s max: not "
+                     "values growing past the max, but an op in it that made inf/NaN "
+                     "(log(0), x/0, exp of a large value)."),
+            advice=ADVICE["activation_nonfinite"],
+            data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt,
+                  "largest_finite": made},
+        )
+    elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR:
+        yield Finding(
+            kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
+            message=(f"{lay.name} ({lay.type}) output overflows {fmt}: "
+                     f"{F.pct(lay.overflow_frac)} of values beyond the format's max "
+                     f"(worst step), non-finite in {lay.nonfinite_steps} of "
+                     f"{lay.recorded_steps} recorded steps."),
+            advice=ADVICE["activation_overflow"],
+            data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
+        )
+    elif lay.ran_low_precision and lay.headroom < HEADROOM_WARN_BITS and math.isfinite(
+            lay.absmax) and lay.absmax > 0:
+        yield Finding(
+            kind="activation_overflow", severity="warning", module=lay.name, op=None,
+            step=None,
+            message=(f"{lay.name} ({lay.type}) output comes within {lay.headroom:.2f} bits of "
+                     f"{fmt}'s max (absmax {F.num(lay.absmax)})."),
+            advice=ADVICE["activation_headroom"],
+            data={"headroom": lay.headroom, "absmax": lay.absmax, "dtype": fmt},
+        )
+    elif lay.what_if and fmt == "float16" and lay.overflow_frac > 0 and session.amp.dtype:
+        yield Finding(
+            kind="activation_overflow", severity="info", module=lay.name, op=None, step=None,
+            message=(f"{lay.name} ({lay.type}) stayed in float32; cast to {fmt} its output "
+                     f"would overflow ({F.pct(lay.overflow_frac)} of values). Keep it in "
+                     "float32."),
+            advice=ADVICE["activation_overflow"],
+            data={"overflow_frac": lay.overflow_frac, "what_if": True},
+        )
+    if lay.ran_low_precision and lay.underflow_frac > ACT_UNDERFLOW_WARN:
+        yield Finding(
+            kind="activation_underflow", severity="warning", module=lay.name, op=None,
+            step=None,
+            message=(f"{lay.name} ({lay.type}): {F.pct(lay.underflow_frac)} of output values "
+                     f"are below {fmt}'s smallest normal (subnormal or flushed)."),
+            advice=ADVICE["activation_underflow"],
+            data={"underflow_frac": lay.underflow_frac, "dtype": fmt},
+        )
+    gu = grad_underflow(lay)
+    flushed = (source is not None and source is not lay and lay.order < source.order
+               and lay.ran_low_precision and bool(lay.param_dtypes)
+               and (lay.grad_zero_frac or 0.0) > GRAD_FLUSHED_WARN)
+    if session.amp.dtype == "float16" and (
+            (gu is not None and gu > GRAD_UNDERFLOW_WARN) or flushed):
+        scaled = session.amp.scaler
+        kind = "missing_scaler" if not scaled else "gradient_underflow"
+        big = max((v for v in (lay.grad_absmax, lay.param_grad_absmax)
+                   if v is not None and math.isfinite(v)), default=None)
+        top = max((v for _, v in session.scaler.scale), default=None) if (
+            scaled and session.scaler) else None
+        if scaled and top is not None and top <= 1.0:
+            # A scale that never rose above 1 lifts nothing: "with" and "without" coincide.
+            tail = (f" although a GradScaler is on: its scale never rose above "
+                    f"{_scale(top)}, so it lifts nothing (raise `init_scale`, e.g. "
+                    "`torch.amp.GradScaler(device_type, init_scale=2.0**16)`)")
+        elif scaled:
+            gu_u = _grad_under_unscaled(lay)
+            tail = (f" even with the loss scale ({F.pct(gu_u)} would without it)"
+                    if gu_u is not None else " even with the loss scale")
+        else:
+            sc = session.scaler
+            tail = (", and the GradScaler is disabled (enabled=False"
+                    + ("; torch.cuda.amp.GradScaler disables itself without CUDA"
+                       if session.amp.device_type != "cuda" else "") + ")"
+                    if sc is not None and not sc.enabled else ", and no GradScaler is in use")
+        if gu is not None and gu > GRAD_UNDERFLOW_WARN:
+            what = (f"{F.pct(gu)} of its gradient values are below float16's smallest normal "
+                    f"({F.num(F16_SMALLEST_NORMAL)}) and lose precision or flush to zero{tail}"
+                    + (f"; its largest |gradient| is {F.num(big)}" if big else ""))
+        else:
+            assert source is not None
+            what = (f"{F.pct(lay.grad_zero_frac)} of its output-gradient values are exactly "
+                    f"zero: the gradient had already underflowed float16 in {source.name} "
+                    f"({F.pct(grad_underflow(source))} below the smallest normal), which runs "
+                    f"before it in backward, and reached this layer flushed to zero{tail}")
+        yield Finding(
+            kind=kind, severity="warning", module=lay.name, op=None, step=None,
+            message=f"{lay.name} ({lay.type}): {what}.",
+            advice=ADVICE[kind],
+            data={"grad_underflow_frac": gu, "grad_zero_frac": lay.grad_zero_frac,
+                  "flushed_after": source.name if flushed and source else None,
+                  "scaled": scaled, "grad_absmax": big},
+        )
+
+
+def _grad_under_unscaled(lay: LayerSummary) -> float | None:
+    vals = [v for v in (lay.grad_underflow_frac_unscaled if lay.ran_low_precision else None,
+                        lay.param_grad_underflow_frac_unscaled) if v is not None]
+    return max(vals) if vals else None
+
+
+def grad_underflow(lay: LayerSummary) -> float | None:
+    """Underflow of the gradients as they ran (scaled, when a scaler was in use)."""
+    vals = [v for v in (lay.grad_underflow_frac, lay.param_grad_underflow_frac) if v is not None]
+    if not vals:
+        return None
+    if lay.grad_underflow_frac is not None and not lay.ran_low_precision:
+        # An fp32 layer's output gradient is fp32 too; what matters is the
+        # gradient that flowed through low precision, i.e. its params'.
+        vals = [lay.param_grad_underflow_frac] if lay.param_grad_underflow_frac is not None \
+            else []
+        return vals[0] if vals else None
+    return max(vals)
+
+
+def run_findings(session: Session) -> Iterable[Finding]:
+    """A run that died before its first step finished is never "healthy"."""
+    if session.steps == 0 and session.run.outcome in ("exception", "interrupted", "exit") and (
+            session.run.outcome != "exit" or session.run.exit_code not in (None, 0)):
+        yield Finding(
+            kind="run_ended_early", severity="error", module=None, op=None, step=None,
+            message=(f"The run ended ({session.run.outcome}"
+                     + (f": {session.run.error}" if session.run.error else "")
+                     + f") before its first training step finished; "
+                     f"{session.recorded_steps} partial step(s) recorded. There is nothing "
+                     "to judge AMP by yet."),
+            advice=ADVICE["run_ended_early"],
+        )
+
+
+def autocast_findings(session: Session) -> Iterable[Finding]:
+    lows = any(lay.ran_low_precision for lay in session.layers)
+    if session.recorded_steps and not session.amp.autocast_seen and not lows:
+        yield Finding(
+            kind="autocast_inactive", severity="warning", module=None, op=None, step=None,
+            message=(f"No layer ran in float16 or bfloat16 in {session.recorded_steps} recorded "
+                     "steps: autocast was not active during the forward pass."),
+            advice=ADVICE["autocast_inactive"],
+        )

@@ -1,0 +1,390 @@
+"""The GradScaler's timeline -> findings: backoffs, a collapsed scale, a stuck scale.
+
+Backoffs in consecutive steps are one episode. An episode is GradScaler working as
+designed (calibration at the start, a probe right after a growth) or a problem,
+which is grouped with the others that began at the same layer. Where the
+non-finite values began comes from anomaly mode or the recorded forward pass;
+an unrecorded step is only blamed on a layer its own gradients point at.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from amp_doctor import format as F
+from amp_doctor.analysis.advice import ADVICE
+from amp_doctor.analysis.detect_layers import low_format
+from amp_doctor.analysis.thresholds import (
+    BACKOFF_RUN_COLLAPSE,
+    BACKOFF_SHARE_COLLAPSE,
+    CALIBRATION_START,
+    CALIBRATION_STEPS,
+    DEFAULT_GROWTH_INTERVAL,
+    DEFAULT_INIT_SCALE,
+    SCALE_COLLAPSE_MIN,
+    STUCK_INTERVALS,
+)
+from amp_doctor.dtypes import FORMAT_MAX
+from amp_doctor.records import Finding, ScalerEvent, Session
+
+__all__ = ["scaler_findings", "ORIGIN_RANK"]
+
+# Findings keep at most this many of their steps.
+MAX_STEPS_KEPT = 50
+
+
+def _scale(x: float | None) -> str:
+    return F.scale(x, unknown="?")
+
+
+def _culprits_of(group: list[ScalerEvent]) -> list[str]:
+    out: list[str] = []
+    for e in group:
+        for c in e.culprits:
+            if c not in out:
+                out.append(c)
+    return out
+
+
+def _normal_backoff(i: int, g: list[ScalerEvent], growths: list[ScalerEvent],
+                    last_step: int) -> str | None:
+    """Why a group of backoffs is GradScaler working as designed, or None.
+
+    * calibration: the scale starts high (2**16) and halves in the first steps
+      until the gradients fit: a short run, starting at once, that ends and
+      leaves the scale >= 1;
+    * probe: the scale grew, the next step overflowed, and one backoff put the
+      scale back where it was before the growth.
+    """
+    if any(e.forward_origin or e.loss_nonfinite for e in g):
+        # The loss itself was NaN/inf: the forward pass failed, whatever the scale.
+        return None
+    after = g[-1].scale_after
+    prev = [x for x in growths if x.step < g[0].step]
+    if (i == 0 and not prev and g[0].step < CALIBRATION_START
+            and len(g) < BACKOFF_RUN_COLLAPSE and g[-1].step < last_step
+            and not (after < SCALE_COLLAPSE_MIN)):
+        return "calibration"
+    if len(g) == 1 and prev and not (after < prev[-1].scale_before):
+        return "probe"
+    return None
+
+
+def _skips_per_optimizer(session: Session, steps: list[int]) -> str:
+    sc = session.scaler
+    if sc is None:
+        return ""
+    want = set(steps)
+    parts = [f"{name} {len(want.intersection(v))}"
+             for name, v in sc.skipped_by_optimizer.items() if want.intersection(v)]
+    return f" (skipped per optimizer: {', '.join(parts)})" if parts else ""
+
+
+# Anomaly-mode origins, in the order they happen within a step.
+ORIGIN_RANK = {"nonfinite_input": 0, "nonfinite_forward": 1, "activation_overflow": 2,
+                "nonfinite_backward": 3}
+
+
+def _origins_by_step(session: Session) -> dict[int, tuple[str, str]]:
+    """Per step, where anomaly mode saw the NaN/Inf begin: (module, how, in words)."""
+    best: dict[int, tuple[int, str, str]] = {}
+    for e in session.events:
+        rank = ORIGIN_RANK.get(e.kind)
+        if rank is None or not e.module or (
+                e.kind == "activation_overflow" and not e.data.get("hidden")):
+            continue
+        if e.kind == "nonfinite_input":
+            how = f"the batch given to {e.module} already held NaN/Inf"
+        elif e.kind == "nonfinite_backward":
+            how = (f"the backward of {e.data.get('forward_op')} in {e.module} ({e.op}) was "
+                   "the first op to go non-finite")
+        elif e.kind == "activation_overflow":
+            how = f"{e.op} overflowed inside {e.module} in the forward pass"
+        else:
+            how = f"{e.op} in {e.module} was the first op to produce NaN/Inf"
+        if e.step not in best or rank < best[e.step][0]:
+            best[e.step] = (rank, e.module, how)
+    return {step: (m, how) for step, (_, m, how) in best.items()}
+
+
+def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
+                     origins: dict[int, tuple[str, str]]) -> dict[int, tuple[str, str]]:
+    """Per backoff step: (layer where the non-finite values began, how it is known).
+
+    ``anomaly`` and ``recorded`` are seen in that very step. An unrecorded step
+    only knows which layers' parameter gradients were non-finite; it is given a
+    recorded step's origin when those layers are a subset of that step's
+    non-finite layers and cover at least half of its parameter-owning ones
+    (``inferred``); otherwise it has none. A layer is never blamed for a step
+    whose own gradients do not point at it.
+    """
+    known: dict[int, tuple[str, str]] = {}
+    for e in backoffs:
+        if e.step in origins:
+            known[e.step] = (origins[e.step][0], "anomaly")
+        elif e.forward_origin:
+            known[e.step] = (e.forward_origin, "recorded")
+    with_params = {lay.name for lay in session.layers if lay.param_dtypes}
+    refs = [(set(e.culprits), known[e.step][0]) for e in backoffs
+            if e.step in known and e.culprits]
+    for e in backoffs:
+        if e.step in known or not e.culprits:
+            continue
+        mine = set(e.culprits)
+        for theirs, where in refs:
+            if mine <= theirs and 2 * len(mine) >= len(theirs & with_params):
+                known[e.step] = (where, "inferred")
+                break
+    return known
+
+
+def _lead(e: ScalerEvent, with_params: set[str]) -> str | None:
+    """The first culprit that owns parameters: the same on recorded and unrecorded steps."""
+    return next((c for c in e.culprits if c in with_params), e.culprits[0] if e.culprits
+                else None)
+
+
+def _origin_of(evs: list[ScalerEvent], origins: dict[int, tuple[str, str]]
+               ) -> tuple[str, str] | None:
+    """Where the non-finite gradients of these backoffs began, if anything says so."""
+    for e in evs:
+        if e.step in origins:
+            return origins[e.step]
+    for e in evs:
+        if e.forward_origin:
+            return (e.forward_origin, f"{e.forward_origin}'s output went non-finite first, "
+                    "in the forward pass")
+    return None
+
+
+def _top_lead(evs: list[ScalerEvent], with_params: set[str]) -> tuple[str | None, int]:
+    """The layer that led the non-finite gradients in most backoffs (ties: the later one,
+    since it kept overflowing as the scale fell), and in how many."""
+    leads = [x for x in (_lead(e, with_params) for e in evs) if x]
+    if not leads:
+        return None, 0
+    last = {x: i for i, x in enumerate(leads)}
+    top = max(last, key=lambda x: (leads.count(x), last[x]))
+    return top, leads.count(top)
+
+
+def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
+                  lead: tuple[str | None, int, int] = (None, 0, 0)) -> str:
+    if not culprits:
+        text = ("; no watched layer had non-finite gradients (the inf/NaN was in parameters "
+                "outside the watched model(s), or the optimizer checks for inf on the device, "
+                "e.g. fused=True, so the gradients were not inspected)")
+    else:
+        shown = ", ".join(culprits[:6]) + ("..." if len(culprits) > 6 else "")
+        text = (f"; non-finite gradients in {len(culprits)} layer(s), in backward order: "
+                f"{shown}")
+        top, n, total = lead
+        if not origin and (top is None or top == culprits[0]):
+            text += f". The first, {culprits[0]}, is where they appeared: look there"
+        elif not origin:
+            text += (f". {top} came first in {n} of {total} of these backoffs (the layers "
+                     "before it stopped overflowing as the scale fell): look there")
+    if origin:
+        text += f". They began at {origin[0]}: {origin[1]}; look there"
+    return text
+
+
+def scaler_findings(session: Session) -> Iterable[Finding]:
+    sc = session.scaler
+    if sc is None or not sc.enabled:
+        return
+    backoffs = sorted((e for e in sc.events if e.kind == "backoff"), key=lambda e: e.step)
+    growths = sorted((e for e in sc.events if e.kind == "growth"), key=lambda e: e.step)
+    groups = F.consecutive_runs(backoffs)
+    last_step = session.steps - 1
+    origins = _origins_by_step(session)
+    normal: list[tuple[str, list[ScalerEvent]]] = []
+    # Episodes with the same culprits are one finding: a recurring overflow
+    # in the same layer is one problem, however often it strikes.
+    by_culprits: dict[tuple[str, ...], list[list[ScalerEvent]]] = {}
+    known = _backoff_origins(session, backoffs, origins)
+    with_params = {lay.name for lay in session.layers if lay.param_dtypes}
+    for i, g in enumerate(groups):
+        why = _normal_backoff(i, g, growths, last_step)
+        if why is not None:
+            normal.append((why, g))
+            continue
+        # Episodes are one problem when they began at the same place: the same origin,
+        # or else the same first culprit (recorded and unrecorded steps alike).
+        # (A group spanning several origins is keyed by its first.)
+        began = next((known[e.step][0] for e in g if e.step in known), None)
+        key = ("origin", began) if began else ("lead", _top_lead(g, with_params)[0] or "")
+        by_culprits.setdefault(key, []).append(g)
+    for episodes in by_culprits.values():
+        evs = [e for g in episodes for e in g]
+        culprits = _culprits_of(evs)
+        first, last = evs[0], evs[-1]
+        steps = [e.step for e in evs]
+        if len(episodes) == 1:
+            span = f"step {first.step}" if len(evs) == 1 else f"steps {first.step}-{last.step}"
+            head = (f"GradScaler backed off {len(evs)}x at {span}: the scale fell from "
+                    f"{_scale(first.scale_before)} to {_scale(last.scale_after)}")
+        else:
+            head = (f"GradScaler backed off {len(evs)}x in {len(episodes)} separate episodes "
+                    f"(steps {F.steps_list(steps)}): the scale went from "
+                    f"{_scale(first.scale_before)} before step {first.step} to "
+                    f"{_scale(last.scale_after)} after step {last.step}")
+        origin = _origin_of(evs, origins)
+        top_lead, n_lead = _top_lead(evs, with_params)
+        yield Finding(
+            kind="scaler_backoff", severity="warning",
+            # Where the non-finite values began, when known, is where to look.
+            module=origin[0] if origin else (top_lead or (culprits[0] if culprits else None)),
+            op=None,
+            step=first.step,
+            message=(f"{head}, and {len(evs)} optimizer step(s) were skipped"
+                     f"{_skips_per_optimizer(session, steps)}"
+                     f"{_culprit_text(culprits, origin, (top_lead, n_lead, len(evs)))}."),
+            advice=ADVICE["scaler_backoff"],
+            steps=steps[:MAX_STEPS_KEPT],
+            data={"culprits": culprits, "scale_before": first.scale_before,
+                  "scale_after": last.scale_after, "backoffs": len(evs),
+                  "episodes": [[g[0].step, g[-1].step] for g in episodes][:MAX_STEPS_KEPT],
+                  "forward_origin": origin[0] if origin else None},
+        )
+    if normal:
+        steps = [e.step for _, g in normal for e in g]
+        culprits = _culprits_of([e for _, g in normal for e in g])
+        cal = [g for why, g in normal if why == "calibration"]
+        probes = [g for why, g in normal if why == "probe"]
+        parts = []
+        if cal:
+            g = cal[0]
+            parts.append(f"{len(g)} while calibrating at the start (steps {g[0].step}-"
+                         f"{g[-1].step}, scale {_scale(g[0].scale_before)} -> "
+                         f"{_scale(g[-1].scale_after)})")
+        if probes:
+            parts.append(f"{len(probes)} right after a growth, each undoing it (steps "
+                         f"{F.steps_list([g[0].step for g in probes])})")
+        yield Finding(
+            kind="scaler_backoff", severity="info",
+            module=culprits[0] if culprits else None, op=None, step=steps[0],
+            message=(f"GradScaler backed off {len(steps)}x as designed: " + "; ".join(parts)
+                     + ". Each skipped one optimizer step"
+                     + (f"; layers with non-finite gradients then, in backward order: "
+                        f"{', '.join(culprits[:6])}" if culprits else "") + "."),
+            advice=("Nothing to fix: GradScaler searches for the largest scale that does not "
+                    "overflow. If the start matters, pass a lower `init_scale` to "
+                    "`torch.amp.GradScaler(device_type, init_scale=...)`."),
+            steps=steps[:MAX_STEPS_KEPT],
+            data={"culprits": culprits, "calibration": sum(len(g) for g in cal),
+                  "probes": len(probes)},
+        )
+    # Collapse: below 1, or too many backoffs after calibration, or long runs of them.
+    final = sc.scale[-1][1] if sc.scale else None
+    min_scale = min((s for _, s in sc.scale), default=None)
+    for e in backoffs:  # the timeline may be thinned; events are not
+        if not math.isnan(e.scale_after):
+            min_scale = e.scale_after if min_scale is None else min(min_scale, e.scale_after)
+    post = [e for e in backoffs if e.step >= CALIBRATION_STEPS]
+    eligible = max(session.steps - CALIBRATION_STEPS, 0)
+    # A first run that fell this far is no calibration, however early.
+    deep = (sc.init_scale or DEFAULT_INIT_SCALE) / 2 ** (2 * BACKOFF_RUN_COLLAPSE)
+    runs = [g for i, g in enumerate(groups) if len(g) >= BACKOFF_RUN_COLLAPSE and (
+        i > 0 or g[0].step >= CALIBRATION_STEPS or g[-1].step >= last_step
+        or g[-1].scale_after < deep)]
+    reasons = []
+    if min_scale is not None and min_scale < SCALE_COLLAPSE_MIN:
+        below = next((e.step for e in backoffs if e.scale_after < SCALE_COLLAPSE_MIN), None)
+        reasons.append(f"the scale fell to {_scale(min_scale)} (below "
+                       f"{SCALE_COLLAPSE_MIN:g}" + (f", first at step {below}" if below is not
+                                                    None else "") + ")")
+    if eligible >= 10 and len(post) / eligible > BACKOFF_SHARE_COLLAPSE:
+        reasons.append(f"{len(post)} backoffs in the {eligible} steps after the first "
+                       f"{CALIBRATION_STEPS} ({100 * len(post) / eligible:.0f}%)")
+    if runs:
+        g = max(runs, key=len)
+        reasons.append(f"{len(g)} backoffs in a row at steps {g[0].step}-{g[-1].step} (scale "
+                       f"{_scale(g[0].scale_before)} -> {_scale(g[-1].scale_after)})")
+    if reasons:
+        traced = [known[e.step][0] for e in backoffs if e.step in known]
+        top: str | None = None
+        if traced:
+            top = max(dict.fromkeys(traced), key=traced.count)
+            hows = [known[e.step][1] for e in backoffs if e.step in known
+                    and known[e.step][0] == top]
+            seen_n = sum(h != "inferred" for h in hows)
+            untraced = len(backoffs) - len(traced)
+            where = (f"; the non-finite values started at {top} in {len(hows)} of "
+                     f"{len(backoffs)} backoffs ({seen_n} seen in that step"
+                     + (f", {len(hows) - seen_n} inferred for unrecorded steps whose "
+                        "gradients went non-finite in the same layers" if len(hows) > seen_n
+                        else "") + ")"
+                     + (f"; {untraced} backoff(s) on unrecorded steps could not be traced "
+                        "(record every step with `every=1` to see them)" if untraced else ""))
+        else:
+            top, n_top = _top_lead(backoffs, with_params)
+            where = (f"; the first layer with non-finite gradients was {top} in "
+                     f"{n_top} of {len(backoffs)} backoffs" if top else "")
+        yield Finding(
+            kind="scale_collapse", severity="error", module=top, op=None,
+            step=backoffs[0].step if backoffs else None,
+            message=(f"Loss scale collapsed: {'; '.join(reasons)}. {len(sc.skipped_steps)} of "
+                     f"{session.steps} optimizer steps were skipped; final scale "
+                     f"{_scale(final)}{where}."),
+            advice=ADVICE["scale_collapse"],
+            steps=[e.step for e in backoffs][:MAX_STEPS_KEPT],
+            data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
+                  "skipped": len(sc.skipped_steps), "culprit": top,
+                  "origin": top if traced else None},
+        )
+    gi = sc.growth_interval or DEFAULT_GROWTH_INTERVAL
+    if reasons or (sc.growth_factor is not None and sc.growth_factor <= 1):
+        return
+    last_growth = growths[-1].step if growths else -1
+    stretch = session.steps - (last_growth + 1)
+    since = [e for e in backoffs if e.step > last_growth]
+    if stretch >= STUCK_INTERVALS * gi and since:
+        worst = _least_grad_headroom(session, final)
+        culprits = [e.culprits[0] for e in since if e.culprits]
+        top = max(dict.fromkeys(culprits), key=culprits.count) if culprits else None
+        why = (f" The scaled gradients come closest to {low_format(session)}'s max in {worst[0]}: "
+               f"{worst[1]:.2f} bits of headroom, so doubling the scale leaves "
+               f"{worst[1] - 1:.2f}." if worst else "")
+        yield Finding(
+            kind="scale_stuck", severity="warning", module=top or (worst[0] if worst else None),
+            op=None, step=since[0].step,
+            message=(f"The loss scale did not grow in the last {stretch} steps "
+                     f"({stretch / gi:.1f} growth intervals of {gi}"
+                     + (", since the growth at step " + str(last_growth) if growths else
+                        ", i.e. never") + f"); it is {_scale(final)}. {len(since)} "
+                     f"backoff(s) (steps {F.steps_list([e.step for e in since])}) each reset "
+                     f"GradScaler's count of clean steps before it reached {gi}"
+                     + (f"; the first culprit was {top}" if top else "") + "." + why),
+            advice=ADVICE["scale_stuck"],
+            steps=[e.step for e in since][:MAX_STEPS_KEPT],
+            data={"steps_without_growth": stretch, "growth_interval": gi,
+                  "backoffs": len(since), "scale": final,
+                  "least_headroom_layer": worst[0] if worst else None,
+                  "least_headroom_bits": worst[1] if worst else None},
+        )
+
+
+def _least_grad_headroom(session: Session, scale: float | None) -> tuple[str, float] | None:
+    """The layer whose scaled gradients come closest to the format's max, in bits.
+
+    Output gradients are recorded as they ran (scaled). Parameter gradients are
+    recorded unscaled; under autocast the weight gradient is computed in the
+    low-precision format before it reaches the float32 ``.grad``, so it is
+    judged at the current scale.
+    """
+    fmax = FORMAT_MAX.get(low_format(session), 65504.0)
+    best: tuple[str, float] | None = None
+    for lay in session.layers:
+        cands = []
+        if lay.grad_headroom is not None and math.isfinite(lay.grad_headroom):
+            cands.append(lay.grad_headroom)
+        pg = lay.param_grad_absmax
+        if (lay.ran_low_precision and pg and math.isfinite(pg) and scale
+                and math.isfinite(scale) and scale > 0):
+            cands.append(math.log2(fmax / (pg * scale)))
+        for h in cands:
+            if best is None or h < best[1]:
+                best = (lay.name, h)
+    return best

@@ -1,0 +1,223 @@
+"""One error per independent root cause: follow-on effects go into the origin's finding.
+
+The detectors judge each symptom on its own; this module connects them. A layer
+that only carried an earlier layer's inf/NaN on, the GradScaler's backoffs and
+collapse, a NaN loss, gradients that underflow because the scale collapsed, and a
+run that stopped because of an error become part of (or info beside) the finding
+of their origin, instead of errors and warnings with advice of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+
+from amp_doctor import format as F
+from amp_doctor.analysis.thresholds import MAX_PER_KIND
+from amp_doctor.records import Finding, Session, Severity
+
+__all__ = ["fold_follow_ons", "fold_early_end", "cap_per_kind", "EARLY_END_KINDS",
+           "ROOT_KINDS"]
+
+
+def _scale(x: object) -> str:
+    return F.scale(x if isinstance(x, (int, float)) else None, unknown="?")
+
+
+# Findings that only say the run stopped short: when an error names why it stopped
+# (fp16_params: scaler.step raised), they are that error's consequence, not a cause.
+EARLY_END_KINDS = ("run_ended_early", "no_step_boundary")
+
+
+def fold_early_end(out: list[Finding]) -> list[Finding]:
+    causes = [f for f in out if f.severity == "error" and f.kind not in EARLY_END_KINDS]
+    if not causes:
+        return out
+    return [dataclasses.replace(f, severity="info", data={**f.data,
+                                                          "follow_on_of": causes[0].kind})
+            if f.kind in EARLY_END_KINDS else f for f in out]
+
+
+def _with(f: Finding, severity: Severity | None = None, extra: str = "",
+          **data: object) -> Finding:
+    msg = f.message + (" " + extra if extra else "")
+    return replace(f, severity=severity or f.severity, message=msg, data={**f.data, **data})
+
+
+ROOT_KINDS = ("activation_overflow", "nonfinite_input", "nonfinite_forward",
+               "nonfinite_backward")
+
+
+def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
+    """One error per independent root cause; its consequences go into its finding.
+
+    * a layer whose output only carried an earlier layer's inf/NaN on (never the
+      first non-finite layer in any recorded step) is listed in that origin's finding;
+    * GradScaler backoffs, a collapsed scale and NaN losses that began at an origin
+      become info, and the origin's finding says what they cost;
+    * gradients underflowing because the scale collapsed, or because the gradients
+      were clipped while still scaled, are listed in that finding, not advised on;
+    * backoffs and a collapse that began where a NaN loss with no origin finding of
+      its own began are that loss's consequences;
+    * a backward op that went non-finite in a step whose forward pass had already
+      made inf/NaN (anomaly mode's first forward op, or the batch) is that origin's
+      consequence: the backward of a non-finite value is non-finite.
+    """
+    lay_by = {lay.name: lay for lay in session.layers}
+    origin_layers = sorted((lay for lay in session.layers if lay.overflow_origin_steps > 0),
+                           key=lambda x: x.order)
+    backward_of = _backward_follow_ons(out)
+    errors = [f for f in out if f.severity == "error" and f.kind in ROOT_KINDS
+              and id(f) not in backward_of]
+
+    def root_for_module(module: str | None) -> Finding | None:
+        for f in errors:
+            if module is not None and f.module == module:
+                return f
+        return None
+
+    carried: dict[int, list[str]] = {}
+    consequences: dict[int, list[str]] = {}
+    kept: list[Finding] = []
+    for f in out:
+        lay = lay_by.get(f.module or "")
+        if (f.kind == "activation_overflow" and f.severity == "error" and f.op is None
+                and lay is not None and lay.overflow_origin_steps == 0):
+            before = [o for o in origin_layers if o.order < lay.order]
+            root = root_for_module(before[-1].name) if before else None
+            if root is None:
+                root = next((e for e in errors if e.kind in ("nonfinite_input",
+                                                             "nonfinite_forward")), None)
+            if root is not None and root is not f:
+                carried.setdefault(id(root), []).append(lay.name)
+                continue
+        kept.append(f)
+    out = kept
+    # The scaler and the loss: consequences of the origin they name.
+    collapse = next((f for f in out if f.kind == "scale_collapse"), None)
+    clip = next((f for f in out if f.kind == "clip_before_unscale"), None)
+    # A NaN loss with no origin finding of its own (NaN made by code between the layers)
+    # is the root of the backoffs that began where it did.
+    loss_root = next((f for f in out if f.kind == "nonfinite_loss" and f.severity == "error"
+                      and isinstance(f.data.get("origin"), str)
+                      and root_for_module(f.data["origin"]) is None
+                      and not any(e.kind == "nonfinite_input" for e in errors)), None)
+    kept = []
+    for f in out:
+        origin = None
+        if f.kind == "scaler_backoff" and f.severity == "warning":
+            origin = f.data.get("forward_origin")
+        elif f.kind == "scale_collapse":
+            origin = f.data.get("origin")
+        elif f.kind == "nonfinite_loss":
+            origin = f.data.get("origin")
+        root = root_for_module(origin) if isinstance(origin, str) else None
+        if id(f) in backward_of:
+            root = backward_of[id(f)]
+        if (root is None and loss_root is not None and f is not loss_root
+                and f.kind in ("scaler_backoff", "scale_collapse")
+                and origin == loss_root.data["origin"]):
+            root = loss_root
+        if root is None and f.kind == "nonfinite_loss":
+            root = next((e for e in errors if e.kind == "nonfinite_input"), None)
+        if root is not None:
+            consequences.setdefault(id(root), []).append(_consequence(f))
+            f = _with(f, "info", follow_on_of=root.module)
+        if f.kind == "gradient_underflow" and (collapse is not None or clip is not None):
+            host = collapse if collapse is not None else clip
+            assert host is not None
+            carried.setdefault(id(host), []).append(f.module or "?")
+            continue
+        kept.append(f)
+    result = []
+    for f in kept:
+        if f.kind == "scale_collapse" and collapse is not None and id(collapse) in carried:
+            names = carried.pop(id(collapse))
+            f = _with(f, extra=(f"The gradients of {len(names)} layer(s) underflow float16 at "
+                                f"the collapsed scale ({', '.join(names[:6])}): a consequence "
+                                "of the collapse, not a reason to raise `init_scale`."),
+                      underflow_follow_ons=names)
+            collapse = f
+        elif f.kind == "clip_before_unscale" and clip is not None and id(clip) in carried:
+            names = carried.pop(id(clip))
+            f = _with(f, extra=(f"The gradients of {len(names)} layer(s) look underflowed "
+                                f"({', '.join(names[:6])}) only because they were clipped "
+                                "while scaled; unscale before clipping and look again."),
+                      underflow_follow_ons=names)
+        if id(f) in carried or id(f) in consequences:
+            names = carried.pop(id(f), [])
+            cons = consequences.pop(id(f), [])
+            extra = ""
+            if names:
+                extra += (f"{len(names)} later layer(s) only carried its inf/NaN on and are "
+                          f"not separate problems: {', '.join(names[:8])}"
+                          + ("..." if len(names) > 8 else "") + ".")
+            if cons:
+                extra += (" " if extra else "") + "Consequences: " + "; ".join(cons) + "."
+            f = _with(f, extra=extra, also_affected=names, consequences=cons)
+        result.append(f)
+    return result
+
+
+# Where NaN/inf is made in the forward pass: the backward of the step only carries it on.
+FORWARD_ORIGIN_KINDS = ("nonfinite_input", "nonfinite_forward")
+
+
+def _steps_of(f: Finding) -> list[int]:
+    return f.steps or ([f.step] if f.step is not None else [])
+
+
+def _backward_follow_ons(out: list[Finding]) -> dict[int, Finding]:
+    """Backward errors (by ``id``) that follow from a forward origin, with that origin.
+
+    The origin must be seen in the backward's own step, and be in the same module or
+    have made that step's loss non-finite: a forward -inf that a mask swallowed
+    (the loss stayed finite) does not explain a NaN in backward elsewhere.
+    """
+    roots = [f for f in out if f.severity == "error" and f.kind in FORWARD_ORIGIN_KINDS]
+    losses = [f for f in out if f.kind == "nonfinite_loss"]
+    found: dict[int, Finding] = {}
+    for b in out:
+        if b.kind != "nonfinite_backward" or b.severity != "error" or b.step is None:
+            continue
+        same_step = [r for r in roots if b.step in _steps_of(r)]
+        loss_bad = any(b.step in _steps_of(x) for x in losses)
+        root = next((r for r in same_step if r.module == b.module), None)
+        if root is None and loss_bad and same_step:
+            root = same_step[0]
+        if root is not None:
+            found[id(b)] = root
+    return found
+
+
+def _consequence(f: Finding) -> str:
+    d = f.data
+    if f.kind == "nonfinite_backward":
+        return (f"in the backward pass {f.op} ({d.get('node')}, the backward of "
+                f"{d.get('forward_op')}) then produced NaN/inf from it")
+    if f.kind == "scaler_backoff":
+        return (f"GradScaler backed off {d.get('backoffs', f.count)}x and skipped that many "
+                f"optimizer steps (scale {_scale(d.get('scale_before'))} -> "
+                f"{_scale(d.get('scale_after'))})")
+    if f.kind == "scale_collapse":
+        return (f"the loss scale collapsed to {_scale(d.get('final_scale'))} "
+                f"({d.get('skipped')} optimizer steps skipped)")
+    if f.kind == "nonfinite_loss":
+        return (f"the loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
+                "steps checked")
+    return f.kind
+
+
+def cap_per_kind(findings: list[Finding]) -> list[Finding]:
+    by_kind: dict[str, list[Finding]] = {}
+    for f in findings:
+        by_kind.setdefault(f.kind, []).append(f)
+    out: list[Finding] = []
+    for fs in by_kind.values():
+        out.extend(fs[:MAX_PER_KIND])
+        if len(fs) > MAX_PER_KIND:
+            last = fs[MAX_PER_KIND - 1]
+            rest = len(fs) - MAX_PER_KIND + 1
+            out[-1] = Finding(**{**last.__dict__, "count": rest,
+                                  "message": last.message + f" (and {rest - 1} more like it)"})
+    return out

@@ -1,0 +1,308 @@
+"""What a run-time event says: one message function per event kind, in a registry.
+
+Hooks and patches record :class:`~amp_doctor.records.Event` objects (clip before
+unscale, a NaN loss, the op anomaly mode found); :func:`event_message` turns one
+into the sentence a finding carries, with the numbers. Each kind registers its own
+function with :func:`message_for`, as flop_counter registers one formula per op,
+so a new kind is one decorated function, not one more branch of a long chain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+from amp_doctor import format as F
+from amp_doctor.records import Event
+
+__all__ = ["MESSAGES", "MessageArgs", "event_message", "message_for", "nonfinite_what"]
+
+
+class MessageArgs(NamedTuple):
+    """What every message function gets: the first event of its group and the group's size."""
+
+    event: Event
+    # How many times it happened (the group's size, or the event's own count).
+    n: int
+    # "at step 3", or "first at step 3" for a group.
+    at: str
+    # Every step it happened at (may be empty).
+    steps: list[int]
+
+
+# A message function may return None: the event then falls back to its own text.
+MessageFn = Callable[[MessageArgs], "str | None"]
+MESSAGES: dict[str, MessageFn] = {}
+
+
+def message_for(*kinds: str) -> Callable[[MessageFn], MessageFn]:
+    """Register the decorated function as the message of these event kinds."""
+
+    def register(fn: MessageFn) -> MessageFn:
+        for kind in kinds:
+            MESSAGES[kind] = fn
+        return fn
+
+    return register
+
+
+def event_message(e: Event, n: int, steps: list[int] | None = None) -> str:
+    """The message of a group of ``n`` events of one kind, ``e`` the first of them."""
+    at = f"first at step {e.step}" if n > 1 else f"at step {e.step}"
+    fn = MESSAGES.get(e.kind)
+    text = fn(MessageArgs(e, n, at, steps or [])) if fn else None
+    if text is not None:
+        return text
+    own = e.data.get("message")
+    if own:
+        return str(own) + (f" ({n - 1} more like it)" if n > 1 else "")
+    return f"{e.kind} at step {e.step}"
+
+
+def _scale(x: object) -> str:
+    return F.scale(x if isinstance(x, (int, float)) else None, unknown="?")
+
+
+def nonfinite_what(d: dict[str, object]) -> str:
+    """``NaN/+inf``: which non-finite values an event saw."""
+    parts = [w for w, k in (("NaN", "nan"), ("+inf", "pos_inf"), ("-inf", "neg_inf"),
+                            ("inf", "inf")) if d.get(k)]
+    return "/".join(parts) or "non-finite values"
+
+
+# -- GradScaler misuse -----------------------------------------------------------------------
+
+@message_for("clip_before_unscale")
+def _clip_before_unscale(a: MessageArgs) -> str:
+    d = a.event.data
+    func = d.get("func", "clip_grad_norm_")
+    scale = d.get("scale")
+    msg = (f"{func} ran on gradients still multiplied by the loss scale "
+           f"({_scale(scale)}): {F.times(a.n)}, {a.at}, with no "
+           "scaler.unscale_(optimizer) before it.")
+    mx, tn, cv = d.get("max_norm"), d.get("total_norm"), d.get("clip_value")
+    if not isinstance(scale, (int, float)) or not scale:
+        return msg
+    if isinstance(mx, (int, float)) and isinstance(tn, (int, float)) and math.isfinite(tn):
+        msg += (f" The total norm it saw was {F.num(tn)} (scaled; {F.num(tn / scale)} "
+                f"unscaled) against max_norm={F.num(mx)}")
+        msg += (f", so the gradients were cut to norm {F.num(mx / scale)} instead of "
+                f"{F.num(mx)}." if tn > mx else
+                f": clipping would start only at an unscaled norm of {F.num(mx / scale)}.")
+    elif isinstance(mx, (int, float)):
+        msg += (f" max_norm={F.num(mx)} applied to scaled gradients means an unscaled "
+                f"max_norm of {F.num(mx / scale)}.")
+    elif isinstance(cv, (int, float)):
+        msg += (f" clip_value={F.num(cv)} applied to scaled gradients means the unscaled "
+                f"gradients were clipped at {F.num(cv / scale)}.")
+    return msg
+
+
+@message_for("scaler_with_bf16")
+def _scaler_with_bf16(a: MessageArgs) -> str:
+    return (f"A GradScaler (scale {_scale(a.event.data.get('scale'))}) is enabled while "
+            "autocast runs in bfloat16, whose range equals float32's: the scaler only costs a "
+            "host sync per step.")
+
+
+@message_for("fp16_params")
+def _fp16_params(a: MessageArgs) -> str:
+    d = a.event.data
+    numel = d.get("numel")
+    size = f" ({numel:,} values)" if isinstance(numel, int) else ""
+    return (f"{d.get('count', '?')} of the {d.get('total', '?')} parameters of "
+            f"{d.get('optimizer', 'the optimizer')}{size} have float16 gradients (the "
+            "parameters are float16, e.g. after model.half()) while a GradScaler is "
+            "enabled: scaler.unscale_ (which scaler.step calls) raises 'Attempting to "
+            f"unscale FP16 gradients.' ({a.at}). GradScaler refuses them because unscaling "
+            "in float16 would underflow or overflow, and float16 weights lose the small "
+            "updates anyway.")
+
+
+@message_for("scheduler_on_skipped_step")
+def _scheduler_on_skipped_step(a: MessageArgs) -> str:
+    d = a.event.data
+    scale = ""
+    if d.get("scale_before") is not None:
+        scale = f" (scale {_scale(d.get('scale_before'))}"
+        scale += (f" -> {_scale(d.get('scale_after'))})" if d.get("scale_after")
+                  is not None else ")")
+    return (f"{d.get('scheduler', 'LR scheduler')}.step() ran for "
+            f"{d.get('optimizer', 'the optimizer')} after GradScaler skipped its optimizer "
+            f"step: {F.times(a.n)}, first for the skipped step {d.get('skipped_step')}{scale}. "
+            "The learning-rate schedule advanced although the parameters did not change.")
+
+
+@message_for("loss_not_scaled")
+def _loss_not_scaled(a: MessageArgs) -> str:
+    d = a.event.data
+    scale = _scale(d.get("scale"))
+    return (f"backward() ran on a loss that did not go through scaler.scale() while "
+            f"GradScaler was enabled (scale {scale}): in {a.n} step(s), {a.at}. "
+            f"scaler.step then divides those gradients by {scale}, so the "
+            "update is that many times too small"
+            + (" (the step mixed scaled and unscaled gradients)" if d.get("scaled_too")
+               else "") + ".")
+
+
+@message_for("backward_in_autocast")
+def _backward_in_autocast(a: MessageArgs) -> str:
+    d = a.event.data
+    return (f"backward() was called inside an enabled torch.autocast region "
+            f"(device {d.get('device')}, dtype {d.get('dtype')}) in {a.n} step(s), {a.at}.")
+
+
+@message_for("missing_update")
+def _missing_update(a: MessageArgs) -> str:
+    e, d = a.event, a.event.data
+    reason = d.get("reason")
+    opt = d.get("optimizer", "the optimizer")
+    if reason == "never updated":
+        return (f"scaler.step() ran {d.get('steps_total')} time(s) but scaler.update() "
+                f"never ran: the scale stayed at {_scale(d.get('scale'))} and never "
+                "adapted; the next scaler.step would raise 'step() has already been called "
+                "since the last update()'.")
+    if reason == "step twice":
+        return (f"scaler.step({opt}) was called again at step {e.step} without "
+                "scaler.update() since the previous scaler.step: torch raises 'step() has "
+                "already been called since the last update()'"
+                + (f" ({a.n} times)" if a.n > 1 else "") + ".")
+    if reason == "unscale_ after step":
+        return (f"scaler.unscale_({opt}) was called at step {e.step} after "
+                "scaler.step() without scaler.update() in between: torch raises "
+                "'unscale_() is being called after step()'.")
+    return (f"scaler.unscale_({opt}) was called twice at step {e.step} without "
+            "scaler.update() in between (e.g. in every micro-step of gradient "
+            "accumulation): torch raises 'unscale_() has already been called on this "
+            "optimizer since the last update()'. Call unscale_ once, right before "
+            "clipping and scaler.step.")
+
+
+@message_for("scaled_grads_stepped")
+def _scaled_grads_stepped(a: MessageArgs) -> str:
+    d = a.event.data
+    scale = _scale(d.get("scale"))
+    return (f"{d.get('optimizer', 'The optimizer')}.step() ran on gradients still "
+            f"multiplied by the loss scale ({scale}): "
+            "scaler.scale(loss).backward() was followed by optimizer.step() with neither "
+            f"scaler.unscale_ nor scaler.step ({F.times(a.n)}, {a.at}). Every update is "
+            f"{scale} times too large, steps with inf/NaN gradients "
+            "are not skipped, and the scale never adapts.")
+
+
+# -- the loop and the weights ------------------------------------------------------------------
+
+@message_for("nonfinite_loss")
+def _nonfinite_loss(a: MessageArgs) -> str:
+    e, d = a.event, a.event.data
+    if e.module:
+        where = (f"It first appeared in {e.module}'s output, the first watched layer to go "
+                 f"non-finite (seen on recorded step {d.get('recorded_at')})")
+    elif d.get("recorded_at") is not None:
+        where = ("Every watched layer's output was finite when it was NaN/inf (recorded "
+                 f"step {d.get('recorded_at')}): it appeared outside the watched modules, "
+                 "in the loss computation or in code between the model and the loss")
+    else:
+        where = ("No recorded step had it, so where it appeared is unknown (record every "
+                 "step with `every=1`, or use anomaly mode)")
+    return (f"The loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
+            f"step(s) whose loss was checked (recorded or skipped steps; "
+            f"{d.get('steps')} steps in all), first at step {e.step}. {where}.")
+
+
+@message_for("no_step_boundary")
+def _no_step_boundary(a: MessageArgs) -> str:
+    return ("No training step was seen to end: no optimizer.step(), no scaler.update(), "
+            "no doctor.step()" + (", although backward ran" if a.event.data.get("backward")
+                                  else "")
+            + ". The figures below cover everything as one unfinished step.")
+
+
+@message_for("steps_from_backward")
+def _steps_from_backward(a: MessageArgs) -> str:
+    return (f"No optimizer or GradScaler was seen: {a.event.data.get('steps')} step(s) were "
+            "counted from the loop itself (a backward reaching the watched parameters, then "
+            "the weights updated or the gradients reset before the next forward).")
+
+
+@message_for("lowp_updates_lost")
+def _lowp_updates_lost(a: MessageArgs) -> str:
+    d = a.event.data
+    dtypes = d.get("dtypes")
+    dts = "/".join(dtypes if isinstance(dtypes, list) and dtypes else ["float16"])
+    frac = d.get("frac")
+    return (f"The weights are {dts} and the optimizer updates them in place: "
+            f"{F.pct(frac if isinstance(frac, (int, float)) else None)} of the sampled weight "
+            f"values with a non-zero gradient did not change at all in the recorded optimizer "
+            f"steps ({d.get('unchanged')} of {d.get('sampled')}). The updates are below "
+            f"{dts}'s resolution next to the weights, so most of the model does not train.")
+
+
+@message_for("nonfinite_unlocated")
+def _nonfinite_unlocated(a: MessageArgs) -> str:
+    d = a.event.data
+    return (f"NaN/Inf was seen in {d.get('count', a.n)} step(s) (first at step "
+            f"{a.event.step}) but anomaly mode could not locate the op that produced it: "
+            f"{d.get('reason')}.")
+
+
+# -- where NaN/Inf began (anomaly mode, or the recorded batch) --------------------------------
+
+def _op_range(d: dict[str, object]) -> str:
+    if d.get("input_absmax") is None:
+        return ""
+    return (f" from finite {d.get('dtype')} inputs (min {_num(d.get('input_min'))}, "
+            f"max {_num(d.get('input_max'))}, absmax {_num(d.get('input_absmax'))})")
+
+
+def _num(x: object) -> str:
+    return F.num(x if isinstance(x, (int, float)) else None)
+
+
+def _where(e: Event) -> str:
+    return f"in {e.module}" if e.module else "outside the watched model (in the training loop)"
+
+
+def _op_steps(a: MessageArgs) -> str:
+    return f"in {a.n} step(s), {a.at}" if a.n > 1 else a.at
+
+
+@message_for("nonfinite_input")
+def _nonfinite_input(a: MessageArgs) -> str:
+    e, d = a.event, a.event.data
+    if d.get("detected") == "recorded step":
+        return (f"The batch given to {e.module} already held {nonfinite_what(d)} ({a.at}"
+                + (f", in {a.n} recorded steps" if a.n > 1 else "") + "): the data was "
+                "non-finite before any layer ran, so the layers' NaN/inf outputs only carried "
+                "it on.")
+    return (f"The batch passed to {e.module} already holds {nonfinite_what(d)} "
+            f"({_op_steps(a)}): it came from the data, not from a layer.")
+
+
+@message_for("nonfinite_backward")
+def _nonfinite_backward(a: MessageArgs) -> str:
+    e, d = a.event, a.event.data
+    return (f"In the backward pass, {e.op} (part of {d.get('node')}, the backward of "
+            f"{d.get('forward_op')} {_where(e)}) produced {nonfinite_what(d)}{_op_range(d)}, "
+            f"{_op_steps(a)}. This is the first backward op to go non-finite; the layers "
+            "before it in backward order only passed it on.")
+
+
+@message_for("activation_overflow")
+def _hidden_overflow(a: MessageArgs) -> str | None:
+    e, d = a.event, a.event.data
+    if not d.get("hidden"):
+        return None
+    return (f"{e.op} {_where(e)} overflowed to {nonfinite_what(d)}{_op_range(d)}, "
+            f"{_op_steps(a)}, while {e.module}'s output stayed finite: a later op saturated "
+            "it, so module-level stats miss it. The backward of this op is where NaN usually "
+            "appears next.")
+
+
+@message_for("nonfinite_forward")
+def _nonfinite_forward(a: MessageArgs) -> str:
+    e, d = a.event, a.event.data
+    tail = f" {e.module}'s output stayed finite." if d.get("module_output_finite") else ""
+    return (f"{e.op} {_where(e)} was the first op to produce {nonfinite_what(d)}"
+            f"{_op_range(d)}, {_op_steps(a)}; every op after it only passed it on.{tail}")

@@ -1,0 +1,253 @@
+"""What another format would do: float16 for a bfloat16 run, and FP8 readiness.
+
+Everything here is a **simulation from the recorded histograms**, not a run
+in that format: each layer's float32-exponent histogram (summed over the
+recorded steps) says how many values fall below or beyond a format's limits,
+and the per-step absolute maxima say how a per-tensor scale would move.
+
+FP8 follows TransformerEngine's delayed per-tensor scaling: before a cast,
+values are multiplied by ``scale = format max / amax``, with ``amax`` the
+largest absolute value over a window of recent steps (:data:`FP8_AMAX_WINDOW`).
+Activations and weights use e4m3, gradients e5m2. What the table shows per
+layer: the share of values that would flush to zero after scaling, the share
+that would be subnormal (precision lost), how far the amax moved over the run
+(the spread, in bits), and in how many steps the amax outran the delayed
+scale (values that would saturate).
+
+Pure Python on a :class:`~amp_doctor.records.Session`; no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+from amp_doctor import format as F
+from amp_doctor.records import Finding, LayerSummary, Session, Severity
+
+__all__ = ["Format", "FORMATS", "Fp8Row", "fp8_rows", "float16_rows", "render_fp8_table",
+           "whatif_findings", "TARGET_DTYPES"]
+
+F32_BIAS = 127
+N_BINS = 256
+# Steps of amax history behind each delayed scale (TransformerEngine's amax_history_len
+# is longer; with one step in ten recorded, 16 recorded steps span 160 training steps).
+FP8_AMAX_WINDOW = 16
+# A layer is listed when at least this share of its values overflows, flushes to zero
+# (FP8), or falls below the smallest normal (float16; small outputs are common, so
+# the bar is higher).
+AFFECTED_SHARE = 0.001
+UNDERFLOW_SHARE = 0.01
+# A float16 run would scale its gradients with a GradScaler; judge them at its default
+# init_scale (2**16), not unscaled as a bfloat16 run holds them.
+FP16_GRAD_SCALE_LOG2 = 16
+# Delayed scaling saturates the values above the window's amax; a step counts as
+# "outran the scale" only when its amax exceeds the window's by more than this factor.
+AMAX_OUTRUN_FACTOR = 2.0
+# The listed layers in a finding's message; the rest are in its data.
+MAX_LISTED = 8
+TARGET_DTYPES = ("float16", "float8")
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    max: float
+    normal_exp: int  # log2 of the smallest normal
+    subnormal_exp: int  # log2 of the smallest subnormal
+
+
+FORMATS: dict[str, Format] = {
+    "float16": Format("float16", 65504.0, -14, -24),
+    "bfloat16": Format("bfloat16", 3.3895313892515355e38, -126, -133),
+    "e4m3": Format("e4m3", 448.0, -6, -9),
+    "e5m2": Format("e5m2", 57344.0, -14, -16),
+}
+
+
+def _shares(hist: list[int], fmt: Format, shift: float = 0.0) -> tuple[float, float, float]:
+    """(below smallest subnormal/2 -> zero, subnormal, beyond max) shares of the non-zero values.
+
+    Bin ``b`` holds ``|x|`` in ``[2**(b-127), 2**(b-126))``; after multiplying by
+    ``2**shift`` a bin counts as flushed when its top edge is at most half the
+    smallest subnormal, as subnormal when its top edge is at most the smallest
+    normal, and as beyond the max when its bottom edge is at least the max.
+    Bin 0 (zeros and float32 subnormals) and bin 255 (inf/NaN) are left out.
+    """
+    total = sum(hist[1:N_BINS - 1])
+    if total <= 0:
+        return 0.0, 0.0, 0.0
+    zero = sub = over = 0.0
+    log_max = math.log2(fmt.max)
+    for b in range(1, N_BINS - 1):
+        n = hist[b]
+        if not n:
+            continue
+        lo = b - F32_BIAS + shift
+        hi = lo + 1
+        if hi <= fmt.subnormal_exp - 1:
+            zero += n
+        elif hi <= fmt.normal_exp:
+            sub += n
+        elif lo >= log_max:
+            over += n
+    return zero / total, sub / total, over / total
+
+
+@dataclass(frozen=True)
+class Fp8Row:
+    layer: str
+    tensor: str  # activation | gradient
+    format: str  # e4m3 | e5m2
+    zero_share: float  # flushed to zero after per-tensor scaling
+    subnormal_share: float
+    amax_spread_bits: float | None  # log2(max amax / min amax) over recorded steps
+    steps_amax_beyond_scale: int  # steps whose amax outran the delayed window's
+    recorded: int
+
+
+def _amaxes(s: Session, name: str, grad: bool) -> list[float]:
+    out = []
+    for r in s.history:
+        ls = r.layers.get(name)
+        st = (ls.grad if grad else ls.act) if ls is not None else None
+        if st is not None and math.isfinite(st.absmax) and st.absmax > 0:
+            out.append(st.absmax)
+    return out
+
+
+def _fp8_row(s: Session, lay: LayerSummary, grad: bool) -> Fp8Row | None:
+    hist = lay.grad_exp_hist if grad else lay.act_exp_hist
+    if not hist or sum(hist[1:N_BINS - 1]) <= 0:
+        return None
+    fmt = FORMATS["e5m2" if grad else "e4m3"]
+    amaxes = _amaxes(s, lay.name, grad)
+    amax = max(amaxes) if amaxes else (lay.grad_absmax if grad else lay.absmax)
+    if amax is None or not math.isfinite(amax) or amax <= 0:
+        return None
+    # The most conservative scale the window ever had: the run's largest amax.
+    shift = math.log2(fmt.max / amax)
+    zero, sub, _ = _shares(hist, fmt, shift)
+    beyond = sum(1 for i in range(1, len(amaxes))
+                 if amaxes[i] > AMAX_OUTRUN_FACTOR * max(amaxes[max(0, i - FP8_AMAX_WINDOW):i]))
+    spread = math.log2(max(amaxes) / min(amaxes)) if len(amaxes) >= 2 else None
+    return Fp8Row(lay.name, "gradient" if grad else "activation", fmt.name, zero, sub,
+                  spread, beyond, len(amaxes))
+
+
+def fp8_rows(s: Session) -> list[Fp8Row]:
+    """FP8 readiness of every layer autocast ran in low precision."""
+    rows = []
+    for lay in s.layers:
+        if not lay.ran_low_precision or lay.passthrough:
+            continue
+        for grad in (False, True):
+            row = _fp8_row(s, lay, grad)
+            if row is not None:
+                rows.append(row)
+    return rows
+
+
+@dataclass(frozen=True)
+class Fp16Row:
+    layer: str
+    tensor: str
+    overflow_share: float
+    underflow_share: float  # below float16's smallest normal (flushed or subnormal)
+
+
+def float16_rows(s: Session) -> list[Fp16Row]:
+    """Layers of a bfloat16 run whose values would leave float16's range."""
+    fmt = FORMATS["float16"]
+    rows = []
+    for lay in s.layers:
+        if not lay.ran_low_precision or lay.passthrough:
+            continue
+        for tensor, hist in (("activation", lay.act_exp_hist), ("gradient", lay.grad_exp_hist)):
+            if not hist:
+                continue
+            shift = FP16_GRAD_SCALE_LOG2 if tensor == "gradient" else 0
+            zero, sub, over = _shares(hist, fmt, shift)
+            if over >= AFFECTED_SHARE or zero + sub >= UNDERFLOW_SHARE:
+                rows.append(Fp16Row(lay.name, tensor, over, zero + sub))
+    return rows
+
+
+def render_fp8_table(s: Session, max_rows: int = 24) -> str:
+    """The FP8 readiness table for the text report (worst first); empty if nothing ran low."""
+    from tabulate import tabulate
+
+    rows = sorted(fp8_rows(s), key=lambda r: (-r.zero_share, -r.steps_amax_beyond_scale))
+    if not rows:
+        return ""
+    body = [[r.layer, r.tensor, r.format, F.pct(r.zero_share), F.pct(r.subnormal_share),
+             "-" if r.amax_spread_bits is None else f"{r.amax_spread_bits:.1f}",
+             f"{r.steps_amax_beyond_scale}/{max(r.recorded - 1, 0)}"] for r in rows[:max_rows]]
+    table = tabulate(body, headers=["layer", "tensor", "format", "to zero", "subnormal",
+                                    "amax spread (bits)", "amax > 2x scale"],
+                     tablefmt="simple", disable_numparse=True)
+    more = f"\n... {len(rows) - max_rows} more in the JSON report" if len(rows) > max_rows else ""
+    return ("FP8 readiness, simulated from the recorded histograms (per-tensor delayed "
+            f"scaling over {FP8_AMAX_WINDOW} recorded steps; not FP8 training):\n"
+            + table + more)
+
+
+def _listed(items: Iterable[str]) -> str:
+    items = list(items)
+    more = f", and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else ""
+    return ", ".join(items[:MAX_LISTED]) + more
+
+
+def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
+    """``info`` findings for float16 (bfloat16 runs) and FP8; ``warning`` for ``target``."""
+    out: list[Finding] = []
+    if s.amp.dtype == "bfloat16":
+        rows = float16_rows(s)
+        if rows:
+            sev: Severity = "warning" if target == "float16" else "info"
+            over = [r for r in rows if r.overflow_share >= AFFECTED_SHARE]
+            under = [r for r in rows if r.underflow_share >= UNDERFLOW_SHARE]
+            parts = []
+            if over:
+                parts.append("beyond float16's max (65504): " + _listed(
+                    f"{r.layer} {r.tensor}s {F.pct(r.overflow_share)}" for r in over))
+            if under:
+                parts.append("below float16's smallest normal (6.1e-05): " + _listed(
+                    f"{r.layer} {r.tensor}s {F.pct(r.underflow_share)}" for r in under))
+            out.append(Finding(
+                kind="whatif_float16", severity=sev, module=rows[0].layer, op=None, step=None,
+                message=("Simulated from the recorded histograms (gradients as a GradScaler at "
+                         f"2^{FP16_GRAD_SCALE_LOG2} would hold them), in float16 this bfloat16 "
+                         "run would put values " + "; ".join(parts) + "."),
+                advice=("Stay on bfloat16, or before moving to float16 keep the overflowing "
+                        "layers in float32 and use a GradScaler for the gradients."),
+                data={"rows": [asdict(r) for r in rows]},
+            ))
+    rows8 = fp8_rows(s)
+    bad = [r for r in rows8 if r.zero_share >= AFFECTED_SHARE or r.steps_amax_beyond_scale > 0]
+    # The table itself renders with every report; a finding only when it says something.
+    if rows8 and (bad or target == "float8"):
+        sev8: Severity = "warning" if target == "float8" else "info"
+        if bad:
+            listed = _listed(
+                f"{r.layer} {r.tensor}s ({r.format}: {F.pct(r.zero_share)} to zero"
+                + (f", amax outran the scale in {r.steps_amax_beyond_scale} steps"
+                   if r.steps_amax_beyond_scale else "") + ")" for r in bad)
+            msg = (f"FP8 simulation (per-tensor delayed scaling, amax window "
+                   f"{FP8_AMAX_WINDOW} recorded steps; not FP8 training): {len(bad)} of "
+                   f"{len(rows8)} tensors would lose values: {listed}.")
+        else:
+            msg = (f"FP8 simulation (per-tensor delayed scaling; not FP8 training): all "
+                   f"{len(rows8)} low-precision tensors keep at least "
+                   f"{100 - AFFECTED_SHARE * 100:g}% of their values after scaling.")
+            sev8 = "info"
+        out.append(Finding(
+            kind="fp8_readiness", severity=sev8, module=bad[0].layer if bad else None, op=None,
+            step=None, message=msg,
+            advice=("Layers that lose values to zero need a finer scale (per-channel or "
+                    "per-block scaling) or must stay in 16-bit; a large amax spread or an "
+                    "amax that outruns the scale needs a shorter amax window."),
+            data={"rows": [asdict(r) for r in rows8], "window": FP8_AMAX_WINDOW},
+        ))
+    return out

@@ -1,0 +1,76 @@
+"""What one anomaly check reads: op entries, root-model batches and per-step flags.
+
+Everything since the last check is gathered into one device bool vector, so a
+recorded step carries it in its single host copy (its sum), and a healthy
+window costs no sync of its own. Only a flagged window is read in full.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from amp_doctor.anomaly.origins import OpWindow, origin_flags, stack_rows
+from amp_doctor.anomaly.stepcheck import RootCall, StepFlag
+from amp_doctor.anomaly.userframes import format_frames
+from amp_doctor.records import Event
+
+__all__ = ["CheckWindow", "gather", "input_event"]
+
+
+@dataclass
+class CheckWindow:
+    """Everything checked together: op entries, root calls, per-step gradient flags.
+
+    ``flags`` is one device bool vector over the three, in that order (then the
+    weight flags); ``call_rows`` the root calls' (min, max) rows, fetched with the
+    flags when anything was flagged.
+    """
+
+    ops: OpWindow
+    calls: list[RootCall]
+    grads: list[StepFlag]
+    flags: torch.Tensor
+    op_rows: torch.Tensor | None
+    call_rows: torch.Tensor | None
+    weights: list[StepFlag] = field(default_factory=list)
+
+
+def gather(p: OpWindow, calls: list[RootCall], grads: list[StepFlag],
+           weights: list[StepFlag]) -> CheckWindow | None:
+    """One window's flags on the device (no sync); None if there is nothing to check."""
+    parts: list[torch.Tensor] = []
+    op_rows = call_rows = None
+    if p.entries:
+        op_flags, op_rows = origin_flags(p, p.entries)
+        parts.append(op_flags)
+    if calls:
+        call_rows = stack_rows([c.row for c in calls])
+        # The batch: NaN or +inf is bad data; -inf is how masks are written.
+        parts.append(torch.isnan(call_rows).any(1) | (call_rows[:, 1] == math.inf))
+    sums = [g.value for g in grads] + [g.value for g in weights]
+    if not parts and not sums:
+        return None
+    # Gather on an accelerator if there is one: a copy to the CPU would sync.
+    home = next((x.device for x in parts + sums if x.device.type != "cpu"),
+                (parts + sums)[0].device)
+    if sums:
+        parts.append(~torch.isfinite(torch.stack([s.to(home) for s in sums])))
+    flags = torch.cat([x.to(home) for x in parts])
+    return CheckWindow(p, calls, grads, flags, op_rows, call_rows, weights)
+
+
+def input_event(c: RootCall, row: torch.Tensor) -> Event:
+    """The ``nonfinite_input`` event for a root call whose batch (host ``row``) was bad."""
+    lo, hi = float(row[0]), float(row[1])
+    nan = math.isnan(lo) or math.isnan(hi)
+    data: dict[str, Any] = {
+        "dtype": c.dtype, "nan": nan, "pos_inf": hi == math.inf, "neg_inf": lo == -math.inf,
+        "frames": format_frames(c.frames),
+        "output_min": lo, "output_max": hi,
+    }
+    frame = data["frames"][0] if data["frames"] else None
+    return Event(kind="nonfinite_input", step=c.step, module=c.module, frame=frame, data=data)

@@ -1,0 +1,492 @@
+"""Anomaly mode: the first op that produced a NaN/Inf, forward or backward.
+
+``torch.autograd.detect_anomaly`` is backward-only, captures a Python
+traceback for every autograd node, aborts the run and names a node rather
+than a module. A forward hook only sees module outputs, so an op that
+overflows *inside* a module whose output stays finite (a cube in a tanh-GELU)
+goes unseen until its backward turns NaN.
+
+Two levels, so that a healthy run pays almost nothing:
+
+* **The per-step check** runs on every step, on the device, without a sync:
+  one (min, max) reduction of the batch given to each root model, and one
+  ``_foreach_norm`` over the watched parameters' gradients at the step
+  boundary (NaN/Inf anywhere in forward or backward ends up there). The flags
+  ride in the next recorded step's single host copy; a step the GradScaler
+  skipped is known on the host at once (the scaler synced for it already).
+* **The op-level search** is a private :class:`TorchDispatchMode` that sees
+  every aten op after autocast cast its inputs, backward ops included, and
+  keeps a (min, max) summary of each floating output. It runs on the first
+  step (which also records which aten ops ran in which dtype), then only
+  when the per-step check saw a non-finite value: it is *armed for the next
+  steps*, up to :data:`MAX_SEARCH_STEPS` of them, until it has named an
+  origin. Re-running the failing step instead would need the user's RNG,
+  optimizer and data-loader state rolled back, which cannot be done without
+  changing the run; so a non-finite value that never comes back is reported
+  as seen but not located (``nonfinite_unlocated``). After a search the next
+  one waits a cool-down that doubles each time, so a problem that persists on
+  every step costs a few searched steps in total, not a slower run.
+
+An op is an *origin* (a producer, not a propagator) when an output is
+non-finite while every floating input was finite, and no infinity came in as
+a constant (``masked_fill(mask, -inf)``, ``full(..., -inf)``, ``where``):
+intentional infinities, and the ``max``/``softmax`` that consume them, are
+therefore never reported. The user can allow more ops or modules by name.
+
+Host syncs: none on a healthy unrecorded step; on a recorded step one device
+scalar (how many things were flagged) rides along in the step's single host
+copy (:meth:`AnomalyMode.flagged_count`). Only an abnormal step, or a
+searched step that is not recorded, costs more. In ``on_nonfinite="raise"``
+mode every op of every step is checked at once, one sync per op, so that the
+exception is raised where the NaN/Inf appears.
+
+Torch's own anomaly mode is never switched on, and its flags are never
+touched.
+
+The parts, one module each: :mod:`~amp_doctor.anomaly.stepcheck` (the per-step
+check), :mod:`~amp_doctor.anomaly.oprecord` (the op-level search's per-op recording,
+in the private dispatch mode of :mod:`~amp_doctor.anomaly.dispatchstack`),
+:mod:`~amp_doctor.anomaly.origins` (which op is an origin, and its event),
+:mod:`~amp_doctor.anomaly.checkwindow` (what one check reads, as one device vector),
+:mod:`~amp_doctor.anomaly.events` (the events kept) and
+:mod:`~amp_doctor.anomaly.userframes` (the user's frames). This module is the public
+:class:`AnomalyMode`, which schedules them.
+
+Left as they are: the user's own dispatch modes (ours is entered *below*
+them and removed from wherever it is, so their ``__exit__`` pops their own
+mode), other threads (dispatch modes are thread-local; hooks called from a
+thread other than the one that opened the watch are ignored), and
+``torch.compile``: the mode says ``ignore_compile_internals``, so a compiled
+region runs compiled, with the same random numbers, and its inner ops are
+not searched; module ends come from the probes' own hooks (no global module
+hook of ours for dynamo to trace or guard on), so a compiled model gets no
+extra graph break or recompile.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from amp_doctor.anomaly.checkwindow import CheckWindow, gather, input_event
+from amp_doctor.anomaly.dispatchstack import OpMode, enter_below_user_modes, remove_mode
+from amp_doctor.anomaly.events import EventLog, one_line
+from amp_doctor.anomaly.oprecord import OpRecorder, summarizable
+from amp_doctor.anomaly.origins import (
+    MAX_ORIGINS_PER_CHECK,
+    OpEntry,
+    OpWindow,
+    origin_flags,
+    report_origins,
+)
+from amp_doctor.anomaly.stepcheck import RootCall, StepCheck
+from amp_doctor.anomaly.userframes import MAX_USER_FRAMES
+from amp_doctor.devicework import count_sync, iter_tensors, own_ops
+from amp_doctor.dtypes import dtype_name
+from amp_doctor.errors import AmpDoctorError, NonFiniteError
+from amp_doctor.hooks import moduleends
+from amp_doctor.records import Event
+
+__all__ = [
+    "AnomalyMode",
+    "MAX_PENDING_ENTRIES",
+    "MAX_ORIGINS_PER_CHECK",
+    "MAX_USER_FRAMES",
+    "MAX_SEARCH_STEPS",
+    "FIRST_COOLDOWN_STEPS",
+    "LIGHT_WINDOW_STEPS",
+]
+
+# Bounded memory between checks: past this many pending op entries the check
+# runs early (one extra sync) instead of growing without limit.
+MAX_PENDING_ENTRIES = 200_000
+# An armed op-level search looks at most this many steps for an origin of the
+# non-finite values the per-step check saw, then gives up until the next one.
+MAX_SEARCH_STEPS = 3
+# Steps between the end of one search and the next one; doubled after each
+# search, so a problem that persists on every step is searched O(log n) times.
+FIRST_COOLDOWN_STEPS = 16
+# Unrecorded steps whose per-step flags wait on the device for a recorded
+# step's host copy; past this (a long ``every``, or ``max_steps`` reached) they
+# are read with a sync of their own, once per this many steps.
+LIGHT_WINDOW_STEPS = 64
+# Steps listed in a ``nonfinite_unlocated`` event.
+MAX_LISTED_STEPS = 50
+
+
+class _RootRunning(NamedTuple):
+    """The root model whose forward is running, and its name."""
+
+    module: nn.Module
+    name: str
+
+
+class AnomalyMode:
+    """Finds the first op whose output went non-finite from finite inputs.
+
+    Owned by :class:`~amp_doctor.watch.Watch`: ``start``/``stop`` install and
+    remove everything; ``check_inputs`` is called at each root-model call and
+    ``end_step`` at each step boundary; on a recorded step ``flagged_count``
+    goes into the step's host copy and ``resolve`` reads it back.
+    """
+
+    def __init__(
+        self,
+        current_module: Callable[[], str | None],
+        step_of: Callable[[], int],
+        mode: str = "record",
+        allow: Iterable[str] = (),
+        module_name: Callable[[nn.Module], str | None] | None = None,
+    ) -> None:
+        self._current_module = current_module
+        self._module_name = module_name
+        self._step_of = step_of
+        self._raise = mode == "raise"
+        self._log = EventLog()
+        self._recorder = OpRecorder(self._module, step_of, allow, self._on_entry,
+                                    self._log.note_internal)
+        self._check = StepCheck()
+        self._mode: OpMode | None = None
+        self._handle: moduleends.Listening | None = None
+        self._thread = threading.get_ident()
+        self._window: CheckWindow | None = None
+        # The root model whose forward is running (its own hooks may not see this
+        # call: the CLI discovers a model in its first call): ops in it are its own.
+        self._root_call: _RootRunning | None = None
+        # -- the op-level search: step 0, then armed by a non-finite value
+        self._armed = True
+        self._searched: list[int] = []  # steps searched in the current search
+        self._searched_total = 0
+        self._cooldown = FIRST_COOLDOWN_STEPS
+        self._next_search = 0
+        self._unexplained: list[int] = []  # non-finite steps no origin accounts for yet
+        self._unexplained_count = 0
+        self._skipped: set[int] = set()
+        self._input_steps: set[int] = set()
+        self._first_bad: int | None = None
+        self._weights_bad_at: int | None = None
+        self._noted: set[int] = set()
+        self._explained_upto = -1
+        self._found_any = False
+
+    # -- lifecycle -------------------------------------------------------------
+    # Two anomaly watches would search each other's ops and fight over the stack.
+    _active: AnomalyMode | None = None
+
+    def start(self) -> None:
+        if AnomalyMode._active is not None:
+            raise AmpDoctorError(
+                "only one watch(..., anomaly=True) can run at a time; close the other one "
+                "first, or watch several models with one call: watch([model_a, model_b], "
+                "anomaly=True).")
+        AnomalyMode._active = self
+        self._thread = threading.get_ident()
+        self._mode = OpMode(self._recorder.on_op)
+        if self._raise:
+            self._push()
+
+    @property
+    def searching(self) -> bool:
+        """The op-level search is running (its mode is on the dispatch stack)."""
+        return self._handle is not None
+
+    @property
+    def wants_modules(self) -> bool:
+        """The next step needs the module stack (every module hooked) to name modules."""
+        return self._raise or self._armed or self.searching
+
+    def _push(self) -> None:
+        if self._mode is None or self.searching:
+            return
+        self._handle = moduleends.listen(self._module_post)
+        enter_below_user_modes(self._mode)
+
+    def _pop(self) -> None:
+        self._recorder.tag_previous()
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
+        if self._mode is not None:
+            remove_mode(self._mode)
+
+    def stop(self) -> None:
+        """Remove the mode and the listener, check what is pending, drop every tensor reference."""
+        try:
+            self._pop()
+        finally:
+            self._mode = None
+            if AnomalyMode._active is self:
+                AnomalyMode._active = None
+            try:
+                searching = bool(self._searched)
+                self.check_now()
+                if searching or not self._found_any:
+                    # Non-finite steps after an origin was named, while waiting out the
+                    # cool-down, are taken for more of the same.
+                    self._note_unlocated()
+            finally:
+                self._recorder.clear()
+                self._check.clear()
+                self._window = None
+                self._root_call = None
+
+    # -- results ---------------------------------------------------------------
+    def op_dtypes(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per layer: each forward aten op and the dtypes its outputs had, with counts
+        (from the searched steps: the first step and those after a non-finite value)."""
+        return self._recorder.op_dtypes()
+
+    def events(self) -> list[Event]:
+        return self._log.events()
+
+    # -- the per-step check ------------------------------------------------------
+    def check_inputs(self, module: str, args: Any, root: nn.Module | None = None) -> None:
+        """A root model is being called: note its floating inputs (the batch)."""
+
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
+            return  # dynamo tracing the hook (the compiled region is not searched); or
+            # another thread's inference
+        try:
+            if root is not None:
+                self._root_call = _RootRunning(root, module)
+                self._check.add_root(root)
+            if self._armed and not self.searching:
+                if not self._raise:
+                    # Whether the search starts from finite weights: without a GradScaler
+                    # the bad step's update may have written NaN into them already.
+                    self._check.note_weights(self._step_of())
+                self._push()
+            if not torch.is_grad_enabled():
+                return
+            with own_ops:
+                tensors = [t for t in iter_tensors(args) if summarizable(t)]
+                if not tensors:
+                    return
+                frames = self._recorder.frames.capture(1)
+                if self._raise:
+                    outs = [self._recorder.summary(t) for t in tensors]
+                    self._recorder.add(OpEntry(
+                        kind="input", op=None, module=module, step=self._step_of(),
+                        dtype=dtype_name(tensors[0].dtype), outs=outs, ins=[], frames=frames))
+                    return
+                self._check.note_batch(self._step_of(), module, tensors, frames)
+        except NonFiniteError:
+            raise
+        except Exception as e:
+            self._log.note_internal(e)
+
+    def end_step(self, skipped: bool = False, recorded: bool = False) -> None:
+        """A step boundary: the step's gradient check; a searched step's verdict.
+
+        ``skipped``: the GradScaler skipped this step (known on the host already).
+        ``recorded``: :meth:`flagged_count` and :meth:`resolve` follow for this step,
+        so the check rides in its host copy; otherwise a searched step is checked now.
+        """
+        if self._raise:
+            return
+        step = self._step_of()
+        try:
+            self._check.end_step(step)
+            if skipped:
+                self._skipped.add(step)
+                self._note_bad([step])
+            if self.searching:
+                self._searched.append(step)
+                self._searched_total += 1
+            if recorded:
+                return  # flagged_count/resolve follow
+            if self.searching or self._check.light_steps >= LIGHT_WINDOW_STEPS:
+                self.check_now()
+            else:
+                self._after_check()
+        except NonFiniteError:
+            raise
+        except Exception as e:
+            self._log.note_internal(e)
+
+    # -- checks: the recorded step's host copy, or a sync of their own --------------
+    def flagged_count(self) -> torch.Tensor | None:
+        """A device scalar: how many things are flagged since the last check. No sync.
+
+        The owner copies it to the host with the step's other summaries and
+        passes the value to :meth:`resolve`.
+        """
+        self._window = self._take_window()
+        return None if self._window is None else self._window.flags.sum()
+
+    def resolve(self, flagged: float | None) -> None:
+        """Turn what was flagged into events (a second sync, only if anything was)."""
+        w, self._window = self._window, None
+        try:
+            if w is not None and flagged:
+                self._finish(w)
+            self._after_check()
+        except Exception as e:
+            self._log.note_internal(e)
+
+    def check_now(self) -> None:
+        """Check what is pending with a sync of its own (unrecorded stretch, close)."""
+        self._check_window()
+        self._after_check()
+
+    def _check_window(self) -> None:
+        w = self._take_window()
+        if w is not None:
+            count_sync()
+            if bool(w.flags.any()):
+                self._finish(w)
+
+    def _take_window(self) -> CheckWindow | None:
+        calls, grads, wts = self._check.take()
+        return gather(self._recorder.take(), calls, grads, wts)
+
+    def _finish(self, w: CheckWindow) -> None:
+        """Events from a window in which something was flagged (syncs: an abnormal step)."""
+        n_ops = len(w.ops.entries)
+        host = w.flags.cpu()
+        count_sync()
+        found = False
+        if n_ops and bool(host[:n_ops].any()) and w.op_rows is not None:
+            found = report_origins(w.ops, w.flags[:n_ops], w.op_rows,
+                                   self._log.store) is not None
+        pos = n_ops
+        if w.calls:
+            bad = host[pos:pos + len(w.calls)]
+            pos += len(w.calls)
+            if bool(bad.any()) and w.call_rows is not None:
+                rows = w.call_rows.cpu()
+                count_sync()
+                for c, b, r in zip(w.calls, bad.tolist(), rows, strict=True):
+                    if b:
+                        self._input_event(c, r)
+        flags = host[pos:].tolist()
+        bad_grads = [g.step for g, b in zip(w.grads, flags, strict=False) if b]
+        bad_wts = [g.step for g, b in zip(w.weights, flags[len(w.grads):], strict=True) if b]
+        if bad_wts and self._weights_bad_at is None:
+            self._weights_bad_at = min(bad_wts)
+        self._note_bad(sorted(set(bad_grads)))
+        if found:
+            self._explained()
+
+    def _input_event(self, c: RootCall, row: torch.Tensor) -> None:
+        self._log.store(input_event(c, row), [c.step])
+        self._input_steps.add(c.step)
+
+    def _note_bad(self, steps: list[int]) -> None:
+        """Steps in which the per-step check saw a non-finite value: search the next ones."""
+        for s in steps:
+            if self._first_bad is None or s < self._first_bad:
+                self._first_bad = s
+            if s <= self._explained_upto or s in self._noted:
+                continue
+            if len(self._noted) > 4 * LIGHT_WINDOW_STEPS:
+                self._noted.clear()  # bounded; at worst a step is counted twice
+            self._noted.add(s)
+            self._unexplained_count += 1
+            if len(self._unexplained) < MAX_LISTED_STEPS:
+                self._unexplained.append(s)
+        if steps and not self.searching and self._step_of() + 1 >= self._next_search:
+            self._armed = True
+
+    def _explained(self) -> None:
+        """An origin was named: it accounts for the non-finite steps seen so far."""
+        first = min(self._unexplained, default=None)
+        self._unexplained = []
+        self._unexplained_count = 0
+        self._noted.clear()
+        self._explained_upto = self._step_of()
+        self._found_any = True
+        self._armed = False
+        if first is not None:
+            self._log.mark_first_seen(first)
+
+    def _after_check(self) -> None:
+        """End a search once it named an origin, or had its steps; arm one when needed."""
+        step = self._step_of()
+        if self.searching and not self._raise:
+            done = not self._unexplained or len(self._searched) >= MAX_SEARCH_STEPS
+            if done and self._searched:
+                self._pop()
+                self._armed = False
+                if self._unexplained:
+                    self._note_unlocated()
+                self._searched = []
+                if self._searched_total > 1 or self._first_bad is not None:
+                    # The first step's search is calibration, not a search for a cause.
+                    self._next_search = step + 1 + self._cooldown
+                    self._cooldown *= 2
+
+    def _note_unlocated(self) -> None:
+        """Non-finite steps that no searched step explained: say so, once per run of them."""
+        # After a batch that held NaN/Inf, the weights themselves may be non-finite:
+        # the input event already names the cause.
+        first_input = min(self._input_steps, default=None)
+        steps = [s for s in self._unexplained if first_input is None or s < first_input]
+        real = [s for s in steps if s not in self._skipped]
+        n = self._unexplained_count
+        self._unexplained = []
+        self._unexplained_count = 0
+        self._noted.clear()
+        if not steps:
+            return
+        data: dict[str, Any] = {
+            "steps": steps[:MAX_LISTED_STEPS], "count": n,
+            "searched_steps": list(self._searched),
+            "scaler_skipped_only": not real,
+            "weights_nonfinite_at": self._weights_bad_at,
+            "reason": (
+                "the weights were already non-finite when the op-level search ran: with no "
+                "GradScaler to skip it, the bad step's update wrote NaN/Inf into them, so no "
+                "later op starts from finite inputs. on_nonfinite='raise' checks every op of "
+                "every step and stops at the origin" if self._weights_bad_at is not None
+                else "the op-level search ran on the next steps but saw no op inside the "
+                "watched model: it runs under torch.compile, whose compiled ops are not "
+                "searched one by one (run a few steps without compiling to name the op)"
+                if self._searched and not self._recorder.saw_module_ops()
+                else "the op-level search ran on the next steps and they stayed finite"
+                if self._searched else "the run ended before the op-level search ran"),
+        }
+        self._log.store(Event(kind="nonfinite_unlocated", step=steps[0], data=data), [steps[0]])
+
+    # -- the op-level search's callbacks ---------------------------------------------
+    def _on_entry(self) -> None:
+        """The recorder added an op entry: check it at once (raise mode), or when the
+        window is full (mid-step: the search keeps running, this is inside an op)."""
+        if self._raise:
+            self._check_one()
+        elif len(self._recorder.window.entries) >= MAX_PENDING_ENTRIES:
+            self._check_window()
+
+    def _check_one(self) -> None:
+        p = self._recorder.window
+        flags, rows = origin_flags(p, p.entries[-1:])
+        count_sync()
+        self._recorder.window = OpWindow()
+        if bool(flags[0]):
+            # The module has not finished yet: whether its output stays finite is unknown.
+            ev = report_origins(OpWindow(entries=p.entries[-1:], sums=p.sums), flags, rows,
+                                self._log.store)
+            if ev is not None:
+                raise NonFiniteError(one_line(ev))
+
+    def _module_post(self, module: nn.Module, output: Any) -> None:
+        if self._mode is None or threading.get_ident() != self._thread:
+            return
+        rc = self._root_call
+        if rc is not None and rc.module is module:
+            self._root_call = None
+        name = self._module_name(module) if self._module_name is not None else None
+        if name is not None:
+            self._recorder.module_end(name, output)
+
+    def _module(self) -> str | None:
+        """The innermost watched module running; the root model itself when its own
+        hooks missed this call (the CLI discovers a model inside its first call)."""
+        m = self._current_module()
+        if m is None and self._root_call is not None:
+            return self._root_call.name
+        return m

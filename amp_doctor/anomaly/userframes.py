@@ -1,0 +1,75 @@
+"""The user's own stack frames at an op: where in their code a NaN/Inf was made.
+
+Frames inside torch, amp-doctor, the standard library and click (the CLI's
+runner) are skipped; what is left is the user's script and libraries.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Frame", "UserFrames", "is_user_file", "format_frames", "MAX_USER_FRAMES"]
+
+# The user's own frames kept per op, innermost first.
+MAX_USER_FRAMES = 4
+
+_SKIP_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    # amp_doctor/ as a whole: this file is in amp_doctor/anomaly/.
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+) + tuple(
+    d + os.sep for d in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
+)
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether a code object's file is the user's (not torch, amp-doctor, stdlib, click)."""
+    if filename.startswith("<"):
+        return False
+    if "site-packages" + os.sep + "click" + os.sep in filename:
+        return False
+    return not filename.startswith(_SKIP_DIRS)
+
+
+class Frame(NamedTuple):
+    """One of the user's frames."""
+
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"
+
+
+class UserFrames:
+    """Captures the user's innermost frames; remembers which code objects are theirs."""
+
+    def __init__(self) -> None:
+        self._user_code: dict[Any, bool] = {}
+
+    def capture(self, skip: int = 1) -> tuple[Frame, ...]:
+        """The user's frames above the caller (``skip`` frames of ours left out), innermost
+        first, at most :data:`MAX_USER_FRAMES`."""
+        out: list[Frame] = []
+        f: Any = sys._getframe(skip + 1)
+        known = self._user_code
+        while f is not None and len(out) < MAX_USER_FRAMES:
+            code = f.f_code
+            user = known.get(code)
+            if user is None:
+                user = known[code] = is_user_file(code.co_filename)
+            if user:
+                out.append(Frame(code.co_filename, f.f_lineno, code.co_name))
+            f = f.f_back
+        return tuple(out)
+
+
+def format_frames(frames: tuple[Frame, ...]) -> list[str]:
+    """``file:line in function`` per frame, as events store them."""
+    return [str(f) for f in frames]

@@ -1,0 +1,419 @@
+"""Step boundary: one host copy of the step's device buffer -> a StepRecord;
+and the per-layer aggregates plus bounded history that become a Session.
+
+This is the only place in the recording path that copies device data to
+the host, once per *recorded* step (see :meth:`StepBuffer.flush`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from amp_doctor.device import stats as S
+from amp_doctor.devicework import count_sync
+from amp_doctor.dtypes import LOW_PRECISION_NAMES, FormatLimits
+from amp_doctor.records import LayerStep, LayerSummary, StepRecord, TensorStats
+
+__all__ = ["StepBuffer", "HostCopy", "LayerAggregate", "History"]
+
+# Bounded memory: the history keeps at most this many step records; when it
+# is full every other record is dropped, so it always spans the whole run.
+HISTORY_LIMIT = 512
+# ... and each record keeps at most this many layers, the step's worst, so the
+# history's size does not grow with the model (issue 14: 165 MB of JSON).
+HISTORY_LAYERS = 32
+
+FIELDS = ("act", "grad", "param_grad")
+
+
+class StepBuffer:
+    """Device-side summaries gathered during one recorded step.
+
+    Per tensor, a hook pays for :func:`~amp_doctor.device.stats.summarize` (exact
+    min/max, the sample's non-zero count) and :meth:`add` (the sample's
+    histogram codes, staged); the histograms of many tensors are then counted
+    by one pass per staging buffer, and :meth:`flush` packs every row and
+    scalar of the step for a single host copy.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.closed = False
+        # One batch per device (a model split over devices); rows numbered globally.
+        self._batches: dict[torch.device, S.Batch] = {}
+        self._where: list[tuple[torch.device, int]] = []
+        self._scalars: dict[str, torch.Tensor] = {}
+        self.assigned: dict[tuple[str, str], list[int]] = {}
+        self.backward_order: list[str] = []
+        self.param_grads_done: set[str] = set()
+        self.param_grads_scaled = False
+
+    def add(self, summary: S.Summary) -> int:
+        dev = summary.min.device
+        batch = self._batches.get(dev)
+        if batch is None:
+            batch = self._batches[dev] = S.Batch()
+        self._where.append((dev, batch.add(summary)))
+        return len(self._where) - 1
+
+    def assign(self, layer: str, fld: str, idx: int) -> None:
+        self.assigned.setdefault((layer, fld), []).append(idx)
+
+    def note_backward(self, layer: str) -> None:
+        self.backward_order.append(layer)
+
+    def put_scalar(self, key: str, value: torch.Tensor) -> None:
+        """Keep a device scalar (loss, scale) for the step's single host copy."""
+        self._scalars[key] = value.detach().reshape(-1)[:1].to(torch.float64)
+
+    def rename(self, mapping: dict[str, str]) -> None:
+        """Layers were renamed mid-step (a second model prefixes the first's names)."""
+        self.assigned = {(mapping.get(k, k), f): v for (k, f), v in self.assigned.items()}
+        self.backward_order = [mapping.get(k, k) for k in self.backward_order]
+        self.param_grads_done = {mapping.get(k, k) for k in self.param_grads_done}
+
+    def has_scalar(self, key: str) -> bool:
+        return key in self._scalars
+
+    def flush(self) -> HostCopy:
+        """The one host sync of a recorded step: copy every summary and scalar at once."""
+        self.closed = True
+        keys = list(self._scalars)
+        parts: list[torch.Tensor] = []
+        for batch in self._batches.values():
+            parts.append(batch.finish().reshape(-1))
+        dev0 = parts[0].device if parts else torch.device("cpu")
+        if keys:
+            parts.append(torch.cat([self._scalars[k].to(dev0) for k in keys]))
+        if not parts:
+            flat = torch.zeros(0, dtype=torch.float64)
+        else:
+            flat = to_host(torch.cat([p.to(dev0, non_blocking=True) for p in parts]))
+            count_sync()
+        hs = unpack_host(flat, self)
+        self._batches = {}
+        self._where = []
+        self._scalars = {}
+        return hs
+
+
+def unpack_host(flat: torch.Tensor, buf: StepBuffer) -> HostCopy:
+    """The host copy of a step -> a :class:`HostCopy` (host data only, no device tensor)."""
+    n_rows = len(buf._where)
+    device_part = torch.zeros(n_rows, S.DEVICE_LEN, dtype=torch.float64)
+    metas: list[S.Summary] = [None] * n_rows  # type: ignore[list-item]
+    pos = 0
+    for dev, batch in buf._batches.items():
+        n = len(batch)
+        # Rows were grouped by device; put them back in insertion order.
+        idx = [i for i, (d, _) in enumerate(buf._where) if d == dev]
+        device_part[idx] = flat[pos : pos + n * S.DEVICE_LEN].reshape(n, S.DEVICE_LEN)
+        for i, s in zip(idx, batch.summaries, strict=True):
+            metas[i] = s
+        pos += n * S.DEVICE_LEN
+    matrix = S.host_rows(device_part, metas)
+    keys = list(buf._scalars)
+    scalars = dict(zip(keys, flat[pos : pos + len(keys)].tolist(), strict=True))
+    return HostCopy(buf.step, matrix, scalars, dict(buf.assigned), list(buf.backward_order))
+
+
+def to_host(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` on the host: the step's single device->host copy.
+
+    On CUDA the copy goes to pinned memory without blocking and the stream is
+    synchronized once (the same one sync as ``.cpu()``, without a pageable
+    staging copy). On the CPU it is the tensor itself (``.cpu()`` returns it:
+    the call is kept so that tests/syncs.py sees the one transfer on the CPU too).
+    """
+    if flat.device.type == "cpu":
+        return flat.cpu()  # the same tensor: no copy
+    cuda = flat.device.type == "cuda"
+    out = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=cuda)
+    out.copy_(flat, non_blocking=cuda)
+    if cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+    return out
+
+
+@dataclass
+class HostCopy:
+    """The host copy of one recorded step (a :class:`~amp_doctor.steps.listeners.StepRows`)."""
+
+    step: int
+    matrix: torch.Tensor  # [rows, SUMMARY_LEN] float64, on the host
+    scalars: dict[str, float]
+    assigned: dict[tuple[str, str], list[int]]
+    backward_order: list[str]
+
+    def merged(self, layer: str, fld: str) -> torch.Tensor | None:
+        """One summary row for a layer's field, merging repeated calls (accumulation)."""
+        idx = self.assigned.get((layer, fld))
+        if not idx:
+            return None
+        rows = self.matrix[idx]
+        if len(idx) == 1:
+            return rows[0]
+        out = rows.sum(0)
+        out[S.MIN] = rows[:, S.MIN].min()
+        out[S.MAX] = rows[:, S.MAX].max()
+        return out
+
+
+def scale_log2_of(scale: float | None) -> int:
+    if not scale or not math.isfinite(scale) or scale <= 0:
+        return 0
+    return round(math.log2(scale))
+
+
+def host_step_layers(
+    hs: HostCopy, fmt: FormatLimits, grad_scale: float | None, param_grad_scale: float | None
+) -> tuple[dict[str, LayerStep], dict[str, dict[str, torch.Tensor]]]:
+    """Decode a host step into per-layer records and the raw merged rows."""
+    names: dict[str, None] = {}
+    for layer, _ in hs.assigned:
+        names.setdefault(layer)
+    gl2 = scale_log2_of(grad_scale)
+    pl2 = scale_log2_of(param_grad_scale)
+    # Rows to decode, as indices into ``hs.matrix`` extended by the merged rows of
+    # repeated calls (accumulation); every figure is decoded in one batch.
+    merged: list[torch.Tensor] = []
+    n0 = hs.matrix.shape[0]
+    row_of: dict[tuple[str, str], int] = {}
+    for (name, fld), idx in hs.assigned.items():
+        if len(idx) == 1:
+            row_of[(name, fld)] = idx[0]
+        else:
+            r = hs.merged(name, fld)
+            assert r is not None
+            row_of[(name, fld)] = n0 + len(merged)
+            merged.append(r)
+    matrix = torch.cat([hs.matrix, torch.stack(merged)]) if merged else hs.matrix
+    # (layer, slot, row, shift) for every figure.
+    wanted: list[tuple[str, str, int, int]] = []
+    raw: dict[str, dict[str, torch.Tensor]] = {}
+    for name in names:
+        rows = {f: row_of[(name, f)] for f in FIELDS if (name, f) in row_of}
+        raw[name] = {f: matrix[i] for f, i in rows.items()}
+        for fld, i in rows.items():
+            wanted.append((name, fld, i, 0))
+        if "grad" in rows and gl2:
+            wanted.append((name, "grad_unscaled", rows["grad"], gl2))
+        if "param_grad" in rows and pl2:
+            wanted.append((name, "param_grad_unscaled", rows["param_grad"], pl2))
+    decoded: dict[str, dict[str, TensorStats]] = {name: {} for name in names}
+    if wanted:
+        sel = matrix.index_select(0, torch.tensor([w[2] for w in wanted], dtype=torch.long))
+        table = S.decode_table(sel, fmt, [w[3] for w in wanted])[:, _TS_COLUMNS].tolist()
+        for (name, slot, _, _), v in zip(wanted, table, strict=True):
+            decoded[name][slot] = TensorStats(int(v[0]), *v[1:])
+    out: dict[str, LayerStep] = {}
+    for name in names:
+        got = decoded[name]
+        out[name] = LayerStep(act=got.get("act"), grad=got.get("grad"),
+                              grad_unscaled=got.get("grad_unscaled"),
+                              param_grad=got.get("param_grad"),
+                              param_grad_unscaled=got.get("param_grad_unscaled"))
+    return out, raw
+
+
+# decode_table's columns that make a TensorStats, in its field order.
+_TS_COLUMNS = [S.DECODED_FIELDS.index(f.name) for f in dataclasses.fields(TensorStats)]
+
+
+def _nanmax(vals: Iterable[float]) -> float:
+    vs = [v for v in vals if not math.isnan(v)]
+    return max(vs) if vs else math.nan
+
+
+@dataclass
+class _Running:
+    """Mean and worst of one figure over recorded steps."""
+
+    total: float = 0.0
+    n: int = 0
+    worst: float = -math.inf
+
+    def add(self, v: float) -> None:
+        if math.isnan(v):
+            return
+        self.total += v
+        self.n += 1
+        self.worst = max(self.worst, v)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+
+@dataclass
+class LayerAggregate:
+    """Everything kept per layer for the whole run: constant size."""
+
+    steps: int = 0
+    absmax: float = 0.0
+    min: float = math.inf
+    max: float = -math.inf
+    headroom: float = math.inf
+    zero: _Running = field(default_factory=_Running)
+    overflow: _Running = field(default_factory=_Running)
+    underflow: _Running = field(default_factory=_Running)
+    nonfinite_steps: int = 0
+    origin_steps: int = 0
+    grad_absmax: float | None = None
+    grad_headroom: float | None = None
+    grad_zero: _Running = field(default_factory=_Running)
+    grad_under: _Running = field(default_factory=_Running)
+    grad_under_u: _Running = field(default_factory=_Running)
+    grad_nonfinite_steps: int = 0
+    pg_absmax: float | None = None
+    pg_zero: _Running = field(default_factory=_Running)
+    pg_under: _Running = field(default_factory=_Running)
+    pg_under_u: _Running = field(default_factory=_Running)
+    pg_nonfinite_steps: int = 0
+    # Summed exponent bins, float64 on the host (exact for counts below 2**53).
+    act_hist: torch.Tensor = field(default_factory=lambda: torch.zeros(S.N_EXP_BINS,
+                                                                       dtype=torch.float64))
+    grad_hist: torch.Tensor = field(default_factory=lambda: torch.zeros(S.N_EXP_BINS,
+                                                                        dtype=torch.float64))
+
+    def add(self, ls: LayerStep, raw: dict[str, torch.Tensor]) -> None:
+        self.steps += 1
+        if (a := ls.act) is not None:
+            if not math.isnan(a.absmax):
+                self.absmax = max(self.absmax, a.absmax)
+            self.min = min(self.min, a.min) if not math.isnan(a.min) else self.min
+            self.max = max(self.max, a.max) if not math.isnan(a.max) else self.max
+            if not math.isnan(a.headroom):
+                self.headroom = min(self.headroom, a.headroom)
+            self.zero.add(a.zero_frac)
+            self.overflow.add(a.overflow_frac)
+            self.underflow.add(a.underflow_frac)
+            self.nonfinite_steps += a.nonfinite_frac > 0
+            self.act_hist += raw["act"][S.HIST :]
+        if (g := ls.grad) is not None:
+            if math.isfinite(g.absmax):
+                self.grad_absmax = max(self.grad_absmax or 0.0, g.absmax)
+            if not math.isnan(g.headroom):
+                self.grad_headroom = min(
+                    self.grad_headroom if self.grad_headroom is not None else math.inf,
+                    g.headroom,
+                )
+            self.grad_zero.add(g.zero_frac)
+            self.grad_under.add(g.underflow_frac)
+            self.grad_under_u.add((ls.grad_unscaled or g).underflow_frac)
+            self.grad_nonfinite_steps += g.nonfinite_frac > 0
+            self.grad_hist += raw["grad"][S.HIST :]
+        if (p := ls.param_grad) is not None:
+            pu = ls.param_grad_unscaled or p
+            if math.isfinite(pu.absmax):
+                self.pg_absmax = max(self.pg_absmax or 0.0, pu.absmax)
+            self.pg_zero.add(p.zero_frac)
+            self.pg_under.add(p.underflow_frac)
+            self.pg_under_u.add(pu.underflow_frac)
+            self.pg_nonfinite_steps += p.nonfinite_frac > 0
+
+    def summary(self, meta_name: str, meta_type: str, order: int, calls: int,
+                input_dtypes: set[str], output_dtypes: set[str], param_dtypes: set[str],
+                ops: dict[str, dict[str, int]], passthrough: bool = False) -> LayerSummary:
+        lows = LOW_PRECISION_NAMES
+        ran_low = bool(output_dtypes & lows)
+        floats = {d for d in output_dtypes if d.startswith(("float", "bfloat"))}
+        return LayerSummary(
+            name=meta_name,
+            type=meta_type,
+            order=order,
+            calls=calls,
+            recorded_steps=self.steps,
+            input_dtypes=sorted(input_dtypes),
+            output_dtypes=sorted(output_dtypes),
+            param_dtypes=sorted(param_dtypes),
+            ran_low_precision=ran_low,
+            what_if=bool(floats) and not ran_low,
+            absmax=self.absmax,
+            min=self.min if self.steps else math.nan,
+            max=self.max if self.steps else math.nan,
+            headroom=self.headroom,
+            zero_frac=self.zero.mean or 0.0,
+            overflow_frac=max(self.overflow.worst, 0.0),
+            underflow_frac=self.underflow.mean or 0.0,
+            nonfinite_steps=self.nonfinite_steps,
+            overflow_origin_steps=self.origin_steps,
+            grad_absmax=self.grad_absmax,
+            grad_headroom=self.grad_headroom,
+            grad_zero_frac=self.grad_zero.mean,
+            grad_underflow_frac=self.grad_under.mean,
+            grad_underflow_frac_unscaled=self.grad_under_u.mean,
+            grad_nonfinite_steps=self.grad_nonfinite_steps,
+            param_grad_absmax=self.pg_absmax,
+            param_grad_zero_frac=self.pg_zero.mean,
+            param_grad_underflow_frac=self.pg_under.mean,
+            param_grad_underflow_frac_unscaled=self.pg_under_u.mean,
+            param_grad_nonfinite_steps=self.pg_nonfinite_steps,
+            passthrough=passthrough,
+            ops=ops,
+            # Sampled tensors give scaled, fractional counts.
+            act_exp_hist=self.act_hist.round().to(torch.int64).tolist(),
+            grad_exp_hist=self.grad_hist.round().to(torch.int64).tolist(),
+        )
+
+
+def _risk_key(ls: LayerStep) -> tuple[float, float, float, float]:
+    """Sort key, worst first: non-finite, overflow, least headroom, underflow."""
+    nonfinite = over = under = 0.0
+    head = math.inf
+    for t in (ls.act, ls.grad, ls.param_grad_unscaled or ls.param_grad):
+        if t is None:
+            continue
+        nonfinite = max(nonfinite, t.nonfinite_frac)
+        over = max(over, t.overflow_frac)
+        under = max(under, t.underflow_frac)
+        if not math.isnan(t.headroom):
+            head = min(head, t.headroom)
+    return (-float(nonfinite > 0), -over, head, -under)
+
+
+def trim_layers(rec: StepRecord, limit: int) -> StepRecord:
+    """``rec`` with only its ``limit`` worst layers (forward order kept)."""
+    n = len(rec.layers)
+    if n <= limit:
+        return rec
+    worst = heapq.nsmallest(limit, rec.layers.items(), key=lambda kv: _risk_key(kv[1]))
+    keep = {k for k, _ in worst}
+    layers = {k: v for k, v in rec.layers.items() if k in keep}
+    return dataclasses.replace(rec, layers=layers, dropped_layers=rec.dropped_layers + n - limit)
+
+
+class History:
+    """Bounded list of step records that keeps spanning the whole run.
+
+    Bounded in bytes, not only in rows: at most ``limit`` rows (thinned by
+    halving, skipped steps always kept) of at most ``layers`` layers each (the
+    step's worst; the rest of the layer's figures live in the per-layer
+    aggregates). So the history is at most ``limit * layers`` layer cells
+    whatever the model's size or the run's length: about 7 MB of JSON.
+    """
+
+    def __init__(self, limit: int = HISTORY_LIMIT, layers: int = HISTORY_LAYERS) -> None:
+        self.limit = limit
+        self.layers = layers
+        self.stride = 1
+        self.records: list[StepRecord] = []
+        self._seen = 0
+
+    def add(self, rec: StepRecord) -> None:
+        self._seen += 1
+        # Skipped steps are what users ask about: always keep them.
+        if (self._seen - 1) % self.stride and not rec.skipped:
+            return
+        self.records.append(trim_layers(rec, self.layers))
+        if len(self.records) > self.limit:
+            keep = [r for i, r in enumerate(self.records) if i % 2 == 0 or r.skipped]
+            self.records = keep[-self.limit :]
+            self.stride *= 2
+

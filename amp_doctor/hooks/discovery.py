@@ -1,0 +1,278 @@
+"""Which models a watch watches: given ones, discovered ones, their names and parameters.
+
+:class:`ModelSet` owns the watched root models by name prefix (the layer-name
+prefix; "" while a single model is watched), the names the user's code gave
+them, and the set of their parameters' ids. :class:`GlobalDiscovery` finds
+models nobody passed to ``watch()`` (the ``diagnose`` CLI): a global forward
+pre-hook sees the first call of every module with parameters, and a patch on
+``OptimizedModule.__call__`` does the same for ``torch.compile``'d ones.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from amp_doctor.errors import AmpDoctorError
+from amp_doctor.hooks.probes import run_eagerly_when_called_by_dynamo
+
+__all__ = ["Models", "ModelSet", "GlobalDiscovery", "as_models", "unwrap",
+           "compile_wrappers", "compiled_by_method", "variable_name"]
+
+Models = nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module]
+# Wrappers whose inner module is the user's model.
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "OptimizedModule")
+# Frames searched for the variable a discovered model is bound to.
+NAME_SEARCH_FRAMES = 40
+
+
+def as_models(model: Models) -> dict[str, nn.Module]:
+    if isinstance(model, nn.Module):
+        return {"": model}
+    if isinstance(model, Mapping):
+        out = dict(model)
+    else:
+        items = list(model)
+        names = [type(m).__name__ for m in items]
+        out = {}
+        for i, (n, m) in enumerate(zip(names, items, strict=True)):
+            out[n if names.count(n) == 1 else f"{n}{i}"] = m
+    for k, m in out.items():
+        if not isinstance(m, nn.Module):
+            raise AmpDoctorError(
+                f"watch() got a {type(m).__name__} for {k!r}, not a torch.nn.Module. "
+                "Pass the model (or a list/dict of models) you call in the training loop."
+            )
+    return out
+
+
+def compile_wrappers(model: nn.Module) -> list[nn.Module]:
+    """The ``torch.compile`` wrappers (``OptimizedModule``) on the way to the user's module."""
+    out: list[nn.Module] = []
+    while True:
+        name = type(model).__name__
+        inner = getattr(model, "_orig_mod" if name == "OptimizedModule" else "module", None)
+        if not isinstance(inner, nn.Module) or name not in _WRAPPERS:
+            return out
+        if name == "OptimizedModule":
+            out.append(model)
+        model = inner
+
+
+def compiled_by_method(model: nn.Module) -> bool:
+    """``model.compile()`` was called: its hooks run inside the compiled graph."""
+    return getattr(model, "_compiled_call_impl", None) is not None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    # DDP/DataParallel/torch.compile wrappers: watch the user's module so
+    # layer names carry no "module." / "_orig_mod." prefix.
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(model, attr, None)
+        if isinstance(inner, nn.Module) and type(model).__name__ in _WRAPPERS:
+            return unwrap(inner)
+    return model
+
+
+def variable_name(module: nn.Module) -> str | None:
+    """The name the user's code binds ``module`` to ("gen", "disc"), for layer prefixes."""
+    # amp_doctor/ as a whole (this file is in amp_doctor/hooks/): the watch calls from there.
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frame: Any = sys._getframe(1)
+    for _ in range(NAME_SEARCH_FRAMES):
+        if frame is None:
+            break
+        if not frame.f_code.co_filename.startswith(skip):
+            for name, value in frame.f_locals.items():
+                if value is module and not name.startswith("_") and name != "self":
+                    return name
+        frame = frame.f_back
+    return None
+
+
+def _free_name(name: str, taken: set[str]) -> str:
+    if name not in taken:
+        return name
+    i = 1
+    while f"{name}{i}" in taken:
+        i += 1
+    return f"{name}{i}"
+
+
+class Added(NamedTuple):
+    prefix: str
+    # The first model, unprefixed while it was alone, and the prefix it gets now.
+    renamed: tuple[nn.Module, str] | None
+
+
+class ModelSet:
+    """The watched root models by prefix, and their parameters."""
+
+    def __init__(self, given: Mapping[str, nn.Module]) -> None:
+        self.given = dict(given)
+        self.models = {k: unwrap(m) for k, m in self.given.items()}
+        self._given_names: dict[int, str] = {}
+        self._owned: set[int] = set()
+        self._owned_at_step = -1
+
+    def add(self, model: nn.Module, name: str) -> Added:
+        """Watch one more (unwrapped) root model. With several, each gets a prefix."""
+        self._given_names[id(model)] = name
+        renamed = None
+        if not self.models:
+            prefix = ""
+        else:
+            taken = set(self.models)
+            if "" in self.models:
+                # The first model was unprefixed while it was alone; name it now.
+                first = self.models.pop("")
+                first_name = _free_name(
+                    self._given_names.get(id(first), type(first).__name__), taken | {name})
+                renamed = (first, first_name)
+                self.models[first_name] = first
+                taken = set(self.models)
+            prefix = _free_name(name, taken)
+        self.models[prefix] = model
+        self._owned.update(id(p) for p in model.parameters())
+        return Added(prefix, renamed)
+
+    def label(self) -> str:
+        """The model's name in a message about the whole model."""
+        root = next(iter(self.models), "")
+        return root or (type(self.models[root]).__name__ if self.models else "the model")
+
+    def names(self) -> list[str]:
+        return [k or type(m).__name__ for k, m in self.models.items()]
+
+    def scan_params(self) -> None:
+        self._owned = {id(q) for m in self.models.values() for q in m.parameters()}
+
+    def owns(self, p: torch.Tensor, step: int, rescan: Callable[[], None]) -> bool:
+        """A parameter of a watched model; rescanned (once a step) on a miss, since
+        ``load_state_dict(assign=True)`` or ``to_empty`` swap parameter objects.
+        ``rescan`` is told so that the layers' parameter lists follow."""
+        if id(p) in self._owned:
+            return True
+        if self._owned_at_step != step and self.models:
+            self._owned_at_step = step
+            self.scan_params()
+            rescan()
+        return id(p) in self._owned
+
+    def first_grad(self) -> torch.Tensor | None:
+        """A watched parameter that has a gradient (the first one found)."""
+        for m in self.models.values():
+            for q in m.parameters():
+                if q.grad is not None:
+                    return q
+        return None
+
+
+class GlobalDiscovery:
+    """Finds the models a loop calls, for a watch started without them.
+
+    ``wanted(module)`` says whether a module is a new root model (not watched,
+    with parameters); ``found(module, name, args)`` adds it, ``args`` being the
+    call's inputs when the call is already under way (None: before the call).
+    """
+
+    def __init__(self, wanted: Callable[[nn.Module], bool],
+                 found: Callable[[nn.Module, str | None, tuple[Any, ...] | None], None]) -> None:
+        self._wanted = wanted
+        self._found = found
+        self._handles: list[Any] = []
+        self._depth = 0
+        self._unpatch: Callable[[], None] | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        run_eagerly_when_called_by_dynamo(self._pre, self._post)
+        self._register()
+        self._patch_compiled_call()
+
+    def stop(self) -> None:
+        """Remove the hooks and the patch; each removal independent of the others."""
+        self._stopped = True
+        removers: list[Callable[[], Any]] = [h.remove for h in self._handles]
+        self._handles = []
+        if self._unpatch is not None:
+            removers.append(self._unpatch)
+            self._unpatch = None
+        for fn in removers:
+            try:
+                fn()
+            except Exception:  # pragma: no cover - best effort on teardown
+                pass
+
+    def _register(self) -> None:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced into a compiled graph: do nothing, so dynamo adds nothing
+        self._depth += 1
+        if self._depth != 1 or self._stopped:
+            return
+        if not self._wanted(module):
+            return  # loss functions and other parameter-free callables are not models
+        # This call's own pre-hooks were collected before we added ours: pass its inputs.
+        self._found(module, variable_name(module), args)
+
+    def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self._depth = max(0, self._depth - 1)
+
+    def _patch_compiled_call(self) -> None:
+        """Discovery without global hooks around a ``torch.compile``'d module's call.
+
+        ``OptimizedModule.__call__`` warns on every call while any global module
+        hook exists, and dynamo would trace ours. So the call itself discovers the
+        model, and the global hooks are off while it runs (the model's own root
+        hooks still run, eagerly, around the compiled forward).
+        """
+        try:
+            from torch._dynamo.eval_frame import OptimizedModule
+        except ImportError:  # pragma: no cover - torch without dynamo
+            return
+        orig: Callable[..., Any] = OptimizedModule.__call__
+        ref = weakref.ref(self)
+
+        def __call__(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            disc = ref()
+            if disc is None or not disc._handles or torch.compiler.is_compiling():
+                return orig(module, *args, **kwargs)
+            handles, disc._handles = disc._handles, []
+            for h in handles:
+                h.remove()
+            try:
+                if disc._depth == 0 and not disc._stopped and disc._wanted(module):
+                    # Hooked before the call: its root hooks see this very call.
+                    disc._found(module, variable_name(module), None)
+                return orig(module, *args, **kwargs)
+            finally:
+                if not disc._stopped and disc._unpatch is not None:
+                    disc._register()
+
+        __call__.__wrapped__ = orig  # type: ignore[attr-defined]
+        OptimizedModule.__call__ = __call__  # type: ignore[method-assign,assignment]
+
+        def unpatch() -> None:
+            if OptimizedModule.__call__ is __call__:
+                OptimizedModule.__call__ = orig  # type: ignore[method-assign]
+
+        self._unpatch = unpatch

@@ -1,0 +1,424 @@
+"""The process-wide patches on torch's AMP API, and the hub that forwards them.
+
+One :class:`_ApiHub` installs the patches and global hooks when the first
+watch subscribes and restores every one of them when the last one leaves,
+so several watches can overlap in any order. The hub only forwards calls to
+subscribers (:class:`ApiSubscriber`); what they mean for one watch is
+decided by :class:`~amp_doctor.steps.monitor.AmpMonitor`.
+
+What is patched, and why at that level:
+
+* ``GradScaler.scale/unscale_/step/update/load_state_dict`` on the class (and
+  on every subclass that overrides one of them), so every scaler is seen:
+  passed to ``watch``, created before the watch or after it, and the
+  deprecated ``torch.cuda.amp.GradScaler`` / ``torch.cpu.amp.GradScaler``
+  spellings, which are subclasses;
+* global optimizer step pre/post hooks (every ``torch.optim.Optimizer``);
+* ``torch.nn.utils.clip_grad``'s inner functions, which ``clip_grad_norm_``
+  and ``clip_grad_value_`` look up at call time, so a clip is seen even when
+  the user's code imported the function before the watch started;
+* ``LRScheduler.step`` (and subclasses that override it) and
+  ``torch.autograd.backward`` (which ``Tensor.backward`` calls).
+
+Every wrapper forwards only its outermost call (:meth:`_ApiHub.outermost`): a
+subclass method calling ``super()``, ``clip_grad_norm`` calling
+``clip_grad_norm_``, a ``SequentialLR`` stepping its children or reentrant
+checkpointing running backward inside backward are one call to the subscribers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.amp.grad_scaler import GradScaler
+from torch.optim import Optimizer
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.weak import WeakIdKeyDictionary
+
+from amp_doctor.devicework import iter_tensors, own_ops
+
+__all__ = ["ApiSubscriber", "Subscription", "subscribe", "patches_installed",
+           "in_scaler_step", "scaled_backwards", "tensor_list"]
+
+_SCALER_METHODS = ("scale", "unscale_", "step", "update", "load_state_dict")
+
+
+class ApiSubscriber(Protocol):
+    """What the hub forwards.
+
+    :class:`~amp_doctor.steps.monitor.AmpMonitor` is the one implementation.
+    """
+
+    def on_scale_begin(self, scaler: GradScaler) -> None: ...
+    def on_scale(self, scaler: GradScaler, outputs: Any, result: Any) -> None: ...
+    def on_unscale(self, scaler: GradScaler, optimizer: Optimizer) -> None: ...
+    def on_scaler_step_begin(self, scaler: GradScaler, optimizer: Optimizer) -> None: ...
+    def on_scaler_step(self, scaler: GradScaler, optimizer: Optimizer, stepped: bool) -> None: ...
+    def on_update_end(self, scaler: GradScaler, new_scale: Any) -> None: ...
+    def on_optimizer_pre(self, optimizer: Optimizer) -> None: ...
+    def on_optimizer_post(self, optimizer: Optimizer) -> None: ...
+    def on_clip(self, func: str, parameters: list[torch.Tensor], info: dict[str, Any]) -> None: ...
+    def on_scheduler_step(self, scheduler: Any) -> None: ...
+    def on_backward(self, tensors: Any) -> None: ...
+    def on_backward_end(self, tensors: Any, through_scaler: bool) -> None: ...
+    def on_scaler_load(self, scaler: GradScaler, state: Any) -> None: ...
+
+
+def tensor_list(obj: Any) -> list[torch.Tensor]:
+    return list(iter_tensors(obj))
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = [cls]
+    sub: type
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+class _ApiHub:
+    """Process-wide patches, installed once and restored when unused."""
+
+    def __init__(self) -> None:
+        self.subscribers: list[ApiSubscriber] = []
+        self._restore: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._step_counts: dict[int, int] = {}
+        self.in_scaler_step = 0
+        # Call depth per patched function (see outermost).
+        self._depth: dict[str, int] = {}
+        # Backward passes that went through a scaled output, per scaler id.
+        self.flows: dict[int, int] = {}
+        self._total_flows = 0
+        self._scaled_outputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._restore)
+
+    # -- subscription ------------------------------------------------------
+    def add(self, sub: ApiSubscriber) -> None:
+        with self._lock:
+            if not self.subscribers:
+                self._install()
+            self.subscribers.append(sub)
+
+    def remove(self, sub: ApiSubscriber) -> None:
+        with self._lock:
+            if sub in self.subscribers:
+                self.subscribers.remove(sub)
+            if not self.subscribers:
+                self._uninstall()
+
+    def emit(self, method: str, *args: Any) -> None:
+        with own_ops:
+            for sub in list(self.subscribers):
+                try:
+                    getattr(sub, method)(*args)
+                except Exception as e:  # never let amp-doctor break a training run
+                    _internal_error(sub, method, e)
+
+    @contextlib.contextmanager
+    def outermost(self, key: str) -> Iterator[bool]:
+        """``with hub.outermost(key) as outer``: True only for the outermost call of ``key``."""
+        d = self._depth.get(key, 0)
+        self._depth[key] = d + 1
+        try:
+            yield d == 0
+        finally:
+            self._depth[key] -= 1
+
+    def note_flow(self, scaler_id: int) -> None:
+        """A backward pass went through an output of scaler ``scaler_id``'s ``scale()``."""
+        self.flows[scaler_id] = self.flows.get(scaler_id, 0) + 1
+        self._total_flows += 1
+
+    # -- installation ------------------------------------------------------
+    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        had = name in vars(owner)
+        orig = vars(owner)[name] if had else getattr(owner, name)
+        setattr(owner, name, make(orig))
+
+        def restore() -> None:
+            if had:
+                setattr(owner, name, orig)
+            else:
+                delattr(owner, name)
+
+        self._restore.append(restore)
+
+    def _install(self) -> None:
+        self._step_counts.clear()
+        self._depth.clear()
+        self.in_scaler_step = 0
+        wrappers = {"scale": self._wrap_scale, "unscale_": self._wrap_unscale,
+                    "step": self._wrap_step, "update": self._wrap_update,
+                    "load_state_dict": self._wrap_load}
+        # Subclasses that override a method (e.g. FSDP's ShardedGradScaler)
+        # need their own patch; the deprecated torch.cuda.amp / torch.cpu.amp
+        # spellings inherit and are covered by the base class.
+        for cls in _all_subclasses(GradScaler):
+            for meth in _SCALER_METHODS:
+                if meth in vars(cls):
+                    self._patch(cls, meth, wrappers[meth])
+        h1 = register_optimizer_step_pre_hook(self._opt_pre)
+        h2 = register_optimizer_step_post_hook(self._opt_post)
+        self._restore.extend([h1.remove, h2.remove])
+        import torch.nn.utils as nnu
+        import torch.nn.utils.clip_grad as cg
+
+        # clip_grad_norm_ calls these through its module's globals, so the
+        # patch sees the clip even through a reference imported earlier.
+        self._patch(cg, "_clip_grads_with_norm_", self._wrap_clip_norm)
+        if getattr(nnu, "clip_grads_with_norm_", None) is not None:
+            self._patch(nnu, "clip_grads_with_norm_", self._wrap_clip_norm)
+        if hasattr(cg, "_group_tensors_by_device_and_dtype"):
+            self._patch(cg, "_group_tensors_by_device_and_dtype", self._wrap_clip_value_probe)
+        from torch.optim.lr_scheduler import LRScheduler
+
+        for cls in _all_subclasses(LRScheduler):
+            if "step" in vars(cls):
+                self._patch(cls, "step", self._wrap_sched)
+        self._patch(torch.autograd, "backward", self._wrap_backward)
+
+    def _uninstall(self) -> None:
+        while self._restore:
+            try:
+                self._restore.pop()()
+            except Exception:  # pragma: no cover - restore the others regardless
+                pass
+
+    # -- wrappers ------------------------------------------------------------
+    def _wrap_scale(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        hub = self
+
+        @functools.wraps(orig)
+        def scale(scaler: GradScaler, outputs: Any) -> Any:
+            with hub.outermost("scale") as outer:
+                if not outer:
+                    return orig(scaler, outputs)
+                hub.emit("on_scale_begin", scaler)
+                result = orig(scaler, outputs)
+                if scaler._enabled:
+                    hub._mark_scaled(scaler, result)
+                hub.emit("on_scale", scaler, outputs, result)
+                return result
+
+        return scale
+
+    def _mark_scaled(self, scaler: GradScaler, result: Any) -> None:
+        hook = functools.partial(_flow_hook, id(scaler))
+        for t in tensor_list(result):
+            if t.requires_grad:
+                self._scaled_outputs[t] = id(scaler)
+                t.register_hook(hook)
+
+    def _wrap_unscale(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        hub = self
+
+        @functools.wraps(orig)
+        def unscale_(scaler: GradScaler, optimizer: Any) -> Any:
+            with hub.outermost("unscale_") as outer:
+                # Before the call: unscale_ raises on float16 gradients and
+                # on a second unscale_ without update(); the event must exist
+                # by then so that the report explains the exception.
+                if outer and scaler._enabled:
+                    hub.emit("on_unscale", scaler, optimizer)
+                return orig(scaler, optimizer)
+
+        return unscale_
+
+    def _wrap_step(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        hub = self
+
+        @functools.wraps(orig)
+        def step(scaler: GradScaler, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            with hub.outermost("step") as outer:
+                if not outer:
+                    return orig(scaler, optimizer, *args, **kwargs)
+                # Before the call: a second step() without update() raises.
+                hub.emit("on_scaler_step_begin", scaler, optimizer)
+                before = hub._step_counts.get(id(optimizer), 0)
+                hub.in_scaler_step += 1
+                try:
+                    result = orig(scaler, optimizer, *args, **kwargs)
+                finally:
+                    hub.in_scaler_step -= 1
+                # GradScaler calls optimizer.step only when no inf/NaN was found:
+                # an optimizer step that did not happen is the skip, with no sync.
+                stepped = hub._step_counts.get(id(optimizer), 0) != before
+                hub.emit("on_scaler_step", scaler, optimizer, stepped)
+                return result
+
+        return step
+
+    def _wrap_update(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        hub = self
+
+        @functools.wraps(orig)
+        def update(scaler: GradScaler, new_scale: Any = None) -> Any:
+            with hub.outermost("update") as outer:
+                result = orig(scaler, new_scale)
+                if outer:
+                    hub.emit("on_update_end", scaler, new_scale)
+                return result
+
+        return update
+
+    def _wrap_load(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        hub = self
+
+        @functools.wraps(orig)
+        def load_state_dict(scaler: GradScaler, state_dict: Any) -> Any:
+            with hub.outermost("load") as outer:
+                result = orig(scaler, state_dict)
+                # After the call: a resumed run's scale is the loaded one from here on.
+                if outer:
+                    hub.emit("on_scaler_load", scaler, state_dict)
+                return result
+
+        return load_state_dict
+
+    def _opt_pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self.emit("on_optimizer_pre", optimizer)
+
+    def _opt_post(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self._step_counts[id(optimizer)] = self._step_counts.get(id(optimizer), 0) + 1
+        self.emit("on_optimizer_post", optimizer)
+
+    def _wrap_clip_norm(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        hub = self
+
+        @functools.wraps(orig)
+        def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Any,
+                                  *args: Any, **kwargs: Any) -> Any:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            with hub.outermost("clip") as outer:
+                if outer:
+                    caller = sys._getframe(1).f_code.co_name
+                    name = "clip_grad_norm_" if caller == "clip_grad_norm_" else \
+                        "clip_grads_with_norm_"
+                    hub.emit("on_clip", name, params,
+                             {"max_norm": max_norm, "total_norm": total_norm})
+                return orig(params, max_norm, total_norm, *args, **kwargs)
+
+        return clip_grads_with_norm_
+
+    def _wrap_clip_value_probe(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        # clip_grad_value_ has no helper of its own to patch; it groups the
+        # gradients with this one, which it looks up at call time.
+        hub = self
+
+        @functools.wraps(orig)
+        def group(*args: Any, **kwargs: Any) -> Any:
+            try:
+                frame = sys._getframe(1)
+                if frame.f_code.co_name == "clip_grad_value_" and hub._depth.get("clip", 0) == 0:
+                    # Its parameters may be a spent generator by now: pass the grads.
+                    loc = frame.f_locals
+                    grads = [g for g in loc.get("grads") or [] if isinstance(g, torch.Tensor)]
+                    hub.emit("on_clip", "clip_grad_value_", [],
+                             {"clip_value": loc.get("clip_value"), "grads": grads})
+            except Exception:  # pragma: no cover - observing must never break clipping
+                pass
+            return orig(*args, **kwargs)
+
+        return group
+
+    def _wrap_sched(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        hub = self
+
+        @functools.wraps(orig)
+        def sched_step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+            with hub.outermost("sched") as outer:
+                if outer:
+                    hub.emit("on_scheduler_step", scheduler)
+                return orig(scheduler, *args, **kwargs)
+
+        return sched_step
+
+    def _wrap_backward(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        hub = self
+
+        @functools.wraps(orig)
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            with hub.outermost("backward") as outer:
+                if not outer:
+                    return orig(tensors, *args, **kwargs)
+                flows = hub._total_flows
+                hub.emit("on_backward", tensors)
+                result = orig(tensors, *args, **kwargs)
+                through = hub._total_flows != flows or any(
+                    t in hub._scaled_outputs for t in tensor_list(tensors))
+                hub.emit("on_backward_end", tensors, through)
+                return result
+
+        return backward
+
+
+def _flow_hook(scaler_id: int, grad: torch.Tensor) -> None:
+    """Tensor hook on a scaled output: a backward went through the scaler."""
+    _HUB.note_flow(scaler_id)
+
+
+_HUB = _ApiHub()
+_REPORTED: set[tuple[int, str]] = set()
+
+
+def _internal_error(sub: Any, method: str, exc: Exception) -> None:
+    key = (id(sub), method)
+    if key not in _REPORTED:
+        _REPORTED.add(key)
+        warnings.warn(
+            f"amp-doctor: internal error in {method} ({type(exc).__name__}: {exc}); "
+            "training continues unaffected, but this part of the report may be incomplete. "
+            "Please report it with the traceback from AMP_DOCTOR_DEBUG=1.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if os.environ.get("AMP_DOCTOR_DEBUG"):
+        raise exc
+
+
+class Subscription:
+    """Removable like a hook handle; removing the last one restores every patch."""
+
+    def __init__(self, sub: ApiSubscriber) -> None:
+        self._sub: ApiSubscriber | None = sub
+        _HUB.add(sub)
+
+    def remove(self) -> None:
+        if self._sub is not None:
+            _HUB.remove(self._sub)
+            self._sub = None
+
+
+def subscribe(sub: ApiSubscriber) -> Subscription:
+    """Start forwarding AMP API calls to ``sub``; the handle's ``remove`` stops it."""
+    return Subscription(sub)
+
+
+def patches_installed() -> bool:
+    """True while any watch is active (tests use it to prove nothing is left behind)."""
+    return _HUB.installed
+
+
+def in_scaler_step() -> bool:
+    """True inside ``GradScaler.step`` (an optimizer step there is the scaler's)."""
+    return _HUB.in_scaler_step > 0
+
+
+def scaled_backwards(scaler: GradScaler | None) -> int:
+    """How many backward passes so far went through ``scaler.scale()``'s outputs."""
+    return _HUB.flows.get(id(scaler), 0)

@@ -1,0 +1,500 @@
+"""Module hooks that turn activations and gradients into on-device summaries.
+
+Nothing here copies to the host. Each hook only computes
+:func:`amp_doctor.device.stats.summarize` on the tensors it sees and files the
+result in the current :class:`~amp_doctor.device.recorder.StepBuffer`; the buffer
+is copied to the host once, at the step boundary.
+
+Design choices that keep the cost low and the user's run untouched:
+
+* forward hooks plus ``Tensor.register_hook`` on outputs for gradients;
+  no ``register_full_backward_hook`` (costly, and broken on in-place ops);
+* a tensor that several nested modules return (a ``Sequential`` and its last
+  child) is summarised once and credited to all of them;
+* hooks return ``None`` and never touch the tensors they see, so the
+  user's numerics are bit-identical with and without amp-doctor;
+* what is registered on the user's modules and tensors is a small hook
+  object holding only a weak reference to the :class:`Probes` (never the
+  writer, the buffer's owner or a lock), so ``torch.save(model)`` and
+  ``copy.deepcopy(model)`` keep working. A copy or an unpickled model gets
+  :class:`Unwatched` hooks instead: it is an unwatched model, and each of
+  those hooks removes itself from its module on its first call;
+* under ``torch.compile`` every hook returns before doing anything, so
+  dynamo traces nothing (no graph breaks, no recompiles). The pre-hook only
+  stores, as a trace-time constant, which autocast state the graph was
+  compiled for; dynamo replays that attribute store after the graph, which
+  is how a compiled model is noticed without changing it;
+* tensors that cannot be summarised (sparse, nested, meta, float8,
+  functorch-wrapped under ``vmap``/``grad``) are skipped and counted once
+  per (layer, kind) in an ``unsummarized`` event, without a host sync;
+* tensor hooks live in ``RemovableHandle`` objects that are removed at the
+  next step boundary: a module returning one of its own parameters does not
+  pile up hooks on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from amp_doctor.device.recorder import StepBuffer
+from amp_doctor.device.stats import summarize
+from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.dtypes import LOW_PRECISION_DTYPES, dtype_name
+from amp_doctor.hooks.compiled import (
+    COMPILED_NOTE,
+    compiled_autocast,
+    dynamo_compiled_something,
+    run_eagerly_when_called_by_dynamo,
+)
+from amp_doctor.hooks.moduleends import publish
+from amp_doctor.hooks.tensorkinds import unsummarizable
+from amp_doctor.hooks.weakhooks import Unwatched, WeakHook
+from amp_doctor.records import Event
+
+__all__ = ["LayerMeta", "Probes", "Unwatched", "unsummarizable",
+           "run_eagerly_when_called_by_dynamo", "COMPILED_NOTE"]
+
+# Deeply nested outputs are rare and walking them is pure overhead.
+MAX_TENSORS_PER_OUTPUT = 64
+# Tensor-hook handles kept between step boundaries before the dead ones are pruned.
+MAX_TENSOR_HANDLES = 4096
+
+
+class _PreHook(WeakHook["Probes"]):
+    def __init__(self, probes: Probes) -> None:
+        super().__init__(probes)
+        # Set only while dynamo traces this hook: the autocast state the
+        # compiled graph was made for. Dynamo replays the store on every call.
+        self.traced: str | None = None
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            self.traced = compiled_autocast()
+            return None
+        probes = self.owner()
+        if probes is not None:
+            probes._pre(module, args, kwargs)
+        return None
+
+
+class _PostHook(WeakHook["Probes"]):
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        probes = self.owner()
+        if probes is not None:
+            probes._post(module, args, kwargs, output)
+        return None
+
+
+class _GradHook(WeakHook["Probes"]):
+    # The hook holds the layer names and the step's buffer, never the
+    # activation: a finished step keeps no reference to user tensors.
+    def __init__(self, probes: Probes, owners: list[str], buf: StepBuffer) -> None:
+        super().__init__(probes)
+        self.owners = owners
+        self.buf = buf
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        probes = self.owner()
+        if probes is not None:
+            probes._on_grad(self.owners, self.buf, grad)
+        return None
+
+
+@dataclass
+class LayerMeta:
+    """Host-side facts about one layer; cheap metadata only, never values."""
+
+    name: str
+    type: str
+    order: int
+    calls: int = 0
+    input_dtypes: set[str] = field(default_factory=set)
+    output_dtypes: set[str] = field(default_factory=set)
+    param_dtypes: set[str] = field(default_factory=set)
+    params: list[nn.Parameter] = field(default_factory=list, repr=False)
+    root: int = 0
+    qual: str = ""
+    # Calls whose output was the very tensor a sublayer returned (a container).
+    passthrough_calls: int = 0
+
+
+def _first_tensors(obj: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for t in iter_tensors(obj):
+        out.append(t)
+        if len(out) >= MAX_TENSORS_PER_OUTPUT:
+            break
+    return out
+
+
+class Probes:
+    """Forward hooks on the modules of the watched models.
+
+    Roots (the models given to ``watch``) are hooked for the whole watch:
+    ``on_root_forward`` lets the owner see each root call (autocast state,
+    step starts) without hooks of its own. Every other module is hooked only
+    while :meth:`set_armed` says so, which the owner does for recorded steps
+    (and for anomaly mode, which needs the module stack on every step): once
+    a module has any hook, torch calls it through its slow path, and on an
+    unrecorded step even an idle hook would be pure cost.
+    """
+
+    def __init__(
+        self,
+        models: dict[str, nn.Module],
+        buffer_provider: Callable[[], StepBuffer],
+        on_root_forward: Callable[[nn.Module, tuple[Any, ...]], None],
+        events: list[Event] | None = None,
+        on_compiled: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.layers: dict[str, LayerMeta] = {}
+        self._names: dict[int, str] = {}
+        self._roots: set[int] = set()
+        self._handles: list[RemovableHandle] = []
+        # Hooks on non-root modules, present only while armed.
+        self._sub_handles: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        self._subs: list[nn.Module] = []
+        # Roots known to run under torch.compile: their sublayer hooks are never
+        # added or removed again, since dynamo guards on the hook dicts it traced
+        # (toggling them per recorded step would recompile).
+        self._frozen: set[int] = set()
+        # Per recorded step: root calls made while armed, and sublayer calls, by root.
+        self._armed_root_calls: dict[int, int] = {}
+        self._sub_calls: dict[int, int] = {}
+        self.armed = False
+        self._want_armed = False
+        self._buffer = buffer_provider
+        self._on_root_forward = on_root_forward
+        self.recording = False
+        self._depth = 0
+        # Names of the modules whose forward is running, innermost last.
+        self.stack: list[str] = []
+        # Per step: which summary a tensor got, and which layers own its grad.
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.param_owner: dict[int, str] = {}
+        self._root_prefix: dict[int, str] = {}
+        self._next_order = 0
+        # One pre/post hook object per module, reused each time it is armed.
+        self._hook_objs: dict[int, tuple[_PreHook, _PostHook]] = {}
+        # Tensor hooks of the current step; removed at the step boundary.
+        self._tensor_handles: list[RemovableHandle] = []
+        self._leaf_hooks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Session events: "unsummarized" (one per layer and kind, counted).
+        self._events = events if events is not None else []
+        self._skipped: dict[tuple[str, str], Event] = {}
+        self._on_compiled = on_compiled
+        run_eagerly_when_called_by_dynamo(_PreHook.__call__, _PostHook.__call__,
+                                          _GradHook.__call__, Unwatched.__call__)
+        for prefix, model in models.items():
+            self.add_root(prefix, model)
+
+    @staticmethod
+    def _layer_name(prefix: str, qual: str, mod: nn.Module) -> str:
+        return ".".join(p for p in (prefix, qual) if p) or type(mod).__name__
+
+    def add_root(self, prefix: str, model: nn.Module) -> bool:
+        """Hook every module of ``model``; False if it is already watched."""
+        if id(model) in self._names:
+            return False
+        self._roots.add(id(model))
+        self._root_prefix[id(model)] = prefix
+        for qual, mod in model.named_modules():
+            if id(mod) in self._names:
+                continue  # shared submodule: first name wins
+            name = self._layer_name(prefix, qual, mod)
+            meta = LayerMeta(name=name, type=type(mod).__name__, order=-1, root=id(model),
+                             qual=qual)
+            meta.params = list(mod.parameters(recurse=False))
+            meta.param_dtypes = {dtype_name(p.dtype) for p in meta.params}
+            for p in meta.params:
+                self.param_owner.setdefault(id(p), name)
+            self.layers[name] = meta
+            self._names[id(mod)] = name
+            if mod is model:
+                self._handles.extend(self._hook(mod))
+            else:
+                self._subs.append(mod)
+                if self.armed:
+                    self._sub_handles[id(mod)] = self._hook(mod)
+        return True
+
+    def freeze(self, model: nn.Module) -> None:
+        """``model`` runs under torch.compile: leave its sublayer hooks as they are now."""
+        self._frozen.add(id(model))
+
+    def _root_of(self, mod_id: int) -> int:
+        name = self._names.get(mod_id)
+        meta = self.layers.get(name) if name is not None else None
+        return meta.root if meta is not None else mod_id
+
+    def _hook(self, mod: nn.Module) -> tuple[RemovableHandle, RemovableHandle]:
+        objs = self._hook_objs.get(id(mod))
+        if objs is None:
+            objs = self._hook_objs[id(mod)] = (_PreHook(self), _PostHook(self))
+        return (mod.register_forward_pre_hook(objs[0], with_kwargs=True),
+                mod.register_forward_hook(objs[1], with_kwargs=True, always_call=True))
+
+    def set_armed(self, armed: bool) -> None:
+        """Hook (or unhook) every non-root module; applied between forward passes.
+
+        A request made while a forward is running waits for the next root
+        call: removing a hook mid-forward would lose its module's post-hook.
+        """
+        self._want_armed = armed
+        if self._depth == 0:
+            self.apply_armed()
+
+    def apply_armed(self) -> None:
+        if self._want_armed == self.armed:
+            return
+        if self._want_armed:
+            for mod in self._subs:
+                if id(mod) not in self._sub_handles and self._root_of(id(mod)) not in self._frozen:
+                    self._sub_handles[id(mod)] = self._hook(mod)
+        else:
+            for mid, hs in list(self._sub_handles.items()):
+                if self._root_of(mid) not in self._frozen:
+                    for h in hs:
+                        h.remove()
+                    del self._sub_handles[mid]
+        self.armed = self._want_armed
+
+    def watches(self, module: nn.Module) -> bool:
+        return id(module) in self._names
+
+    def rename_root(self, model: nn.Module, prefix: str) -> dict[str, str]:
+        """Give an already watched model a prefix; returns old -> new layer names."""
+        rid = id(model)
+        mods = {id(m): (q, m) for q, m in model.named_modules()}
+        mapping: dict[str, str] = {}
+        for mid, name in list(self._names.items()):
+            meta = self.layers[name]
+            if meta.root != rid or mid not in mods:
+                continue
+            qual, mod = mods[mid]
+            new = self._layer_name(prefix, qual, mod)
+            mapping[name] = new
+        self._root_prefix[rid] = prefix
+        self.layers = {mapping.get(k, k): v for k, v in self.layers.items()}
+        for meta in self.layers.values():
+            meta.name = mapping.get(meta.name, meta.name)
+        self._names = {k: mapping.get(v, v) for k, v in self._names.items()}
+        self.param_owner = {k: mapping.get(v, v) for k, v in self.param_owner.items()}
+        self.stack = [mapping.get(v, v) for v in self.stack]
+        return mapping
+
+    # -- lifecycle -------------------------------------------------------
+    def remove(self) -> None:
+        self._collect_compiled()
+        subs = [h for hs in self._sub_handles.values() for h in hs]
+        for h in (*self._handles, *subs, *self._tensor_handles):
+            h.remove()
+        self._handles.clear()
+        self._sub_handles.clear()
+        self._tensor_handles.clear()
+        self._leaf_hooks = WeakIdKeyDictionary()
+        self.armed = self._want_armed = False
+        self._seen = WeakIdKeyDictionary()
+        self.stack.clear()
+        self._depth = 0
+
+    def name_of(self, module: nn.Module) -> str | None:
+        return self._names.get(id(module))
+
+    def current_module(self) -> str | None:
+        return self.stack[-1] if self.stack else None
+
+    def new_step(self) -> None:
+        self._seen = WeakIdKeyDictionary()
+        # Gradient hooks of the step that ended: its backward has run. Removing
+        # them keeps long-lived tensors (a parameter a module returns) from
+        # gathering one hook per step, and no graph kept alive with
+        # retain_graph=True holds the old step's buffer.
+        for h in self._tensor_handles:
+            h.remove()
+        self._tensor_handles.clear()
+        self._leaf_hooks = WeakIdKeyDictionary()
+        self._collect_compiled()
+
+    def _hook_grad(self, t: torch.Tensor, owners: list[str], buf: StepBuffer) -> None:
+        if t.grad_fn is None:
+            # A leaf (a parameter a module returns) lives on: one hook on it at a
+            # time, retargeted to the latest call, however many calls come
+            # before the next step boundary (a loop with no optimizer has none).
+            hook = self._leaf_hooks.get(t)
+            if hook is not None:
+                hook.owners, hook.buf = owners, buf
+                return
+            hook = self._leaf_hooks[t] = _GradHook(self, owners, buf)
+            self._keep_handle(t.register_hook(hook))
+            return
+        self._keep_handle(t.register_hook(_GradHook(self, owners, buf)))
+
+    def _keep_handle(self, handle: RemovableHandle) -> None:
+        # A loop with no step boundary would grow the list forever; most handles
+        # point at activations already freed (their hook dict is gone).
+        if len(self._tensor_handles) >= MAX_TENSOR_HANDLES:
+            self._tensor_handles = [h for h in self._tensor_handles
+                                    if h.hooks_dict_ref() is not None]
+        self._tensor_handles.append(handle)
+
+    def _collect_compiled(self) -> None:
+        """Report modules whose hooks dynamo traced since the last call (see _PreHook),
+        and roots compiled before they were watched: called while their sublayers were
+        hooked, yet no sublayer hook ran (the graph was traced without them)."""
+        if self._on_compiled is None:
+            return
+        for root, n in self._armed_root_calls.items():
+            if (n and not self._sub_calls.get(root) and root not in self._frozen
+                    and dynamo_compiled_something()
+                    and any(self._root_of(id(m)) == root for m in self._subs)):
+                self._frozen.add(root)
+                self._on_compiled(self._names[root], "")
+        self._armed_root_calls.clear()
+        self._sub_calls.clear()
+        for mid, (pre, _) in self._hook_objs.items():
+            if pre.traced is not None:
+                root = self._root_of(mid)
+                self._frozen.add(root)
+                name = self._names.get(root)
+                if name is not None:
+                    self._on_compiled(name, pre.traced)
+                pre.traced = None
+
+    def _note_skipped(self, name: str, kind: str, step: int) -> None:
+        """Count a tensor that could not be summarised; one event per (layer, kind)."""
+        ev = self._skipped.get((name, kind))
+        if ev is None:
+            ev = Event(kind="unsummarized", step=step, module=name, data={
+                "tensor": kind, "count": 0, "severity": "info",
+                "message": (f"{name}: {kind} tensors are not summarised (no statistics for "
+                            "them); the run itself is unaffected."),
+            })
+            self._skipped[(name, kind)] = ev
+            self._events.append(ev)
+        ev.data["count"] += 1
+
+    # -- hooks -----------------------------------------------------------
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            # copy.copy(module) shares the hook dicts: that copy is not watched.
+            return
+        if self._depth == 0 and self._want_armed != self.armed:
+            self.apply_armed()
+        self._depth += 1
+        self.stack.append(name)
+        if id(module) in self._roots and self._depth == 1:
+            self._on_root_forward(module, args)
+            if self.armed and self.recording:
+                self._armed_root_calls[id(module)] = self._armed_root_calls.get(id(module), 0) + 1
+        if not self.recording or not torch.is_grad_enabled():
+            return
+        meta = self.layers[name]
+        for t in _first_tensors((args, kwargs)):
+            if t.is_floating_point():
+                meta.input_dtypes.add(dtype_name(t.dtype))
+
+    def _post(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        name = self._names.get(id(module))
+        if name is None:
+            return
+        self._depth = max(0, self._depth - 1)
+        if self.stack:
+            self.stack.pop()
+        publish(module, output)
+        # Inference passes (validation under no_grad) are not training steps.
+        if not self.recording or not torch.is_grad_enabled():
+            return
+        meta = self.layers[name]
+        if meta.order < 0:
+            meta.order = self._next_order
+            self._next_order += 1
+        meta.calls += 1
+        if meta.root != id(module):
+            self._sub_calls[meta.root] = self._sub_calls.get(meta.root, 0) + 1
+        buf = self._buffer()
+        for t in _first_tensors(output):
+            meta.output_dtypes.add(dtype_name(t.dtype))
+            if not t.is_floating_point():
+                continue
+            why = unsummarizable(t)
+            if why is not None:
+                self._note_skipped(name, why, buf.step)
+                continue
+            if t.numel() == 0:
+                continue
+            # Inference tensors (made under torch.inference_mode) have no version counter.
+            version = -1 if t.is_inference() else t._version
+            entry = self._seen.get(t)
+            # An in-place op (x.mul_(gamma)) returns the same tensor with new
+            # values: only an unchanged version counter means "already seen".
+            if entry is None or entry[2] != version:
+                with own_ops:
+                    idx = buf.add(summarize(t))
+                owners = [name]
+                self._seen[t] = (idx, owners, version)
+                if t.requires_grad:
+                    self._hook_grad(t, owners, buf)
+            else:
+                idx, owners, _ = entry
+                if name in owners:
+                    continue  # same tensor returned twice in one output
+                owners.append(name)
+                meta.passthrough_calls += 1
+            buf.assign(name, "act", idx)
+
+    def _on_grad(self, owners: list[str], buf: StepBuffer, grad: torch.Tensor) -> None:
+        if buf.closed or grad is None or not grad.is_floating_point():
+            return
+        why = unsummarizable(grad)
+        if why is not None:
+            self._note_skipped(owners[0], why + " gradient", buf.step)
+            return
+        if grad.numel() == 0:
+            return
+        with own_ops:
+            idx = buf.add(summarize(grad))
+        for n in owners:
+            buf.assign(n, "grad", idx)
+        buf.note_backward(owners[0])
+
+    # -- parameter gradients --------------------------------------------
+    def summarize_param_grads(self, params: list[torch.Tensor], buf: StepBuffer) -> None:
+        """Summaries of the gradients of ``params``, one per owning layer, once per step."""
+        by_layer: dict[str, list[torch.Tensor]] = {}
+        for p in params:
+            name = self.param_owner.get(id(p))
+            if name is None or p.grad is None or name in buf.param_grads_done:
+                continue
+            g = p.grad
+            if not g.is_floating_point() or g.numel() == 0:
+                continue
+            why = unsummarizable(g)
+            if why is not None:
+                self._note_skipped(name, why + " gradient", buf.step)
+                continue
+            by_layer.setdefault(name, []).append(g.detach().reshape(-1))
+        with own_ops:
+            for name, grads in by_layer.items():
+                buf.param_grads_done.add(name)
+                flat = grads[0] if len(grads) == 1 else torch.cat([g.float() for g in grads])
+                buf.assign(name, "param_grad", buf.add(summarize(flat)))
+
+    def low_precision_outputs(self) -> set[str]:
+        lows = {dtype_name(d) for d in LOW_PRECISION_DTYPES}
+        return {d for m in self.layers.values() for d in m.output_dtypes if d in lows}

@@ -1,0 +1,226 @@
+"""Step folding: a recorded step's host copy -> a :class:`StepRecord`, returned.
+
+:class:`StepFolder` owns what the recorded steps add up to: the per-layer
+aggregates, the bounded history, which steps had a NaN/inf loss or batch,
+and the sampled low-precision weight updates. :meth:`StepFolder.fold` takes
+one flushed :class:`~amp_doctor.device.recorder.StepBuffer` (a host copy, no device
+tensor) and returns the :class:`FoldedStep`; the watch passes it on to the
+listeners and the scale timeline. Nothing here calls back into the watch.
+
+Listeners (the sinks) receive ``(StepRecord, StepRows)``, see
+:mod:`amp_doctor.steps.listeners`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from amp_doctor.device.recorder import History, HostCopy, LayerAggregate, host_step_layers
+from amp_doctor.devicework import count_sync
+from amp_doctor.dtypes import FormatLimits
+from amp_doctor.records import Event, LayerStep, LayerSummary, StepRecord
+from amp_doctor.steps.listeners import StepListener, StepRows
+
+__all__ = ["StepRows", "StepListener", "FoldedStep", "StepFolder", "skip_culprits",
+           "GRAD_SCALE_KEY"]
+
+# The step scalar that holds the scale the loss was multiplied by.
+GRAD_SCALE_KEY = "grad_scale"
+_LOW_DTYPE_NAMES = ("float16", "bfloat16")
+
+
+class LayerMetaView(Protocol):
+    """What folding needs to know of a hooked layer (the probes' layer metadata)."""
+
+    order: int
+    output_dtypes: set[str]
+
+
+class FoldedStep(NamedTuple):
+    record: StepRecord
+    # The first layer whose forward overflowed or went non-finite (None: the batch did).
+    forward_origin: str | None
+    # Layers with non-finite gradients, backward order (only for a skipped step).
+    culprits: list[str]
+    # The loss was NaN/inf (None: not checked on this step).
+    loss_bad: bool | None
+
+
+class StepFolder:
+    """Folds recorded steps into per-layer aggregates, a bounded history and loop facts."""
+
+    def __init__(self, layers: Callable[[], Mapping[str, LayerMetaView]],
+                 model_label: Callable[[], str], events: list[Event]) -> None:
+        self._layers = layers
+        self._model_label = model_label
+        self.aggregates: dict[str, LayerAggregate] = {}
+        self.history = History()
+        # The watch's event list, in the order things happened (shared with the probes).
+        self._events = events
+        # Steps whose loss was checked on the host (recorded steps, and skipped steps
+        # in the skip's one sync), and those of them where it was NaN/inf.
+        self._loss_checked: set[int] = set()
+        self._loss_bad: set[int] = set()
+        self._loss_origin: tuple[int, str | None] | None = None
+        self._lp_counts = [0.0, 0.0]  # sampled elements with a gradient, unchanged of those
+
+    def note_loss(self, step: int, bad: bool) -> None:
+        # Host flags only, from copies made anyway: no sync of its own.
+        self._loss_checked.add(step)
+        if bad:
+            self._loss_bad.add(step)
+
+    def fold(self, hs: HostCopy, *, fmt: FormatLimits, param_grads_scaled: bool,
+             skipped: bool, scale: float | None, check_input: bool) -> FoldedStep:
+        """One recorded step's host copy -> its record, folded into the run's aggregates.
+
+        ``check_input``: report a NaN/inf batch here (anomaly mode reports it otherwise).
+        """
+        step = hs.step
+        grad_scale = hs.scalars.get(GRAD_SCALE_KEY)
+        layers, raw = host_step_layers(hs, fmt, grad_scale,
+                                       grad_scale if param_grads_scaled else None)
+        for name, ls in layers.items():
+            self.aggregates.setdefault(name, LayerAggregate()).add(ls, raw[name])
+        origin = self._forward_origin(layers)
+        if hs.scalars.get("input_nan") or hs.scalars.get("input_inf"):
+            # The batch was already non-finite: no layer is the origin.
+            origin = None
+            if check_input:
+                self._note_bad_input(step, hs.scalars)
+        if origin is not None:
+            self.aggregates[origin].origin_steps += 1
+        loss_bad: bool | None = None
+        if "loss_bad" in hs.scalars:
+            loss_bad = bool(hs.scalars["loss_bad"])
+            self.note_loss(step, loss_bad)
+            if loss_bad and self._loss_origin is None:
+                self._loss_origin = (step, origin)
+        if "lp_with_grad" in hs.scalars:
+            self._lp_counts[0] += hs.scalars["lp_with_grad"]
+            self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
+        culprits = self._culprits(hs, layers) if skipped else []
+        rec = StepRecord(step=step, loss=hs.scalars.get("loss"), scale=scale, skipped=skipped,
+                         layers=layers)
+        self.history.add(rec)
+        return FoldedStep(rec, origin, culprits, loss_bad)
+
+    def _note_bad_input(self, step: int, scalars: dict[str, float]) -> None:
+        seen = [e for e in self._events
+                if e.kind == "nonfinite_input" and e.data.get("detected") == "recorded step"]
+        if seen:
+            for e in seen:
+                e.data["occurrences"] = int(e.data.get("occurrences", 1)) + 1
+            return
+        self._events.append(Event(kind="nonfinite_input", step=step, module=self._model_label(),
+                                 data={"nan": bool(scalars.get("input_nan")),
+                                       "inf": bool(scalars.get("input_inf")),
+                                       "detected": "recorded step"}))
+
+    def _forward_origin(self, layers: dict[str, LayerStep]) -> str | None:
+        """The first layer to finish its forward with an overflowed or non-finite output.
+
+        Hooks run in completion order (children before parents), so the first
+        such layer produced the problem; the ones after it only passed it on.
+        """
+        metas = self._layers()
+        bad = [
+            n for n, ls in layers.items()
+            if ls.act is not None and n in metas and (
+                ls.act.nonfinite_frac > 0
+                or (ls.act.overflow_frac > 0 and metas[n].output_dtypes & set(_LOW_DTYPE_NAMES)))
+        ]
+        return min(bad, key=lambda n: metas[n].order) if bad else None
+
+    def _culprits(self, hs: HostCopy, layers: dict[str, LayerStep]) -> list[str]:
+        bad = [
+            n for n, ls in layers.items()
+            if (ls.grad is not None and ls.grad.nonfinite_frac > 0)
+            or (ls.param_grad is not None and ls.param_grad.nonfinite_frac > 0)
+        ]
+        seen: dict[str, int] = {}
+        for i, n in enumerate(hs.backward_order):
+            seen.setdefault(n, i)
+        metas = self._layers()
+        big = len(hs.backward_order) + 1
+        return sorted(
+            bad, key=lambda n: (seen.get(n, big), -metas[n].order if n in metas else 0)
+        )
+
+    def rename(self, mapping: dict[str, str]) -> None:
+        """Layers were renamed (a second model prefixes the first's names)."""
+        self.aggregates = {mapping.get(k, k): v for k, v in self.aggregates.items()}
+        self.history.records = [
+            StepRecord(**{**r.__dict__, "layers": {mapping.get(k, k): v
+                                                   for k, v in r.layers.items()}})
+            for r in self.history.records
+        ]
+
+    def summaries(self, metas: Mapping[str, Any],
+                  ops: Mapping[str, dict[str, dict[str, int]]]) -> list[LayerSummary]:
+        """Every layer that ran, summarised over the run, in forward order."""
+        out = []
+        for name, meta in metas.items():
+            agg = self.aggregates.get(name)
+            if agg is None and meta.calls == 0:
+                continue
+            agg = agg or LayerAggregate()
+            out.append(agg.summary(
+                name, meta.type, meta.order, meta.calls, meta.input_dtypes,
+                meta.output_dtypes, meta.param_dtypes, ops.get(name, {}),
+                passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls))
+        return sorted(out, key=lambda x: (x.order < 0, x.order))
+
+    def loss_events(self, steps: int) -> list[Event]:
+        """The steps whose loss was NaN/inf, over the whole run."""
+        if not self._loss_bad:
+            return []
+        seen = self._loss_origin
+        return [Event(kind="nonfinite_loss", step=min(self._loss_bad),
+                      module=seen[1] if seen else None, data={
+                          "steps_bad": len(self._loss_bad),
+                          "checked": len(self._loss_checked), "steps": steps,
+                          "recorded_at": seen[0] if seen else None,
+                          "origin": seen[1] if seen else None})]
+
+    def lowp_events(self, param_dtypes: Iterable[str]) -> list[Event]:
+        """Sampled low-precision weights that the optimizer's update did not move."""
+        with_grad, unchanged = self._lp_counts
+        if with_grad <= 0:
+            return []
+        return [Event(kind="lowp_updates_lost", step=0, data={
+            "sampled": int(with_grad), "unchanged": int(unchanged),
+            "frac": unchanged / with_grad,
+            "dtypes": sorted({d for d in param_dtypes if d in _LOW_DTYPE_NAMES})})]
+
+
+def skip_culprits(params: list[torch.Tensor], param_owner: Mapping[int, str],
+                  order: Callable[[str], int], loss_flag: torch.Tensor | None
+                  ) -> tuple[list[str], bool | None] | None:
+    """A skipped step that was not recorded: its layers with non-finite gradients.
+
+    One host copy (the skip's one sync) for every layer's flag and the loss's.
+    Returns (culprits, the loss was NaN/inf or None), or None when nothing to check.
+    """
+    by_layer: dict[str, list[torch.Tensor]] = {}
+    for p in params:
+        name = param_owner.get(id(p))
+        if name is not None and p.grad is not None:
+            by_layer.setdefault(name, []).append(p.grad)
+    if not by_layer and loss_flag is None:
+        return None
+    names = list(by_layer)
+    parts = [torch.stack([~torch.isfinite(g).all() for g in gs]).any()
+             for gs in by_layer.values()]
+    if loss_flag is not None:
+        dev = parts[0].device if parts else loss_flag.device
+        parts.append(loss_flag.to(dev))
+    bad = torch.stack(parts).tolist()  # the one sync of an unrecorded skipped step
+    count_sync()
+    loss_bad = bool(bad.pop()) if loss_flag is not None else None
+    ranks = {n: order(n) for n in names}
+    culprits = sorted((n for n, b in zip(names, bad, strict=True) if b), key=lambda n: -ranks[n])
+    return culprits, loss_bad

@@ -1,0 +1,157 @@
+"""What the training loop did in the current step, beyond the AMP API.
+
+:class:`LoopSignals` keeps the step's device flags (the loss and the batch
+NaN/inf, OR-ed over micro-steps; they ride in the step's one host copy, or in
+a skip's one sync), whether a training forward and a backward ran, and, for
+loops without an optimizer or scaler, whether the weights were updated since
+the last backward. In pure low-precision training it also samples parameter
+elements before the optimizer's update, to see whether the update moved them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from amp_doctor.device.recorder import StepBuffer
+from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.hooks.probes import unsummarizable
+from amp_doctor.steps.misuse import reaches_params
+
+__all__ = ["LoopSignals", "UPDATE_SAMPLE"]
+
+# Pure low-precision training: parameter elements sampled per tensor on a recorded
+# step to see whether the optimizer's update changed them at all.
+UPDATE_SAMPLE = 1024
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class LoopSignals:
+    """The loop's doings in the current step (reset at each step boundary)."""
+
+    def __init__(self) -> None:
+        # Device flags of the current step: "loss_bad", "input_nan", "input_inf".
+        self._flags: dict[str, torch.Tensor] = {}
+        self.train_forward = False
+        self.backward = False
+        # A backward of this step reached the watched parameters.
+        self.backward_reached = False
+        # A parameter's gradient and weight versions after the last backward.
+        self._sentinel: tuple[torch.Tensor, int, int, int] | None = None
+        # Sampled low-precision parameter elements before the update.
+        self._lp_snap: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def trained_since_boundary(self) -> bool:
+        return self.train_forward or self.backward
+
+    def new_step(self) -> None:
+        self.backward = False
+        self._sentinel = None
+        self.backward_reached = False
+        self.train_forward = False
+
+    def end_step(self) -> dict[str, torch.Tensor]:
+        """The step's device flags, handed over; the step's samples dropped."""
+        flags, self._flags = self._flags, {}
+        self._lp_snap = []
+        return flags
+
+    def release(self) -> None:
+        """Leave no reference to the user's tensors behind."""
+        self._sentinel = None
+        self._lp_snap = []
+        self._flags = {}
+
+    # -- device flags ----------------------------------------------------------
+    def _or_flag(self, key: str, flag: torch.Tensor) -> None:
+        prev = self._flags.get(key)
+        self._flags[key] = flag if prev is None else (prev | flag.to(prev.device))
+
+    def loss_flag(self) -> torch.Tensor | None:
+        return self._flags.get("loss_bad")
+
+    def note_loss(self, roots: list[torch.Tensor]) -> None:
+        """Before a backward: note on the device whether its loss is NaN/inf."""
+        losses = [t for t in roots if t.numel() == 1 and t.is_floating_point()
+                  and t.grad_fn is not None]
+        if losses:
+            self._or_flag("loss_bad", torch.stack(
+                [~torch.isfinite(t.detach()).all() for t in losses]).any())
+
+    def check_input(self, args: tuple[Any, ...]) -> None:
+        """On a recorded step: does the batch itself hold NaN/inf? Device flags only."""
+        # vmap's wrapped tensors must not escape into the step's flags; nor odd layouts.
+        ts = [t for t in iter_tensors(args) if t.is_floating_point() and t.numel() > 0
+              and unsummarizable(t) is None]
+        if not ts:
+            return
+        with own_ops:
+            try:
+                nan = torch.stack([t.detach().isnan().any() for t in ts]).any()
+                inf = torch.stack([t.detach().isinf().any() for t in ts]).any()
+            except Exception:  # odd tensors (nested, float8): skip the check
+                return
+        self._or_flag("input_nan", nan)
+        self._or_flag("input_inf", inf)
+
+    # -- steps without an optimizer ------------------------------------------------
+    def backward_done(self, roots: list[torch.Tensor], owns: Callable[[torch.Tensor], bool],
+                      first_grad: Callable[[], torch.Tensor | None]) -> None:
+        """A backward ended where no optimizer or scaler ends the steps."""
+        if not self.backward_reached:
+            self.backward_reached = reaches_params(
+                [t.grad_fn for t in roots if t.grad_fn is not None], owns)
+        if self.backward_reached:
+            # After every backward: accumulation changes the grads in place.
+            q = first_grad()
+            self._sentinel = None if q is None or q.grad is None else (
+                q, id(q.grad), q.grad._version, q._version)
+
+    def updated(self) -> bool:
+        """Since the last backward, did the loop update the weights or reset the grads?
+
+        That is what ends a step without an optimizer. Gradient accumulation
+        (several backward passes into one update) changes neither in between.
+        """
+        sn = self._sentinel
+        if sn is None:
+            return False
+        p, gid, gver, pver = sn
+        g = p.grad
+        return g is None or id(g) != gid or g._version != gver or p._version != pver
+
+    # -- low-precision updates -------------------------------------------------------
+    def snapshot_low_params(self, params: list[torch.Tensor]) -> None:
+        """Before a plain optimizer step: sample the low-precision weights with a grad."""
+        if self._lp_snap or not any(p.dtype in _LOW_DTYPES for p in params):
+            return
+        snap = []
+        with own_ops, torch.no_grad():
+            for p in params:
+                if p.dtype not in _LOW_DTYPES or p.grad is None or p.grad.is_sparse:
+                    continue
+                n = p.numel()
+                if n == 0:
+                    continue
+                step = max(1, n // UPDATE_SAMPLE)
+                idx = torch.arange(0, n, step, device=p.device)[:UPDATE_SAMPLE]
+                before = p.detach().reshape(-1)[idx].clone()
+                has_grad = p.grad.detach().reshape(-1)[idx] != 0
+                snap.append((p, idx, before, has_grad))
+        self._lp_snap = snap
+
+    def measure_low_params(self, buf: StepBuffer | None) -> None:
+        """After the optimizer step: how many sampled elements did not move (device counts)."""
+        snap, self._lp_snap = self._lp_snap, []
+        if not snap or buf is None:
+            return
+        with own_ops, torch.no_grad():
+            moved = [(p.detach().reshape(-1)[idx] == before) & has_grad
+                     for p, idx, before, has_grad in snap]
+            unchanged = torch.stack([m.sum() for m in moved]).sum()
+            with_grad = torch.stack([h.sum() for _, _, _, h in snap]).sum()
+        buf.put_scalar("lp_unchanged", unchanged)
+        buf.put_scalar("lp_with_grad", with_grad)

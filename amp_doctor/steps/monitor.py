@@ -1,0 +1,278 @@
+"""One watch's view of the AMP API: step boundaries, step outcomes, the scale.
+
+:class:`AmpMonitor` subscribes to :mod:`amp_doctor.hooks.patching`'s hub and turns
+the forwarded calls into what one watch needs: a step boundary at the primary
+scaler's ``update()`` (or the primary optimizer's step when no scaler is in
+use), a :class:`~amp_doctor.steps.scaler.StepOutcome` per step, the scale mirrors
+(:mod:`amp_doctor.steps.scaler`) and the misuse checks (:mod:`amp_doctor.steps.misuse`).
+Which scalers and optimizers are the watch's is decided by
+:class:`~amp_doctor.steps.registry.AmpRegistry`.
+
+It tells the watch through the :class:`LoopCallbacks` it is given, and never
+reads the watch's state: the watch ends the step and hands the outcome back
+through :meth:`AmpMonitor.end_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import GradScaler, OptState
+from torch.optim import Optimizer
+
+from amp_doctor.hooks.patching import in_scaler_step, tensor_list
+from amp_doctor.records import Event, ScalerTimeline
+from amp_doctor.steps.misuse import MisuseChecks
+from amp_doctor.steps.registry import AmpRegistry, is_deferred, optimizer_params, optimizer_stage
+from amp_doctor.steps.scaler import ScalerMirror, ScaleTimeline, StepOutcome
+
+__all__ = ["AmpMonitor", "LoopCallbacks"]
+
+Params = list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LoopCallbacks:
+    """What the watch wants to hear about the loop, as it happens."""
+
+    # A training step ended (the primary scaler's update, or the primary optimizer's step).
+    boundary: Callable[[], None]
+    # The optimizer's gradients are final; the scale they still carry (None: unscaled).
+    param_grads: Callable[[Params, float | None], None]
+    # GradScaler skipped the optimizer step of these parameters.
+    skip: Callable[[Params], None]
+    # scaler.scale(outputs): the scale tensor (None when disabled or not created yet).
+    scale: Callable[[torch.Tensor | None, Any], None]
+    backward: Callable[[Params], None]
+    backward_done: Callable[[Params], None]
+    optimizer_done: Callable[[Params], None]
+
+
+class AmpMonitor:
+    """Turns AMP API calls into step boundaries, a scale timeline and misuse events."""
+
+    def __init__(
+        self,
+        owns_param: Callable[[torch.Tensor], bool],
+        step_of: Callable[[], int],
+        callbacks: LoopCallbacks,
+        autocast_dtype: Callable[[], torch.dtype | None],
+        scaler: GradScaler | None = None,
+        optimizers: Iterable[Optimizer] = (),
+    ) -> None:
+        self._cb = callbacks
+        self._step_of = step_of
+        self.registry = AmpRegistry(owns_param, scaler, optimizers)
+        self._misuse = MisuseChecks(self.registry, step_of, autocast_dtype)
+        self._timeline = ScaleTimeline()
+        # Set by the watch once its loop calls ``doctor.step()`` itself.
+        self.manual_steps = False
+        self._outcome = StepOutcome()
+        self._step_params: dict[int, Params] = {}
+
+    @property
+    def drives_steps(self) -> bool:
+        """A scaler's update or an optimizer's step ends the watch's training steps."""
+        reg = self.registry
+        return reg.primary_scaler is not None or reg.primary_opt is not None
+
+    def models_changed(self) -> None:
+        self.registry.models_changed()
+
+    def _mirror(self, scaler: GradScaler) -> ScalerMirror | None:
+        return self.registry.mirror(scaler)
+
+    # -- GradScaler --------------------------------------------------------
+    def on_scale_begin(self, scaler: GradScaler) -> None:
+        # Before the first scale() creates the scale tensor: the mirror
+        # starts from init_scale without reading a device value.
+        self._mirror(scaler)
+
+    def on_scale(self, scaler: GradScaler, outputs: Any, result: Any) -> None:
+        st = self._mirror(scaler)
+        if st is None:
+            return
+        if self.registry.primary_scaler not in (None, id(scaler)) and not st.relevant:
+            return  # another model's scaler, seen by an overlapping watch
+        self._cb.scale(scaler._scale if scaler._enabled else None, outputs)
+
+    def on_unscale(self, scaler: GradScaler, optimizer: Any) -> None:
+        st = self._mirror(scaler)
+        if st is None or not self.registry.relevant(optimizer):
+            return
+        st.opt_ids.add(id(optimizer))
+        self.registry.claim(scaler, st)
+        self._misuse.unscale(scaler, st, optimizer)
+        self._cb.param_grads(optimizer_params(optimizer), st.scale)
+
+    def on_scaler_step_begin(self, scaler: GradScaler, optimizer: Any) -> None:
+        st = self._mirror(scaler)
+        if st is None or not self.registry.relevant(optimizer):
+            return
+        st.opt_ids.add(id(optimizer))
+        self.registry.claim(scaler, st)
+        if scaler._enabled:
+            self._misuse.scaler_step(scaler, st, optimizer)
+
+    def on_scaler_step(self, scaler: GradScaler, optimizer: Any, stepped: bool) -> None:
+        st = self._mirror(scaler)
+        if st is None or not scaler._enabled:
+            return
+        relevant = self.registry.relevant(optimizer)
+        name = self.registry.opt_name(optimizer)
+        st.steps_total += 1
+        st.steps_since_update += 1
+        if is_deferred(optimizer):
+            ost = scaler._per_optimizer_states.get(id(optimizer)) or {}
+            infs = list((ost.get("found_inf_per_device") or {}).values())
+            if infs:
+                dev = infs[0].device
+                st.flags[name] = torch.stack([f.to(dev) for f in infs]).sum()
+            return
+        st.flags[name] = not stepped
+        if not stepped:
+            st.skipped[id(optimizer)] = name
+            if relevant:
+                self._cb.skip(optimizer_params(optimizer))
+
+    def on_update_end(self, scaler: GradScaler, new_scale: Any) -> None:
+        st = self._mirror(scaler)
+        if st is None:
+            return
+        primary = self.registry.is_primary(scaler)
+        if scaler._enabled:
+            step = self._step_of()
+            if new_scale is not None:
+                self._resolve(st)  # the deferred updates came before this one
+            before, after = st.update(step, new_scale)
+            if st.deferred_full:
+                self._resolve(st)
+            if primary:
+                out = self._outcome
+                if out.scale_before is None:
+                    out.scale_before = before
+                out.scale_after = after
+                if st.skipped:
+                    out.backoff = out.skipped = True
+                    out.skipped_optimizers.extend(st.skipped.values())
+                elif new_scale is None and after is not None and after != before:
+                    out.growth = True
+                self._misuse.note_update(step, set(st.skipped), before, after)
+        st.end_update()
+        self._misuse.forget_backwards()
+        if not self.manual_steps and primary:
+            self._cb.boundary()
+
+    def on_scaler_load(self, scaler: GradScaler, state: Any) -> None:
+        """``GradScaler.load_state_dict``: a resumed run continues from the loaded scale."""
+        st = self._mirror(scaler)
+        if st is None or not scaler._enabled:
+            return
+        loaded = ScalerMirror.read_state(state)
+        if loaded is None:
+            return
+        self._resolve(st)  # pending device flags belong to the steps before the load
+        st.scale, st.tracker = loaded
+        st.params()
+        step = self._step_of()
+        if self.registry.is_primary(scaler) and step > 0:
+            # The timeline holds the scale after each step's update: the loaded
+            # scale is the one in force after the step before this one.
+            self._timeline.load(step, loaded[0])
+
+    # -- optimizers --------------------------------------------------------
+    def on_optimizer_pre(self, optimizer: Optimizer) -> None:
+        if not self.registry.relevant(optimizer):
+            return
+        params = optimizer_params(optimizer)
+        self._step_params[id(optimizer)] = params
+        if not in_scaler_step():
+            self._misuse.plain_step(optimizer)
+            self._cb.param_grads(params, None)
+            return
+        # Inside scaler.step: unscale_ has summarised the gradients, unless
+        # the optimizer unscales them itself (fused) or the scaler is disabled.
+        for scaler, st in self.registry.enabled():
+            if id(optimizer) in scaler._per_optimizer_states:
+                if is_deferred(optimizer) and optimizer_stage(
+                        scaler, optimizer) is OptState.READY:
+                    self._cb.param_grads(params, st.scale)
+                return
+        self._cb.param_grads(params, None)
+
+    def on_optimizer_post(self, optimizer: Optimizer) -> None:
+        reg = self.registry
+        if not reg.relevant(optimizer):
+            return
+        self._cb.optimizer_done(self._step_params.get(id(optimizer)) or [])
+        if not in_scaler_step():
+            # A plain optimizer.step(): those backward passes are not a scaler's.
+            self._misuse.forget_backwards()
+        if reg.primary_opt is None:
+            reg.primary_opt = id(optimizer)
+        if (not self.manual_steps and reg.primary_scaler is None
+                and id(optimizer) == reg.primary_opt):
+            self._cb.boundary()
+
+    # -- clipping, schedulers, backward ------------------------------------
+    def on_clip(self, func: str, parameters: list[torch.Tensor], info: dict[str, Any]) -> None:
+        self._misuse.clip(func, parameters, info)
+
+    def on_scheduler_step(self, scheduler: Any) -> None:
+        self._misuse.scheduler_step(scheduler)
+
+    def on_backward(self, tensors: Any) -> None:
+        self._cb.backward(tensor_list(tensors))
+        self._misuse.backward()
+
+    def on_backward_end(self, tensors: Any, through_scaler: bool) -> None:
+        ts = tensor_list(tensors)
+        self._cb.backward_done(ts)
+        self._misuse.backward_end(ts, through_scaler)
+
+    # -- the step boundary ---------------------------------------------------
+    def take_outcome(self) -> StepOutcome:
+        """What the AMP API did since the last step ended; starts a new outcome."""
+        out, self._outcome = self._outcome, StepOutcome()
+        return out
+
+    def scale_tensors(self) -> dict[str, torch.Tensor]:
+        """The primary scaler's scale and growth tracker, for a recorded step's host copy."""
+        st = self.registry.primary()
+        return st.device_scale() if st is not None else {}
+
+    def correct_scale(self, real_scale: float, tracker: int | None) -> None:
+        """The primary scaler's real scale, read in a recorded step's host copy."""
+        st = self.registry.primary()
+        if st is not None:
+            st.correct(real_scale, tracker)
+
+    def end_step(self, step: int, outcome: StepOutcome, *, recorded: bool,
+                 culprits: list[str], forward_origin: str | None,
+                 loss_nonfinite: bool | None) -> None:
+        """The watch ended ``step``: its outcome joins the scale timeline."""
+        self._timeline.end_step(step, outcome, recorded=recorded, culprits=culprits,
+                                forward_origin=forward_origin, loss_nonfinite=loss_nonfinite)
+
+    def rename_layers(self, mapping: dict[str, str]) -> None:
+        self._timeline.rename_layers(mapping)
+
+    # -- results ------------------------------------------------------------
+    def events(self) -> list[Event]:
+        """Misuse events so far, with device values (clip norms) read in one batch."""
+        return self._misuse.events()
+
+    def _resolve(self, st: ScalerMirror) -> None:
+        replayed = st.resolve()
+        if replayed and self.registry.primary() is st:
+            self._timeline.add_replayed(replayed)
+
+    def timeline(self) -> ScalerTimeline | None:
+        st = self.registry.primary()
+        if st is None:
+            return None
+        self._resolve(st)
+        return self._timeline.freeze(st)

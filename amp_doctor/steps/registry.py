@@ -1,0 +1,161 @@
+"""Which GradScalers and optimizers work for the watched models, and their names.
+
+Every scaler and optimizer the AMP API patches show is looked up here: a
+scaler gets a :class:`~amp_doctor.steps.scaler.ScalerMirror`, an optimizer a
+stable name ("AdamW#0") and a verdict (do its parameters belong to a watched
+model?). The first scaler that steps a watched model's optimizer is the
+*primary* one: its ``update()`` ends the training steps.
+
+Keyed by ``id()`` with a weak reference beside it: an object born at a dead
+one's address is told apart and judged anew.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import GradScaler, OptState
+from torch.optim import Optimizer
+
+from amp_doctor.steps.scaler import ScalerMirror
+
+__all__ = ["AmpRegistry", "optimizer_params", "optimizer_stage", "is_deferred"]
+
+
+def optimizer_params(opt: Any) -> list[torch.Tensor]:
+    groups = getattr(opt, "param_groups", None) or []
+    return [p for g in groups for p in g.get("params", [])]
+
+
+def optimizer_stage(scaler: GradScaler, opt: Any) -> Any:
+    """Where ``opt`` stands in ``scaler``'s step: READY, UNSCALED or STEPPED."""
+    # _per_optimizer_states is a defaultdict: .get never adds an entry.
+    ost = scaler._per_optimizer_states.get(id(opt))
+    return ost.get("stage") if ost else OptState.READY
+
+
+def is_deferred(opt: Any) -> bool:
+    """Optimizers whose skip GradScaler does not decide on the host."""
+    return bool(getattr(opt, "_step_supports_amp_scaling", False)) or not isinstance(
+        opt, Optimizer)
+
+
+class AmpRegistry:
+    """The scalers and optimizers seen so far, and which of them are the watch's."""
+
+    def __init__(self, owns_param: Callable[[torch.Tensor], bool],
+                 scaler: GradScaler | None = None,
+                 optimizers: Iterable[Optimizer] = ()) -> None:
+        self._owns_param = owns_param
+        self._explicit_scaler = scaler
+        self._explicit_opts = {id(o) for o in optimizers}
+        self.scalers: dict[int, ScalerMirror] = {}
+        self.primary_scaler: int | None = None
+        # The first optimizer of the watched models to step: without a scaler, its
+        # steps end the training steps.
+        self.primary_opt: int | None = None
+        self._opt_names: dict[int, str] = {}
+        self._opt_count = 0
+        self._opt_relevant: dict[int, bool] = {}
+        self._opts: dict[int, weakref.ref[Any]] = {}
+        # Told when an optimizer id is reused, to forget what was decided about it.
+        self.forget_hooks: list[Callable[[int], None]] = []
+        if scaler is not None:
+            self.mirror(scaler)
+        for o in optimizers:
+            self.relevant(o)
+
+    # -- scalers -----------------------------------------------------------
+    def mirror(self, scaler: GradScaler) -> ScalerMirror | None:
+        """``scaler``'s mirror (made on first sight); None for a scaler the watch ignores."""
+        if self._explicit_scaler is not None and scaler is not self._explicit_scaler:
+            return None
+        st = self.scalers.get(id(scaler))
+        if st is None or st.ref() is not scaler:
+            st = ScalerMirror.of(scaler, f"scaler{len(self.scalers)}")
+            self.scalers[id(scaler)] = st
+            if self.primary_scaler == id(scaler):  # a new scaler at a dead one's address
+                self.primary_scaler = None
+            if scaler is self._explicit_scaler:
+                self.claim(scaler, st)
+        return st
+
+    def claim(self, scaler: GradScaler, st: ScalerMirror) -> None:
+        """``scaler`` works for the watched models (it stepped or unscaled one of
+        their optimizers). The first such scaler drives step boundaries; a new
+        one takes over when that one is gone (a training function called again).
+        Scalers of other models, seen by an overlapping watch, never do."""
+        st.relevant = True
+        cur = self.scalers.get(self.primary_scaler) if self.primary_scaler is not None \
+            else None
+        if cur is None or cur.ref() is None or not cur.relevant or (
+                cur is not st and cur.opt_ids & st.opt_ids):
+            # A new scaler for the same optimizer replaced the old one (a resumed or
+            # restarted loop), even while the old object is still alive.
+            self.primary_scaler = id(scaler)
+
+    def primary(self) -> ScalerMirror | None:
+        return self.scalers[self.primary_scaler] if self.primary_scaler is not None else None
+
+    def is_primary(self, scaler: GradScaler) -> bool:
+        return id(scaler) == self.primary_scaler
+
+    def enabled(self) -> list[tuple[GradScaler, ScalerMirror]]:
+        """The live, enabled scalers with their mirrors."""
+        out = []
+        for st in self.scalers.values():
+            s = st.ref()
+            if s is not None and s._enabled:
+                out.append((s, st))
+        return out
+
+    # -- optimizers --------------------------------------------------------
+    def _known(self, opt: Any) -> None:
+        if id(opt) not in self._opts or self._opts[id(opt)]() is not opt:
+            if id(opt) in self._opts:
+                # A new optimizer at a dead one's address: forget what was decided about it.
+                self._opt_relevant.pop(id(opt), None)
+                self._opt_names.pop(id(opt), None)
+                for hook in self.forget_hooks:
+                    hook(id(opt))
+            try:
+                self._opts[id(opt)] = weakref.ref(opt)
+            except TypeError:  # pragma: no cover - optimizer wrappers without __weakref__
+                pass
+
+    def relevant(self, opt: Any) -> bool:
+        """Does ``opt`` step a watched model's parameters (or was it named to the watch)?"""
+        key = id(opt)
+        self._known(opt)
+        if key not in self._opt_relevant:
+            if self._explicit_opts:
+                rel = key in self._explicit_opts
+            else:
+                rel = any(self._owns_param(p) for p in optimizer_params(opt))
+            self._opt_relevant[key] = rel
+        if key not in self._opt_names:
+            self._opt_names[key] = f"{type(opt).__name__}#{self._opt_count}"
+            self._opt_count += 1
+        return self._opt_relevant[key]
+
+    def models_changed(self) -> None:
+        """The watch gained a model: optimizers judged "not ours" before may be ours now.
+
+        An LR scheduler's constructor, for one, shows us the optimizer before the
+        ``diagnose`` CLI has seen the model's first forward pass.
+        """
+        self._opt_relevant = {k: v for k, v in self._opt_relevant.items() if v}
+
+    def opt_name(self, opt: Any) -> str:
+        self.relevant(opt)
+        return self._opt_names[id(opt)]
+
+    def optimizers(self) -> list[Any]:
+        """The live optimizers seen so far."""
+        return [o for o in (ref() for ref in list(self._opts.values())) if o is not None]
+
+    def owns_param(self, p: torch.Tensor) -> bool:
+        return self._owns_param(p)
