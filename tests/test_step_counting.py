@@ -203,6 +203,8 @@ def test_non_reentrant_checkpointing_counts_steps_once() -> None:
     s = doctor.session
     assert (s.steps, s.recorded_steps) == (6, 3)
     assert s.scaler is not None and s.scaler.backoff_steps == []
+    # The recompute in backward is not a second call: one forward per recorded step.
+    assert s.layer("fc1").calls == 3
 
 
 def test_no_visible_step_boundary_is_said_with_the_fix() -> None:

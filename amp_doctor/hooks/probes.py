@@ -417,8 +417,11 @@ class Probes:
         if self.stack:
             self.stack.pop()
         publish(module, output)
-        # Inference passes (validation under no_grad) are not training steps.
-        if not self.recording or not torch.is_grad_enabled():
+        # Inference passes (validation under no_grad) are not training steps; and an
+        # activation-checkpointing recompute (it runs inside backward) is a second run
+        # of a forward already recorded, which would double the layer's calls.
+        if (not self.recording or not torch.is_grad_enabled()
+                or torch._C._current_graph_task_id() != -1):
             return
         meta = self.layers[name]
         if meta.order < 0:
