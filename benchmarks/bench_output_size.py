@@ -30,7 +30,8 @@ from bench_scale import make_model
 import amp_doctor
 from amp_doctor.device.recorder import HISTORY_LIMIT
 from amp_doctor.jsoncodec import to_jsonable
-from amp_doctor.records import REPORT_JSON, Session
+from amp_doctor.records import Session
+from amp_doctor.runfiles import JSON_NAME
 
 JSON_TARGET = 20 * 2**20
 
@@ -54,7 +55,7 @@ def run(layers: int, steps: int) -> tuple[int, int, float, Session]:
         t = time.perf_counter()
         session = w.close()
         close_s = time.perf_counter() - t
-        size = (Path(tmp) / REPORT_JSON).stat().st_size
+        size = (Path(tmp) / JSON_NAME).stat().st_size
     row = max((len(json.dumps(to_jsonable(r), separators=(",", ":")))
                for r in session.history), default=0)
     return size, row, close_s, session

@@ -25,7 +25,8 @@ import torch
 from bench_scale import make_model
 
 import amp_doctor
-from amp_doctor.records import REPORT_JSON, Session
+from amp_doctor.records import Session
+from amp_doctor.runfiles import JSON_NAME
 
 
 def _profiled(fn: object, enabled: bool, top: int) -> tuple[float, str]:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             scaler.update()
         train_s = time.perf_counter() - t0
         close_s, close_prof = _profiled(w.close, not args.no_profile, args.top)
-        path = Path(tmp) / REPORT_JSON
+        path = Path(tmp) / JSON_NAME
         size = path.stat().st_size
         load_s, load_prof = _profiled(lambda: Session.load(path), not args.no_profile, args.top)
     print(f"{args.layers} layers, {args.steps} steps at every={args.every}: "
