@@ -18,7 +18,7 @@ from tabulate import tabulate
 
 from amp_doctor import format as F
 from amp_doctor.analysis.risk import risk_order
-from amp_doctor.records import Finding, LayerSummary, Session
+from amp_doctor.records import SEVERITIES, Finding, LayerSummary, Session
 
 __all__ = [
     "render_text",
@@ -199,7 +199,7 @@ _TABLE_KEY = (
 
 
 def _counts_line(s: Session) -> str:
-    n = {sev: sum(f.severity == sev for f in s.findings) for sev in ("error", "warning", "info")}
+    n = {sev: sum(f.severity == sev for f in s.findings) for sev in SEVERITIES}
     return (f"Findings: {n['error']} error(s), {n['warning']} warning(s), {n['info']} info")
 
 
