@@ -107,3 +107,20 @@ def test_scalars_ride_along_in_the_single_copy() -> None:
 def test_to_host_keeps_a_cpu_tensor() -> None:
     t = torch.arange(4, dtype=torch.float64)
     assert to_host(t) is t
+
+
+def test_decoding_in_chunks_gives_the_same_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_table bounds its temporaries by decoding rows in chunks; values unchanged."""
+    from amp_doctor.dtypes import limits
+
+    ts = _tensors() * 4  # 160 rows: several chunks of 64
+    rows = S.host_rows(S.stack_rows([S.summarize(t) for t in ts]), [S.summarize(t) for t in ts])
+    shifts = [i % 3 for i in range(len(ts))]
+    fmt = limits(torch.float16)
+    monkeypatch.setattr(S, "DECODE_CHUNK_ROWS", 10_000)
+    whole = S.decode_table(rows, fmt, shifts)
+    monkeypatch.setattr(S, "DECODE_CHUNK_ROWS", 64)
+    chunked = S.decode_table(rows, fmt, shifts)
+    assert whole.shape == chunked.shape == (160, len(S.DECODED_FIELDS))
+    assert torch.equal(whole.isnan(), chunked.isnan())
+    assert torch.equal(whole.nan_to_num(), chunked.nan_to_num())

@@ -352,6 +352,10 @@ def decode_many(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int]) -> lis
     return out
 
 
+# Rows decoded at once by :func:`decode_table`: its whole-matrix ops hold several
+# [rows, 256] float64 temporaries, 512 KB each at this size.
+DECODE_CHUNK_ROWS = 256
+
 # Columns of :func:`decode_table`, in :class:`Decoded`'s field order.
 DECODED_FIELDS = ("numel", "min", "max", "absmax", "zero_frac", "nonfinite_frac", "nan_count",
                   "inf_count", "overflow_frac", "underflow_frac", "headroom", "over_count")
@@ -364,6 +368,12 @@ def decode_table(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int]) -> to
     f64 = torch.float64
     if k == 0:
         return torch.zeros(0, len(DECODED_FIELDS), dtype=f64)
+    if k > DECODE_CHUNK_ROWS:
+        # Row by row independent: chunks bound the transient [K, 256] float64 tensors
+        # (a few MB each on a 1,000-tensor step) without changing a value.
+        return torch.cat([decode_table(rows[i : i + DECODE_CHUNK_ROWS], fmt,
+                                       shifts[i : i + DECODE_CHUNK_ROWS])
+                          for i in range(0, k, DECODE_CHUNK_ROWS)])
     rows = rows.to(f64)
     hist = rows[:, HIST:]
     # below[:, b] = sum(hist[:, :b])
