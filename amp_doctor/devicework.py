@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["own_ops", "count_sync", "host_syncs", "iter_tensors", "map_tensors",
+__all__ = ["own_ops", "count_sync", "host_syncs", "host_scalars", "iter_tensors", "map_tensors",
            "MAX_OUTPUT_DEPTH"]
 
 # How deep the walker looks into nested outputs: deeper structures are rare in
@@ -68,6 +68,16 @@ def host_syncs() -> int:
 def count_sync() -> None:
     """Call once for each device->host copy amp-doctor makes (each one syncs on CUDA)."""
     _SYNCS[0] += 1
+
+
+def host_scalars(tensors: list[torch.Tensor]) -> list[float]:
+    """One-element tensors -> floats, in one device->host copy (a sync on CUDA), counted."""
+    if not tensors:
+        return []
+    dev = tensors[0].device
+    out: list[float] = torch.stack([t.reshape(()).float().to(dev) for t in tensors]).tolist()
+    count_sync()
+    return out
 
 
 def iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:

@@ -49,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from amp_doctor.devicework import iter_tensors, own_ops
 
 __all__ = ["ApiSubscriber", "Subscription", "subscribe", "patches_installed",
-           "in_scaler_step", "scaled_backwards", "tensor_list"]
+           "in_scaler_step", "scaled_backwards"]
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update", "load_state_dict")
 
@@ -73,10 +73,6 @@ class ApiSubscriber(Protocol):
     def on_backward(self, tensors: Any) -> None: ...
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None: ...
     def on_scaler_load(self, scaler: GradScaler, state: Any) -> None: ...
-
-
-def tensor_list(obj: Any) -> list[torch.Tensor]:
-    return list(iter_tensors(obj))
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -219,7 +215,7 @@ class _ApiHub:
 
     def _mark_scaled(self, scaler: GradScaler, result: Any) -> None:
         hook = functools.partial(_flow_hook, id(scaler))
-        for t in tensor_list(result):
+        for t in iter_tensors(result):
             if t.requires_grad:
                 self._scaled_outputs[t] = id(scaler)
                 t.register_hook(hook)
@@ -360,7 +356,7 @@ class _ApiHub:
                 hub.emit("on_backward", tensors)
                 result = orig(tensors, *args, **kwargs)
                 through = hub._total_flows != flows or any(
-                    t in hub._scaled_outputs for t in tensor_list(tensors))
+                    t in hub._scaled_outputs for t in iter_tensors(tensors))
                 hub.emit("on_backward_end", tensors, through)
                 return result
 

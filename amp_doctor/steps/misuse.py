@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 
-from amp_doctor.devicework import count_sync
+from amp_doctor.devicework import host_scalars
 from amp_doctor.dtypes import dtype_name
 from amp_doctor.records import Event
 from amp_doctor.steps.registry import AmpRegistry, optimizer_params, optimizer_stage
@@ -291,9 +291,6 @@ class MisuseChecks:
                    if isinstance(v, torch.Tensor)]
         if not pending:
             return
-        dev = pending[0][0].data[pending[0][1]].device
-        vals = torch.stack([e.data[k].reshape(()).float().to(dev) for e, k in pending])
-        host = vals.tolist()
-        count_sync()
+        host = host_scalars([e.data[k] for e, k in pending])
         for (e, k), v in zip(pending, host, strict=True):
             e.data[k] = float(v)

@@ -23,7 +23,8 @@ import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.optim import Optimizer
 
-from amp_doctor.hooks.patching import in_scaler_step, tensor_list
+from amp_doctor.devicework import iter_tensors
+from amp_doctor.hooks.patching import in_scaler_step
 from amp_doctor.records import Event, ScalerTimeline
 from amp_doctor.steps.misuse import MisuseChecks
 from amp_doctor.steps.registry import AmpRegistry, is_deferred, optimizer_params, optimizer_stage
@@ -225,11 +226,11 @@ class AmpMonitor:
         self._misuse.scheduler_step(scheduler)
 
     def on_backward(self, tensors: Any) -> None:
-        self._cb.backward(tensor_list(tensors))
+        self._cb.backward(list(iter_tensors(tensors)))
         self._misuse.backward()
 
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None:
-        ts = tensor_list(tensors)
+        ts = list(iter_tensors(tensors))
         self._cb.backward_done(ts)
         self._misuse.backward_end(ts, through_scaler)
 

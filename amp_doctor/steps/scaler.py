@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch.amp.grad_scaler import GradScaler
 
-from amp_doctor.devicework import count_sync
+from amp_doctor.devicework import host_scalars
 from amp_doctor.hooks.patching import (  # noqa: F401 - the old import path of these names
     ApiSubscriber,
     patches_installed,
@@ -204,12 +204,7 @@ class ScalerMirror:
         self.deferred = None
         tensors = [v for _, flags in d.entries for v in flags.values()
                    if isinstance(v, torch.Tensor)]
-        host: list[float] = []
-        if tensors:
-            dev = tensors[0].device
-            host = torch.stack([t.reshape(()).float().to(dev) for t in tensors]).tolist()
-            count_sync()
-        it = iter(host)
+        it = iter(host_scalars(tensors))
         scale, tracker = d.scale, d.tracker
         out: list[Replayed] = []
         for step, flags in d.entries:
