@@ -37,7 +37,7 @@ def _one_by_one(ts: list[torch.Tensor]) -> torch.Tensor:
 def test_a_batch_over_several_passes_equals_one_tensor_at_a_time() -> None:
     ts = _tensors()
     buf = StepBuffer(0)
-    idx = [buf.add(S.summarize(t)) for t in ts]
+    idx = [buf.add(t) for t in ts]
     assert idx == list(range(len(ts)))
     hs = buf.flush()
     total = sum(min(t.numel(), S.SAMPLE_LIMIT) for t in ts)
@@ -49,7 +49,7 @@ def test_many_tiny_tensors_need_more_than_one_pass_of_rows() -> None:
     ts = [torch.full((3,), float(i)) for i in range(S.ROWS_PER_PASS + 5)]
     b = S.Batch()
     for t in ts:
-        b.add(S.summarize(t))
+        b.add(t)
     rows = b.finish()
     assert rows.shape == (len(ts), S.DEVICE_LEN)
     assert rows[:, 0].tolist() == [float(i) for i in range(len(ts))]
@@ -59,8 +59,8 @@ def test_many_tiny_tensors_need_more_than_one_pass_of_rows() -> None:
 def test_the_device_histogram_path_gives_the_cpu_answer() -> None:
     # histc (CUDA: no host sync) and bincount (CPU) must count the same codes.
     ts = _tensors()
-    a = S.stack_rows([S.summarize(t) for t in ts], device_path=False)
-    b = S.stack_rows([S.summarize(t) for t in ts], device_path=True)
+    a = S.stack_rows(ts, device_path=False)
+    b = S.stack_rows(ts, device_path=True)
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     codes = torch.randint(0, 5000, (10_000,), dtype=torch.int32)
     assert torch.equal(S.exp_histogram(codes, 5000, device_path=True),
@@ -84,9 +84,8 @@ def test_a_summary_keeps_no_reference_to_the_tensor_once_added() -> None:
     buf = StepBuffer(0)
     x = torch.randn(64, 64).to(torch.bfloat16)
     ref = weakref.ref(x)
-    s = S.summarize(x)
-    buf.add(s)
-    del x, s
+    buf.add(x)
+    del x
     gc.collect()
     assert ref() is None
     hs = buf.flush()
@@ -95,7 +94,7 @@ def test_a_summary_keeps_no_reference_to_the_tensor_once_added() -> None:
 
 def test_scalars_ride_along_in_the_single_copy() -> None:
     buf = StepBuffer(0)
-    buf.add(S.summarize(torch.ones(5)))
+    buf.add(torch.ones(5))
     buf.put_scalar("loss", torch.tensor(2.5))
     buf.put_scalar("scale", torch.tensor([65536.0]))
     hs = buf.flush()
@@ -114,7 +113,10 @@ def test_decoding_in_chunks_gives_the_same_table(monkeypatch: pytest.MonkeyPatch
     from amp_doctor.dtypes import limits
 
     ts = _tensors() * 4  # 160 rows: several chunks of 64
-    rows = S.host_rows(S.stack_rows([S.summarize(t) for t in ts]), [S.summarize(t) for t in ts])
+    b = S.Batch()
+    for t in ts:
+        b.add(t)
+    rows = S.host_rows(b.finish(), b.numel, b.sampled)
     shifts = [i % 3 for i in range(len(ts))]
     fmt = limits(torch.float16)
     monkeypatch.setattr(S, "DECODE_CHUNK_ROWS", 10_000)

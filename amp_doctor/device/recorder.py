@@ -35,11 +35,10 @@ FIELDS = ("act", "grad", "param_grad")
 class StepBuffer:
     """Device-side summaries gathered during one recorded step.
 
-    Per tensor, a hook pays for :func:`~amp_doctor.device.stats.summarize` (exact
-    min/max, the sample's non-zero count) and :meth:`add` (the sample's
-    histogram codes, staged); the histograms of many tensors are then counted
-    by one pass per staging buffer, and :meth:`flush` packs every row and
-    scalar of the step for a single host copy.
+    Per tensor, a hook pays for :meth:`add` (exact min/max and a staged sample,
+    see :class:`~amp_doctor.device.stats.Batch`); the histograms of many tensors
+    are then counted by one pass per staging buffer, and :meth:`flush` packs
+    every row and scalar of the step for a single host copy.
     """
 
     def __init__(self, step: int) -> None:
@@ -54,12 +53,13 @@ class StepBuffer:
         self.param_grads_done: set[str] = set()
         self.param_grads_scaled = False
 
-    def add(self, summary: S.Summary) -> int:
-        dev = summary.min.device
+    def add(self, x: torch.Tensor) -> int:
+        """Summarise ``x`` (floating point, non-empty, strided); returns its row."""
+        dev = x.device
         batch = self._batches.get(dev)
         if batch is None:
             batch = self._batches[dev] = S.Batch()
-        self._where.append((dev, batch.add(summary)))
+        self._where.append((dev, batch.add(x)))
         return len(self._where) - 1
 
     def assign(self, layer: str, fld: str, idx: int) -> None:
@@ -107,17 +107,18 @@ def unpack_host(flat: torch.Tensor, buf: StepBuffer) -> HostCopy:
     """The host copy of a step -> a :class:`HostCopy` (host data only, no device tensor)."""
     n_rows = len(buf._where)
     device_part = torch.zeros(n_rows, S.DEVICE_LEN, dtype=torch.float64)
-    metas: list[S.Summary] = [None] * n_rows  # type: ignore[list-item]
+    numel = [0] * n_rows
+    sampled = [0] * n_rows
     pos = 0
     for dev, batch in buf._batches.items():
         n = len(batch)
         # Rows were grouped by device; put them back in insertion order.
         idx = [i for i, (d, _) in enumerate(buf._where) if d == dev]
         device_part[idx] = flat[pos : pos + n * S.DEVICE_LEN].reshape(n, S.DEVICE_LEN)
-        for i, s in zip(idx, batch.summaries, strict=True):
-            metas[i] = s
+        for i, ne, sa in zip(idx, batch.numel, batch.sampled, strict=True):
+            numel[i], sampled[i] = ne, sa
         pos += n * S.DEVICE_LEN
-    matrix = S.host_rows(device_part, metas)
+    matrix = S.host_rows(device_part, numel, sampled)
     keys = list(buf._scalars)
     scalars = dict(zip(keys, flat[pos : pos + len(keys)].tolist(), strict=True))
     return HostCopy(buf.step, matrix, scalars, dict(buf.assigned), list(buf.backward_order))

@@ -13,24 +13,26 @@ host by :func:`decode`. That is why a layer that ran in float32 gets its
 what-if figures at no extra cost.
 
 Bounded cost per tensor, batched across tensors. A hook pays for
-:func:`summarize` (the exact min and max over the whole tensor, one
-``aminmax`` pass with no temporary, and the non-zero count of a sample) and
-:meth:`Batch.add` (the sample's histogram codes, ``bits >> shift`` plus the
-row's offset, written into a staging buffer). The histogram itself is one
-pass over the staging buffer for many tensors at once, and the step's rows
-are packed by a handful of ops (:meth:`Batch.finish`). So the extremes, and
-whether any NaN, Inf or overflowing value is present, are exact; histogram
-and counts come from an evenly strided sample of at most
-:data:`SAMPLE_LIMIT` elements, scaled to the whole tensor (fractions of
-larger tensors are estimates, standard error below 0.4 percentage points).
-The stride is a prime that divides none of the tensor's dimensions, so the
-sample walks across every dimension instead of aliasing with one (always
-channel 0, say). A hook keeps no reference to the tensor after ``add``; the
-memory held per step is the staging buffer plus 2 KB per summarised tensor.
+:meth:`Batch.add`: two ops, the exact min and max over the whole tensor (one
+``aminmax`` pass with no temporary) and a copy of a bounded sample into a
+staging buffer. Everything else is batched: one pass over the staging buffer
+turns the staged values of many tensors into histogram codes (read from the
+float32 bit pattern: exponent, or "NaN", or "zero") and counts them with one
+histogram, and the step's rows are packed by a handful of ops
+(:meth:`Batch.finish`). So the extremes, and whether any NaN, Inf or
+overflowing value is present, are exact; histogram and counts come from an
+evenly strided sample of at most :data:`SAMPLE_LIMIT` elements, scaled to the
+whole tensor (fractions of larger tensors are estimates, standard error below
+0.4 percentage points). The stride is a prime that divides none of the
+tensor's dimensions, so the sample walks across every dimension instead of
+aliasing with one (always channel 0, say). A hook keeps no reference to the
+tensor after ``add``; the memory held per step is the staging buffer plus
+about 1 KB per summarised tensor.
 
-NaN and inf share the top exponent bin; the top mantissa bit tells them
-apart (set for a quiet NaN, clear for inf). Every NaN that arithmetic
-produces is quiet; a hand-made signalling NaN would be counted as an inf.
+Why per-tensor ops cost what they do: on small tensors (most layers of most
+models) a torch op costs a few microseconds of dispatch whatever its size, so
+the work per tensor is cut to the two ops above; the per-element work (codes,
+histogram) runs once per pass over up to :data:`STAGE_LIMIT` values.
 
 Why not ``torch._foreach_*`` reductions: ``_foreach_norm(ord=inf)`` gives only
 |x|max, but min and max must be exact and signed; ``_foreach_max`` of the tensors
@@ -47,7 +49,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -58,8 +59,7 @@ __all__ = [
     "DEVICE_LEN",
     "N_EXP_BINS",
     "SAMPLE_LIMIT",
-    "Summary",
-    "summarize",
+    "upload",
     "Batch",
     "exp_histogram",
     "stack_rows",
@@ -136,60 +136,28 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((x.numel(),), (1,))
 
 
-class Summary(NamedTuple):
-    """What a hook takes from one tensor: the exact extremes, and a bounded sample.
-
-    ``sample`` is a view of (or, for float16/float64, a small copy from) the
-    tensor. It must be handed to :meth:`Batch.add` (``buf.add(summarize(t))``)
-    right away: ``add`` turns it into histogram codes in a staging buffer and
-    drops it, so a hook never keeps the user's activation alive. Everything
-    else is a 0-d device tensor; ``numel`` and ``sampled`` are host facts.
-    """
-
-    min: torch.Tensor  # 0-d, the tensor's dtype
-    max: torch.Tensor
-    nonzero: torch.Tensor  # 0-d int64, within the sample
-    sample: torch.Tensor | None  # 1-D, float32/bfloat16; None once consumed
-    numel: int
-    sampled: int
-
-
-def summarize(x: torch.Tensor) -> Summary:
-    """The per-tensor part of a summary: three small ops, no host sync.
-
-    The caller guarantees ``x`` is floating point and non-empty. Histogram
-    and NaN counts come later, batched over many tensors (:class:`Batch`).
-    """
-    x = x.detach()
-    n = x.numel()
+def _sample(x: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of at most :data:`SAMPLE_LIMIT` evenly strided elements of ``x``."""
     flat = _flat(x)
-    stride = sample_stride(n, tuple(x.shape))
-    if stride > 1:
-        flat = flat[::stride]
-    if flat.dtype not in _CODE_SHIFTS:
-        # float64 beyond float32's range becomes inf here, which is what a
-        # cast to any low-precision format would do too.
-        flat = flat.float()
-    mn, mx = torch.aminmax(x)
-    return Summary(mn, mx, torch.count_nonzero(flat), flat, n, flat.numel())
+    stride = sample_stride(x.numel(), tuple(x.shape))
+    return flat[::stride] if stride > 1 else flat
 
 
-# How far to shift a sample's bit pattern (viewed as a same-width integer) so
-# that sign, the 8-bit float32 exponent and the top mantissa bit remain: the
-# same 10-bit code for float32 and bfloat16 (a truncated float32). The top
-# mantissa bit tells a quiet NaN (set) from an inf (clear) in exponent 255.
-_CODE_SHIFTS: dict[torch.dtype, tuple[torch.dtype, int]] = {
-    torch.float32: (torch.int32, 22),
-    torch.bfloat16: (torch.int16, 6),
-}
-_CODE_BIAS = 512  # codes are in [-512, 512): shifted to [0, 1024)
-CODES_PER_ROW = 2 * _CODE_BIAS
-# Codes staged per device before one batched histogram pass: bounded memory
-# (256 KB of int32) and a few passes per step. It holds at least one sample.
+# Codes of the batched histogram, per row: 0..255 the float32 biased exponent of a
+# non-zero |x| (255: inf), then a NaN code and a zero code. Exact zeros and NaNs are
+# counted apart, so neither shares a bin with values (fp32 subnormals, infs).
+N_CODES = N_EXP_BINS + 2
+_NAN_CODE = N_EXP_BINS
+_ZERO_CODE = N_EXP_BINS + 1
+_ABS_MASK = 0x7FFFFFFF
+_INF_BITS = 0x7F800000
+_MANTISSA_BITS = 23
+# Values staged per device before one batched pass (float32: 256 KB). Every
+# tensor's sample fits (SAMPLE_LIMIT), so a pass holds at least one row.
 STAGE_LIMIT = 4 * SAMPLE_LIMIT
-# Rows per pass, so that every code (row * 1024 + code) is exact in float32
-# for the histc path (< 2**24).
-ROWS_PER_PASS = 4096
+# Rows per pass: bounds the pass's transient histogram (N_CODES int64 counts per
+# row, 1 MB at 512 rows) and keeps every code exact in float32 for ``histc``.
+ROWS_PER_PASS = 512
 
 
 def exp_histogram(codes: torch.Tensor, nbins: int, device_path: bool | None = None) -> torch.Tensor:
@@ -206,102 +174,133 @@ def exp_histogram(codes: torch.Tensor, nbins: int, device_path: bool | None = No
     return torch.histc(codes.float(), bins=nbins, min=-0.5, max=nbins - 0.5).long()
 
 
-class Batch:
-    """Summaries of one device, made into rows with a few batched ops.
+def upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 host list on ``device`` without a host sync.
 
-    :meth:`add` writes each sample's codes (``bits >> shift`` plus the row's
-    offset: two ops) into a staging buffer; whenever it is full, and at
-    :meth:`finish`, one histogram pass counts every staged code of many rows
-    at once. Memory is bounded by the staging buffer and 2 KB per row,
-    whatever the tensors' sizes; no sample outlives its ``add`` call.
+    A blocking host->device copy synchronizes the stream on CUDA; a pinned
+    source copied with ``non_blocking`` does not (the caching host allocator
+    keeps the pinned block alive until the copy has run).
+    """
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+class Batch:
+    """The summaries of one device's tensors in one step, made with batched ops.
+
+    Per tensor, :meth:`add` pays two ops: the exact min and max over the whole
+    tensor (one ``aminmax`` pass, no temporary) and a copy of its sample into a
+    float32 staging buffer (a bfloat16 or float16 value is exact in float32).
+    Nothing else is done per tensor: whenever the stage is full, and at
+    :meth:`finish`, one pass turns every staged value of many rows into a code
+    (exponent, NaN or zero) offset by its row, and counts them all with one
+    histogram. Memory is bounded by the stage and about 1 KB per row, whatever
+    the tensors' sizes; no tensor outlives its ``add`` call.
     """
 
     def __init__(self, device_path: bool | None = None) -> None:
         self._device_path = device_path
-        self._summaries: list[Summary] = []
+        self.numel: list[int] = []
+        self.sampled: list[int] = []
+        self._mins: list[torch.Tensor] = []
+        self._maxs: list[torch.Tensor] = []
         self._stage: torch.Tensor | None = None
         self._used = 0
-        self._row0 = 0  # first row in the stage
-        self._hists: list[torch.Tensor] = []  # [rows, 256, 2] per pass
+        self._lengths: list[int] = []  # sample lengths of the rows in the stage
+        self._counts: list[torch.Tensor] = []  # [rows, N_CODES] int32 per pass
 
     def __len__(self) -> int:
-        return len(self._summaries)
+        return len(self.numel)
 
-    def add(self, s: Summary) -> int:
-        """File one summary; returns its row index in this batch."""
-        sample = s.sample
-        assert sample is not None, "a Summary can be added once"
+    def add(self, x: torch.Tensor) -> int:
+        """File ``x`` (floating point, non-empty, strided); returns its row in this batch."""
+        x = x.detach()
+        sample = _sample(x)
         k = sample.numel()
-        row = len(self._summaries)
         if self._stage is None:
-            self._stage = torch.empty(max(STAGE_LIMIT, k), dtype=torch.int32,
-                                      device=sample.device)
-        elif self._used + k > self._stage.numel() or row - self._row0 >= ROWS_PER_PASS:
+            self._stage = torch.empty(STAGE_LIMIT, dtype=torch.float32, device=x.device)
+        elif self._used + k > STAGE_LIMIT or len(self._lengths) >= ROWS_PER_PASS:
             self._pass()
-            if k > self._stage.numel():
-                self._stage = torch.empty(k, dtype=torch.int32, device=sample.device)
-        itype, shift = _CODE_SHIFTS[sample.dtype]
-        dst = self._stage[self._used : self._used + k]
-        torch.bitwise_right_shift(sample.view(itype), shift, out=dst)
-        dst.add_(_CODE_BIAS + CODES_PER_ROW * (row - self._row0))
+        mn, mx = torch.aminmax(x)
+        # float64 beyond float32's range becomes inf here, which is what a cast to
+        # any low-precision format would do too.
+        self._stage[self._used : self._used + k].copy_(sample)
         self._used += k
-        self._summaries.append(Summary(s.min, s.max, s.nonzero, None, s.numel, s.sampled))
-        return row
+        self._lengths.append(k)
+        self._mins.append(mn)
+        self._maxs.append(mx)
+        self.numel.append(x.numel())
+        self.sampled.append(k)
+        return len(self.numel) - 1
 
     def _pass(self) -> None:
-        rows = len(self._summaries) - self._row0
-        if rows:
-            assert self._stage is not None
-            h = exp_histogram(self._stage[: self._used], CODES_PER_ROW * rows, self._device_path)
-            # [rows, sign, exponent, top mantissa bit] -> fold the sign.
-            self._hists.append(h.view(rows, 2, N_EXP_BINS, 2).sum(1))
+        rows = len(self._lengths)
+        if not rows:
+            return
+        assert self._stage is not None
+        dev = self._stage.device
+        bits = self._stage[: self._used].view(torch.int32).bitwise_and(_ABS_MASK)
+        codes = bits >> _MANTISSA_BITS
+        codes += bits > _INF_BITS  # a NaN's exponent code 255 -> _NAN_CODE
+        codes.masked_fill_(bits == 0, _ZERO_CODE)
+        row_of = torch.repeat_interleave(torch.arange(rows, device=dev),
+                                         upload(self._lengths, dev), output_size=self._used)
+        codes.add_(row_of, alpha=N_CODES)
+        h = exp_histogram(codes, N_CODES * rows, self._device_path)
+        self._counts.append(h.view(rows, N_CODES).to(torch.int32))
         self._used = 0
-        self._row0 = len(self._summaries)
-
-    @property
-    def summaries(self) -> list[Summary]:
-        return self._summaries
+        self._lengths = []
 
     def finish(self) -> torch.Tensor:
         """``[R, DEVICE_LEN]`` float64 on the device: min, max, non-zeros, NaNs and the
-        exponent histogram (NaNs in bin 255, as in a float32 exponent histogram)."""
+        exponent histogram (zeros in bin 0, NaNs with infs in bin 255, as in a float32
+        exponent histogram)."""
         self._pass()
         self._stage = None
-        ss = self._summaries
-        if not ss:
+        if not self.numel:
             return torch.zeros(0, DEVICE_LEN, dtype=torch.float64)
-        h = torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]
-        self._hists = []
-        scal = torch.stack([torch.stack([s.min for s in ss]).to(torch.float64),
-                            torch.stack([s.max for s in ss]).to(torch.float64),
-                            torch.stack([s.nonzero for s in ss]).to(torch.float64),
-                            h[:, N_EXP_BINS - 1, 1].to(torch.float64)], dim=1)
-        return torch.cat([scal, h.sum(2).to(torch.float64)], dim=1)
+        c = torch.cat(self._counts) if len(self._counts) > 1 else self._counts[0]
+        self._counts = []
+        f64 = torch.float64
+        zeros = c[:, _ZERO_CODE].to(f64)
+        nans = c[:, _NAN_CODE].to(f64)
+        hist = c[:, :N_EXP_BINS].to(f64)
+        nonzero = hist.sum(1) + nans
+        hist[:, 0] += zeros
+        hist[:, N_EXP_BINS - 1] += nans
+        scal = torch.stack([torch.stack(self._mins).to(f64), torch.stack(self._maxs).to(f64),
+                            nonzero, nans], dim=1)
+        self._mins, self._maxs = [], []
+        return torch.cat([scal, hist], dim=1)
 
 
-def stack_rows(summaries: list[Summary], device_path: bool | None = None) -> torch.Tensor:
-    """``[R, DEVICE_LEN]`` float64 on the summaries' (common) device."""
+def stack_rows(tensors: list[torch.Tensor], device_path: bool | None = None) -> torch.Tensor:
+    """``[R, DEVICE_LEN]`` float64 on the tensors' (common) device."""
     b = Batch(device_path)
-    for s in summaries:
-        b.add(s)
+    for t in tensors:
+        b.add(t)
     return b.finish()
 
 
-def host_rows(device_rows: torch.Tensor, summaries: list[Summary]) -> torch.Tensor:
+def host_rows(device_rows: torch.Tensor, numel: list[int], sampled: list[int]) -> torch.Tensor:
     """Host copies of :meth:`Batch.finish` -> whole summary rows (``SUMMARY_LEN``):
     NUMEL added, sample counts scaled to the whole tensor, zeros from non-zeros."""
-    numel = torch.tensor([float(s.numel) for s in summaries], dtype=torch.float64)
-    scale = numel / torch.tensor([float(s.sampled) for s in summaries], dtype=torch.float64)
+    n = torch.tensor(numel, dtype=torch.float64)
+    scale = n / torch.tensor(sampled, dtype=torch.float64)
     counts = device_rows[:, 2:] * scale.unsqueeze(1)
-    zeros = (numel - counts[:, 0]).unsqueeze(1)
-    return torch.cat([numel.unsqueeze(1), device_rows[:, :2], zeros, counts[:, 1:]], dim=1)
+    zeros = (n - counts[:, 0]).unsqueeze(1)
+    return torch.cat([n.unsqueeze(1), device_rows[:, :2], zeros, counts[:, 1:]], dim=1)
 
 
 def summary_row(x: torch.Tensor, device_path: bool | None = None) -> torch.Tensor:
     """A whole summary row of ``x`` on the host; for tests and tools (it syncs)."""
-    s = summarize(x)
-    meta = [s._replace(sample=None)]
-    return host_rows(stack_rows([s], device_path).cpu(), meta)[0]
+    b = Batch(device_path)
+    b.add(x)
+    return host_rows(b.finish().cpu(), b.numel, b.sampled)[0]
 
 
 @dataclass(frozen=True)

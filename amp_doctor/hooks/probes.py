@@ -1,9 +1,9 @@
 """Module hooks that turn activations and gradients into on-device summaries.
 
-Nothing here copies to the host. Each hook only computes
-:func:`amp_doctor.device.stats.summarize` on the tensors it sees and files the
-result in the current :class:`~amp_doctor.device.recorder.StepBuffer`; the buffer
-is copied to the host once, at the step boundary.
+Nothing here copies to the host. Each hook only files the tensors it sees in
+the current :class:`~amp_doctor.device.recorder.StepBuffer` (``buf.add(t)``:
+two device ops, see :class:`~amp_doctor.device.stats.Batch`); the buffer is
+copied to the host once, at the step boundary.
 
 Design choices that keep the cost low and the user's run untouched:
 
@@ -44,7 +44,6 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_doctor.device.recorder import StepBuffer
-from amp_doctor.device.stats import summarize
 from amp_doctor.devicework import iter_tensors, own_ops
 from amp_doctor.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from amp_doctor.hooks.compiled import (
@@ -448,7 +447,7 @@ class Probes:
             # values: only an unchanged version counter means "already seen".
             if entry is None or entry[2] != version:
                 with own_ops:
-                    idx = buf.add(summarize(t))
+                    idx = buf.add(t)
                 owners = [name]
                 self._seen[t] = (idx, owners, version)
                 if t.requires_grad:
@@ -471,7 +470,7 @@ class Probes:
         if grad.numel() == 0:
             return
         with own_ops:
-            idx = buf.add(summarize(grad))
+            idx = buf.add(grad)
         for n in owners:
             buf.assign(n, "grad", idx)
         buf.note_backward(owners[0])
@@ -496,7 +495,7 @@ class Probes:
             for name, grads in by_layer.items():
                 buf.param_grads_done.add(name)
                 flat = grads[0] if len(grads) == 1 else torch.cat([g.float() for g in grads])
-                buf.assign(name, "param_grad", buf.add(summarize(flat)))
+                buf.assign(name, "param_grad", buf.add(flat))
 
     def low_precision_outputs(self) -> set[str]:
         lows = {dtype_name(d) for d in LOW_PRECISION_DTYPES}
