@@ -7,7 +7,7 @@ rounds, each on its own copy of the model: plain AMP; ``watch(every=1)``
 (every step recorded); ``watch(every=10**9)`` (hooks installed but idle after
 step 0: what an unrecorded step of ``watch()`` default costs); and
 ``watch(every=1)`` with amp-doctor's stats path wrapped in timers:
-``summarize()`` split by caller (activations in forward hooks, output
+``StepBuffer.add()`` (the per-tensor stats) split by caller (activations in forward hooks, output
 gradients in tensor hooks, parameter gradients), the Python around it in each
 hook, the step-boundary host copy (``StepBuffer.flush``), host decode
 (``host_step_layers``) and aggregation (``LayerAggregate.add``). What the
@@ -78,16 +78,16 @@ def instrumented(timers: Timers) -> Iterator[None]:
         saved.append((owner, name, orig))
         setattr(owner, name, make(orig))
 
-    def wrap_summarize(orig: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-        def summarize(x: torch.Tensor) -> torch.Tensor:
+    def wrap_add(orig: Callable[[Any, torch.Tensor], int]) -> Any:
+        def add(self: Any, x: torch.Tensor) -> int:
             caller = timers.phase[-1] if timers.phase else "other"
             label = f"summarize[{caller}]"
             if timers.enabled:
                 timers.numel[label] += x.numel()
             with timers.span(label):
-                return orig(x)
+                return orig(self, x)
 
-        return summarize
+        return add
 
     def wrap_method(label: str) -> Callable[[Any], Any]:
         def make(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -99,7 +99,7 @@ def instrumented(timers: Timers) -> Iterator[None]:
 
         return make
 
-    patch(probes_mod, "summarize", wrap_summarize)
+    patch(recorder_mod.StepBuffer, "add", wrap_add)
     patch(probes_mod.Probes, "_pre", wrap_method("forward pre-hook"))
     patch(probes_mod.Probes, "_post", wrap_method("forward hook"))
     patch(probes_mod.Probes, "_on_grad", wrap_method("grad hook"))

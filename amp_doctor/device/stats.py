@@ -47,6 +47,7 @@ all. On CUDA they would save kernel launches; that is left to a measurement ther
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -143,20 +144,19 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
     return flat[::stride] if stride > 1 else flat
 
 
-# Codes of the batched histogram, per row: 0..255 the float32 biased exponent of a
-# non-zero |x| (255: inf), then a NaN code and a zero code. Exact zeros and NaNs are
-# counted apart, so neither shares a bin with values (fp32 subnormals, infs).
-N_CODES = N_EXP_BINS + 2
-_NAN_CODE = N_EXP_BINS
-_ZERO_CODE = N_EXP_BINS + 1
+# Codes of the batched histogram: the sign-less float32 bit pattern shifted right
+# by 22 keeps the 8-bit exponent and the top mantissa bit, which tells a quiet NaN
+# (set) from an inf (clear) in exponent 255. Each row's codes are offset by
+# ``row * CODES_PER_ROW`` so that one histogram counts a whole pass.
+CODES_PER_ROW = 2 * N_EXP_BINS
 _ABS_MASK = 0x7FFFFFFF
-_INF_BITS = 0x7F800000
-_MANTISSA_BITS = 23
+_CODE_SHIFT = 22
 # Values staged per device before one batched pass (float32: 256 KB). Every
 # tensor's sample fits (SAMPLE_LIMIT), so a pass holds at least one row.
 STAGE_LIMIT = 4 * SAMPLE_LIMIT
-# Rows per pass: bounds the pass's transient histogram (N_CODES int64 counts per
-# row, 1 MB at 512 rows) and keeps every code exact in float32 for ``histc``.
+# Rows per pass: bounds the pass's transient histogram (CODES_PER_ROW int64
+# counts per row, 2 MB at 512 rows) and keeps every code exact in float32 for
+# ``histc`` (< 2**24).
 ROWS_PER_PASS = 512
 
 
@@ -192,14 +192,14 @@ def upload(values: list[int], device: torch.device) -> torch.Tensor:
 class Batch:
     """The summaries of one device's tensors in one step, made with batched ops.
 
-    Per tensor, :meth:`add` pays two ops: the exact min and max over the whole
-    tensor (one ``aminmax`` pass, no temporary) and a copy of its sample into a
-    float32 staging buffer (a bfloat16 or float16 value is exact in float32).
-    Nothing else is done per tensor: whenever the stage is full, and at
-    :meth:`finish`, one pass turns every staged value of many rows into a code
-    (exponent, NaN or zero) offset by its row, and counts them all with one
-    histogram. Memory is bounded by the stage and about 1 KB per row, whatever
-    the tensors' sizes; no tensor outlives its ``add`` call.
+    Per tensor, :meth:`add` pays three small ops: the exact min and max over the
+    whole tensor (one ``aminmax`` pass, no temporary), the non-zero count of a
+    bounded sample, and a copy of that sample into a float32 staging buffer (a
+    bfloat16 or float16 value is exact in float32). Whenever the stage is full,
+    and at :meth:`finish`, one pass of four ops turns every staged value of many
+    rows into a histogram code offset by its row and counts them all at once.
+    Memory is bounded by the stage and about 1 KB per row, whatever the tensors'
+    sizes; no tensor outlives its ``add`` call.
     """
 
     def __init__(self, device_path: bool | None = None) -> None:
@@ -208,10 +208,12 @@ class Batch:
         self.sampled: list[int] = []
         self._mins: list[torch.Tensor] = []
         self._maxs: list[torch.Tensor] = []
+        self._nonzeros: list[torch.Tensor] = []
         self._stage: torch.Tensor | None = None
+        self._steps: torch.Tensor | None = None  # the pass's row offsets, reused
         self._used = 0
         self._lengths: list[int] = []  # sample lengths of the rows in the stage
-        self._counts: list[torch.Tensor] = []  # [rows, N_CODES] int32 per pass
+        self._hists: list[torch.Tensor] = []  # [rows, 256, 2] int32 per pass
 
     def __len__(self) -> int:
         return len(self.numel)
@@ -226,13 +228,14 @@ class Batch:
         elif self._used + k > STAGE_LIMIT or len(self._lengths) >= ROWS_PER_PASS:
             self._pass()
         mn, mx = torch.aminmax(x)
+        self._mins.append(mn)
+        self._maxs.append(mx)
+        self._nonzeros.append(torch.count_nonzero(sample))
         # float64 beyond float32's range becomes inf here, which is what a cast to
         # any low-precision format would do too.
         self._stage[self._used : self._used + k].copy_(sample)
         self._used += k
         self._lengths.append(k)
-        self._mins.append(mn)
-        self._maxs.append(mx)
         self.numel.append(x.numel())
         self.sampled.append(k)
         return len(self.numel) - 1
@@ -243,39 +246,42 @@ class Batch:
             return
         assert self._stage is not None
         dev = self._stage.device
-        bits = self._stage[: self._used].view(torch.int32).bitwise_and(_ABS_MASK)
-        codes = bits >> _MANTISSA_BITS
-        codes += bits > _INF_BITS  # a NaN's exponent code 255 -> _NAN_CODE
-        codes.masked_fill_(bits == 0, _ZERO_CODE)
-        row_of = torch.repeat_interleave(torch.arange(rows, device=dev),
-                                         upload(self._lengths, dev), output_size=self._used)
-        codes.add_(row_of, alpha=N_CODES)
-        h = exp_histogram(codes, N_CODES * rows, self._device_path)
-        self._counts.append(h.view(rows, N_CODES).to(torch.int32))
+        # The staged values are not needed once coded: code them in place. Fresh
+        # 256 KB temporaries would each be a new mmap, page-faulted on first touch.
+        codes = self._stage[: self._used].view(torch.int32)
+        codes.bitwise_and_(_ABS_MASK)
+        codes >>= _CODE_SHIFT
+        if rows > 1:
+            # Each row's offset: a step of CODES_PER_ROW at every row start, summed
+            # (a cumsum is one cheap pass; repeat_interleave costs ten times more).
+            if self._steps is None:
+                self._steps = torch.empty(STAGE_LIMIT, dtype=torch.int32, device=dev)
+            steps = self._steps[: self._used]
+            steps.zero_()
+            starts = list(itertools.accumulate(self._lengths[:-1]))
+            steps.index_fill_(0, upload(starts, dev), CODES_PER_ROW)
+            codes += steps.cumsum_(0)
+        h = exp_histogram(codes, CODES_PER_ROW * rows, self._device_path)
+        self._hists.append(h.view(rows, N_EXP_BINS, 2).to(torch.int32))
         self._used = 0
         self._lengths = []
 
     def finish(self) -> torch.Tensor:
         """``[R, DEVICE_LEN]`` float64 on the device: min, max, non-zeros, NaNs and the
-        exponent histogram (zeros in bin 0, NaNs with infs in bin 255, as in a float32
-        exponent histogram)."""
+        exponent histogram (zeros and float32 subnormals in bin 0, NaNs with infs in
+        bin 255, as in a float32 exponent histogram)."""
         self._pass()
-        self._stage = None
+        self._stage = self._steps = None
         if not self.numel:
             return torch.zeros(0, DEVICE_LEN, dtype=torch.float64)
-        c = torch.cat(self._counts) if len(self._counts) > 1 else self._counts[0]
-        self._counts = []
+        h = torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]
+        self._hists = []
         f64 = torch.float64
-        zeros = c[:, _ZERO_CODE].to(f64)
-        nans = c[:, _NAN_CODE].to(f64)
-        hist = c[:, :N_EXP_BINS].to(f64)
-        nonzero = hist.sum(1) + nans
-        hist[:, 0] += zeros
-        hist[:, N_EXP_BINS - 1] += nans
         scal = torch.stack([torch.stack(self._mins).to(f64), torch.stack(self._maxs).to(f64),
-                            nonzero, nans], dim=1)
-        self._mins, self._maxs = [], []
-        return torch.cat([scal, hist], dim=1)
+                            torch.stack(self._nonzeros).to(f64),
+                            h[:, N_EXP_BINS - 1, 1].to(f64)], dim=1)
+        self._mins, self._maxs, self._nonzeros = [], [], []
+        return torch.cat([scal, (h[:, :, 0] + h[:, :, 1]).to(f64)], dim=1)
 
 
 def stack_rows(tensors: list[torch.Tensor], device_path: bool | None = None) -> torch.Tensor:
