@@ -51,16 +51,16 @@ def test_many_tiny_tensors_need_more_than_one_pass_of_rows() -> None:
     for t in ts:
         b.add(t)
     rows = b.finish()
-    assert rows.shape == (len(ts), S.DEVICE_LEN)
-    assert rows[:, 0].tolist() == [float(i) for i in range(len(ts))]
-    assert rows[:, 2].tolist() == [0.0] + [3.0] * (len(ts) - 1)  # non-zeros
+    assert rows.shape == (len(ts), S.SUMMARY_LEN)
+    assert rows[:, S.MIN].tolist() == [float(i) for i in range(len(ts))]
+    assert rows[:, S.ZEROS].tolist() == [0.0] + [3.0] * (len(ts) - 1)  # non-zeros (sampled)
 
 
 def test_the_device_histogram_path_gives_the_cpu_answer() -> None:
     # histc (CUDA: no host sync) and bincount (CPU) must count the same codes.
     ts = _tensors()
-    a = S.stack_rows(ts, device_path=False)
-    b = S.stack_rows(ts, device_path=True)
+    a = S.stack_rows(ts, device_path=False)[0]
+    b = S.stack_rows(ts, device_path=True)[0]
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     codes = torch.randint(0, 5000, (10_000,), dtype=torch.int32)
     assert torch.equal(S.exp_histogram(codes, 5000, device_path=True),
@@ -108,21 +108,40 @@ def test_to_host_keeps_a_cpu_tensor() -> None:
     assert to_host(t) is t
 
 
-def test_decoding_in_chunks_gives_the_same_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    """decode_table bounds its temporaries by decoding rows in chunks; values unchanged."""
+def test_decoding_many_rows_with_mixed_shifts_equals_one_row_at_a_time() -> None:
+    """decode_table groups rows by their shift (one band sum per shift); values unchanged."""
     from amp_doctor.dtypes import limits
 
-    ts = _tensors() * 4  # 160 rows: several chunks of 64
-    b = S.Batch()
+    ts = _tensors() * 3
+    rows = S.host_rows(*S.stack_rows(ts))
+    shifts = [(0, 3, 16)[i % 3] for i in range(len(ts))]
+    for fmt in (limits(torch.float16), limits(torch.bfloat16)):
+        whole = S.decode_table(rows, fmt, shifts)
+        single = torch.cat([S.decode_table(rows[i : i + 1], fmt, shifts[i : i + 1])
+                            for i in range(len(ts))])
+        assert whole.shape == (len(ts), len(S.DECODED_FIELDS))
+        # Band sums are dot products: equal up to the order of float64 additions.
+        torch.testing.assert_close(whole, single, rtol=1e-12, atol=0, equal_nan=True)
+        # The shifted rows really decode differently (the grouping is exercised).
+        assert not torch.equal(whole[1].nan_to_num(), S.decode_table(
+            rows[1:2], fmt, [0]).nan_to_num()[0])
+
+
+def test_a_step_split_over_devices_comes_back_in_insertion_order() -> None:
+    """The multi-device path of flush/unpack_host (a model split over GPUs), run on CPU:
+    ``cpu`` and ``cpu:0`` are distinct batch keys, as ``cuda:0`` and ``cuda:1`` would be."""
+    ts = _tensors()[:12]
+    one = StepBuffer(0)
     for t in ts:
-        b.add(t)
-    rows = S.host_rows(b.finish(), b.numel, b.sampled)
-    shifts = [i % 3 for i in range(len(ts))]
-    fmt = limits(torch.float16)
-    monkeypatch.setattr(S, "DECODE_CHUNK_ROWS", 10_000)
-    whole = S.decode_table(rows, fmt, shifts)
-    monkeypatch.setattr(S, "DECODE_CHUNK_ROWS", 64)
-    chunked = S.decode_table(rows, fmt, shifts)
-    assert whole.shape == chunked.shape == (160, len(S.DECODED_FIELDS))
-    assert torch.equal(whole.isnan(), chunked.isnan())
-    assert torch.equal(whole.nan_to_num(), chunked.nan_to_num())
+        one.add(t)
+    one.put_scalar("loss", torch.tensor(1.5))
+    expected = one.flush()
+    split = StepBuffer(0)
+    for i, t in enumerate(ts):
+        dev = torch.device("cpu") if i % 3 else torch.device("cpu", 0)
+        batch = split._batches.setdefault(dev, S.Batch())
+        split._where.append((dev, batch.add(t)))
+    split.put_scalar("loss", torch.tensor(1.5))
+    got = split.flush()
+    assert len(split._batches) == 0 and got.scalars == {"loss": 1.5}
+    torch.testing.assert_close(got.matrix, expected.matrix, rtol=0, atol=0, equal_nan=True)

@@ -12,6 +12,7 @@ import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -20,7 +21,7 @@ from amp_doctor.devicework import count_sync
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, FormatLimits
 from amp_doctor.records import LayerStep, LayerSummary, StepRecord, TensorStats
 
-__all__ = ["StepBuffer", "HostCopy", "LayerAggregate", "History"]
+__all__ = ["StepBuffer", "HostCopy", "LayerAggregate", "History", "HistSums", "StepHists"]
 
 # Bounded memory: the history keeps at most this many step records; when it
 # is full every other record is dropped, so it always spans the whole run.
@@ -82,45 +83,62 @@ class StepBuffer:
         return key in self._scalars
 
     def flush(self) -> HostCopy:
-        """The one host sync of a recorded step: copy every summary and scalar at once."""
+        """The one host sync of a recorded step: copy every summary and scalar at once.
+
+        The step's rows and, in one more row, its scalars make a single matrix
+        (on the CPU it is the host copy itself: no copy at all).
+        """
         self.closed = True
         keys = list(self._scalars)
-        parts: list[torch.Tensor] = []
-        for batch in self._batches.values():
-            parts.append(batch.finish().reshape(-1))
-        dev0 = parts[0].device if parts else torch.device("cpu")
-        if keys:
-            parts.append(torch.cat([self._scalars[k].to(dev0) for k in keys]))
-        if not parts:
-            flat = torch.zeros(0, dtype=torch.float64)
+        if len(keys) > S.SUMMARY_LEN:
+            raise ValueError(f"{len(keys)} step scalars do not fit in one row")
+        batches = list(self._batches.values())
+        if len(batches) == 1:
+            matrix = batches[0].finish(extra_rows=1)
         else:
-            flat = to_host(torch.cat([p.to(dev0, non_blocking=True) for p in parts]))
-            count_sync()
-        hs = unpack_host(flat, self)
+            # A model split over devices: gather every device's rows on the first.
+            parts = [b.finish() for b in batches]
+            dev0 = parts[0].device if parts else torch.device("cpu")
+            parts.append(torch.zeros(1, S.SUMMARY_LEN, dtype=torch.float64, device=dev0))
+            matrix = torch.cat([p.to(dev0, non_blocking=True) for p in parts])
+        if keys:
+            matrix[-1, : len(keys)] = torch.cat([self._scalars[k].to(matrix.device)
+                                                 for k in keys])
+        host = to_host(matrix)
+        count_sync()
+        hs = unpack_host(host, self)
         self._batches = {}
         self._where = []
         self._scalars = {}
         return hs
 
 
-def unpack_host(flat: torch.Tensor, buf: StepBuffer) -> HostCopy:
-    """The host copy of a step -> a :class:`HostCopy` (host data only, no device tensor)."""
+def unpack_host(host: torch.Tensor, buf: StepBuffer) -> HostCopy:
+    """The host copy of a step -> a :class:`HostCopy` (host data only, no device tensor).
+
+    ``host`` is :meth:`StepBuffer.flush`'s matrix: the rows of every device in
+    turn, then the scalar row.
+    """
     n_rows = len(buf._where)
-    device_part = torch.zeros(n_rows, S.DEVICE_LEN, dtype=torch.float64)
-    numel = [0] * n_rows
-    sampled = [0] * n_rows
-    pos = 0
-    for dev, batch in buf._batches.items():
-        n = len(batch)
-        # Rows were grouped by device; put them back in insertion order.
-        idx = [i for i, (d, _) in enumerate(buf._where) if d == dev]
-        device_part[idx] = flat[pos : pos + n * S.DEVICE_LEN].reshape(n, S.DEVICE_LEN)
-        for i, ne, sa in zip(idx, batch.numel, batch.sampled, strict=True):
-            numel[i], sampled[i] = ne, sa
-        pos += n * S.DEVICE_LEN
-    matrix = S.host_rows(device_part, numel, sampled)
     keys = list(buf._scalars)
-    scalars = dict(zip(keys, flat[pos : pos + len(keys)].tolist(), strict=True))
+    scalars = dict(zip(keys, host[-1, : len(keys)].tolist(), strict=True))
+    rows = host[:n_rows]
+    batches = list(buf._batches.items())
+    if len(batches) == 1:
+        # One device (the usual case): rows are already in insertion order.
+        matrix = S.host_rows(rows, batches[0][1].numel, batches[0][1].sampled)
+    else:
+        order: list[int] = []
+        numel: list[int] = []
+        sampled: list[int] = []
+        for dev, batch in batches:
+            # Rows were grouped by device; put them back in insertion order.
+            order += [i for i, (d, _) in enumerate(buf._where) if d == dev]
+            numel += batch.numel
+            sampled += batch.sampled
+        grouped = S.host_rows(rows, numel, sampled)
+        matrix = torch.empty_like(grouped)
+        matrix[order] = grouped
     return HostCopy(buf.step, matrix, scalars, dict(buf.assigned), list(buf.backward_order))
 
 
@@ -174,53 +192,46 @@ def scale_log2_of(scale: float | None) -> int:
 
 def host_step_layers(
     hs: HostCopy, fmt: FormatLimits, grad_scale: float | None, param_grad_scale: float | None
-) -> tuple[dict[str, LayerStep], dict[str, dict[str, torch.Tensor]]]:
-    """Decode a host step into per-layer records and the raw merged rows."""
-    names: dict[str, None] = {}
-    for layer, _ in hs.assigned:
-        names.setdefault(layer)
+) -> tuple[dict[str, LayerStep], StepHists]:
+    """Decode a host step into per-layer records, and the rows of its histograms."""
     gl2 = scale_log2_of(grad_scale)
     pl2 = scale_log2_of(param_grad_scale)
-    # Rows to decode, as indices into ``hs.matrix`` extended by the merged rows of
-    # repeated calls (accumulation); every figure is decoded in one batch.
-    merged: list[torch.Tensor] = []
+    unscaled = {"grad": ("grad_unscaled", gl2), "param_grad": ("param_grad_unscaled", pl2)}
+    # Every figure, (layer, slot, row, shift), decoded in one batch. Rows index
+    # ``hs.matrix`` extended by the merged rows of repeated calls (accumulation).
     n0 = hs.matrix.shape[0]
-    row_of: dict[tuple[str, str], int] = {}
+    merged: list[torch.Tensor] = []
+    wanted: list[tuple[str, str, int, int]] = []
+    hist_cells: list[tuple[str, int, int]] = []
     for (name, fld), idx in hs.assigned.items():
         if len(idx) == 1:
-            row_of[(name, fld)] = idx[0]
+            row = idx[0]
         else:
             r = hs.merged(name, fld)
             assert r is not None
-            row_of[(name, fld)] = n0 + len(merged)
+            row = n0 + len(merged)
             merged.append(r)
+        wanted.append((name, fld, row, 0))
+        if fld in unscaled and unscaled[fld][1]:
+            wanted.append((name, unscaled[fld][0], row, unscaled[fld][1]))
+        if fld in HIST_FIELDS:
+            hist_cells.append((name, HIST_FIELDS.index(fld), row))
     matrix = torch.cat([hs.matrix, torch.stack(merged)]) if merged else hs.matrix
-    # (layer, slot, row, shift) for every figure.
-    wanted: list[tuple[str, str, int, int]] = []
-    raw: dict[str, dict[str, torch.Tensor]] = {}
-    for name in names:
-        rows = {f: row_of[(name, f)] for f in FIELDS if (name, f) in row_of}
-        raw[name] = {f: matrix[i] for f, i in rows.items()}
-        for fld, i in rows.items():
-            wanted.append((name, fld, i, 0))
-        if "grad" in rows and gl2:
-            wanted.append((name, "grad_unscaled", rows["grad"], gl2))
-        if "param_grad" in rows and pl2:
-            wanted.append((name, "param_grad_unscaled", rows["param_grad"], pl2))
-    decoded: dict[str, dict[str, TensorStats]] = {name: {} for name in names}
+    decoded: dict[str, dict[str, TensorStats]] = {}
     if wanted:
-        sel = matrix.index_select(0, torch.tensor([w[2] for w in wanted], dtype=torch.long))
-        table = S.decode_table(sel, fmt, [w[3] for w in wanted])[:, _TS_COLUMNS].tolist()
+        table = S.decode_table(matrix, fmt, [w[3] for w in wanted],
+                               index=[w[2] for w in wanted])[:, _TS_COLUMNS].tolist()
         for (name, slot, _, _), v in zip(wanted, table, strict=True):
-            decoded[name][slot] = TensorStats(int(v[0]), *v[1:])
+            v[0] = int(v[0])
+            decoded.setdefault(name, {})[slot] = TensorStats(*v)
     out: dict[str, LayerStep] = {}
-    for name in names:
-        got = decoded[name]
+    # Layers in the order they were first filed (forward order for outputs).
+    for name, got in decoded.items():
         out[name] = LayerStep(act=got.get("act"), grad=got.get("grad"),
                               grad_unscaled=got.get("grad_unscaled"),
                               param_grad=got.get("param_grad"),
                               param_grad_unscaled=got.get("param_grad_unscaled"))
-    return out, raw
+    return out, StepHists(matrix, hist_cells)
 
 
 # decode_table's columns that make a TensorStats, in its field order.
@@ -277,13 +288,7 @@ class LayerAggregate:
     pg_under: _Running = field(default_factory=_Running)
     pg_under_u: _Running = field(default_factory=_Running)
     pg_nonfinite_steps: int = 0
-    # Summed exponent bins, float64 on the host (exact for counts below 2**53).
-    act_hist: torch.Tensor = field(default_factory=lambda: torch.zeros(S.N_EXP_BINS,
-                                                                       dtype=torch.float64))
-    grad_hist: torch.Tensor = field(default_factory=lambda: torch.zeros(S.N_EXP_BINS,
-                                                                        dtype=torch.float64))
-
-    def add(self, ls: LayerStep, raw: dict[str, torch.Tensor]) -> None:
+    def add(self, ls: LayerStep) -> None:
         self.steps += 1
         if (a := ls.act) is not None:
             if not math.isnan(a.absmax):
@@ -296,7 +301,6 @@ class LayerAggregate:
             self.overflow.add(a.overflow_frac)
             self.underflow.add(a.underflow_frac)
             self.nonfinite_steps += a.nonfinite_frac > 0
-            self.act_hist += raw["act"][S.HIST :]
         if (g := ls.grad) is not None:
             if math.isfinite(g.absmax):
                 self.grad_absmax = max(self.grad_absmax or 0.0, g.absmax)
@@ -309,7 +313,6 @@ class LayerAggregate:
             self.grad_under.add(g.underflow_frac)
             self.grad_under_u.add((ls.grad_unscaled or g).underflow_frac)
             self.grad_nonfinite_steps += g.nonfinite_frac > 0
-            self.grad_hist += raw["grad"][S.HIST :]
         if (p := ls.param_grad) is not None:
             pu = ls.param_grad_unscaled or p
             if math.isfinite(pu.absmax):
@@ -321,7 +324,8 @@ class LayerAggregate:
 
     def summary(self, meta_name: str, meta_type: str, order: int, calls: int,
                 input_dtypes: set[str], output_dtypes: set[str], param_dtypes: set[str],
-                ops: dict[str, dict[str, int]], passthrough: bool = False) -> LayerSummary:
+                ops: dict[str, dict[str, int]], hists: tuple[list[int], list[int]],
+                passthrough: bool = False) -> LayerSummary:
         lows = LOW_PRECISION_NAMES
         ran_low = bool(output_dtypes & lows)
         floats = {d for d in output_dtypes if d.startswith(("float", "bfloat"))}
@@ -359,9 +363,59 @@ class LayerAggregate:
             passthrough=passthrough,
             ops=ops,
             # Sampled tensors give scaled, fractional counts.
-            act_exp_hist=self.act_hist.round().to(torch.int64).tolist(),
-            grad_exp_hist=self.grad_hist.round().to(torch.int64).tolist(),
+            act_exp_hist=hists[0],
+            grad_exp_hist=hists[1],
         )
+
+
+# The fields whose exponent histograms are summed over the run, in HistSums' order.
+HIST_FIELDS = ("act", "grad")
+
+
+class StepHists(NamedTuple):
+    """A recorded step's histogram rows: ``(layer, HIST_FIELDS index, row of matrix)``."""
+
+    matrix: torch.Tensor
+    cells: list[tuple[str, int, int]]
+
+
+class HistSums:
+    """Every layer's exponent histograms summed over the run.
+
+    One ``[layers, len(HIST_FIELDS), 256]`` float64 tensor on the host (exact
+    for counts below 2**53), updated by one ``index_add_`` per recorded step
+    instead of two small tensor ops per layer.
+    """
+
+    def __init__(self) -> None:
+        self._slot: dict[str, int] = {}
+        self._sums = torch.zeros(0, len(HIST_FIELDS), S.N_EXP_BINS, dtype=torch.float64)
+
+    def add(self, step: StepHists) -> None:
+        if not step.cells:
+            return
+        slots = [self._slot.setdefault(name, len(self._slot)) for name, _, _ in step.cells]
+        if len(self._slot) > self._sums.shape[0]:
+            grown = torch.zeros(max(len(self._slot), 2 * self._sums.shape[0]),
+                                *self._sums.shape[1:], dtype=torch.float64)
+            grown[: self._sums.shape[0]] = self._sums
+            self._sums = grown
+        cells = torch.tensor([slot * len(HIST_FIELDS) + f
+                              for slot, (_, f, _) in zip(slots, step.cells, strict=True)])
+        rows = torch.tensor([r for _, _, r in step.cells])
+        self._sums.view(-1, S.N_EXP_BINS).index_add_(
+            0, cells, step.matrix.index_select(0, rows)[:, S.HIST :])
+
+    def of(self, name: str) -> tuple[list[int], list[int]]:
+        """The layer's (outputs, output grads) histograms; sampled counts rounded."""
+        slot = self._slot.get(name)
+        if slot is None:
+            return [0] * S.N_EXP_BINS, [0] * S.N_EXP_BINS
+        act, grad = self._sums[slot].round().to(torch.int64).tolist()
+        return act, grad
+
+    def rename(self, mapping: dict[str, str]) -> None:
+        self._slot = {mapping.get(k, k): v for k, v in self._slot.items()}
 
 
 def _risk_key(ls: LayerStep) -> tuple[float, float, float, float]:

@@ -57,7 +57,6 @@ from amp_doctor.dtypes import FormatLimits
 
 __all__ = [
     "SUMMARY_LEN",
-    "DEVICE_LEN",
     "N_EXP_BINS",
     "SAMPLE_LIMIT",
     "upload",
@@ -75,12 +74,11 @@ __all__ = [
 ]
 
 # Layout of a summary row. NUMEL is known on the host (it is the tensor's
-# shape), so the device part starts at MIN; see :func:`host_rows`.
+# shape): the host fills it in, see :func:`host_rows`.
 NUMEL, MIN, MAX, ZEROS, NANS = range(5)
 HIST = 5
 N_EXP_BINS = 256  # one per float32 biased exponent; bin 0 holds zero and fp32 subnormals
 SUMMARY_LEN = HIST + N_EXP_BINS
-DEVICE_LEN = SUMMARY_LEN - 1
 
 # Histogram and counts come from at most this many elements per tensor. The
 # histogram (``bincount``) is serial and the slowest part of a summary; 2**14
@@ -266,47 +264,59 @@ class Batch:
         self._used = 0
         self._lengths = []
 
-    def finish(self) -> torch.Tensor:
-        """``[R, DEVICE_LEN]`` float64 on the device: min, max, non-zeros, NaNs and the
-        exponent histogram (zeros and float32 subnormals in bin 0, NaNs with infs in
-        bin 255, as in a float32 exponent histogram)."""
+    def finish(self, extra_rows: int = 0) -> torch.Tensor:
+        """``[R + extra_rows, SUMMARY_LEN]`` float64 on the device, one row per tensor
+        as :func:`host_rows` wants it: NUMEL left to the host, min, max, the sample's
+        non-zero count in the ZEROS column, NaNs and the exponent histogram (zeros
+        and float32 subnormals in bin 0, NaNs with infs in bin 255, as in a float32
+        exponent histogram). The extra rows are zeros, for the caller's use.
+
+        One allocation: every column is written in place, because on the CPU this
+        matrix *is* the step's host copy.
+        """
         self._pass()
         self._stage = self._steps = None
-        if not self.numel:
-            return torch.zeros(0, DEVICE_LEN, dtype=torch.float64)
+        r = len(self.numel)
+        f64 = torch.float64
+        dev = self._hists[0].device if self._hists else torch.device("cpu")
+        out = torch.zeros(r + extra_rows, SUMMARY_LEN, dtype=f64, device=dev)
+        if not r:
+            return out
         h = torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]
         self._hists = []
-        f64 = torch.float64
-        scal = torch.stack([torch.stack(self._mins).to(f64), torch.stack(self._maxs).to(f64),
-                            torch.stack(self._nonzeros).to(f64),
-                            h[:, N_EXP_BINS - 1, 1].to(f64)], dim=1)
+        rows = out[:r]
+        rows[:, MIN].copy_(torch.stack(self._mins))
+        rows[:, MAX].copy_(torch.stack(self._maxs))
+        rows[:, ZEROS].copy_(torch.stack(self._nonzeros))
+        rows[:, NANS].copy_(h[:, N_EXP_BINS - 1, 1])
+        torch.add(h[:, :, 0], h[:, :, 1], out=rows[:, HIST:])
         self._mins, self._maxs, self._nonzeros = [], [], []
-        return torch.cat([scal, (h[:, :, 0] + h[:, :, 1]).to(f64)], dim=1)
+        return out
 
 
-def stack_rows(tensors: list[torch.Tensor], device_path: bool | None = None) -> torch.Tensor:
-    """``[R, DEVICE_LEN]`` float64 on the tensors' (common) device."""
+def stack_rows(tensors: list[torch.Tensor], device_path: bool | None = None
+               ) -> tuple[torch.Tensor, list[int], list[int]]:
+    """:meth:`Batch.finish` of ``tensors``, with their element and sample counts."""
     b = Batch(device_path)
     for t in tensors:
         b.add(t)
-    return b.finish()
+    return b.finish(), b.numel, b.sampled
 
 
-def host_rows(device_rows: torch.Tensor, numel: list[int], sampled: list[int]) -> torch.Tensor:
-    """Host copies of :meth:`Batch.finish` -> whole summary rows (``SUMMARY_LEN``):
-    NUMEL added, sample counts scaled to the whole tensor, zeros from non-zeros."""
+def host_rows(rows: torch.Tensor, numel: list[int], sampled: list[int]) -> torch.Tensor:
+    """Host copies of :meth:`Batch.finish` -> whole summary rows, in place: NUMEL
+    filled in, sample counts scaled to the whole tensor, zeros from non-zeros."""
     n = torch.tensor(numel, dtype=torch.float64)
-    scale = n / torch.tensor(sampled, dtype=torch.float64)
-    counts = device_rows[:, 2:] * scale.unsqueeze(1)
-    zeros = (n - counts[:, 0]).unsqueeze(1)
-    return torch.cat([n.unsqueeze(1), device_rows[:, :2], zeros, counts[:, 1:]], dim=1)
+    rows[:, NUMEL] = n
+    rows[:, ZEROS:] *= (n / torch.tensor(sampled, dtype=torch.float64)).unsqueeze(1)
+    torch.sub(n, rows[:, ZEROS], out=rows[:, ZEROS])
+    return rows
 
 
 def summary_row(x: torch.Tensor, device_path: bool | None = None) -> torch.Tensor:
     """A whole summary row of ``x`` on the host; for tests and tools (it syncs)."""
-    b = Batch(device_path)
-    b.add(x)
-    return host_rows(b.finish().cpu(), b.numel, b.sampled)[0]
+    rows, numel, sampled = stack_rows([x], device_path)
+    return host_rows(rows.cpu(), numel, sampled)[0]
 
 
 @dataclass(frozen=True)
@@ -357,56 +367,73 @@ def decode_many(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int]) -> lis
     return out
 
 
-# Rows decoded at once by :func:`decode_table`: its whole-matrix ops hold several
-# [rows, 256] float64 temporaries, 512 KB each at this size.
-DECODE_CHUNK_ROWS = 256
-
 # Columns of :func:`decode_table`, in :class:`Decoded`'s field order.
 DECODED_FIELDS = ("numel", "min", "max", "absmax", "zero_frac", "nonfinite_frac", "nan_count",
                   "inf_count", "overflow_frac", "underflow_frac", "headroom", "over_count")
 
+_BINS = torch.arange(N_EXP_BINS)
 
-def decode_table(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int]) -> torch.Tensor:
+
+def _band_sums(hist: torch.Tensor, index: torch.Tensor, shifts: torch.Tensor,
+               fmt: FormatLimits) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each ``(index[k], shifts[k])``, the counts of row ``index[k]`` of ``hist`` at
+    or below the format's smallest normal, and above its max, after the shift.
+
+    The bands depend on the shift only, and a step has one to three distinct shifts
+    (none, the loss scale): one matrix product of the histograms with a band mask
+    per shift, then a gather. No copy of the rows.
+    """
+    distinct = shifts.unique()
+    masks = torch.zeros(N_EXP_BINS, 2 * len(distinct), dtype=torch.float64)
+    for j, sh in enumerate(distinct.tolist()):
+        # Bin b holds [2**(b-127), 2**(b-126)): it underflows when its top edge,
+        # after the shift, is at or below the smallest normal; fmt.max_exponent is
+        # the top edge of the bin holding the max. Bin 255 (inf, NaN) is neither.
+        under_bin = min(max(sh + fmt.normal_exponent + _F32_BIAS, 0), N_EXP_BINS - 1)
+        over_bin = min(max(sh + fmt.max_exponent + _F32_BIAS, 0), N_EXP_BINS - 1)
+        masks[:under_bin, 2 * j] = 1.0
+        masks[over_bin : N_EXP_BINS - 1, 2 * j + 1] = 1.0
+    bands = hist @ masks  # [rows, 2 * distinct]
+    col = 2 * torch.searchsorted(distinct, shifts)
+    return bands[index, col], bands[index, col + 1]
+
+
+def decode_table(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int],
+                 index: list[int] | None = None) -> torch.Tensor:
     """:func:`decode_many` as a ``[K, len(DECODED_FIELDS)]`` float64 table: whole-matrix
-    ops, no per-row Python (a 2,000-layer step decodes in a few milliseconds)."""
-    k = rows.shape[0]
+    ops, no per-row Python, and no temporary as large as the rows (a 2,000-layer
+    step decodes in a few milliseconds).
+
+    With ``index``, output row ``k`` decodes ``rows[index[k]]`` with ``shifts[k]``
+    (one row may be read under several shifts), without copying the rows.
+    """
     f64 = torch.float64
-    if k == 0:
+    idx = torch.tensor(index if index is not None else range(rows.shape[0]), dtype=torch.long)
+    if idx.numel() == 0:
         return torch.zeros(0, len(DECODED_FIELDS), dtype=f64)
-    if k > DECODE_CHUNK_ROWS:
-        # Row by row independent: chunks bound the transient [K, 256] float64 tensors
-        # (a few MB each on a 1,000-tensor step) without changing a value.
-        return torch.cat([decode_table(rows[i : i + DECODE_CHUNK_ROWS], fmt,
-                                       shifts[i : i + DECODE_CHUNK_ROWS])
-                          for i in range(0, k, DECODE_CHUNK_ROWS)])
     rows = rows.to(f64)
     hist = rows[:, HIST:]
-    # below[:, b] = sum(hist[:, :b])
-    below = torch.cat([torch.zeros(k, 1, dtype=f64), hist.cumsum(1)], dim=1)
-    sh = torch.tensor(shifts, dtype=torch.long).reshape(k, 1)
-    # Bin b holds [2**(b-127), 2**(b-126)): it underflows when its top edge,
-    # after the shift, is at or below the smallest normal.
-    under_bin = (sh + fmt.normal_exponent + _F32_BIAS).clamp(0, N_EXP_BINS - 1)
-    # fmt.max_exponent is the top edge of the bin holding the max.
-    over_bin = (sh + fmt.max_exponent + _F32_BIAS).clamp(0, N_EXP_BINS - 1)
-    over_fin = (below[:, N_EXP_BINS - 1 : N_EXP_BINS] - below.gather(1, over_bin)).squeeze(1)
-    under_all = below.gather(1, under_bin).squeeze(1)
-    numel, mn, mx, zeros, nans = rows[:, :HIST].unbind(1)
-    infs = (hist[:, N_EXP_BINS - 1] - nans).clamp(min=0)
+    sh = torch.tensor(shifts, dtype=torch.long)
+    under_all, over_fin = _band_sums(hist, idx, sh, fmt)
+    numel, mn, mx, zeros, nans = rows[:, :HIST].index_select(0, idx).unbind(1)
+    infs = (hist[idx, N_EXP_BINS - 1] - nans).clamp(min=0)
     # A sampled histogram can miss a lone NaN or inf; the exact min/max
     # never do (aminmax propagates NaN, and an inf is an extreme).
     nans = torch.where((mn.isnan() | mx.isnan()) & (nans < 1), 1.0, nans)
     infs = torch.where(((mx == math.inf) | (mn == -math.inf)) & (infs < 1), 1.0, infs)
-    div = torch.exp2(sh.squeeze(1).to(f64))
+    div = torch.exp2(sh.to(f64))
     has = numel > 0
     absmax = torch.where(has, torch.maximum(mn.abs(), mx.abs()), 0.0)
     over = over_fin + infs
     over = torch.where((over < 1) & has & (absmax / div > fmt.max), 1.0, over)
-    # aminmax propagates NaN; fall back to the top populated finite bin.
-    populated = hist[:, : N_EXP_BINS - 1] > 0
-    top_bin = torch.where(populated, torch.arange(N_EXP_BINS - 1, dtype=f64), -math.inf).amax(1)
-    from_hist = torch.where(top_bin >= 0, torch.exp2(top_bin - _F32_BIAS + 1), 0.0)
-    absmax = torch.where(infs > 0, math.inf, torch.where(nans > 0, from_hist, absmax))
+    absmax = torch.where(infs > 0, math.inf, absmax)
+    with_nan = (nans > 0) & (infs == 0)
+    if bool(with_nan.any()):
+        # aminmax propagates NaN; fall back to the top populated finite bin.
+        sel = with_nan.nonzero().squeeze(1)
+        populated = hist.index_select(0, idx[sel])[:, : N_EXP_BINS - 1] > 0
+        top_bin = torch.where(populated, _BINS[: N_EXP_BINS - 1].to(f64), -math.inf).amax(1)
+        absmax[sel] = torch.where(top_bin >= 0, torch.exp2(top_bin - _F32_BIAS + 1), 0.0)
     # log2(max / 0) = inf (all zeros), log2(max / inf) = -inf, NaN stays NaN.
     headroom = torch.log2(fmt.max / (absmax / div))
     n = numel.clamp(min=1)

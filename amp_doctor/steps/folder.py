@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from amp_doctor.device.recorder import History, HostCopy, LayerAggregate, host_step_layers
+from amp_doctor.device.recorder import History, HistSums, HostCopy, LayerAggregate, host_step_layers
 from amp_doctor.devicework import count_sync
 from amp_doctor.dtypes import FormatLimits
 from amp_doctor.records import Event, LayerStep, LayerSummary, StepRecord
@@ -57,6 +57,7 @@ class StepFolder:
         self._layers = layers
         self._model_label = model_label
         self.aggregates: dict[str, LayerAggregate] = {}
+        self.hists = HistSums()
         self.history = History()
         # The watch's event list, in the order things happened (shared with the probes).
         self._events = events
@@ -81,10 +82,15 @@ class StepFolder:
         """
         step = hs.step
         grad_scale = hs.scalars.get(GRAD_SCALE_KEY)
-        layers, raw = host_step_layers(hs, fmt, grad_scale,
-                                       grad_scale if param_grads_scaled else None)
+        layers, hists = host_step_layers(hs, fmt, grad_scale,
+                                         grad_scale if param_grads_scaled else None)
+        aggregates = self.aggregates
         for name, ls in layers.items():
-            self.aggregates.setdefault(name, LayerAggregate()).add(ls, raw[name])
+            agg = aggregates.get(name)
+            if agg is None:
+                agg = aggregates[name] = LayerAggregate()
+            agg.add(ls)
+        self.hists.add(hists)
         origin = self._forward_origin(layers)
         if hs.scalars.get("input_nan") or hs.scalars.get("input_inf"):
             # The batch was already non-finite: no layer is the origin.
@@ -153,6 +159,7 @@ class StepFolder:
     def rename(self, mapping: dict[str, str]) -> None:
         """Layers were renamed (a second model prefixes the first's names)."""
         self.aggregates = {mapping.get(k, k): v for k, v in self.aggregates.items()}
+        self.hists.rename(mapping)
         self.history.records = [
             StepRecord(**{**r.__dict__, "layers": {mapping.get(k, k): v
                                                    for k, v in r.layers.items()}})
@@ -170,7 +177,7 @@ class StepFolder:
             agg = agg or LayerAggregate()
             out.append(agg.summary(
                 name, meta.type, meta.order, meta.calls, meta.input_dtypes,
-                meta.output_dtypes, meta.param_dtypes, ops.get(name, {}),
+                meta.output_dtypes, meta.param_dtypes, ops.get(name, {}), self.hists.of(name),
                 passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls))
         return sorted(out, key=lambda x: (x.order < 0, x.order))
 
