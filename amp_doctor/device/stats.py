@@ -85,6 +85,7 @@ SUMMARY_LEN = HIST + N_EXP_BINS
 # samples keep it at a few tens of microseconds and a fraction's standard
 # error at or below sqrt(0.25 / 2**14) = 0.4 percentage points.
 SAMPLE_LIMIT = 1 << 14
+assert SAMPLE_LIMIT <= torch.iinfo(torch.int16).max  # a pass's counts are int16
 
 _F32_BIAS = 127
 
@@ -137,9 +138,11 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 def _sample(x: torch.Tensor) -> torch.Tensor:
     """A 1-D view of at most :data:`SAMPLE_LIMIT` evenly strided elements of ``x``."""
-    flat = _flat(x)
-    stride = sample_stride(x.numel(), tuple(x.shape))
-    return flat[::stride] if stride > 1 else flat
+    n = x.numel()
+    if n <= SAMPLE_LIMIT:
+        return x.view(-1) if x.is_contiguous() else _flat(x)
+    stride = sample_stride(n, tuple(x.shape))
+    return _flat(x)[::stride]
 
 
 # Codes of the batched histogram: the sign-less float32 bit pattern shifted right
@@ -190,10 +193,11 @@ def upload(values: list[int], device: torch.device) -> torch.Tensor:
 class Batch:
     """The summaries of one device's tensors in one step, made with batched ops.
 
-    Per tensor, :meth:`add` pays three small ops: the exact min and max over the
-    whole tensor (one ``aminmax`` pass, no temporary), the non-zero count of a
-    bounded sample, and a copy of that sample into a float32 staging buffer (a
-    bfloat16 or float16 value is exact in float32). Whenever the stage is full,
+    Per tensor, :meth:`add` pays two or three small ops: the exact min and max
+    over the whole tensor (one ``aminmax`` pass, no temporary), a copy of a
+    bounded sample into a float32 staging buffer (a bfloat16 or float16 value is
+    exact in float32) and, unless the tensor is float16, the sample's non-zero
+    count. Whenever the stage is full,
     and at :meth:`finish`, one pass of four ops turns every staged value of many
     rows into a histogram code offset by its row and counts them all at once.
     Memory is bounded by the stage and about 1 KB per row, whatever the tensors'
@@ -207,11 +211,13 @@ class Batch:
         self._mins: list[torch.Tensor] = []
         self._maxs: list[torch.Tensor] = []
         self._nonzeros: list[torch.Tensor] = []
+        self._counted: list[int] = []  # the rows that have a _nonzeros entry, in order
         self._stage: torch.Tensor | None = None
         self._steps: torch.Tensor | None = None  # the pass's row offsets, reused
         self._used = 0
         self._lengths: list[int] = []  # sample lengths of the rows in the stage
-        self._hists: list[torch.Tensor] = []  # [rows, 256, 2] int32 per pass
+        self._hists: list[torch.Tensor] = []  # [rows, 256] int16 per pass
+        self._side: list[torch.Tensor] = []  # [rows, 2] int64 per pass: non-zeros, NaNs
 
     def __len__(self) -> int:
         return len(self.numel)
@@ -228,7 +234,11 @@ class Batch:
         mn, mx = torch.aminmax(x)
         self._mins.append(mn)
         self._maxs.append(mx)
-        self._nonzeros.append(torch.count_nonzero(sample))
+        if x.dtype is not torch.float16:
+            # A float16 value is never a float32 subnormal, so its zeros are exactly
+            # its code-0 count in the histogram; other formats need a count of their own.
+            self._nonzeros.append(torch.count_nonzero(sample))
+            self._counted.append(len(self.numel))
         # float64 beyond float32's range becomes inf here, which is what a cast to
         # any low-precision format would do too.
         self._stage[self._used : self._used + k].copy_(sample)
@@ -259,8 +269,15 @@ class Batch:
             starts = list(itertools.accumulate(self._lengths[:-1]))
             steps.index_fill_(0, upload(starts, dev), CODES_PER_ROW)
             codes += steps.cumsum_(0)
-        h = exp_histogram(codes, CODES_PER_ROW * rows, self._device_path)
-        self._hists.append(h.view(rows, N_EXP_BINS, 2).to(torch.int32))
+        h = exp_histogram(codes, CODES_PER_ROW * rows, self._device_path).view(
+            rows, N_EXP_BINS, 2)
+        # Folded now, while small: [rows, 256] counts, and per row the NaNs (exponent
+        # 255, top mantissa bit set) and the non-zeros (all but code 0: zero, or
+        # |x| < 2**-127; exact for float16, see add()).
+        lengths = upload(self._lengths, dev)
+        # int16 holds any count: a row is one sample of at most SAMPLE_LIMIT values.
+        self._hists.append((h[:, :, 0] + h[:, :, 1]).to(torch.int16))
+        self._side.append(torch.stack([lengths - h[:, 0, 0], h[:, N_EXP_BINS - 1, 1]], dim=1))
         self._used = 0
         self._lengths = []
 
@@ -282,15 +299,22 @@ class Batch:
         out = torch.zeros(r + extra_rows, SUMMARY_LEN, dtype=f64, device=dev)
         if not r:
             return out
-        h = torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]
-        self._hists = []
         rows = out[:r]
         rows[:, MIN].copy_(torch.stack(self._mins))
         rows[:, MAX].copy_(torch.stack(self._maxs))
-        rows[:, ZEROS].copy_(torch.stack(self._nonzeros))
-        rows[:, NANS].copy_(h[:, N_EXP_BINS - 1, 1])
-        torch.add(h[:, :, 0], h[:, :, 1], out=rows[:, HIST:])
-        self._mins, self._maxs, self._nonzeros = [], [], []
+        # Each pass's rows straight into place: no concatenated copy.
+        at = 0
+        for hist, side in zip(self._hists, self._side, strict=True):
+            n = hist.shape[0]
+            rows[at : at + n, HIST:].copy_(hist)
+            rows[at : at + n, ZEROS : NANS + 1].copy_(side)
+            at += n
+        if self._counted:
+            # The exact non-zero count where code 0 may hold non-zeros (not float16).
+            rows[:, ZEROS].index_copy_(0, upload(self._counted, dev),
+                                       torch.stack(self._nonzeros).to(f64))
+        self._hists, self._side = [], []
+        self._mins, self._maxs, self._nonzeros, self._counted = [], [], [], []
         return out
 
 
