@@ -53,6 +53,7 @@ from amp_doctor.hooks.compiled import (
     run_eagerly_when_called_by_dynamo,
 )
 from amp_doctor.hooks.moduleends import publish
+from amp_doctor.hooks.seen import SeenTensors
 from amp_doctor.hooks.tensorkinds import unsummarizable
 from amp_doctor.hooks.weakhooks import Unwatched, WeakHook
 from amp_doctor.records import Event
@@ -130,6 +131,13 @@ class LayerMeta:
 
 
 def _first_tensors(obj: Any) -> list[torch.Tensor]:
+    # Most modules take and return one plain tensor: skip the walker's generator.
+    if type(obj) is torch.Tensor:
+        return [obj]
+    if type(obj) is tuple and len(obj) == 2 and type(obj[1]) is dict and not obj[1]:
+        args = obj[0]  # (args, kwargs) of a pre-hook, without kwargs
+        if type(args) is tuple and len(args) == 1 and type(args[0]) is torch.Tensor:
+            return [args[0]]
     out: list[torch.Tensor] = []
     for t in iter_tensors(obj):
         out.append(t)
@@ -181,7 +189,7 @@ class Probes:
         # Names of the modules whose forward is running, innermost last.
         self.stack: list[str] = []
         # Per step: which summary a tensor got, and which layers own its grad.
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._seen: SeenTensors[tuple[int, list[str], int]] = SeenTensors()
         self.param_owner: dict[int, str] = {}
         self._root_prefix: dict[int, str] = {}
         self._next_order = 0
@@ -305,7 +313,7 @@ class Probes:
         self._tensor_handles.clear()
         self._leaf_hooks = WeakIdKeyDictionary()
         self.armed = self._want_armed = False
-        self._seen = WeakIdKeyDictionary()
+        self._seen.clear()
         self.stack.clear()
         self._depth = 0
 
@@ -316,7 +324,7 @@ class Probes:
         return self.stack[-1] if self.stack else None
 
     def new_step(self) -> None:
-        self._seen = WeakIdKeyDictionary()
+        self._seen.clear()
         # Gradient hooks of the step that ended: its backward has run. Removing
         # them keeps long-lived tensors (a parameter a module returns) from
         # gathering one hook per step, and no graph kept alive with
