@@ -152,6 +152,14 @@ ADVICE: dict[str, str] = {
         "dtype=torch.float16)` with a `torch.amp.GradScaler`; the optimizer then updates the "
         "float32 weights, where small updates are not rounded away."
     ),
+    "nonfinite_unlocated": (
+        "Record every step (`--every 1`, or `watch(model, every=1)`) so that the failing "
+        "step's layer figures name the layer, or run `watch(model, anomaly=True, "
+        "on_nonfinite='raise')`, which checks every op and stops at the one that made "
+        "NaN/inf, with its line. Without a GradScaler, skip an update whose gradient norm is "
+        "not finite (`clip_grad_norm_` returns it), so that one bad step does not poison "
+        "the weights."
+    ),
     "run_ended_early": (
         "Fix the error that stopped the script (see the outcome above), then run again: "
         "amp-doctor judges training steps, and none finished."

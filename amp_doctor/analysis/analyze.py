@@ -7,6 +7,8 @@ The stage is split by concern; a newcomer reads it in this order:
 * :mod:`~amp_doctor.analysis.detect_events`: run-time events (misuse, NaN loss, anomaly mode's
   ops), worded by :mod:`~amp_doctor.analysis.messages`;
 * :mod:`~amp_doctor.analysis.whatif`: what another format would do;
+* :mod:`~amp_doctor.analysis.corrupted`: a non-finite step whose update corrupted the
+  weights (no GradScaler), named from that step's layers;
 * :mod:`~amp_doctor.analysis.folding`: one error per root cause;
 * :mod:`~amp_doctor.analysis.advice`: the fix for each kind;
 * :mod:`~amp_doctor.analysis.thresholds`: the named thresholds;
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from amp_doctor.analysis.advice import ADVICE, ADVICE_BF16, bf16_advice, event_advice
+from amp_doctor.analysis.corrupted import fold_corrupted_weights
 from amp_doctor.analysis.detect_events import event_findings
 from amp_doctor.analysis.detect_layers import autocast_findings, layer_findings, run_findings
 from amp_doctor.analysis.detect_scaler import scaler_findings
@@ -95,6 +98,7 @@ def analyze(session: Session) -> list[Finding]:
     out: list[Finding] = []
     for detect in DETECTORS:
         out.extend(detect(session))
+    out = fold_corrupted_weights(session, out)
     out = fold_follow_ons(session, out)
     out = fold_early_end(out)
     if session.amp.dtype == "bfloat16":

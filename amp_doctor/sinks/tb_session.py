@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from amp_doctor import format as F
-from amp_doctor.dtypes import FormatLimits
+from amp_doctor.dtypes import FormatLimits, limits
 from amp_doctor.records import Session, TensorStats
 from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
 
-__all__ = ["CULPRIT_GROUPS", "LAYOUT", "ORIGIN_KINDS", "SCALER_FILL_LIMIT", "backoff_groups",
+__all__ = ["CULPRIT_GROUPS", "CULPRIT_HEADROOM_TITLE", "LAYOUT", "culprit_headroom",
+           "headroom_floor", "ORIGIN_KINDS", "SCALER_FILL_LIMIT", "backoff_groups",
            "culprit_layers", "heatmap_grids", "heatmap_images", "heatmap_layers",
            "heatmap_legend", "origin_cells", "scaler_series"]
 
@@ -40,12 +41,42 @@ ORIGIN_KINDS: tuple[str, ...] = (
 # Findings of these kinds name the origin layer of the backoffs in their module.
 _BACKOFF_KINDS = ("scale_collapse", "scaler_backoff")
 
+
+
+def headroom_floor(fmt: FormatLimits) -> float:
+    """Where a culprit's headroom chart draws an output that overflowed to inf.
+
+    Minus the format's whole exponent range, smallest subnormal to max (-40 bits in
+    float16, -261 in bfloat16): below any headroom a finite value judged against the
+    format can reach in practice, so the clipped points stand apart from real ones.
+    """
+    return -float(fmt.max_exponent - fmt.min_exponent)
+
+
+def culprit_headroom(headroom: float, fmt: FormatLimits) -> float | None:
+    """A culprit layer's headroom as its chart draws it: clipped at :func:`headroom_floor`.
+
+    An output with inf in it has a headroom of -inf, which TensorBoard cannot draw; a
+    culprit is usually there *because* it overflowed, so its chart would be empty exactly
+    when it matters. +inf (an all-zero or all-NaN output: no finite value to measure)
+    and NaN get no point.
+    """
+    if math.isnan(headroom) or headroom == math.inf:
+        return None
+    return max(headroom, headroom_floor(fmt))
+
+
+_F16, _BF16 = limits(torch.float16), limits(torch.bfloat16)
+CULPRIT_HEADROOM_TITLE = (
+    "headroom to the format's max (bits; < 0 = overflow; inf outputs and anything lower "
+    f"clipped at minus the format's exponent range: {headroom_floor(_F16):g} in float16, "
+    f"{headroom_floor(_BF16):g} in bfloat16)")
+
 # The custom-scalars tab. Regexes are anchored: the plugin's backend uses re.match, and
 # the anchors keep e.g. "underflow/" from also matching "grad_underflow/" anywhere.
 LAYOUT: dict[str, dict[str, list[Any]]] = {
     "Culprits (where inf/NaN or overflow started)": {
-        "headroom to the format's max (bits; < 0 = overflow)": [
-            "Multiline", [r"^culprits/.*/headroom$"]],
+        CULPRIT_HEADROOM_TITLE: ["Multiline", [r"^culprits/.*/headroom$"]],
         "inf/NaN outputs (count)": ["Multiline", [r"^culprits/.*/nonfinite$"]],
         "share of outputs beyond the format's max": ["Multiline", [r"^culprits/.*/overflow$"]],
         "headroom of (scaled) output grads (bits)": [

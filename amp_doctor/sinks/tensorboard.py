@@ -30,9 +30,15 @@ What goes where (tags are stable; see the README section "TensorBoard dashboards
 * **At the end** (:meth:`TensorBoardSink.finish`, called by ``Watch.close`` on every exit
   path): ``culprits/<layer>/<figure>``, the per-layer figures of the layers the findings
   name as where inf/NaN or overflow started, in their own section and custom-scalars
-  group; for models with more layers than ``top_k``, the per-layer scalars of the
-  ``top_k`` riskiest layers; the labelled layer x step images ``heatmap/headroom``,
-  ``heatmap/underflow``, ``heatmap/grad_headroom`` with their key in text
+  group. One exception to "only where it is a real number" above: their ``headroom`` is
+  clipped at minus the format's exponent range (``tb_session.headroom_floor``: -40
+  bits in float16, -261 in bfloat16), so a step whose output overflowed to inf
+  (headroom -inf) is drawn at that floor instead of leaving the culprit headroom chart
+  empty exactly where the culprit overflowed; the chart's title says so. An all-zero
+  or all-NaN output (+inf, NaN) still gets no point. For models with more layers than
+  ``top_k``, the per-layer scalars of the ``top_k`` riskiest layers; the labelled
+  layer x step images ``heatmap/headroom``, ``heatmap/underflow``,
+  ``heatmap/grad_headroom`` with their key in text
   ``heatmap_legend``; text ``findings`` (verdict first, then one block per finding) and
   one text ``backoffs`` note per run of consecutive backoffs. (torch's ``add_text``
   stores text tag ``X`` as ``X/text_summary``.)
@@ -115,6 +121,7 @@ from amp_doctor.sinks.tb_session import (
     CULPRIT_GROUPS,
     LAYOUT,
     backoff_groups,
+    culprit_headroom,
     culprit_layers,
     heatmap_images,
     heatmap_legend,
@@ -522,9 +529,16 @@ class TensorBoardSink:
                 continue
             for rec in session.history:  # step order
                 ls = rec.layers.get(name)
-                if ls is not None:
-                    self._write_layer_scalars(w, name, ls, rec.step, prefix="culprits/",
-                                              groups=CULPRIT_GROUPS)
+                if ls is None:
+                    continue
+                self._write_layer_scalars(w, name, ls, rec.step, prefix="culprits/",
+                                          groups=_CULPRIT_PLAIN)
+                # Its headroom, clipped: an overflow to inf is drawn at the floor.
+                a = ls.act
+                h = culprit_headroom(a.headroom, self._fmt) if a is not None and a.numel \
+                    else None
+                if h is not None:
+                    w.add_scalar(f"culprits/{name}/headroom", h, global_step=rec.step)
 
     def chosen_layers(self, session: Session) -> list[str]:
         """Layers with per-layer scalars: all live ones, else the ``top_k`` riskiest."""
@@ -564,6 +578,10 @@ class TensorBoardSink:
         for step, md in backoff_groups(session):
             w.add_text("backoffs", md, global_step=step)
         w.add_text("findings", render_markdown(session), global_step=self._final_step(session))
+
+
+# The culprit figures written as they are; their headroom is written clipped.
+_CULPRIT_PLAIN = tuple(g for g in CULPRIT_GROUPS if g != "headroom")
 
 
 def _same_stats(a: TensorStats | None, b: TensorStats | None) -> bool:
