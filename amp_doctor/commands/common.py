@@ -21,8 +21,10 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 # Set for the rank processes a `diagnose --nproc-per-node` launcher starts: it merges.
 LAUNCHER_ENV = "AMP_DOCTOR_LAUNCHER"
-SMOOTHING_HINT = ("in TensorBoard, set Smoothing to 0 in the left panel of the SCALARS tab "
-                  "to see each step's true value")
+# A short run has few points per chart: smoothing bends them, and with "Ignore
+# outliers" TensorBoard may scale a two-point chart so that both points fall outside.
+SMOOTHING_HINT = ("in TensorBoard's left panel, set Smoothing to 0 and untick 'Ignore outliers in "
+                  "chart scaling' to see each step's true value")
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
