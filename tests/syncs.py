@@ -47,6 +47,7 @@ HOST_SIDE: frozenset[tuple[str, str]] = frozenset({
     ("device/recorder.py", "LayerAggregate.add"),
     ("device/recorder.py", "LayerAggregate.summary"),
     ("device/recorder.py", "HistSums.of"),
+    ("device/recorder.py", "merge_rows"),
     ("device/stats.py", "host_rows"),
     ("device/stats.py", "decode"),
     ("device/stats.py", "decode_many"),

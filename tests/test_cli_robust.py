@@ -309,7 +309,8 @@ for i in range(40):
     assert "amp-doctor: step" in text  # the status line was drawn
     # The terminal turns "\n" into "\r\n"; what is left of a line after its last
     # carriage return or clear-line is what shows on the screen.
-    ticks = [line.removesuffix("\r") for line in text.split("\n") if "tick " in line]
+    ticks = [line.removesuffix("\r") for line in text.split("\n")
+             if re.search(r"(?<!un)tick \d+", line)]  # not the hint to untick a box
     assert len(ticks) == 40
     for line in ticks:
         visible = re.split(r"\r|\x1b\[2K", line)[-1]

@@ -145,3 +145,21 @@ def test_a_step_split_over_devices_comes_back_in_insertion_order() -> None:
     got = split.flush()
     assert len(split._batches) == 0 and got.scalars == {"loss": 1.5}
     torch.testing.assert_close(got.matrix, expected.matrix, rtol=0, atol=0, equal_nan=True)
+
+
+def test_merged_rows_are_the_summary_of_the_tensors_together() -> None:
+    """A layer's parameter gradients (or repeated calls) file one row each; the merged
+    row equals the summary of the concatenated tensors, NaN propagated."""
+    from amp_doctor.device.recorder import merge_rows
+
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(300, generator=g) * 1e-3
+    a[:30] = 0
+    b = torch.randn(40, generator=g) * 5.0
+    c = torch.tensor([1.0, math.nan, -7.0])
+    rows = S.host_rows(*S.stack_rows([a, b, c]))
+    merged = merge_rows(rows, [[0, 1], [1, 2], [2]])
+    torch.testing.assert_close(merged[0], S.summary_row(torch.cat([a, b])), rtol=1e-12, atol=0)
+    assert merged[1, S.MIN].isnan() and merged[1, S.MAX].isnan()
+    assert merged[1, S.NUMEL].item() == 43 and merged[1, S.NANS].item() == 1
+    torch.testing.assert_close(merged[2], rows[2], rtol=0, atol=0, equal_nan=True)

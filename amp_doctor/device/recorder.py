@@ -175,13 +175,24 @@ class HostCopy:
         idx = self.assigned.get((layer, fld))
         if not idx:
             return None
-        rows = self.matrix[idx]
         if len(idx) == 1:
-            return rows[0]
-        out = rows.sum(0)
-        out[S.MIN] = rows[:, S.MIN].min()
-        out[S.MAX] = rows[:, S.MAX].max()
-        return out
+            return self.matrix[idx[0]]
+        return merge_rows(self.matrix, [idx])[0]
+
+
+def merge_rows(matrix: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
+    """One summary row per group of rows of ``matrix``, as if their tensors were one:
+    counts summed, the least min and the greatest max (NaN if any is NaN). All
+    groups at once: a layer's parameter gradients, repeated calls."""
+    seg = torch.tensor([g for g, idx in enumerate(groups) for _ in idx])
+    src = matrix.index_select(0, torch.tensor([i for idx in groups for i in idx]))
+    out = torch.zeros(len(groups), matrix.shape[1], dtype=matrix.dtype)
+    out.index_add_(0, seg, src)
+    out[:, S.MIN] = torch.full((len(groups),), math.inf, dtype=matrix.dtype).scatter_reduce_(
+        0, seg, src[:, S.MIN], "amin")
+    out[:, S.MAX] = torch.full((len(groups),), -math.inf, dtype=matrix.dtype).scatter_reduce_(
+        0, seg, src[:, S.MAX], "amax")
+    return out
 
 
 def scale_log2_of(scale: float | None) -> int:
@@ -200,23 +211,21 @@ def host_step_layers(
     # Every figure, (layer, slot, row, shift), decoded in one batch. Rows index
     # ``hs.matrix`` extended by the merged rows of repeated calls (accumulation).
     n0 = hs.matrix.shape[0]
-    merged: list[torch.Tensor] = []
+    groups: list[list[int]] = []
     wanted: list[tuple[str, str, int, int]] = []
     hist_cells: list[tuple[str, int, int]] = []
     for (name, fld), idx in hs.assigned.items():
         if len(idx) == 1:
             row = idx[0]
         else:
-            r = hs.merged(name, fld)
-            assert r is not None
-            row = n0 + len(merged)
-            merged.append(r)
+            row = n0 + len(groups)
+            groups.append(idx)
         wanted.append((name, fld, row, 0))
         if fld in unscaled and unscaled[fld][1]:
             wanted.append((name, unscaled[fld][0], row, unscaled[fld][1]))
         if fld in HIST_FIELDS:
             hist_cells.append((name, HIST_FIELDS.index(fld), row))
-    matrix = torch.cat([hs.matrix, torch.stack(merged)]) if merged else hs.matrix
+    matrix = torch.cat([hs.matrix, merge_rows(hs.matrix, groups)]) if groups else hs.matrix
     decoded: dict[str, dict[str, TensorStats]] = {}
     if wanted:
         table = S.decode_table(matrix, fmt, [w[3] for w in wanted],

@@ -485,7 +485,12 @@ class Probes:
 
     # -- parameter gradients --------------------------------------------
     def summarize_param_grads(self, params: list[torch.Tensor], buf: StepBuffer) -> None:
-        """Summaries of the gradients of ``params``, one per owning layer, once per step."""
+        """Summaries of the gradients of ``params``, once per layer and step.
+
+        One row per gradient, merged per layer on the host (as repeated calls are):
+        concatenating a layer's gradients first would copy them all, a transient
+        as large as the layer's parameters (an embedding's, on a GPU).
+        """
         by_layer: dict[str, list[torch.Tensor]] = {}
         for p in params:
             name = self.param_owner.get(id(p))
@@ -498,12 +503,12 @@ class Probes:
             if why is not None:
                 self._note_skipped(name, why + " gradient", buf.step)
                 continue
-            by_layer.setdefault(name, []).append(g.detach().reshape(-1))
+            by_layer.setdefault(name, []).append(g)
         with own_ops:
             for name, grads in by_layer.items():
                 buf.param_grads_done.add(name)
-                flat = grads[0] if len(grads) == 1 else torch.cat([g.float() for g in grads])
-                buf.assign(name, "param_grad", buf.add(flat))
+                for g in grads:
+                    buf.assign(name, "param_grad", buf.add(g))
 
     def low_precision_outputs(self) -> set[str]:
         lows = {dtype_name(d) for d in LOW_PRECISION_DTYPES}
