@@ -111,6 +111,33 @@ class _EmptyDispatchMode(Attached):
         self._mode.__exit__(None, None, None)
 
 
+class _EmptyHooks(Attached):
+    """The floor of any per-module hook design: a forward hook on every module that
+    puts a no-op gradient hook on each tensor output, and does nothing else."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        def on_grad(grad: torch.Tensor) -> None:
+            return None
+
+        def on_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(on_grad)
+
+        self._handles = [m.register_forward_hook(on_forward) for m in trainer.model.modules()]
+        self._steps0 = trainer.steps
+        self._trainer = trainer
+
+    def recorded(self) -> int:
+        return self._trainer.steps - self._steps0
+
+    def syncs(self) -> int | None:
+        return 0
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 @dataclass(frozen=True)
 class Variant:
     key: str
@@ -135,6 +162,8 @@ class Variant:
             return _DetectAnomaly(trainer)
         if self.key == "empty_mode":
             return _EmptyDispatchMode(trainer)
+        if self.key == "empty_hooks":
+            return _EmptyHooks(trainer)
         raise ValueError(f"unknown variant {self.key!r}")
 
 
@@ -149,5 +178,6 @@ VARIANTS: dict[str, Variant] = {
         Variant("naive", "naive hooks + .item()", None),
         Variant("detect_anomaly", "autograd.detect_anomaly", None),
         Variant("empty_mode", "empty TorchDispatchMode (floor)", None),
+        Variant("empty_hooks", "empty module + grad hooks (floor)", None),
     )
 }

@@ -52,7 +52,8 @@ def test_prints_a_table_with_one_row_per_variant(smoke: tuple[str, dict]) -> Non
     rows = [line for line in lines if line.startswith("| cnn (bs 16) | bfloat16")]
     labels = ["plain AMP", "watch() default (every=10)", "watch(every=1)",
               "naive hooks + .item()", "autograd.detect_anomaly",
-              "empty TorchDispatchMode (floor)", "watch(anomaly=True) (every=10)"]
+              "empty TorchDispatchMode (floor)", "empty module + grad hooks (floor)",
+              "watch(anomaly=True) (every=10)"]
     assert len(rows) == len(labels)
     for label in labels:
         assert sum(f"| {label} " in r for r in rows) == 1, label
@@ -86,6 +87,7 @@ def test_recorded_steps_and_host_syncs(smoke: tuple[str, dict]) -> None:
     assert v["plain"]["syncs"] == 0 and v["plain"]["recorded_steps"] == 0
     assert v["detect_anomaly"]["syncs"] is None  # not countable on CPU, and says so
     assert v["empty_mode"]["recorded_steps"] == STEPS and v["empty_mode"]["syncs"] == 0
+    assert v["empty_hooks"]["recorded_steps"] == STEPS and v["empty_hooks"]["syncs"] == 0
 
 
 def test_structure_of_figures(smoke: tuple[str, dict]) -> None:

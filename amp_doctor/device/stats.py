@@ -145,18 +145,22 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
     return _flat(x)[::stride]
 
 
-# Codes of the batched histogram: the sign-less float32 bit pattern shifted right
-# by 22 keeps the 8-bit exponent and the top mantissa bit, which tells a quiet NaN
-# (set) from an inf (clear) in exponent 255. Each row's codes are offset by
-# ``row * CODES_PER_ROW`` so that one histogram counts a whole pass.
-CODES_PER_ROW = 2 * N_EXP_BINS
-_ABS_MASK = 0x7FFFFFFF
+# Codes of the batched histogram: the float32 bit pattern shifted right by 22 (an
+# arithmetic shift, so the sign stays) keeps the sign, the 8-bit exponent and the top
+# mantissa bit, which tells a quiet NaN (set) from an inf (clear) in exponent 255.
+# Each row's codes are offset by ``_CODE_BIAS + row * CODES_PER_ROW`` so that one
+# histogram counts a whole pass; the sign is folded away after counting.
+CODES_PER_ROW = 4 * N_EXP_BINS
+_CODE_BIAS = 2 * N_EXP_BINS  # codes are in [-512, 512)
 _CODE_SHIFT = 22
+# Up to this many rows in a pass, each row's offset is one in-place add on its
+# slice of the stage; beyond, one cumsum of the row starts gives every offset.
+FEW_ROWS = 2
 # Values staged per device before one batched pass (float32: 256 KB). Every
 # tensor's sample fits (SAMPLE_LIMIT), so a pass holds at least one row.
 STAGE_LIMIT = 4 * SAMPLE_LIMIT
 # Rows per pass: bounds the pass's transient histogram (CODES_PER_ROW int64
-# counts per row, 2 MB at 512 rows) and keeps every code exact in float32 for
+# counts per row, 4 MB at 512 rows) and keeps every code exact in float32 for
 # ``histc`` (< 2**24).
 ROWS_PER_PASS = 512
 
@@ -216,8 +220,7 @@ class Batch:
         self._steps: torch.Tensor | None = None  # the pass's row offsets, reused
         self._used = 0
         self._lengths: list[int] = []  # sample lengths of the rows in the stage
-        self._hists: list[torch.Tensor] = []  # [rows, 256] int16 per pass
-        self._side: list[torch.Tensor] = []  # [rows, 2] int64 per pass: non-zeros, NaNs
+        self._hists: list[torch.Tensor] = []  # [rows, 512] int16 per pass
 
     def __len__(self) -> int:
         return len(self.numel)
@@ -254,30 +257,31 @@ class Batch:
             return
         assert self._stage is not None
         dev = self._stage.device
-        # The staged values are not needed once coded: code them in place. Fresh
-        # 256 KB temporaries would each be a new mmap, page-faulted on first touch.
+        # The staged values are not needed once coded: code them in place (fresh
+        # 256 KB temporaries would each be a new mmap, page-faulted on first touch),
+        # in as few sweeps as possible: the stage has gone cold in the cache since.
         codes = self._stage[: self._used].view(torch.int32)
-        codes.bitwise_and_(_ABS_MASK)
         codes >>= _CODE_SHIFT
-        if rows > 1:
-            # Each row's offset: a step of CODES_PER_ROW at every row start, summed
-            # (a cumsum is one cheap pass; repeat_interleave costs ten times more).
+        if rows <= FEW_ROWS:
+            at = 0
+            for row, k in enumerate(self._lengths):
+                codes[at : at + k] += _CODE_BIAS + row * CODES_PER_ROW
+                at += k
+        else:
+            # A step of CODES_PER_ROW at every row start, summed (one cheap pass;
+            # repeat_interleave costs ten times more).
             if self._steps is None:
                 self._steps = torch.empty(STAGE_LIMIT, dtype=torch.int32, device=dev)
             steps = self._steps[: self._used]
             steps.zero_()
+            steps[0] = _CODE_BIAS
             starts = list(itertools.accumulate(self._lengths[:-1]))
             steps.index_fill_(0, upload(starts, dev), CODES_PER_ROW)
             codes += steps.cumsum_(0)
-        h = exp_histogram(codes, CODES_PER_ROW * rows, self._device_path).view(
-            rows, N_EXP_BINS, 2)
-        # Folded now, while small: [rows, 256] counts, and per row the NaNs (exponent
-        # 255, top mantissa bit set) and the non-zeros (all but code 0: zero, or
-        # |x| < 2**-127; exact for float16, see add()).
-        lengths = upload(self._lengths, dev)
-        # int16 holds any count: a row is one sample of at most SAMPLE_LIMIT values.
-        self._hists.append((h[:, :, 0] + h[:, :, 1]).to(torch.int16))
-        self._side.append(torch.stack([lengths - h[:, 0, 0], h[:, N_EXP_BINS - 1, 1]], dim=1))
+        h = exp_histogram(codes, CODES_PER_ROW * rows, self._device_path)
+        # Sign folded now, while small: [rows, exponent * 2 + top mantissa bit]. int16
+        # holds any count, a row being one sample of at most SAMPLE_LIMIT values.
+        self._hists.append(h.view(rows, 2, CODES_PER_ROW // 2).sum(1).to(torch.int16))
         self._used = 0
         self._lengths = []
 
@@ -302,18 +306,18 @@ class Batch:
         rows = out[:r]
         rows[:, MIN].copy_(torch.stack(self._mins))
         rows[:, MAX].copy_(torch.stack(self._maxs))
-        # Each pass's rows straight into place: no concatenated copy.
-        at = 0
-        for hist, side in zip(self._hists, self._side, strict=True):
-            n = hist.shape[0]
-            rows[at : at + n, HIST:].copy_(hist)
-            rows[at : at + n, ZEROS : NANS + 1].copy_(side)
-            at += n
+        h = (torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]).view(
+            r, N_EXP_BINS, 2)
+        rows[:, HIST:].copy_(h[:, :, 0] + h[:, :, 1])  # torch.sum(out=float64) is 30x slower
+        rows[:, NANS].copy_(h[:, N_EXP_BINS - 1, 1])
+        # Non-zeros: every sampled value but code 0 (zero, or |x| < 2**-127; exact for
+        # float16, see add()) ...
+        torch.sub(upload(self.sampled, dev), h[:, 0, 0], out=rows[:, ZEROS])
         if self._counted:
-            # The exact non-zero count where code 0 may hold non-zeros (not float16).
+            # ... and the exact count where code 0 may hold non-zeros (not float16).
             rows[:, ZEROS].index_copy_(0, upload(self._counted, dev),
                                        torch.stack(self._nonzeros).to(f64))
-        self._hists, self._side = [], []
+        self._hists = []
         self._mins, self._maxs, self._nonzeros, self._counted = [], [], [], []
         return out
 
