@@ -203,44 +203,45 @@ def scale_log2_of(scale: float | None) -> int:
 
 def host_step_layers(
     hs: HostCopy, fmt: FormatLimits, grad_scale: float | None, param_grad_scale: float | None
-) -> tuple[dict[str, LayerStep], StepHists]:
+) -> tuple[dict[str, LayerStep], list[StepHists]]:
     """Decode a host step into per-layer records, and the rows of its histograms."""
     gl2 = scale_log2_of(grad_scale)
     pl2 = scale_log2_of(param_grad_scale)
     unscaled = {"grad": ("grad_unscaled", gl2), "param_grad": ("param_grad_unscaled", pl2)}
-    # Every figure, (layer, slot, row, shift), decoded in one batch. Rows index
-    # ``hs.matrix`` extended by the merged rows of repeated calls (accumulation).
-    n0 = hs.matrix.shape[0]
+    # Every figure, (layer, slot, row, shift), decoded in one batch per matrix: the
+    # step's rows, and the merged rows of fields filed several times (a layer's
+    # parameter gradients, repeated calls). Neither matrix is copied into the other.
     groups: list[list[int]] = []
-    wanted: list[tuple[str, str, int, int]] = []
-    hist_cells: list[tuple[str, int, int]] = []
-    for (name, fld), idx in hs.assigned.items():
-        if len(idx) == 1:
-            row = idx[0]
-        else:
-            row = n0 + len(groups)
-            groups.append(idx)
-        wanted.append((name, fld, row, 0))
-        if fld in unscaled and unscaled[fld][1]:
-            wanted.append((name, unscaled[fld][0], row, unscaled[fld][1]))
-        if fld in HIST_FIELDS:
-            hist_cells.append((name, HIST_FIELDS.index(fld), row))
-    matrix = torch.cat([hs.matrix, merge_rows(hs.matrix, groups)]) if groups else hs.matrix
+    wanted: tuple[list[tuple[str, str, int, int]], list[tuple[str, str, int, int]]] = ([], [])
+    cells: tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]] = ([], [])
     decoded: dict[str, dict[str, TensorStats]] = {}
-    if wanted:
-        table = S.decode_table(matrix, fmt, [w[3] for w in wanted],
-                               index=[w[2] for w in wanted])[:, _TS_COLUMNS].tolist()
-        for (name, slot, _, _), v in zip(wanted, table, strict=True):
+    for (name, fld), idx in hs.assigned.items():
+        decoded.setdefault(name, {})  # forward order of first filing
+        src = 0 if len(idx) == 1 else 1
+        row = idx[0] if src == 0 else len(groups)
+        if src:
+            groups.append(idx)
+        wanted[src].append((name, fld, row, 0))
+        if fld in unscaled and unscaled[fld][1]:
+            wanted[src].append((name, unscaled[fld][0], row, unscaled[fld][1]))
+        if fld in HIST_FIELDS:
+            cells[src].append((name, HIST_FIELDS.index(fld), row))
+    matrices = (hs.matrix, merge_rows(hs.matrix, groups) if groups else hs.matrix[:0])
+    for matrix, want in zip(matrices, wanted, strict=True):
+        if not want:
+            continue
+        table = S.decode_table(matrix, fmt, [w[3] for w in want],
+                               index=[w[2] for w in want])[:, _TS_COLUMNS].tolist()
+        for (name, slot, _, _), v in zip(want, table, strict=True):
             v[0] = int(v[0])
-            decoded.setdefault(name, {})[slot] = TensorStats(*v)
+            decoded[name][slot] = TensorStats(*v)
     out: dict[str, LayerStep] = {}
-    # Layers in the order they were first filed (forward order for outputs).
     for name, got in decoded.items():
         out[name] = LayerStep(act=got.get("act"), grad=got.get("grad"),
                               grad_unscaled=got.get("grad_unscaled"),
                               param_grad=got.get("param_grad"),
                               param_grad_unscaled=got.get("param_grad_unscaled"))
-    return out, StepHists(matrix, hist_cells)
+    return out, [StepHists(m, c) for m, c in zip(matrices, cells, strict=True) if c]
 
 
 # decode_table's columns that make a TensorStats, in its field order.
@@ -379,6 +380,8 @@ class LayerAggregate:
 
 # The fields whose exponent histograms are summed over the run, in HistSums' order.
 HIST_FIELDS = ("act", "grad")
+# Rows gathered at once when summing histograms (a 256 x 256 float64 transient).
+_HIST_CHUNK = 256
 
 
 class StepHists(NamedTuple):
@@ -414,8 +417,12 @@ class HistSums:
         cells = torch.tensor([slot * len(HIST_FIELDS) + f
                               for slot, (_, f, _) in zip(slots, step.cells, strict=True)])
         rows = torch.tensor([r for _, _, r in step.cells])
-        self._sums.view(-1, S.N_EXP_BINS).index_add_(
-            0, cells, step.matrix.index_select(0, rows)[:, S.HIST :].float())
+        hist = step.matrix[:, S.HIST :]
+        sums = self._sums.view(-1, S.N_EXP_BINS)
+        # In chunks: the gathered rows are a transient copy (float64, then float32).
+        for i in range(0, len(rows), _HIST_CHUNK):
+            sums.index_add_(0, cells[i : i + _HIST_CHUNK],
+                            hist.index_select(0, rows[i : i + _HIST_CHUNK]).float())
 
     def of(self, name: str) -> tuple[list[int], list[int]]:
         """The layer's (outputs, output grads) histograms; sampled counts rounded."""

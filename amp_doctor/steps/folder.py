@@ -90,7 +90,8 @@ class StepFolder:
             if agg is None:
                 agg = aggregates[name] = LayerAggregate()
             agg.add(ls)
-        self.hists.add(hists)
+        for h in hists:
+            self.hists.add(h)
         origin = self._forward_origin(layers)
         if hs.scalars.get("input_nan") or hs.scalars.get("input_inf"):
             # The batch was already non-finite: no layer is the origin.
