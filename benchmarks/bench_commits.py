@@ -2,9 +2,10 @@
 
 ``python benchmarks/bench_commits.py --commits A:label,B:label,... [--models gpt]``
 
-Each commit is checked out into a temporary git worktree and measured by *its own*
-``benchmarks/run.py`` (``--variants default,every1``, peak memory included) in a
-fresh process, with the installed torch and the worktree first on ``sys.path``.
+Each commit's ``amp_doctor`` package is checked out into a temporary git worktree
+and measured by *this* checkout's harness (``benchmarks/run.py --variants
+default,every1``, peak memory included) in a fresh process, with the worktree first
+on ``sys.path``: only the library changes from row to row, never the measuring.
 Every figure is a ratio to plain AMP measured in that same process, so the
 commits are compared by ratios, never by raw times taken at different moments.
 The difference between consecutive rows is what the later commit's technique
@@ -35,11 +36,17 @@ def _measure(commit: str, models: str, rounds: int, threads: int) -> dict[str, A
         try:
             out = Path(tmp) / "results.json"
             env = {**os.environ, "PYTHONPATH": str(tree)}
+            where = subprocess.run(
+                [sys.executable, "-c", "import amp_doctor; print(amp_doctor.__file__)"],
+                env=env, check=True, capture_output=True, text=True).stdout
+            if not where.startswith(str(tree)):
+                raise RuntimeError(f"{commit}: amp_doctor imported from {where.strip()}, "
+                                   f"not from the worktree {tree}")
             subprocess.run(
-                [sys.executable, str(tree / "benchmarks" / "run.py"), "--models", models,
+                [sys.executable, str(REPO / "benchmarks" / "run.py"), "--models", models,
                  "--dtypes", "float16", "--variants", "default,every1", "--rounds", str(rounds),
                  "--threads", str(threads), "--json", str(out)],
-                cwd=tree / "benchmarks", env=env, check=True, stdout=subprocess.DEVNULL,
+                cwd=REPO / "benchmarks", env=env, check=True, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
             data: dict[str, Any] = json.loads(out.read_text())
             return data

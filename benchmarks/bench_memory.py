@@ -64,15 +64,25 @@ def _walk(events: list[Any]) -> Iterator[Any]:
 
 
 def _cpu_tensor_peak(prof: profile) -> int:
-    """Peak of the CPU allocator's running total over the profiled window, in bytes."""
+    """Peak of the CPU allocator's running total over the profiled window, in bytes,
+    above what was already allocated when the window opened.
+
+    The running total is process-wide: tensors that outlive an earlier measurement
+    in the same process (the profiler's own, the timing rounds' trainers) are in it.
+    So the total just before the window's first allocation is subtracted; without
+    that, each variant measured after another was charged with its leftovers.
+    """
     results = prof.profiler.kineto_results if prof.profiler is not None else None
     if results is None:
         raise RuntimeError("torch profiler returned no results")
-    peak = 0
-    for e in _walk(results.experimental_event_tree()):
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            peak = max(peak, int(e.extra_fields.total_allocated))
-    return peak
+    events = sorted((e for e in _walk(results.experimental_event_tree())
+                     if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu"),
+                    key=lambda e: e.start_time_ns)
+    if not events:
+        return 0
+    first = events[0].extra_fields
+    base = int(first.total_allocated) - int(first.alloc_size)
+    return max(int(e.extra_fields.total_allocated) for e in events) - base
 
 
 def measure(work: Workload, variant: Variant, steps: int) -> dict[str, Any]:

@@ -201,11 +201,11 @@ class Batch:
     over the whole tensor (one ``aminmax`` pass, no temporary), a copy of a
     bounded sample into a float32 staging buffer (a bfloat16 or float16 value is
     exact in float32) and, unless the tensor is float16, the sample's non-zero
-    count. Whenever the stage is full,
-    and at :meth:`finish`, one pass of four ops turns every staged value of many
-    rows into a histogram code offset by its row and counts them all at once.
-    Memory is bounded by the stage and about 1 KB per row, whatever the tensors'
-    sizes; no tensor outlives its ``add`` call.
+    count. Whenever the stage is full, and at :meth:`finish`, one pass of a few
+    ops turns every staged value of many rows into a histogram code offset by its
+    row and counts them all at once. Memory is bounded by the stage and about
+    1 KB per row, whatever the tensors' sizes; no tensor outlives its ``add``
+    call.
     """
 
     def __init__(self, device_path: bool | None = None) -> None:
