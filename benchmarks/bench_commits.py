@@ -38,7 +38,8 @@ def _measure(commit: str, models: str, rounds: int, threads: int) -> dict[str, A
             env = {**os.environ, "PYTHONPATH": str(tree)}
             where = subprocess.run(
                 [sys.executable, "-c", "import amp_doctor; print(amp_doctor.__file__)"],
-                env=env, check=True, capture_output=True, text=True).stdout
+                cwd=REPO / "benchmarks", env=env, check=True, capture_output=True,
+                text=True).stdout
             if not where.startswith(str(tree)):
                 raise RuntimeError(f"{commit}: amp_doctor imported from {where.strip()}, "
                                    f"not from the worktree {tree}")
