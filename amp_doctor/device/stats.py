@@ -1,8 +1,8 @@
-"""Pure tensor -> tensor reductions: the on-device summary of one tensor.
+"""Pure tensor -> tensor reductions: the on-device summaries of a step's tensors.
 
-A summary is a 1-D float64 tensor on the tensor's own device. Nothing here
-ever copies to the host: callers stack many summaries and copy them once per
-recorded step (see :mod:`amp_doctor.device.recorder`).
+A summary is one float64 row (:data:`SUMMARY_LEN` values) of a matrix on the
+tensors' own device. Nothing here ever copies to the host: the step's rows are
+one matrix, copied once per recorded step (see :mod:`amp_doctor.device.recorder`).
 
 The summary does not depend on which low-precision format the run uses. It
 holds the tensor's exact min and max, and a histogram of the binary exponent
@@ -13,25 +13,29 @@ host by :func:`decode`. That is why a layer that ran in float32 gets its
 what-if figures at no extra cost.
 
 Bounded cost per tensor, batched across tensors. A hook pays for
-:meth:`Batch.add`: two ops, the exact min and max over the whole tensor (one
-``aminmax`` pass with no temporary) and a copy of a bounded sample into a
-staging buffer. Everything else is batched: one pass over the staging buffer
-turns the staged values of many tensors into histogram codes (read from the
-float32 bit pattern: exponent, or "NaN", or "zero") and counts them with one
-histogram, and the step's rows are packed by a handful of ops
-(:meth:`Batch.finish`). So the extremes, and whether any NaN, Inf or
-overflowing value is present, are exact; histogram and counts come from an
-evenly strided sample of at most :data:`SAMPLE_LIMIT` elements, scaled to the
-whole tensor (fractions of larger tensors are estimates, standard error below
-0.4 percentage points). The stride is a prime that divides none of the
-tensor's dimensions, so the sample walks across every dimension instead of
-aliasing with one (always channel 0, say). A hook keeps no reference to the
-tensor after ``add``; the memory held per step is the staging buffer plus
-about 1 KB per summarised tensor.
+:meth:`Batch.add`: the exact min and max over the whole tensor (one ``aminmax``
+pass with no temporary), a copy of a bounded sample into a staging buffer and,
+unless the tensor is float16, the sample's non-zero count. Everything else is
+batched: one pass over the staging buffer turns the staged values of many
+tensors into histogram codes (sign, exponent and top mantissa bit of the
+float32 bit pattern, offset by the row) and counts them with one histogram,
+and the step's rows are packed by a handful of ops (:meth:`Batch.finish`). So
+the extremes, and whether any NaN, Inf or overflowing value is present, are
+exact; histogram and counts come from an evenly strided sample of at most
+:data:`SAMPLE_LIMIT` elements, scaled to the whole tensor (fractions of larger
+tensors are estimates, standard error below 0.4 percentage points). The stride
+is a prime that divides none of the tensor's dimensions, so the sample walks
+across every dimension instead of aliasing with one (always channel 0, say). A
+hook keeps no reference to the tensor after ``add``; the memory held per step
+is the staging buffer plus about 1 KB per summarised tensor.
+
+NaN and inf share the top exponent bin; the top mantissa bit tells them apart
+(set for a quiet NaN, clear for inf). Every NaN that arithmetic produces is
+quiet; a hand-made signalling NaN would be counted as an inf.
 
 Why per-tensor ops cost what they do: on small tensors (most layers of most
 models) a torch op costs a few microseconds of dispatch whatever its size, so
-the work per tensor is cut to the two ops above; the per-element work (codes,
+the work per tensor is cut to the ops above; the per-element work (codes,
 histogram) runs once per pass over up to :data:`STAGE_LIMIT` values.
 
 Why not ``torch._foreach_*`` reductions: ``_foreach_norm(ord=inf)`` gives only
