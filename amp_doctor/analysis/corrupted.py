@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from amp_doctor.analysis.advice import ADVICE, ADVICE_BF16
+from amp_doctor.dtypes import LOW_PRECISION_NAMES
 from amp_doctor.records import Finding, LayerStep, Session, StepRecord
 
 __all__ = ["fold_corrupted_weights", "failing_step_origin", "corruption_of", "CAST_OPS",
@@ -32,7 +33,6 @@ __all__ = ["fold_corrupted_weights", "failing_step_origin", "corruption_of", "CA
 
 # Ops autocast inserts to cast a layer's inputs: never where a value overflows.
 CAST_OPS = frozenset({"aten._to_copy", "aten.to", "aten.clone", "aten.copy_"})
-_LOW_DTYPES = frozenset({"float16", "bfloat16"})
 # Layer-level findings that say a layer's output overflowed or went non-finite.
 _LAYER_KINDS = ("activation_overflow", "nonfinite_forward")
 # Root findings that a layer named by the failing step's flags may already have.
@@ -76,7 +76,7 @@ def failing_step_origin(session: Session, step: int) -> str | None:
         return None
     lays = {lay.name: lay for lay in session.layers}
     bad = [n for n, ls in rec.layers.items() if n in lays and _flagged(
-        ls, bool(_LOW_DTYPES.intersection(lays[n].output_dtypes)))]
+        ls, bool(LOW_PRECISION_NAMES.intersection(lays[n].output_dtypes)))]
     return min(bad, key=lambda n: lays[n].order) if bad else None
 
 

@@ -30,9 +30,6 @@ HISTORY_LIMIT = 512
 # history's size does not grow with the model (issue 14: 165 MB of JSON).
 HISTORY_LAYERS = 32
 
-FIELDS = ("act", "grad", "param_grad")
-
-
 class StepBuffer:
     """Device-side summaries gathered during one recorded step.
 
@@ -298,6 +295,7 @@ class LayerAggregate:
     pg_under: _Running = field(default_factory=_Running)
     pg_under_u: _Running = field(default_factory=_Running)
     pg_nonfinite_steps: int = 0
+
     def add(self, ls: LayerStep) -> None:
         self.steps += 1
         if (a := ls.act) is not None:

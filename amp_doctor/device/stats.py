@@ -144,9 +144,8 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
     """A 1-D view of at most :data:`SAMPLE_LIMIT` evenly strided elements of ``x``."""
     n = x.numel()
     if n <= SAMPLE_LIMIT:
-        return x.view(-1) if x.is_contiguous() else _flat(x)
-    stride = sample_stride(n, tuple(x.shape))
-    return _flat(x)[::stride]
+        return _flat(x)
+    return _flat(x)[:: sample_stride(n, tuple(x.shape))]
 
 
 # Codes of the batched histogram: the float32 bit pattern shifted right by 22 (an
@@ -157,9 +156,6 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
 CODES_PER_ROW = 4 * N_EXP_BINS
 _CODE_BIAS = 2 * N_EXP_BINS  # codes are in [-512, 512)
 _CODE_SHIFT = 22
-# Up to this many rows in a pass, each row's offset is one in-place add on its
-# slice of the stage; beyond, one cumsum of the row starts gives every offset.
-FEW_ROWS = 2
 # Values staged per device before one batched pass (float32: 256 KB). Every
 # tensor's sample fits (SAMPLE_LIMIT), so a pass holds at least one row.
 STAGE_LIMIT = 4 * SAMPLE_LIMIT
@@ -266,11 +262,8 @@ class Batch:
         # in as few sweeps as possible: the stage has gone cold in the cache since.
         codes = self._stage[: self._used].view(torch.int32)
         codes >>= _CODE_SHIFT
-        if rows <= FEW_ROWS:
-            at = 0
-            for row, k in enumerate(self._lengths):
-                codes[at : at + k] += _CODE_BIAS + row * CODES_PER_ROW
-                at += k
+        if rows == 1:
+            codes += _CODE_BIAS
         else:
             # A step of CODES_PER_ROW at every row start, summed (one cheap pass;
             # repeat_interleave costs ten times more).

@@ -2,7 +2,7 @@
 
 Nothing here copies to the host. Each hook only files the tensors it sees in
 the current :class:`~amp_doctor.device.recorder.StepBuffer` (``buf.add(t)``:
-two device ops, see :class:`~amp_doctor.device.stats.Batch`); the buffer is
+two or three device ops, see :class:`~amp_doctor.device.stats.Batch`); the buffer is
 copied to the host once, at the step boundary.
 
 Design choices that keep the cost low and the user's run untouched:
@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.devicework import iter_tensors, own_ops
-from amp_doctor.dtypes import LOW_PRECISION_DTYPES, dtype_name
+from amp_doctor.dtypes import LOW_PRECISION_NAMES, dtype_name
 from amp_doctor.hooks.compiled import (
     COMPILED_NOTE,
     compiled_autocast,
@@ -511,5 +511,5 @@ class Probes:
                     buf.assign(name, "param_grad", buf.add(g))
 
     def low_precision_outputs(self) -> set[str]:
-        lows = {dtype_name(d) for d in LOW_PRECISION_DTYPES}
-        return {d for m in self.layers.values() for d in m.output_dtypes if d in lows}
+        return {d for m in self.layers.values() for d in m.output_dtypes
+                if d in LOW_PRECISION_NAMES}

@@ -42,7 +42,6 @@ ORIGIN_KINDS: tuple[str, ...] = (
 _BACKOFF_KINDS = ("scale_collapse", "scaler_backoff")
 
 
-
 def headroom_floor(fmt: FormatLimits) -> float:
     """Where a culprit's headroom chart draws an output that overflowed to inf.
 

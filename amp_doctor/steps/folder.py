@@ -20,7 +20,7 @@ import torch
 
 from amp_doctor.device.recorder import History, HistSums, HostCopy, LayerAggregate, host_step_layers
 from amp_doctor.devicework import count_sync
-from amp_doctor.dtypes import FormatLimits
+from amp_doctor.dtypes import LOW_PRECISION_NAMES, FormatLimits
 from amp_doctor.records import Event, LayerStep, LayerSummary, StepRecord
 from amp_doctor.steps.listeners import StepListener, StepRows
 
@@ -29,7 +29,6 @@ __all__ = ["StepRows", "StepListener", "FoldedStep", "StepFolder", "skip_culprit
 
 # The step scalar that holds the scale the loss was multiplied by.
 GRAD_SCALE_KEY = "grad_scale"
-_LOW_DTYPE_NAMES = ("float16", "bfloat16")
 
 
 class LayerMetaView(Protocol):
@@ -138,7 +137,7 @@ class StepFolder:
             n for n, ls in layers.items()
             if ls.act is not None and n in metas and (
                 ls.act.nonfinite_frac > 0
-                or (ls.act.overflow_frac > 0 and metas[n].output_dtypes & set(_LOW_DTYPE_NAMES)))
+                or (ls.act.overflow_frac > 0 and metas[n].output_dtypes & LOW_PRECISION_NAMES))
         ]
         return min(bad, key=lambda n: metas[n].order) if bad else None
 
@@ -202,7 +201,7 @@ class StepFolder:
         return [Event(kind="lowp_updates_lost", step=0, data={
             "sampled": int(with_grad), "unchanged": int(unchanged),
             "frac": unchanged / with_grad,
-            "dtypes": sorted({d for d in param_dtypes if d in _LOW_DTYPE_NAMES})})]
+            "dtypes": sorted({d for d in param_dtypes if d in LOW_PRECISION_NAMES})})]
 
 
 def skip_culprits(params: list[torch.Tensor], param_owner: Mapping[int, str],

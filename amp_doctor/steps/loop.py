@@ -17,6 +17,7 @@ import torch
 
 from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.dtypes import LOW_PRECISION_DTYPES
 from amp_doctor.hooks.probes import unsummarizable
 from amp_doctor.steps.misuse import reaches_params
 
@@ -25,7 +26,6 @@ __all__ = ["LoopSignals", "UPDATE_SAMPLE"]
 # Pure low-precision training: parameter elements sampled per tensor on a recorded
 # step to see whether the optimizer's update changed them at all.
 UPDATE_SAMPLE = 1024
-_LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class LoopSignals:
@@ -126,12 +126,12 @@ class LoopSignals:
     # -- low-precision updates -------------------------------------------------------
     def snapshot_low_params(self, params: list[torch.Tensor]) -> None:
         """Before a plain optimizer step: sample the low-precision weights with a grad."""
-        if self._lp_snap or not any(p.dtype in _LOW_DTYPES for p in params):
+        if self._lp_snap or not any(p.dtype in LOW_PRECISION_DTYPES for p in params):
             return
         snap = []
         with own_ops, torch.no_grad():
             for p in params:
-                if p.dtype not in _LOW_DTYPES or p.grad is None or p.grad.is_sparse:
+                if p.dtype not in LOW_PRECISION_DTYPES or p.grad is None or p.grad.is_sparse:
                     continue
                 n = p.numel()
                 if n == 0:
