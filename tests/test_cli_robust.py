@@ -245,6 +245,9 @@ def test_view_shows_two_runs_side_by_side_under_their_names(tmp_path: Path) -> N
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    # Only this view's folder counts: an earlier run killed with SIGKILL may have left its own.
+    view_dirs = Path(os.environ.get("TMPDIR", "/tmp")).glob
+    before = set(view_dirs("amp-doctor-view-*/fp16"))
     proc = subprocess.Popen([AMP_DOCTOR, "view", "runs/fp16", "runs/bf16", "--port", str(port)],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -270,7 +273,7 @@ def test_view_shows_two_runs_side_by_side_under_their_names(tmp_path: Path) -> N
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("amp-doctor-view-*/fp16"))
+    assert not set(view_dirs("amp-doctor-view-*/fp16")) - before
 
 
 def test_status_line_never_glues_onto_the_scripts_output(work: Path) -> None:
