@@ -53,7 +53,8 @@ def test_prints_a_table_with_one_row_per_variant(smoke: tuple[str, dict]) -> Non
     labels = ["plain AMP", "watch() default (every=10)", "watch(every=1)",
               "naive hooks + .item()", "autograd.detect_anomaly",
               "empty TorchDispatchMode (floor)", "empty module + grad hooks (floor)",
-              "watch(anomaly=True) (every=10)"]
+              "watch(anomaly=True) (every=10)", "hooks + one copy per tensor (floor)",
+              "hooks + stats device ops (floor)"]
     assert len(rows) == len(labels)
     for label in labels:
         assert sum(f"| {label} " in r for r in rows) == 1, label
@@ -88,6 +89,11 @@ def test_recorded_steps_and_host_syncs(smoke: tuple[str, dict]) -> None:
     assert v["detect_anomaly"]["syncs"] is None  # not countable on CPU, and says so
     assert v["empty_mode"]["recorded_steps"] == STEPS and v["empty_mode"]["syncs"] == 0
     assert v["empty_hooks"]["recorded_steps"] == STEPS and v["empty_hooks"]["syncs"] == 0
+    # The floors: one copy per tensor never syncs; the stats floor copies its
+    # finished batch to the host once a step, as watch(every=1) does.
+    assert v["copy_floor"]["recorded_steps"] == STEPS and v["copy_floor"]["syncs"] == 0
+    assert v["stats_floor"]["recorded_steps"] == STEPS
+    assert v["stats_floor"]["syncs_per_recorded_step"] == 1
 
 
 def test_structure_of_figures(smoke: tuple[str, dict]) -> None:
