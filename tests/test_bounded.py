@@ -1,4 +1,4 @@
-"""Bounded size (issue 14, item 5): history rows and layers per row, and JSON bytes."""
+"""Bounded size (issues 14, 15): history rows, layers per row, JSON, TensorBoard series."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import math
 from pathlib import Path
 
 import torch
+from tensorboard.backend.event_processing import event_accumulator as ea_mod
 from torch import nn
 
 import amp_doctor
 from amp_doctor.device.recorder import HISTORY_LAYERS, HISTORY_LIMIT, History
 from amp_doctor.records import LayerStep, StepRecord, TensorStats, to_jsonable
+from amp_doctor.sinks.tensorboard import LIVE_FULL_POINTS, live_stride
 
 JSON_LIMIT = 20 * 2**20
 
@@ -71,3 +73,45 @@ def test_a_601_module_model_at_every_1_writes_a_bounded_json(tmp_path: Path) -> 
     assert size < 2 * 2**20
     # Extrapolated to a full history (HISTORY_LIMIT rows): still within the target.
     assert size + HISTORY_LIMIT * per_row < JSON_LIMIT
+
+
+def test_live_tensorboard_series_thin_out_geometrically() -> None:
+    due = [i for i in range(10_000) if i % live_stride(i) == 0]
+    assert due[:LIVE_FULL_POINTS] == list(range(LIVE_FULL_POINTS))  # full resolution first
+    assert due[LIVE_FULL_POINTS : LIVE_FULL_POINTS + 3] == [512, 514, 516]
+    assert 1024 in due and 1026 not in due and 1028 in due
+    # Each doubling of the run adds LIVE_FULL_POINTS / 2 points: ~1,600 for 10,000 steps.
+    assert 1500 < len(due) < 1700
+
+
+def test_a_long_run_writes_thinned_live_series_and_keeps_every_skipped_step(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    # Starts far too high: the first steps back off (skipped), and must all be written.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=50)
+    x = torch.randn(2, 4)
+    steps = 700
+    with amp_doctor.watch(model, every=1, logdir=tmp_path) as w:
+        for _ in range(steps):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert w.session.scaler is not None
+    skipped = set(w.session.scaler.skipped_steps)
+    assert skipped, "the scaler must have skipped steps for this test to mean anything"
+    acc = ea_mod.EventAccumulator(str(tmp_path), size_guidance={ea_mod.SCALARS: 0}).Reload()
+    tag = next(t for t in acc.Tags()["scalars"] if t.startswith("absmax/"))
+    written = [e.step for e in acc.Scalars(tag)]
+    # Every step is recorded (every=1): the i-th recorded step is training step i.
+    due = {i for i in range(steps) if i % live_stride(i) == 0}
+    assert due <= set(written)  # the stride's steps ...
+    assert skipped <= set(written)  # ... and every skipped step
+    assert set(written) <= due | skipped  # and nothing else
+    assert len(written) == len(due | skipped) < steps - 90
+    # The scaler's own series is per training step, never thinned.
+    assert len(acc.Scalars("scaler/scale")) == steps
