@@ -158,8 +158,9 @@ FALLBACK_DTYPE = "float16"
 # Live per-layer series (scalars and histograms) get every recorded step for this many
 # recorded steps, then one step in 2, 4, 8, ...: each doubling of the run adds half as
 # many points again, so 10,000 recorded steps write about 1,600 points per series
-# rather than 10,000 (16 layers at every=1: ~10 MB of events, not ~55 MB). TensorBoard
-# shows a 1,000-point reservoir sample of a scalar series anyway. A step with a
+# rather than 10,000 (a 20-layer model at every=1: 4.6 MB of events, measured by
+# benchmarks/bench_output_size.py). TensorBoard shows a 1,000-point reservoir sample
+# of a scalar series anyway. A step with a
 # non-finite value or an overflow anywhere, or a skipped optimizer step, is always
 # written.
 LIVE_FULL_POINTS = 512
@@ -438,7 +439,8 @@ class TensorBoardSink:
         self._last_step = step
         i = self._recorded
         self._recorded += 1
-        write_live = i % live_stride(i) == 0 or _notable(rec)
+        # Only live layers are thinned; a model with none needs no look at the step.
+        write_live = not self._live or i % live_stride(i) == 0 or _notable(rec)
         for name, ls in rec.layers.items():
             if name in self._dupe_of:
                 continue
