@@ -468,6 +468,9 @@ class Watch:
             # A host flag, not a tensor: a CPU tensor copied to the GPU would sync.
             buf.param_grads_scaled = bool(scale)
         self._probes.summarize_param_grads(params, buf)
+        # The optimizer step comes next, and with it the user's own allocations
+        # (Adam's state on the first step): the stage is not held through it.
+        buf.release()
         if scale is None:
             self._loop.snapshot_low_params(params)
 

@@ -53,6 +53,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_models import DTYPES, SPECS, Trainer, Workload
 from bench_variants import VARIANTS, Attached, Variant
+
+from amp_doctor.watch import DEFAULT_EVERY
 from syncs import SyncCounter  # tests/syncs.py: the independent count
 from tabulate import tabulate
 
@@ -472,8 +474,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None,
                    help="override the per-model batch size (cnn 128, transformer 32)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--mem-steps", type=int, default=3,
-                   help="steps of the memory pass (step 0 of a watch is a recorded step)")
+    p.add_argument("--mem-steps", type=int, default=DEFAULT_EVERY + 1,
+                   help="steps of the memory pass; the default records steps 0 and "
+                        f"{DEFAULT_EVERY} of watch() default, the second with the run-long "
+                        "aggregates already allocated")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     p.add_argument("--markdown", type=Path, default=None, help="also write a markdown report")
     p.add_argument("--json", type=Path, default=None, help="also write the raw figures")

@@ -46,6 +46,7 @@ HOST_SIDE: frozenset[tuple[str, str]] = frozenset({
     ("device/recorder.py", "HostCopy.merged"),
     ("device/recorder.py", "LayerAggregate.add"),
     ("device/recorder.py", "LayerAggregate.summary"),
+    ("device/recorder.py", "HistSums.add"),
     ("device/recorder.py", "HistSums.of"),
     ("device/recorder.py", "merge_rows"),
     ("device/stats.py", "host_rows"),

@@ -11,7 +11,9 @@ from tensorboard.backend.event_processing import event_accumulator as ea_mod
 from torch import nn
 
 import amp_doctor
-from amp_doctor.device.recorder import HISTORY_LAYERS, HISTORY_LIMIT, History
+from amp_doctor.device import stats as S
+from amp_doctor.device.recorder import (HISTORY_LAYERS, HISTORY_LIMIT, History, HistSums,
+                                        StepHists)
 from amp_doctor.records import LayerStep, StepRecord, TensorStats, to_jsonable
 from amp_doctor.sinks.tensorboard import LIVE_FULL_POINTS, live_stride
 
@@ -40,6 +42,41 @@ def test_history_of_a_long_run_of_a_2000_layer_model_is_bounded_in_rows_and_byte
     assert set(full[0].layers) == set(layers[2000 - HISTORY_LAYERS :])
     text = json.dumps(to_jsonable(h.records), separators=(",", ":"))
     assert len(text) < 12 * 2**20
+
+
+def test_run_long_histograms_keep_only_the_populated_window_and_lose_no_count() -> None:
+    """HistSums stores bins 0 and 255 and a window of the bins a run populates,
+    grown as later steps reach further; what it gives back is the exact sum."""
+    hs = HistSums()
+    names = ["a", "b", "c"]
+    want = {(n, f): torch.zeros(S.N_EXP_BINS, dtype=torch.float64) for n in names for f in (0, 1)}
+    g = torch.Generator().manual_seed(0)
+    # Steps reach further out over time (a window growing both ways), and add a layer.
+    spans = [(120, 130), (118, 131), (100, 125), (126, 150), (1, 254), (128, 129)]
+    for step, (lo, hi) in enumerate(spans):
+        layers = names[: 2 if step < 3 else 3]
+        matrix = torch.zeros(2 * len(layers) + 1, S.SUMMARY_LEN, dtype=torch.float64)
+        cells = []
+        for i, n in enumerate(layers):
+            for f in (0, 1):
+                row = 2 * i + f
+                counts = torch.randint(0, 1000, (hi - lo,), generator=g).to(torch.float64)
+                matrix[row, S.HIST + lo : S.HIST + hi] = counts
+                matrix[row, S.HIST] = 7.0 + step  # zeros
+                matrix[row, S.HIST + S.N_EXP_BINS - 1] = float(step % 2)  # inf/NaN
+                want[(n, f)] += matrix[row, S.HIST:]
+                cells.append((n, f, row))
+        # A row no cell names (a parameter gradient's) may populate more bins.
+        matrix[-1, S.HIST + 3] = 5.0
+        hs.add(StepHists(matrix, cells))
+        if step == 0:
+            # 2 edge columns and the window (rounded out to multiples of 8 bins).
+            assert hs._sums.shape[-1] < 32
+    for n in names:
+        act, grad = hs.of(n)
+        assert act == want[(n, 0)].round().long().tolist()
+        assert grad == want[(n, 1)].round().long().tolist()
+    assert hs.of("unknown") == ([0] * S.N_EXP_BINS, [0] * S.N_EXP_BINS)
 
 
 def test_a_601_module_model_at_every_1_writes_a_bounded_json(tmp_path: Path) -> None:

@@ -45,6 +45,23 @@ def test_a_batch_over_several_passes_equals_one_tensor_at_a_time() -> None:
     torch.testing.assert_close(hs.matrix, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
 
 
+def test_both_ways_of_offsetting_rows_and_a_released_stage_give_the_same_rows() -> None:
+    # 60 tiny rows make a pass of many short rows (summed row-start steps), the
+    # long ones passes of few rows (one add per row); release() mid-step counts
+    # what is staged and frees the stage, as before an optimizer step.
+    ts = [torch.full((5,), float(i) - 30.0) for i in range(60)] + _tensors()
+    b = S.Batch()
+    for i, t in enumerate(ts):
+        b.add(t)
+        if i in (59, 70):
+            b.release()
+            assert b._stage is None
+    rows = S.host_rows(b.finish(), b.numel, b.sampled)
+    assert 60 * S._ROW_OP_NS > S._STEPS_FIXED_NS + 300 * S._STEPS_NS_PER_VALUE
+    assert 3 * S._ROW_OP_NS < S._STEPS_FIXED_NS + 3 * S.SAMPLE_LIMIT * S._STEPS_NS_PER_VALUE
+    torch.testing.assert_close(rows, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
+
+
 def test_many_tiny_tensors_need_more_than_one_pass_of_rows() -> None:
     ts = [torch.full((3,), float(i)) for i in range(S.ROWS_PER_PASS + 5)]
     b = S.Batch()

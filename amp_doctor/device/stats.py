@@ -27,7 +27,7 @@ tensors are estimates, standard error below 0.4 percentage points). The stride
 is a prime that divides none of the tensor's dimensions, so the sample walks
 across every dimension instead of aliasing with one (always channel 0, say). A
 hook keeps no reference to the tensor after ``add``; the memory held per step
-is the staging buffer plus about 1 KB per summarised tensor.
+is the staging buffer plus about 0.5 KB per summarised tensor.
 
 NaN and inf share the top exponent bin; the top mantissa bit tells them apart
 (set for a quiet NaN, clear for inf). Every NaN that arithmetic produces is
@@ -163,6 +163,19 @@ STAGE_LIMIT = 4 * SAMPLE_LIMIT
 # counts per row, 4 MB at 512 rows) and keeps every code exact in float32 for
 # ``histc`` (< 2**24).
 ROWS_PER_PASS = 512
+# A pass's folded histogram row: the N_EXP_BINS exponent bins, then NaNs and the
+# code-0 count.
+_H_NANS = N_EXP_BINS
+_H_CODE0 = N_EXP_BINS + 1
+_HIST_COLS = N_EXP_BINS + 2
+# Offsetting a pass's rows: one in-place add per row, or the summed row-start
+# steps (a zeroed buffer, a cumsum and an add over every staged value). Costs in
+# place, on a stage gone cold in the cache, tuned on the benchmark models' passes
+# (one CPU thread; on CUDA both are a few launches): the per-row adds win below
+# about 30 rows of a full stage.
+_ROW_OP_NS = 3_000
+_STEPS_FIXED_NS = 55_000
+_STEPS_NS_PER_VALUE = 0.5
 
 
 def exp_histogram(codes: torch.Tensor, nbins: int, device_path: bool | None = None) -> torch.Tensor:
@@ -204,7 +217,7 @@ class Batch:
     count. Whenever the stage is full, and at :meth:`finish`, one pass of a few
     ops turns every staged value of many rows into a histogram code offset by its
     row and counts them all at once. Memory is bounded by the stage and about
-    1 KB per row, whatever the tensors' sizes; no tensor outlives its ``add``
+    0.5 KB per row, whatever the tensors' sizes; no tensor outlives its ``add``
     call.
     """
 
@@ -217,10 +230,9 @@ class Batch:
         self._nonzeros: list[torch.Tensor] = []
         self._counted: list[int] = []  # the rows that have a _nonzeros entry, in order
         self._stage: torch.Tensor | None = None
-        self._steps: torch.Tensor | None = None  # the pass's row offsets, reused
         self._used = 0
         self._lengths: list[int] = []  # sample lengths of the rows in the stage
-        self._hists: list[torch.Tensor] = []  # [rows, 512] int16 per pass
+        self._hists: list[torch.Tensor] = []  # [rows, _HIST_COLS] int16 per pass
 
     def __len__(self) -> int:
         return len(self.numel)
@@ -262,25 +274,44 @@ class Batch:
         # in as few sweeps as possible: the stage has gone cold in the cache since.
         codes = self._stage[: self._used].view(torch.int32)
         codes >>= _CODE_SHIFT
-        if rows == 1:
-            codes += _CODE_BIAS
+        if rows * _ROW_OP_NS <= _STEPS_FIXED_NS + self._used * _STEPS_NS_PER_VALUE:
+            # Few, long rows: one in-place add per row, and no buffer.
+            start = 0
+            for r, k in enumerate(self._lengths):
+                codes.narrow(0, start, k).add_(_CODE_BIAS + r * CODES_PER_ROW)
+                start += k
         else:
-            # A step of CODES_PER_ROW at every row start, summed (one cheap pass;
-            # repeat_interleave costs ten times more).
-            if self._steps is None:
-                self._steps = torch.empty(STAGE_LIMIT, dtype=torch.int32, device=dev)
-            steps = self._steps[: self._used]
-            steps.zero_()
+            # Many short rows: a step of CODES_PER_ROW at every row start, summed.
+            # The buffer lives for this pass only, so that it is not part of the
+            # step's peak memory while the model's activations are.
+            steps = torch.zeros(self._used, dtype=torch.int32, device=dev)
             steps[0] = _CODE_BIAS
             starts = list(itertools.accumulate(self._lengths[:-1]))
             steps.index_fill_(0, upload(starts, dev), CODES_PER_ROW)
             codes += steps.cumsum_(0)
+            del steps  # before the histogram's own transient
         h = exp_histogram(codes, CODES_PER_ROW * rows, self._device_path)
-        # Sign folded now, while small: [rows, exponent * 2 + top mantissa bit]. int16
-        # holds any count, a row being one sample of at most SAMPLE_LIMIT values.
-        self._hists.append(h.view(rows, 2, CODES_PER_ROW // 2).sum(1).to(torch.int16))
+        # Folded now, while small (these live until finish, through the backward):
+        # per row the exponent bins, then the two counts that need the top mantissa
+        # bit: NaNs (bin 255 with it set) and code 0 (bin 0 with it clear). int16 holds
+        # any count, a row being one sample of at most SAMPLE_LIMIT values.
+        q = h.view(rows, 2, N_EXP_BINS, 2).sum(1)  # the sign folded away
+        folded = torch.empty(rows, _HIST_COLS, dtype=torch.int16, device=dev)
+        torch.add(q[:, :, 0], q[:, :, 1], out=folded[:, :N_EXP_BINS])
+        folded[:, _H_NANS].copy_(q[:, N_EXP_BINS - 1, 1])
+        folded[:, _H_CODE0].copy_(q[:, 0, 0])
+        self._hists.append(folded)
         self._used = 0
         self._lengths = []
+
+    def release(self) -> None:
+        """Count what is staged and free the stage; a later :meth:`add` makes a new one.
+
+        For a pause in filing that is followed by the user's own allocations (the
+        optimizer step after the parameter gradients): the stage is not held then.
+        """
+        self._pass()
+        self._stage = None
 
     def finish(self, extra_rows: int = 0) -> torch.Tensor:
         """``[R + extra_rows, SUMMARY_LEN]`` float64 on the device, one row per tensor
@@ -292,8 +323,7 @@ class Batch:
         One allocation: every column is written in place, because on the CPU this
         matrix *is* the step's host copy.
         """
-        self._pass()
-        self._stage = self._steps = None
+        self.release()
         r = len(self.numel)
         f64 = torch.float64
         dev = self._hists[0].device if self._hists else torch.device("cpu")
@@ -303,13 +333,12 @@ class Batch:
         rows = out[:r]
         rows[:, MIN].copy_(torch.stack(self._mins))
         rows[:, MAX].copy_(torch.stack(self._maxs))
-        h = (torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]).view(
-            r, N_EXP_BINS, 2)
-        rows[:, HIST:].copy_(h[:, :, 0] + h[:, :, 1])  # torch.sum(out=float64) is 30x slower
-        rows[:, NANS].copy_(h[:, N_EXP_BINS - 1, 1])
+        h = torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]
+        rows[:, HIST:].copy_(h[:, :N_EXP_BINS])
+        rows[:, NANS].copy_(h[:, _H_NANS])
         # Non-zeros: every sampled value but code 0 (zero, or |x| < 2**-127; exact for
         # float16, see add()) ...
-        torch.sub(upload(self.sampled, dev), h[:, 0, 0], out=rows[:, ZEROS])
+        torch.sub(upload(self.sampled, dev), h[:, _H_CODE0], out=rows[:, ZEROS])
         if self._counted:
             # ... and the exact count where code 0 may hold non-zeros (not float16).
             rows[:, ZEROS].index_copy_(0, upload(self._counted, dev),
