@@ -53,10 +53,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_models import DTYPES, SPECS, Trainer, Workload
 from bench_variants import VARIANTS, Attached, Variant
-
-from amp_doctor.watch import DEFAULT_EVERY
 from syncs import SyncCounter  # tests/syncs.py: the independent count
 from tabulate import tabulate
+
+from amp_doctor.watch import DEFAULT_EVERY
 
 MEMORY_TARGET = 0.10  # peak memory overhead vs plain, issue 8
 SYNC_TARGET = 1.0  # host syncs per recorded step
