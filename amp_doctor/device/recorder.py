@@ -145,8 +145,19 @@ def unpack_host(host: torch.Tensor, buf: StepBuffer) -> HostCopy:
         grouped = S.host_rows(host[:n_rows], numel, sampled)
         block = torch.zeros(host.shape[0] - 1, host.shape[1], dtype=host.dtype)
         block[order] = grouped
-    return HostCopy(buf.step, block[:n_rows], scalars, dict(buf.assigned),
-                    list(buf.backward_order), block)
+    # One row per (layer, field): its own, or the merge of its rows in a spare row.
+    row_of: dict[tuple[str, str], int] = {}
+    groups: list[list[int]] = []
+    for key, idx in buf.assigned.items():
+        if len(idx) == 1:
+            row_of[key] = idx[0]
+        else:
+            row_of[key] = n_rows + len(groups)
+            groups.append(idx)
+    if groups:
+        merge_rows(block[:n_rows], groups, out=block[n_rows : n_rows + len(groups)])
+    return HostCopy(buf.step, block[:n_rows], scalars, row_of, list(buf.backward_order),
+                    block[: n_rows + len(groups)])
 
 
 def merged_count(assigned: dict[tuple[str, str], list[int]]) -> int:
@@ -177,21 +188,18 @@ class HostCopy:
     """The host copy of one recorded step (a :class:`~amp_doctor.steps.listeners.StepRows`)."""
 
     step: int
-    matrix: torch.Tensor  # [rows, SUMMARY_LEN] float64, on the host
+    matrix: torch.Tensor  # [rows, SUMMARY_LEN] float64, on the host: one per filed tensor
     scalars: dict[str, float]
-    assigned: dict[tuple[str, str], list[int]]
+    # (layer, field) -> its row of ``block``: the tensor's own row, or for a field
+    # filed several times (repeated calls, a layer's parameter gradients) their merge.
+    row_of: dict[tuple[str, str], int]
     backward_order: list[str]
-    # ``matrix`` followed by zero rows, one per merged (layer, field), in one tensor.
-    block: torch.Tensor | None = None
+    block: torch.Tensor  # ``matrix`` followed by the merged rows, in one tensor
 
     def merged(self, layer: str, fld: str) -> torch.Tensor | None:
         """One summary row for a layer's field, merging repeated calls (accumulation)."""
-        idx = self.assigned.get((layer, fld))
-        if not idx:
-            return None
-        if len(idx) == 1:
-            return self.matrix[idx[0]]
-        return merge_rows(self.matrix, [idx])[0]
+        row = self.row_of.get((layer, fld))
+        return None if row is None else self.block[row]
 
 
 def merge_rows(matrix: torch.Tensor, groups: list[list[int]],
@@ -227,34 +235,20 @@ def host_step_layers(
     gl2 = scale_log2_of(grad_scale)
     pl2 = scale_log2_of(param_grad_scale)
     unscaled = {"grad": ("grad_unscaled", gl2), "param_grad": ("param_grad_unscaled", pl2)}
-    # Every figure, (layer, slot, row, shift), decoded in one batch: the step's rows,
-    # and after them the merged rows of fields filed several times (a layer's
-    # parameter gradients, repeated calls), written into the copy's spare rows.
-    n = hs.matrix.shape[0]
-    groups: list[list[int]] = []
+    # Every figure, (layer, slot, row, shift), decoded in one batch from the copy's
+    # one row per (layer, field).
     want: list[tuple[str, str, int, int]] = []
     cells: list[tuple[str, int, int]] = []
     decoded: dict[str, dict[str, TensorStats]] = {}
-    for (name, fld), idx in hs.assigned.items():
+    for (name, fld), row in hs.row_of.items():
         decoded.setdefault(name, {})  # forward order of first filing
-        if len(idx) == 1:
-            row = idx[0]
-        else:
-            row = n + len(groups)
-            groups.append(idx)
         want.append((name, fld, row, 0))
         if fld in unscaled and unscaled[fld][1]:
             want.append((name, unscaled[fld][0], row, unscaled[fld][1]))
         if fld in HIST_FIELDS:
             cells.append((name, HIST_FIELDS.index(fld), row))
-    block = hs.block
-    if block is None or block.shape[0] < n + len(groups):
-        block = torch.cat([hs.matrix, hs.matrix.new_zeros(len(groups), hs.matrix.shape[1])])
-    matrix = block[: n + len(groups)]
-    if groups:
-        merge_rows(hs.matrix, groups, out=matrix[n:])
     if want:
-        table = S.decode_table(matrix, fmt, [w[3] for w in want],
+        table = S.decode_table(hs.block, fmt, [w[3] for w in want],
                                index=[w[2] for w in want])[:, _TS_COLUMNS].tolist()
         for (name, slot, _, _), v in zip(want, table, strict=True):
             v[0] = int(v[0])
@@ -265,7 +259,7 @@ def host_step_layers(
                               grad_unscaled=got.get("grad_unscaled"),
                               param_grad=got.get("param_grad"),
                               param_grad_unscaled=got.get("param_grad_unscaled"))
-    return out, [StepHists(matrix, cells)] if cells else []
+    return out, [StepHists(hs.block, cells)] if cells else []
 
 
 # decode_table's columns that make a TensorStats, in its field order.
@@ -450,8 +444,8 @@ class HistSums:
         rows = torch.tensor([r for _, _, r in step.cells])
         # The finite bins the cells' rows populate (a bool gather: 1 byte a bin).
         inner = (hist[:, 1 : S.N_EXP_BINS - 1] > 0).index_select(0, rows).any(0).nonzero()
-        self._fit(len(self._slot), int(inner[0]) + 1 if inner.numel() else None,
-                  int(inner[-1]) + 2 if inner.numel() else None)
+        self._fit(len(self._slot),
+                  (int(inner[0]) + 1, int(inner[-1]) + 2) if inner.numel() else None)
         cols = torch.tensor([0, S.N_EXP_BINS - 1, *range(self._lo, self._hi)])
         sums = self._sums.view(-1, self._sums.shape[-1])
         # In chunks: the gathered rows are a transient copy (float64, then float32).
@@ -459,14 +453,12 @@ class HistSums:
             part = hist.index_select(0, rows[i : i + _HIST_CHUNK]).index_select(1, cols)
             sums.index_add_(0, cells[i : i + _HIST_CHUNK], part.float())
 
-    def _fit(self, layers: int, need_lo: int | None, need_hi: int | None) -> None:
-        """Grow the tensor to ``layers`` slots and the window to bins [need_lo, need_hi)."""
+    def _fit(self, layers: int, need: tuple[int, int] | None) -> None:
+        """Grow the tensor to ``layers`` slots and the window to cover bins
+        ``[need[0], need[1])``."""
         lo, hi = self._lo, self._hi
-        if need_lo is not None and need_hi is not None:
-            if hi == lo:
-                lo, hi = need_lo, need_hi
-            else:
-                lo, hi = min(lo, need_lo), max(hi, need_hi)
+        if need is not None:
+            lo, hi = need if hi == lo else (min(lo, need[0]), max(hi, need[1]))
             # Rounded out, so that a run drifting by a bin or two does not regrow it.
             lo = max(1, lo - lo % _WINDOW_ROUND)
             hi = min(S.N_EXP_BINS - 1, hi + (-hi) % _WINDOW_ROUND)
