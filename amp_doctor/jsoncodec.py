@@ -15,7 +15,7 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, Union
 
 from amp_doctor._version import __version__
@@ -50,7 +50,7 @@ def to_jsonable(obj: Any) -> Any:
             names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(obj))
         elif isinstance(obj, float):
             return _float_out(obj)
-        elif isinstance(obj, dict):
+        elif isinstance(obj, Mapping):
             return {str(k): to_jsonable(v) for k, v in obj.items()}
         elif isinstance(obj, (list, tuple)):
             return [to_jsonable(v) for v in obj]
@@ -254,7 +254,7 @@ def _make_converter(tp: Any) -> Callable[[Any], Any]:
             return tuple(out)
 
         return tuple_
-    if origin is dict:
+    if origin in (dict, Mapping):
         _, value_tp = typing.get_args(tp)
         value = _converter(value_tp)
 
@@ -326,7 +326,7 @@ def _expected(tp: Any) -> str:
         return " or ".join(_expected(m) for m in members)
     if origin in (list, tuple):
         return "a list"
-    if origin is dict or dataclasses.is_dataclass(tp):
+    if origin in (dict, Mapping) or dataclasses.is_dataclass(tp):
         return "an object"
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))

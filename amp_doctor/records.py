@@ -12,6 +12,7 @@ file names are :mod:`amp_doctor.runfiles`'.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -95,9 +96,11 @@ class StepRecord:
     loss: float | None
     scale: float | None
     skipped: bool
-    layers: dict[str, LayerStep]
+    # Plain records, or a step's decoded table (steps.table.StepTable) until the
+    # history keeps the step.
+    layers: Mapping[str, LayerStep]
     # Layers recorded in this step but left out of this history row (only the
-    # worst ``recorder.HISTORY_LAYERS`` are kept; every layer is in the aggregates).
+    # worst ``history.HISTORY_LAYERS`` are kept; every layer is in the aggregates).
     dropped_layers: int = 0
 
 

@@ -9,7 +9,7 @@ events name every culprit layer, the largest events there are):
 * a wide model (``--layers``, default the ``bench_scale`` stack of 2,000 leaf
   modules) for ``--wide-steps`` steps. Its per-layer part is the same at any run
   length; its history grows by one row per recorded step up to
-  ``recorder.HISTORY_LIMIT`` rows of at most ``recorder.HISTORY_LAYERS`` layers, so
+  ``history.HISTORY_LIMIT`` rows of at most ``history.HISTORY_LAYERS`` layers, so
   the full-length size is extrapolated from the largest row written;
 * a small model (20 leaf modules) for ``--long-steps`` (10,000) steps: the run-length
   terms (history thinning, the scale timeline, step lists, events), measured whole,
@@ -30,11 +30,11 @@ import torch
 from bench_scale import make_model
 
 import amp_doctor
-from amp_doctor.device.recorder import HISTORY_LIMIT
 from amp_doctor.jsoncodec import to_jsonable
 from amp_doctor.records import Session
 from amp_doctor.runfiles import JSON_NAME
 from amp_doctor.sinks.tensorboard import LIVE_FULL_POINTS
+from amp_doctor.steps.history import HISTORY_LIMIT
 
 JSON_TARGET = 20 * 2**20
 

@@ -10,7 +10,7 @@ step 0: what an unrecorded step of ``watch()`` default costs); and
 ``StepBuffer.add()`` (the per-tensor stats) split by caller (activations in forward hooks, output
 gradients in tensor hooks, parameter gradients), the Python around it in each
 hook, the step-boundary host copy (``StepBuffer.flush``), host decode
-(``host_step_layers``) and aggregation (``LayerAggregate.add``). What the
+(``decode_step``) and aggregation (``LayerAggregates.add``). What the
 timers do not cover (the module-call slow path once hooks exist, autograd
 nodes for tensor hooks, the GradScaler/optimizer patches) is "unattributed".
 
@@ -36,6 +36,7 @@ from tabulate import tabulate
 import amp_doctor
 import amp_doctor.device.recorder as recorder_mod
 import amp_doctor.hooks.probes as probes_mod
+import amp_doctor.steps.aggregates as aggregates_mod
 import amp_doctor.steps.folder as steps_mod
 import amp_doctor.watch  # noqa: F401  (the package loads it lazily)
 
@@ -105,8 +106,8 @@ def instrumented(timers: Timers) -> Iterator[None]:
     patch(probes_mod.Probes, "_on_grad", wrap_method("grad hook"))
     patch(probes_mod.Probes, "summarize_param_grads", wrap_method("param grads"))
     patch(recorder_mod.StepBuffer, "flush", wrap_method("flush (host copy)"))
-    patch(steps_mod, "host_step_layers", wrap_method("host decode"))
-    patch(recorder_mod.LayerAggregate, "add", wrap_method("aggregate"))
+    patch(steps_mod, "decode_step", wrap_method("host decode"))
+    patch(aggregates_mod.LayerAggregates, "add", wrap_method("aggregate"))
     patch(watch_mod.Watch, "_finish_step", wrap_method("step boundary"))
     try:
         yield

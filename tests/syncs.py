@@ -42,10 +42,10 @@ THIS_FILE = str(Path(__file__).resolve())
 # (file relative to amp_doctor/, function name), (file, "*") or (folder/, "*"): host-side code.
 HOST_SIDE: frozenset[tuple[str, str]] = frozenset({
     ("device/recorder.py", "unpack_host"),
-    ("device/recorder.py", "host_step_layers"),
+    ("steps/table.py", "*"),
+    ("steps/aggregates.py", "*"),
+    ("steps/history.py", "*"),
     ("device/recorder.py", "HostCopy.merged"),
-    ("device/recorder.py", "LayerAggregate.add"),
-    ("device/recorder.py", "LayerAggregate.summary"),
     ("device/recorder.py", "HistSums.add"),
     ("device/recorder.py", "HistSums.of"),
     ("device/recorder.py", "merge_rows"),

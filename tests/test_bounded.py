@@ -12,9 +12,10 @@ from torch import nn
 
 import amp_doctor
 from amp_doctor.device import stats as S
-from amp_doctor.device.recorder import HISTORY_LAYERS, HISTORY_LIMIT, History, HistSums, StepHists
+from amp_doctor.device.recorder import HistSums, StepHists
 from amp_doctor.records import LayerStep, StepRecord, TensorStats, to_jsonable
 from amp_doctor.sinks.tensorboard import LIVE_FULL_POINTS, live_stride
+from amp_doctor.steps.history import HISTORY_LAYERS, HISTORY_LIMIT, History
 
 JSON_LIMIT = 20 * 2**20
 

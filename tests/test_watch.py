@@ -238,8 +238,8 @@ def test_sampling_every_n_and_max_steps() -> None:
 
 
 def test_history_is_bounded_and_spans_the_run() -> None:
-    from amp_doctor.device.recorder import History
     from amp_doctor.records import StepRecord
+    from amp_doctor.steps.history import History
 
     h = History(limit=16)
     for i in range(1000):

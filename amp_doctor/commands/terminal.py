@@ -135,10 +135,9 @@ class Progress:
         self._last = now
         scale = f"{rec.scale:g}" if rec.scale is not None else "-"
         loss = f"{rec.loss:.4g}" if rec.loss is not None else "-"
-        bad = sum(
-            1 for ls in rec.layers.values()
-            if ls.act is not None and (ls.act.nonfinite_frac > 0 or ls.act.overflow_frac > 0)
-        )
+        from amp_doctor.steps.table import ACT, StepTable  # loaded with the watch anyway
+
+        bad = int(StepTable.from_layers(rec.layers).flagged((ACT,)).sum())
         self.console.write(
             f"{_CLEAR_LINE}amp-doctor: step {rec.step}  loss {loss}  scale {scale}  "
             f"layers overflowing {bad}"

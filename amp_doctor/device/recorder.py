@@ -1,5 +1,5 @@
-"""Step boundary: one host copy of the step's device buffer -> a StepRecord;
-and the per-layer aggregates plus bounded history that become a Session.
+"""Step boundary: one host copy of the step's device buffer -> a :class:`HostCopy`;
+and the run-long sums of every layer's exponent histograms.
 
 This is the only place in the recording path that copies device data to
 the host, once per *recorded* step (see :meth:`StepBuffer.flush`).
@@ -7,28 +7,18 @@ the host, once per *recorded* step (see :meth:`StepBuffer.flush`).
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from amp_doctor.device import stats as S
 from amp_doctor.devicework import count_sync
-from amp_doctor.dtypes import LOW_PRECISION_NAMES, FormatLimits
-from amp_doctor.records import LayerStep, LayerSummary, StepRecord, TensorStats
 
-__all__ = ["StepBuffer", "HostCopy", "LayerAggregate", "History", "HistSums", "StepHists"]
+__all__ = ["StepBuffer", "HostCopy", "HistSums", "StepHists", "HIST_FIELDS", "merge_rows",
+           "scale_log2_of"]
 
-# Bounded memory: the history keeps at most this many step records; when it
-# is full every other record is dropped, so it always spans the whole run.
-HISTORY_LIMIT = 512
-# ... and each record keeps at most this many layers, the step's worst, so the
-# history's size does not grow with the model (issue 14: 165 MB of JSON).
-HISTORY_LAYERS = 32
 
 class StepBuffer:
     """Device-side summaries gathered during one recorded step.
@@ -228,175 +218,6 @@ def scale_log2_of(scale: float | None) -> int:
     return round(math.log2(scale))
 
 
-def host_step_layers(
-    hs: HostCopy, fmt: FormatLimits, grad_scale: float | None, param_grad_scale: float | None
-) -> tuple[dict[str, LayerStep], list[StepHists]]:
-    """Decode a host step into per-layer records, and the rows of its histograms."""
-    gl2 = scale_log2_of(grad_scale)
-    pl2 = scale_log2_of(param_grad_scale)
-    unscaled = {"grad": ("grad_unscaled", gl2), "param_grad": ("param_grad_unscaled", pl2)}
-    # Every figure, (layer, slot, row, shift), decoded in one batch from the copy's
-    # one row per (layer, field).
-    want: list[tuple[str, str, int, int]] = []
-    cells: list[tuple[str, int, int]] = []
-    decoded: dict[str, dict[str, TensorStats]] = {}
-    for (name, fld), row in hs.row_of.items():
-        decoded.setdefault(name, {})  # forward order of first filing
-        want.append((name, fld, row, 0))
-        if fld in unscaled and unscaled[fld][1]:
-            want.append((name, unscaled[fld][0], row, unscaled[fld][1]))
-        if fld in HIST_FIELDS:
-            cells.append((name, HIST_FIELDS.index(fld), row))
-    if want:
-        table = S.decode_table(hs.block, fmt, [w[3] for w in want],
-                               index=[w[2] for w in want])[:, _TS_COLUMNS].tolist()
-        for (name, slot, _, _), v in zip(want, table, strict=True):
-            v[0] = int(v[0])
-            decoded[name][slot] = TensorStats(*v)
-    out: dict[str, LayerStep] = {}
-    for name, got in decoded.items():
-        out[name] = LayerStep(act=got.get("act"), grad=got.get("grad"),
-                              grad_unscaled=got.get("grad_unscaled"),
-                              param_grad=got.get("param_grad"),
-                              param_grad_unscaled=got.get("param_grad_unscaled"))
-    return out, [StepHists(hs.block, cells)] if cells else []
-
-
-# decode_table's columns that make a TensorStats, in its field order.
-_TS_COLUMNS = [S.DECODED_FIELDS.index(f.name) for f in dataclasses.fields(TensorStats)]
-
-
-def _nanmax(vals: Iterable[float]) -> float:
-    vs = [v for v in vals if not math.isnan(v)]
-    return max(vs) if vs else math.nan
-
-
-@dataclass
-class _Running:
-    """Mean and worst of one figure over recorded steps."""
-
-    total: float = 0.0
-    n: int = 0
-    worst: float = -math.inf
-
-    def add(self, v: float) -> None:
-        if math.isnan(v):
-            return
-        self.total += v
-        self.n += 1
-        self.worst = max(self.worst, v)
-
-    @property
-    def mean(self) -> float | None:
-        return self.total / self.n if self.n else None
-
-
-@dataclass
-class LayerAggregate:
-    """Everything kept per layer for the whole run: constant size."""
-
-    steps: int = 0
-    absmax: float = 0.0
-    min: float = math.inf
-    max: float = -math.inf
-    headroom: float = math.inf
-    zero: _Running = field(default_factory=_Running)
-    overflow: _Running = field(default_factory=_Running)
-    underflow: _Running = field(default_factory=_Running)
-    nonfinite_steps: int = 0
-    origin_steps: int = 0
-    grad_absmax: float | None = None
-    grad_headroom: float | None = None
-    grad_zero: _Running = field(default_factory=_Running)
-    grad_under: _Running = field(default_factory=_Running)
-    grad_under_u: _Running = field(default_factory=_Running)
-    grad_nonfinite_steps: int = 0
-    pg_absmax: float | None = None
-    pg_zero: _Running = field(default_factory=_Running)
-    pg_under: _Running = field(default_factory=_Running)
-    pg_under_u: _Running = field(default_factory=_Running)
-    pg_nonfinite_steps: int = 0
-
-    def add(self, ls: LayerStep) -> None:
-        self.steps += 1
-        if (a := ls.act) is not None:
-            if not math.isnan(a.absmax):
-                self.absmax = max(self.absmax, a.absmax)
-            self.min = min(self.min, a.min) if not math.isnan(a.min) else self.min
-            self.max = max(self.max, a.max) if not math.isnan(a.max) else self.max
-            if not math.isnan(a.headroom):
-                self.headroom = min(self.headroom, a.headroom)
-            self.zero.add(a.zero_frac)
-            self.overflow.add(a.overflow_frac)
-            self.underflow.add(a.underflow_frac)
-            self.nonfinite_steps += a.nonfinite_frac > 0
-        if (g := ls.grad) is not None:
-            if math.isfinite(g.absmax):
-                self.grad_absmax = max(self.grad_absmax or 0.0, g.absmax)
-            if not math.isnan(g.headroom):
-                self.grad_headroom = min(
-                    self.grad_headroom if self.grad_headroom is not None else math.inf,
-                    g.headroom,
-                )
-            self.grad_zero.add(g.zero_frac)
-            self.grad_under.add(g.underflow_frac)
-            self.grad_under_u.add((ls.grad_unscaled or g).underflow_frac)
-            self.grad_nonfinite_steps += g.nonfinite_frac > 0
-        if (p := ls.param_grad) is not None:
-            pu = ls.param_grad_unscaled or p
-            if math.isfinite(pu.absmax):
-                self.pg_absmax = max(self.pg_absmax or 0.0, pu.absmax)
-            self.pg_zero.add(p.zero_frac)
-            self.pg_under.add(p.underflow_frac)
-            self.pg_under_u.add(pu.underflow_frac)
-            self.pg_nonfinite_steps += p.nonfinite_frac > 0
-
-    def summary(self, meta_name: str, meta_type: str, order: int, calls: int,
-                input_dtypes: set[str], output_dtypes: set[str], param_dtypes: set[str],
-                ops: dict[str, dict[str, int]], hists: tuple[list[int], list[int]],
-                passthrough: bool = False) -> LayerSummary:
-        lows = LOW_PRECISION_NAMES
-        ran_low = bool(output_dtypes & lows)
-        floats = {d for d in output_dtypes if d.startswith(("float", "bfloat"))}
-        return LayerSummary(
-            name=meta_name,
-            type=meta_type,
-            order=order,
-            calls=calls,
-            recorded_steps=self.steps,
-            input_dtypes=sorted(input_dtypes),
-            output_dtypes=sorted(output_dtypes),
-            param_dtypes=sorted(param_dtypes),
-            ran_low_precision=ran_low,
-            what_if=bool(floats) and not ran_low,
-            absmax=self.absmax,
-            min=self.min if self.steps else math.nan,
-            max=self.max if self.steps else math.nan,
-            headroom=self.headroom,
-            zero_frac=self.zero.mean or 0.0,
-            overflow_frac=max(self.overflow.worst, 0.0),
-            underflow_frac=self.underflow.mean or 0.0,
-            nonfinite_steps=self.nonfinite_steps,
-            overflow_origin_steps=self.origin_steps,
-            grad_absmax=self.grad_absmax,
-            grad_headroom=self.grad_headroom,
-            grad_zero_frac=self.grad_zero.mean,
-            grad_underflow_frac=self.grad_under.mean,
-            grad_underflow_frac_unscaled=self.grad_under_u.mean,
-            grad_nonfinite_steps=self.grad_nonfinite_steps,
-            param_grad_absmax=self.pg_absmax,
-            param_grad_zero_frac=self.pg_zero.mean,
-            param_grad_underflow_frac=self.pg_under.mean,
-            param_grad_underflow_frac_unscaled=self.pg_under_u.mean,
-            param_grad_nonfinite_steps=self.pg_nonfinite_steps,
-            passthrough=passthrough,
-            ops=ops,
-            # Sampled tensors give scaled, fractional counts.
-            act_exp_hist=hists[0],
-            grad_exp_hist=hists[1],
-        )
-
-
 # The fields whose exponent histograms are summed over the run, in HistSums' order.
 HIST_FIELDS = ("act", "grad")
 # Rows gathered at once when summing histograms (a 256 x 256 float64 transient).
@@ -488,59 +309,3 @@ class HistSums:
 
     def rename(self, mapping: dict[str, str]) -> None:
         self._slot = {mapping.get(k, k): v for k, v in self._slot.items()}
-
-
-def _risk_key(ls: LayerStep) -> tuple[float, float, float, float]:
-    """Sort key, worst first: non-finite, overflow, least headroom, underflow."""
-    nonfinite = over = under = 0.0
-    head = math.inf
-    for t in (ls.act, ls.grad, ls.param_grad_unscaled or ls.param_grad):
-        if t is None:
-            continue
-        nonfinite = max(nonfinite, t.nonfinite_frac)
-        over = max(over, t.overflow_frac)
-        under = max(under, t.underflow_frac)
-        if not math.isnan(t.headroom):
-            head = min(head, t.headroom)
-    return (-float(nonfinite > 0), -over, head, -under)
-
-
-def trim_layers(rec: StepRecord, limit: int) -> StepRecord:
-    """``rec`` with only its ``limit`` worst layers (forward order kept)."""
-    n = len(rec.layers)
-    if n <= limit:
-        return rec
-    worst = heapq.nsmallest(limit, rec.layers.items(), key=lambda kv: _risk_key(kv[1]))
-    keep = {k for k, _ in worst}
-    layers = {k: v for k, v in rec.layers.items() if k in keep}
-    return dataclasses.replace(rec, layers=layers, dropped_layers=rec.dropped_layers + n - limit)
-
-
-class History:
-    """Bounded list of step records that keeps spanning the whole run.
-
-    Bounded in bytes, not only in rows: at most ``limit`` rows (thinned by
-    halving, skipped steps always kept) of at most ``layers`` layers each (the
-    step's worst; the rest of the layer's figures live in the per-layer
-    aggregates). So the history is at most ``limit * layers`` layer cells
-    whatever the model's size or the run's length: about 7 MB of JSON.
-    """
-
-    def __init__(self, limit: int = HISTORY_LIMIT, layers: int = HISTORY_LAYERS) -> None:
-        self.limit = limit
-        self.layers = layers
-        self.stride = 1
-        self.records: list[StepRecord] = []
-        self._seen = 0
-
-    def add(self, rec: StepRecord) -> None:
-        self._seen += 1
-        # Skipped steps are what users ask about: always keep them.
-        if (self._seen - 1) % self.stride and not rec.skipped:
-            return
-        self.records.append(trim_layers(rec, self.layers))
-        if len(self.records) > self.limit:
-            keep = [r for i, r in enumerate(self.records) if i % 2 == 0 or r.skipped]
-            self.records = keep[-self.limit :]
-            self.stride *= 2
-

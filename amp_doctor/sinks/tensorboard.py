@@ -130,6 +130,7 @@ from amp_doctor.sinks.tb_session import (
 )
 from amp_doctor.sinks.text import render_markdown, risk_order
 from amp_doctor.steps.listeners import StepRows
+from amp_doctor.steps.table import ACT, GRAD, StepTable
 
 __all__ = [
     "TensorBoardSink",
@@ -175,13 +176,7 @@ def live_stride(i: int) -> int:
 
 
 def _notable(rec: StepRecord) -> bool:
-    if rec.skipped:
-        return True
-    for ls in rec.layers.values():
-        for ts in (ls.act, ls.grad):
-            if ts is not None and (ts.nonfinite_frac > 0 or ts.overflow_frac > 0):
-                return True
-    return False
+    return rec.skipped or bool(StepTable.from_layers(rec.layers).flagged((ACT, GRAD)).any())
 
 
 # Per-layer scalar groups, in the order the README documents them.
@@ -353,7 +348,9 @@ class TensorBoardSink:
         # seen (a container returning its last child's output) -> that layer.
         self._dupe_of: dict[str, str] = {}
         self._deferred = False  # more layers than top_k: pick the worst at finish
-        self._totals: dict[tuple[str, str], torch.Tensor] = {}  # deferred: summed raw rows
+        # Deferred layers' summed raw rows: (layer, field) -> row of _total_rows.
+        self._total_slot: dict[tuple[str, str], int] = {}
+        self._total_rows = torch.zeros(0, S.SUMMARY_LEN, dtype=torch.float64)
         self._last_step: int | None = None
         self._recorded = 0  # recorded steps seen by on_step, for live_stride
         # The scaler charts: last step written live, and the live cumulative counts.
@@ -441,27 +438,37 @@ class TensorBoardSink:
         self._recorded += 1
         # Only live layers are thinned; a model with none needs no look at the step.
         write_live = not self._live or i % live_stride(i) == 0 or _notable(rec)
-        for name, ls in rec.layers.items():
+        deferred: list[tuple[str, str]] = []
+        for name in rec.layers:
             if name in self._dupe_of:
                 continue
-            if name in self._live:
-                if not write_live:
-                    continue
-                self._write_layer_scalars(w, name, ls, step)
-                for fld, group in (("act", "act_exp"), ("grad", "grad_exp")):
-                    row = hs.merged(name, fld)
-                    if row is not None:
-                        self._write_hist(w, f"{group}/{name}", exp_counts(row, eb), step)
-            else:
-                # Summed raw rows are enough for exact whole-run counts (exp_counts is
-                # linear), at constant memory per layer.
-                for fld in ("act", "grad"):
-                    row = hs.merged(name, fld)
-                    if row is None:
-                        continue
-                    acc = self._totals.get((name, fld))
-                    self._totals[(name, fld)] = (
-                        row.to(torch.float64).clone() if acc is None else acc.add_(row))
+            if name not in self._live:
+                deferred += [(name, "act"), (name, "grad")]
+                continue
+            if not write_live:
+                continue
+            self._write_layer_scalars(w, name, rec.layers[name], step)
+            for fld, group in (("act", "act_exp"), ("grad", "grad_exp")):
+                row = hs.merged(name, fld)
+                if row is not None:
+                    self._write_hist(w, f"{group}/{name}", exp_counts(row, eb), step)
+        self._add_totals(hs, deferred)
+
+    def _add_totals(self, hs: StepRows, keys: list[tuple[str, str]]) -> None:
+        """Sum the step's rows of ``keys`` into their run totals: summed raw rows are
+        enough for exact whole-run counts (exp_counts is linear), at constant memory
+        per layer, with one ``index_add_`` a step."""
+        keys = [k for k in keys if k in hs.row_of]
+        if not keys:
+            return
+        slot = self._total_slot
+        at = [slot.setdefault(k, len(slot)) for k in keys]
+        n = self._total_rows.shape[0]
+        if len(slot) > n:
+            grow = torch.zeros(max(len(slot), 2 * n) - n, S.SUMMARY_LEN, dtype=torch.float64)
+            self._total_rows = torch.cat([self._total_rows, grow])
+        rows = hs.block.index_select(0, torch.tensor([hs.row_of[k] for k in keys]))
+        self._total_rows.index_add_(0, torch.tensor(at), rows.to(torch.float64))
 
     def _write_layer_scalars(self, w: SummaryWriter, name: str, ls: LayerStep,
                              step: int, prefix: str = "",
@@ -600,8 +607,9 @@ class TensorBoardSink:
                 if ls is not None:
                     self._write_layer_scalars(w, name, ls, rec.step)
             for fld, group in (("act", "act_exp_total"), ("grad", "grad_exp_total")):
-                acc = self._totals.get((name, fld))
-                if acc is not None:
+                at = self._total_slot.get((name, fld))
+                if at is not None:
+                    acc = self._total_rows[at]
                     self._write_hist(w, f"{group}/{name}", exp_counts(acc, eb),
                                      self._final_step(session), eb)
 

@@ -18,11 +18,14 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from amp_doctor.device.recorder import History, HistSums, HostCopy, LayerAggregate, host_step_layers
+from amp_doctor.device.recorder import HistSums, HostCopy
 from amp_doctor.devicework import count_sync
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, FormatLimits
-from amp_doctor.records import Event, LayerStep, LayerSummary, StepRecord
+from amp_doctor.records import Event, LayerSummary, StepRecord
+from amp_doctor.steps.aggregates import LayerAggregates
+from amp_doctor.steps.history import History
 from amp_doctor.steps.listeners import StepListener, StepRows
+from amp_doctor.steps.table import ACT, GRAD, NONFINITE, PG, StepTable, decode_step
 
 __all__ = ["StepRows", "StepListener", "FoldedStep", "StepFolder", "skip_culprits",
            "GRAD_SCALE_KEY"]
@@ -55,7 +58,7 @@ class StepFolder:
                  model_label: Callable[[], str], events: list[Event]) -> None:
         self._layers = layers
         self._model_label = model_label
-        self.aggregates: dict[str, LayerAggregate] = {}
+        self.aggregates = LayerAggregates()
         self.hists = HistSums()
         self.history = History()
         # The watch's event list, in the order things happened (shared with the probes).
@@ -81,14 +84,9 @@ class StepFolder:
         """
         step = hs.step
         grad_scale = hs.scalars.get(GRAD_SCALE_KEY)
-        layers, hists = host_step_layers(hs, fmt, grad_scale,
-                                         grad_scale if param_grads_scaled else None)
-        aggregates = self.aggregates
-        for name, ls in layers.items():
-            agg = aggregates.get(name)
-            if agg is None:
-                agg = aggregates[name] = LayerAggregate()
-            agg.add(ls)
+        layers, hists = decode_step(hs, fmt, grad_scale,
+                                    grad_scale if param_grads_scaled else None)
+        self.aggregates.add(layers)
         for h in hists:
             self.hists.add(h)
         origin = self._forward_origin(layers)
@@ -98,7 +96,7 @@ class StepFolder:
             if check_input:
                 self._note_bad_input(step, hs.scalars)
         if origin is not None:
-            self.aggregates[origin].origin_steps += 1
+            self.aggregates.note_origin(origin)
         loss_bad: bool | None = None
         if "loss_bad" in hs.scalars:
             loss_bad = bool(hs.scalars["loss_bad"])
@@ -126,27 +124,24 @@ class StepFolder:
                                        "inf": bool(scalars.get("input_inf")),
                                        "detected": "recorded step"}))
 
-    def _forward_origin(self, layers: dict[str, LayerStep]) -> str | None:
+    def _forward_origin(self, layers: StepTable) -> str | None:
         """The first layer to finish its forward with an overflowed or non-finite output.
 
         Hooks run in completion order (children before parents), so the first
         such layer produced the problem; the ones after it only passed it on.
         """
         metas = self._layers()
+        nonfinite = layers.column(ACT, NONFINITE) > 0
+        went_bad = set(layers.where(nonfinite))
         bad = [
-            n for n, ls in layers.items()
-            if ls.act is not None and n in metas and (
-                ls.act.nonfinite_frac > 0
-                or (ls.act.overflow_frac > 0 and metas[n].output_dtypes & LOW_PRECISION_NAMES))
+            n for n in layers.where(layers.flagged((ACT,)))
+            if n in metas and (n in went_bad or metas[n].output_dtypes & LOW_PRECISION_NAMES)
         ]
         return min(bad, key=lambda n: metas[n].order) if bad else None
 
-    def _culprits(self, hs: HostCopy, layers: dict[str, LayerStep]) -> list[str]:
-        bad = [
-            n for n, ls in layers.items()
-            if (ls.grad is not None and ls.grad.nonfinite_frac > 0)
-            or (ls.param_grad is not None and ls.param_grad.nonfinite_frac > 0)
-        ]
+    def _culprits(self, hs: HostCopy, layers: StepTable) -> list[str]:
+        bad = layers.where((layers.column(GRAD, NONFINITE) > 0)
+                           | (layers.column(PG, NONFINITE) > 0))
         seen: dict[str, int] = {}
         for i, n in enumerate(hs.backward_order):
             seen.setdefault(n, i)
@@ -158,7 +153,7 @@ class StepFolder:
 
     def rename(self, mapping: dict[str, str]) -> None:
         """Layers were renamed (a second model prefixes the first's names)."""
-        self.aggregates = {mapping.get(k, k): v for k, v in self.aggregates.items()}
+        self.aggregates.rename(mapping)
         self.hists.rename(mapping)
         self.history.records = [
             StepRecord(**{**r.__dict__, "layers": {mapping.get(k, k): v
@@ -171,11 +166,9 @@ class StepFolder:
         """Every layer that ran, summarised over the run, in forward order."""
         out = []
         for name, meta in metas.items():
-            agg = self.aggregates.get(name)
-            if agg is None and meta.calls == 0:
+            if name not in self.aggregates and meta.calls == 0:
                 continue
-            agg = agg or LayerAggregate()
-            out.append(agg.summary(
+            out.append(self.aggregates.summary(
                 name, meta.type, meta.order, meta.calls, meta.input_dtypes,
                 meta.output_dtypes, meta.param_dtypes, ops.get(name, {}), self.hists.of(name),
                 passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls))

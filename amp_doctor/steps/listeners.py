@@ -24,6 +24,11 @@ class StepRows(Protocol):
     step: int
     scalars: dict[str, float]  # loss, scale, ... (host floats)
 
+    # (layer, field) -> its row of ``block``: the tensor's own summary row, or the
+    # merge of the field's calls. Every row at once, for whole-step sums.
+    row_of: dict[tuple[str, str], int]
+    block: torch.Tensor
+
     def merged(self, layer: str, fld: str) -> torch.Tensor | None:
         """The layer's summary row for ``fld`` ("act", "grad", "param_grad"), calls merged."""
         ...

@@ -1,0 +1,181 @@
+"""A recorded step's per-layer figures as one table: decoded at once, read as records on demand.
+
+A recorded step of a 600-layer model holds about 1,500 (layer, tensor) figures.
+Making a :class:`~amp_doctor.records.TensorStats` and a
+:class:`~amp_doctor.records.LayerStep` for each cost more host time than decoding
+them (about 10 ms a step on the benchmark GPT), yet few are ever read one by one:
+the history keeps a step's worst :data:`~amp_doctor.steps.history.HISTORY_LAYERS`
+layers, the TensorBoard sink its live ones. So a step's figures stay one float64
+tensor ``[layers, len(SLOTS), len(TS_FIELDS)]``. Whole-step questions (which
+layers went non-finite, which are the worst, the run-long aggregates of
+:mod:`amp_doctor.steps.aggregates`) are tensor ops over it, and a
+:class:`LayerStep` is made only when a layer is looked up.
+
+Host data only: the table is decoded from the step's one host copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from amp_doctor.device import stats as S
+from amp_doctor.device.recorder import HIST_FIELDS, HostCopy, StepHists, scale_log2_of
+from amp_doctor.dtypes import FormatLimits
+from amp_doctor.records import LayerStep, TensorStats
+
+__all__ = ["SLOTS", "TS_FIELDS", "StepTable", "decode_step"]
+
+# A layer's tensors in a step, in LayerStep's field order.
+SLOTS = tuple(f.name for f in dataclasses.fields(LayerStep))
+ACT, GRAD, GRAD_U, PG, PG_U = range(len(SLOTS))
+assert SLOTS == ("act", "grad", "grad_unscaled", "param_grad", "param_grad_unscaled")
+# A tensor's figures, in TensorStats' field order.
+TS_FIELDS = tuple(f.name for f in dataclasses.fields(TensorStats))
+NUMEL, MIN, MAX, ABSMAX, ZERO, NONFINITE, OVER, UNDER, HEAD = range(len(TS_FIELDS))
+assert TS_FIELDS == ("numel", "min", "max", "absmax", "zero_frac", "nonfinite_frac",
+                     "overflow_frac", "underflow_frac", "headroom")
+# decode_table's columns that make a TensorStats, in its field order.
+_TS_COLUMNS = [S.DECODED_FIELDS.index(f) for f in TS_FIELDS]
+# The slot a filed field fills, and the slot of its unscaled view.
+_SLOT_OF = {"act": (ACT, None), "grad": (GRAD, GRAD_U), "param_grad": (PG, PG_U)}
+
+
+class StepTable(Mapping[str, LayerStep]):
+    """``layer name -> LayerStep`` for one recorded step, backed by one tensor.
+
+    ``data[i, slot, field]`` is layer ``names[i]``'s figure (NaN where the slot
+    is absent, see ``present``). Names are in forward order of first filing.
+    A looked-up layer's :class:`LayerStep` is made once and kept.
+    """
+
+    def __init__(self, names: list[str], data: torch.Tensor, present: torch.Tensor) -> None:
+        self.names = names
+        self.data = data
+        self.present = present
+        self._index = {n: i for i, n in enumerate(names)}
+        self._made: dict[int, LayerStep] = {}
+
+    @classmethod
+    def from_layers(cls, layers: Mapping[str, LayerStep]) -> StepTable:
+        """The table of records made elsewhere (a history row, a test)."""
+        if isinstance(layers, StepTable):
+            return layers
+        names = list(layers)
+        nan_row = [math.nan] * len(TS_FIELDS)
+        cells = [[getattr(ls, f) for f in SLOTS] for ls in layers.values()]
+        values = torch.tensor(
+            [[[float(getattr(ts, f)) for f in TS_FIELDS] if ts is not None else nan_row
+              for ts in row] for row in cells], dtype=torch.float64,
+        ).view(len(names), len(SLOTS), len(TS_FIELDS))
+        present = torch.tensor([[ts is not None for ts in row] for row in cells],
+                               dtype=torch.bool).view(len(names), len(SLOTS))
+        return cls(names, values, present)
+
+    # -- Mapping --------------------------------------------------------
+    def __getitem__(self, name: str) -> LayerStep:
+        return self.layer(self._index[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def layer(self, i: int) -> LayerStep:
+        ls = self._made.get(i)
+        if ls is None:
+            rows = self.data[i].tolist()
+            got = [TensorStats(int(r[NUMEL]), *r[1:]) if p else None
+                   for r, p in zip(rows, self.present[i].tolist(), strict=True)]
+            ls = self._made[i] = LayerStep(*got)
+        return ls
+
+    def to_dict(self, keep: list[int] | None = None) -> dict[str, LayerStep]:
+        """Plain records of every layer, or of rows ``keep`` (in their order)."""
+        rows = range(len(self.names)) if keep is None else keep
+        return {self.names[i]: self.layer(i) for i in rows}
+
+    # -- whole-step questions -------------------------------------------
+    def column(self, slot: int, fld: int) -> torch.Tensor:
+        """``[layers]`` figure ``fld`` of ``slot`` (NaN where absent)."""
+        return self.data[:, slot, fld]
+
+    def unscaled(self, slot: int) -> torch.Tensor:
+        """``[layers, fields]`` the unscaled view of a gradient slot where one was
+        decoded, else the slot itself (the step had no loss scale)."""
+        return torch.where(self.present[:, slot + 1, None], self.data[:, slot + 1],
+                           self.data[:, slot])
+
+    def flagged(self, slots: tuple[int, ...] = (ACT,)) -> torch.Tensor:
+        """``[layers]`` bool: a tensor of ``slots`` overflowed or went non-finite."""
+        v = self.data[:, list(slots)]
+        return ((v[..., NONFINITE] > 0) | (v[..., OVER] > 0)).any(1)
+
+    def where(self, mask: torch.Tensor) -> list[str]:
+        """The names of the layers where ``mask`` (``[layers]`` bool) holds, in order."""
+        return [self.names[i] for i in mask.nonzero().flatten().tolist()]
+
+    def worst(self, limit: int) -> list[int]:
+        """The rows of the ``limit`` riskiest layers, in forward order.
+
+        Risk, worst first: a non-finite value, then the largest overflow, the least
+        headroom, the largest underflow, over the outputs, their gradients and the
+        parameters' (unscaled) gradients; ties keep forward order.
+        """
+        n = len(self.names)
+        if n <= limit:
+            return list(range(n))
+        v = torch.stack([self.data[:, ACT], self.data[:, GRAD], self.unscaled(PG)], 1)
+        nonfinite = v[..., NONFINITE].nan_to_num(0.0).amax(1) > 0
+        over = v[..., OVER].nan_to_num(0.0).clamp(min=0.0).amax(1)
+        under = v[..., UNDER].nan_to_num(0.0).clamp(min=0.0).amax(1)
+        head = torch.where(v[..., HEAD].isnan(), math.inf, v[..., HEAD]).amin(1)
+        order = torch.arange(n)
+        # Least significant key first: stable sorts keep the earlier keys' order.
+        for key in (-under, head, -over, -nonfinite.to(torch.float64)):
+            order = order[torch.argsort(key[order], stable=True)]
+        return sorted(order[:limit].tolist())
+
+
+def decode_step(hs: HostCopy, fmt: FormatLimits, grad_scale: float | None,
+                param_grad_scale: float | None) -> tuple[StepTable, list[StepHists]]:
+    """Decode a host step into its :class:`StepTable`, and the rows of its histograms.
+
+    Every figure (a layer's field, and the unscaled view of a scaled gradient) is
+    decoded in one batch from the copy's one row per (layer, field).
+    """
+    shift_of = {GRAD_U: scale_log2_of(grad_scale), PG_U: scale_log2_of(param_grad_scale)}
+    names: dict[str, int] = {}
+    cells: list[int] = []
+    rows: list[int] = []
+    shifts: list[int] = []
+    hist_cells: list[tuple[str, int, int]] = []
+    n_slots = len(SLOTS)
+    for (name, fld), row in hs.row_of.items():
+        i = names.setdefault(name, len(names))  # forward order of first filing
+        slot, unscaled = _SLOT_OF[fld]
+        cells.append(i * n_slots + slot)
+        rows.append(row)
+        shifts.append(0)
+        if unscaled is not None and shift_of[unscaled]:
+            cells.append(i * n_slots + unscaled)
+            rows.append(row)
+            shifts.append(shift_of[unscaled])
+        if fld in HIST_FIELDS:
+            hist_cells.append((name, HIST_FIELDS.index(fld), row))
+    values = torch.full((len(names) * n_slots, len(TS_FIELDS)), math.nan, dtype=torch.float64)
+    present = torch.zeros(len(names) * n_slots, dtype=torch.bool)
+    if cells:
+        at = torch.tensor(cells)
+        values.index_copy_(0, at, S.decode_table(hs.block, fmt, shifts, index=rows)[:, _TS_COLUMNS])
+        present[at] = True
+    table = StepTable(list(names), values.view(len(names), n_slots, len(TS_FIELDS)),
+                      present.view(len(names), n_slots))
+    return table, [StepHists(hs.block, hist_cells)] if hist_cells else []
