@@ -25,12 +25,15 @@ from amp_doctor.steps.table import (
     ABSMAX,
     ACT,
     GRAD,
+    GRAD_U,
     HEAD,
     MAX,
     MIN,
     NONFINITE,
     OVER,
     PG,
+    PG_U,
+    TS_FIELDS,
     UNDER,
     ZERO,
     StepTable,
@@ -39,24 +42,32 @@ from amp_doctor.steps.table import (
 __all__ = ["LayerAggregates"]
 
 _F64 = torch.float64
-# Mean columns: (slot, field, the slot's unscaled view).
-_MEANS = (
-    (ACT, ZERO, False), (ACT, UNDER, False),
-    (GRAD, ZERO, False), (GRAD, UNDER, False), (GRAD, UNDER, True),
-    (PG, ZERO, False), (PG, UNDER, False), (PG, UNDER, True),
-)
+_W = len(TS_FIELDS)
+# A step's figures read, as (slot, field): the slots' unscaled views fall back to the
+# scaled slot where the step had no loss scale (see StepTable.unscaled).
+_MEANS = ((ACT, ZERO), (ACT, UNDER), (GRAD, ZERO), (GRAD, UNDER), (GRAD_U, UNDER),
+          (PG, ZERO), (PG, UNDER), (PG_U, UNDER))
 M_ZERO, M_UNDER, M_GZERO, M_GUNDER, M_GUNDER_U, M_PZERO, M_PUNDER, M_PUNDER_U = range(len(_MEANS))
-# Greatest-value columns and their starting values: the outputs' absmax starts at 0
-# (an all-NaN layer reports 0, as its histogram does); the gradients' absmax only
-# counts finite values (an inf gradient is a skipped step, not a range).
-H_ABSMAX, H_MAX, H_OVER, H_GABS, H_PABS = range(5)
+# Greatest values: the outputs' absmax starts at 0 (an all-NaN layer reports 0, as its
+# histogram does); the gradients' absmax counts finite values only (an inf gradient is
+# a skipped step, not a range).
+_HIS = ((ACT, ABSMAX), (ACT, MAX), (ACT, OVER), (GRAD, ABSMAX), (PG_U, ABSMAX))
+H_ABSMAX, H_MAX, H_OVER, H_GABS, H_PABS = range(len(_HIS))
 _HI_START = (0.0, -math.inf, -math.inf, -math.inf, -math.inf)
-# Least-value columns.
-L_MIN, L_HEAD, L_GHEAD = range(3)
-# Counted columns: steps seen, steps with a non-finite output / gradient / parameter
-# gradient, steps with a gradient headroom.
-T_STEPS, T_NONFIN, T_GNONFIN, T_PNONFIN, T_GHEAD = range(5)
-
+_FINITE_ONLY = slice(H_GABS, H_PABS + 1)
+# Least values (kept negated, so that one maximum updates every extreme).
+_LOS = ((ACT, MIN), (ACT, HEAD), (GRAD, HEAD))
+L_MIN, L_HEAD, L_GHEAD = range(len(_LOS))
+# Steps with a non-finite output / gradient / parameter gradient.
+_NFS = ((ACT, NONFINITE), (GRAD, NONFINITE), (PG, NONFINITE))
+_COLS = torch.tensor([s * _W + f for s, f in (*_MEANS, *_HIS, *_LOS, *_NFS)])
+_SPLIT = (len(_MEANS), len(_HIS), len(_LOS), len(_NFS))
+# The summed block: the means' sums and counts, the non-finite step counts, steps with
+# a gradient headroom, steps seen.
+_N_SUMS = 2 * len(_MEANS) + len(_NFS) + 2
+C_COUNTS, C_NONFIN = len(_MEANS), 2 * len(_MEANS)
+C_GHEAD, C_STEPS = C_NONFIN + len(_NFS), C_NONFIN + len(_NFS) + 1
+_EXT_START = (*_HI_START, *([-math.inf] * len(_LOS)))
 
 # One layer's aggregates, by LayerSummary field name.
 LayerFigures = dict[str, Any]
@@ -67,11 +78,8 @@ class LayerAggregates:
 
     def __init__(self) -> None:
         self._slot: dict[str, int] = {}
-        self._sums = torch.zeros(0, len(_MEANS), dtype=_F64)
-        self._counts = torch.zeros(0, len(_MEANS), dtype=_F64)
-        self._hi = torch.zeros(0, len(_HI_START), dtype=_F64)
-        self._lo = torch.zeros(0, 3, dtype=_F64)
-        self._tally = torch.zeros(0, 5, dtype=torch.int64)
+        self._sums = torch.zeros(0, _N_SUMS, dtype=_F64)
+        self._ext = torch.zeros(0, len(_EXT_START), dtype=_F64)  # greatest, -least
         self._origin_steps: dict[str, int] = {}
         self._cache: dict[str, LayerFigures] | None = None
 
@@ -82,30 +90,24 @@ class LayerAggregates:
         return len(self._slot)
 
     def add(self, table: StepTable) -> None:
-        """Fold one recorded step's figures in: whole-table ops, no per-layer Python
-        beyond finding each layer's row."""
-        if not len(table):
+        """Fold one recorded step's figures in: about twenty whole-table ops, no
+        per-layer Python beyond finding each layer's row."""
+        n = len(table)
+        if not n:
             return
         self._cache = None
         idx = torch.tensor(self._rows(table.names))
-        v = table.data
-        act, grad, pg = v[:, ACT], v[:, GRAD], v[:, PG]
-        unscaled = {GRAD: table.unscaled(GRAD), PG: table.unscaled(PG)}
-        means = torch.stack([unscaled[s][:, f] if u else v[:, s, f] for s, f, u in _MEANS], 1)
-        seen = ~means.isnan()
-        self._sums.index_add_(0, idx, torch.where(seen, means, 0.0))
-        self._counts.index_add_(0, idx, seen.to(_F64))
-        g_abs, p_abs = grad[:, ABSMAX], unscaled[PG][:, ABSMAX]
-        hi = torch.stack([act[:, ABSMAX], act[:, MAX], act[:, OVER],
-                          torch.where(g_abs.isfinite(), g_abs, math.nan),
-                          torch.where(p_abs.isfinite(), p_abs, math.nan)], 1)
-        self._hi[idx] = torch.maximum(self._hi[idx], torch.where(hi.isnan(), -math.inf, hi))
-        lo = torch.stack([act[:, MIN], act[:, HEAD], grad[:, HEAD]], 1)
-        self._lo[idx] = torch.minimum(self._lo[idx], torch.where(lo.isnan(), math.inf, lo))
-        tally = torch.stack([torch.ones(len(table), dtype=torch.bool), act[:, NONFINITE] > 0,
-                             grad[:, NONFINITE] > 0, pg[:, NONFINITE] > 0,
-                             ~grad[:, HEAD].isnan()], 1)
-        self._tally.index_add_(0, idx, tally.long())
+        got = table.filled().view(n, -1).index_select(1, _COLS)
+        means, hi, lo, nonfinite = got.split(_SPLIT, 1)
+        seen = means == means  # not NaN
+        g_head = lo[:, L_GHEAD : L_GHEAD + 1]
+        self._sums.index_add_(0, idx, torch.cat([
+            means.nan_to_num(0.0), seen, nonfinite > 0, g_head == g_head,
+            torch.ones(n, 1, dtype=_F64)], 1))
+        ext = torch.cat([hi, -lo], 1)
+        ext[:, _FINITE_ONLY].masked_fill_(ext[:, _FINITE_ONLY].isinf(), math.nan)
+        ext.nan_to_num_(-math.inf, math.inf, -math.inf)  # NaN: not a candidate
+        self._ext[idx] = torch.maximum(self._ext[idx], ext)
 
     def note_origin(self, name: str) -> None:
         """``name`` was the first layer to overflow in a recorded step's forward."""
@@ -118,11 +120,8 @@ class LayerAggregates:
         n = self._sums.shape[0]
         if len(slot) > n:
             grow = max(len(slot), 2 * n) - n
-            self._sums = torch.cat([self._sums, torch.zeros(grow, len(_MEANS), dtype=_F64)])
-            self._counts = torch.cat([self._counts, torch.zeros(grow, len(_MEANS), dtype=_F64)])
-            self._hi = torch.cat([self._hi, torch.tensor([_HI_START] * grow, dtype=_F64)])
-            self._lo = torch.cat([self._lo, torch.full((grow, 3), math.inf, dtype=_F64)])
-            self._tally = torch.cat([self._tally, torch.zeros(grow, 5, dtype=torch.int64)])
+            self._sums = torch.cat([self._sums, torch.zeros(grow, _N_SUMS, dtype=_F64)])
+            self._ext = torch.cat([self._ext, torch.tensor([_EXT_START] * grow, dtype=_F64)])
         return rows
 
     def figures(self, name: str) -> LayerFigures | None:
@@ -133,19 +132,20 @@ class LayerAggregates:
 
     def _all(self) -> dict[str, LayerFigures]:
         n = len(self._slot)
-        sums, counts = self._sums[:n].tolist(), self._counts[:n].tolist()
-        his, los, tallies = self._hi[:n].tolist(), self._lo[:n].tolist(), self._tally[:n].tolist()
+        sums, exts = self._sums[:n].tolist(), self._ext[:n].tolist()
         out: dict[str, LayerFigures] = {}
         for name, i in self._slot.items():
-            s, c, hi, lo, t = sums[i], counts[i], his[i], los[i], tallies[i]
+            s, hi = sums[i], exts[i]
+            lo = [-v for v in hi[len(_HIS):]]
+            t = [int(v) for v in s[C_NONFIN:]]
 
-            def mean(col: int, s: list[float] = s, c: list[float] = c) -> float | None:
-                return s[col] / c[col] if c[col] else None
+            def mean(col: int, s: list[float] = s) -> float | None:
+                return s[col] / s[C_COUNTS + col] if s[C_COUNTS + col] else None
 
             def top(col: int, hi: list[float] = hi) -> float | None:
                 return max(hi[col], 0.0) if hi[col] > -math.inf else None
 
-            steps = t[T_STEPS]
+            steps = t[C_STEPS - C_NONFIN]
             out[name] = dict(
                 recorded_steps=steps,
                 absmax=hi[H_ABSMAX],
@@ -155,19 +155,19 @@ class LayerAggregates:
                 zero_frac=mean(M_ZERO) or 0.0,
                 overflow_frac=max(hi[H_OVER], 0.0),
                 underflow_frac=mean(M_UNDER) or 0.0,
-                nonfinite_steps=t[T_NONFIN],
+                nonfinite_steps=t[0],
                 overflow_origin_steps=self._origin_steps.get(name, 0),
                 grad_absmax=top(H_GABS),
-                grad_headroom=lo[L_GHEAD] if t[T_GHEAD] else None,
+                grad_headroom=lo[L_GHEAD] if t[C_GHEAD - C_NONFIN] else None,
                 grad_zero_frac=mean(M_GZERO),
                 grad_underflow_frac=mean(M_GUNDER),
                 grad_underflow_frac_unscaled=mean(M_GUNDER_U),
-                grad_nonfinite_steps=t[T_GNONFIN],
+                grad_nonfinite_steps=t[1],
                 param_grad_absmax=top(H_PABS),
                 param_grad_zero_frac=mean(M_PZERO),
                 param_grad_underflow_frac=mean(M_PUNDER),
                 param_grad_underflow_frac_unscaled=mean(M_PUNDER_U),
-                param_grad_nonfinite_steps=t[T_PNONFIN],
+                param_grad_nonfinite_steps=t[2],
             )
         return out
 

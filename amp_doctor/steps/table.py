@@ -40,6 +40,8 @@ assert TS_FIELDS == ("numel", "min", "max", "absmax", "zero_frac", "nonfinite_fr
                      "overflow_frac", "underflow_frac", "headroom")
 # decode_table's columns that make a TensorStats, in its field order.
 _TS_COLUMNS = [S.DECODED_FIELDS.index(f) for f in TS_FIELDS]
+# The slot each slot falls back to when absent (an unscaled view: its scaled slot).
+_FALLBACK = torch.tensor([ACT, GRAD, GRAD, PG, PG])
 # The slot a filed field fills, and the slot of its unscaled view.
 _SLOT_OF = {"act": (ACT, None), "grad": (GRAD, GRAD_U), "param_grad": (PG, PG_U)}
 
@@ -91,16 +93,26 @@ class StepTable(Mapping[str, LayerStep]):
     def layer(self, i: int) -> LayerStep:
         ls = self._made.get(i)
         if ls is None:
-            rows = self.data[i].tolist()
-            got = [TensorStats(int(r[NUMEL]), *r[1:]) if p else None
-                   for r, p in zip(rows, self.present[i].tolist(), strict=True)]
-            ls = self._made[i] = LayerStep(*got)
+            self._make([i])
+            ls = self._made[i]
         return ls
 
     def to_dict(self, keep: list[int] | None = None) -> dict[str, LayerStep]:
         """Plain records of every layer, or of rows ``keep`` (in their order)."""
-        rows = range(len(self.names)) if keep is None else keep
-        return {self.names[i]: self.layer(i) for i in rows}
+        rows = list(range(len(self.names))) if keep is None else keep
+        self._make([i for i in rows if i not in self._made])
+        return {self.names[i]: self._made[i] for i in rows}
+
+    def _make(self, rows: list[int]) -> None:
+        """Make the records of ``rows``, with one host read for all of them."""
+        if not rows:
+            return
+        at = torch.tensor(rows)
+        data = self.data.index_select(0, at).tolist()
+        present = self.present.index_select(0, at).tolist()
+        for i, cells, has in zip(rows, data, present, strict=True):
+            self._made[i] = LayerStep(*(TensorStats(int(c[NUMEL]), *c[1:]) if p else None
+                                        for c, p in zip(cells, has, strict=True)))
 
     # -- whole-step questions -------------------------------------------
     def column(self, slot: int, fld: int) -> torch.Tensor:
@@ -117,6 +129,12 @@ class StepTable(Mapping[str, LayerStep]):
         """``[layers]`` bool: a tensor of ``slots`` overflowed or went non-finite."""
         v = self.data[:, list(slots)]
         return ((v[..., NONFINITE] > 0) | (v[..., OVER] > 0)).any(1)
+
+    def filled(self) -> torch.Tensor:
+        """:attr:`data` with each absent unscaled slot holding its scaled slot's figures
+        (:meth:`unscaled` for every gradient slot at once)."""
+        return torch.where(self.present[:, :, None], self.data,
+                           self.data.index_select(1, _FALLBACK))
 
     def where(self, mask: torch.Tensor) -> list[str]:
         """The names of the layers where ``mask`` (``[layers]`` bool) holds, in order."""
