@@ -4,8 +4,8 @@ The run-long aggregates behind each :class:`~amp_doctor.records.LayerSummary`
 (extremes, least headroom, mean fractions, non-finite step counts) are a few
 host tensors with one row per layer. A recorded step updates them all with a
 handful of tensor ops over its :class:`~amp_doctor.steps.table.StepTable`,
-whatever the number of layers (per-layer Python cost about 5 us a layer, 3 ms a
-step on the benchmark GPT). Host data only.
+whatever the number of layers (an update object per layer cost about 5 us a layer:
+3 ms a recorded step on the benchmark GPT). Host data only.
 
 A figure that is NaN in a step (an absent tensor, an all-NaN output's headroom)
 is left out of that figure's mean and extremes, as if the step had not had it.
@@ -44,7 +44,7 @@ __all__ = ["LayerAggregates"]
 _F64 = torch.float64
 _W = len(TS_FIELDS)
 # A step's figures read, as (slot, field): the slots' unscaled views fall back to the
-# scaled slot where the step had no loss scale (see StepTable.unscaled).
+# scaled slot where the step had no loss scale (see StepTable.filled).
 _MEANS = ((ACT, ZERO), (ACT, UNDER), (GRAD, ZERO), (GRAD, UNDER), (GRAD_U, UNDER),
           (PG, ZERO), (PG, UNDER), (PG_U, UNDER))
 M_ZERO, M_UNDER, M_GZERO, M_GUNDER, M_GUNDER_U, M_PZERO, M_PUNDER, M_PUNDER_U = range(len(_MEANS))
@@ -66,6 +66,7 @@ _SPLIT = (len(_MEANS), len(_HIS), len(_LOS), len(_NFS))
 # a gradient headroom, steps seen.
 _N_SUMS = 2 * len(_MEANS) + len(_NFS) + 2
 C_COUNTS, C_NONFIN = len(_MEANS), 2 * len(_MEANS)
+C_GNONFIN, C_PNONFIN = C_NONFIN + 1, C_NONFIN + 2
 C_GHEAD, C_STEPS = C_NONFIN + len(_NFS), C_NONFIN + len(_NFS) + 1
 _EXT_START = (*_HI_START, *([-math.inf] * len(_LOS)))
 
@@ -137,7 +138,6 @@ class LayerAggregates:
         for name, i in self._slot.items():
             s, hi = sums[i], exts[i]
             lo = [-v for v in hi[len(_HIS):]]
-            t = [int(v) for v in s[C_NONFIN:]]
 
             def mean(col: int, s: list[float] = s) -> float | None:
                 return s[col] / s[C_COUNTS + col] if s[C_COUNTS + col] else None
@@ -145,7 +145,7 @@ class LayerAggregates:
             def top(col: int, hi: list[float] = hi) -> float | None:
                 return max(hi[col], 0.0) if hi[col] > -math.inf else None
 
-            steps = t[C_STEPS - C_NONFIN]
+            steps = int(s[C_STEPS])
             out[name] = dict(
                 recorded_steps=steps,
                 absmax=hi[H_ABSMAX],
@@ -155,19 +155,19 @@ class LayerAggregates:
                 zero_frac=mean(M_ZERO) or 0.0,
                 overflow_frac=max(hi[H_OVER], 0.0),
                 underflow_frac=mean(M_UNDER) or 0.0,
-                nonfinite_steps=t[0],
+                nonfinite_steps=int(s[C_NONFIN]),
                 overflow_origin_steps=self._origin_steps.get(name, 0),
                 grad_absmax=top(H_GABS),
-                grad_headroom=lo[L_GHEAD] if t[C_GHEAD - C_NONFIN] else None,
+                grad_headroom=lo[L_GHEAD] if s[C_GHEAD] else None,
                 grad_zero_frac=mean(M_GZERO),
                 grad_underflow_frac=mean(M_GUNDER),
                 grad_underflow_frac_unscaled=mean(M_GUNDER_U),
-                grad_nonfinite_steps=t[1],
+                grad_nonfinite_steps=int(s[C_GNONFIN]),
                 param_grad_absmax=top(H_PABS),
                 param_grad_zero_frac=mean(M_PZERO),
                 param_grad_underflow_frac=mean(M_PUNDER),
                 param_grad_underflow_frac_unscaled=mean(M_PUNDER_U),
-                param_grad_nonfinite_steps=t[2],
+                param_grad_nonfinite_steps=int(s[C_PNONFIN]),
             )
         return out
 

@@ -42,6 +42,8 @@ assert TS_FIELDS == ("numel", "min", "max", "absmax", "zero_frac", "nonfinite_fr
 _TS_COLUMNS = [S.DECODED_FIELDS.index(f) for f in TS_FIELDS]
 # The slot each slot falls back to when absent (an unscaled view: its scaled slot).
 _FALLBACK = torch.tensor([ACT, GRAD, GRAD, PG, PG])
+# The tensors a layer's risk is judged on: outputs, their gradients, parameter gradients.
+_RISK_SLOTS = torch.tensor([ACT, GRAD, PG_U])
 # The slot a filed field fills, and the slot of its unscaled view.
 _SLOT_OF = {"act": (ACT, None), "grad": (GRAD, GRAD_U), "param_grad": (PG, PG_U)}
 
@@ -119,12 +121,6 @@ class StepTable(Mapping[str, LayerStep]):
         """``[layers]`` figure ``fld`` of ``slot`` (NaN where absent)."""
         return self.data[:, slot, fld]
 
-    def unscaled(self, slot: int) -> torch.Tensor:
-        """``[layers, fields]`` the unscaled view of a gradient slot where one was
-        decoded, else the slot itself (the step had no loss scale)."""
-        return torch.where(self.present[:, slot + 1, None], self.data[:, slot + 1],
-                           self.data[:, slot])
-
     def flagged(self, slots: tuple[int, ...] = (ACT,)) -> torch.Tensor:
         """``[layers]`` bool: a tensor of ``slots`` overflowed or went non-finite."""
         v = self.data[:, list(slots)]
@@ -132,7 +128,7 @@ class StepTable(Mapping[str, LayerStep]):
 
     def filled(self) -> torch.Tensor:
         """:attr:`data` with each absent unscaled slot holding its scaled slot's figures
-        (:meth:`unscaled` for every gradient slot at once)."""
+        (the step had no loss scale: the gradients as filed are the unscaled ones)."""
         return torch.where(self.present[:, :, None], self.data,
                            self.data.index_select(1, _FALLBACK))
 
@@ -150,7 +146,7 @@ class StepTable(Mapping[str, LayerStep]):
         n = len(self.names)
         if n <= limit:
             return list(range(n))
-        v = torch.stack([self.data[:, ACT], self.data[:, GRAD], self.unscaled(PG)], 1)
+        v = self.filled().index_select(1, _RISK_SLOTS)
         nonfinite = v[..., NONFINITE].nan_to_num(0.0).amax(1) > 0
         over = v[..., OVER].nan_to_num(0.0).clamp(min=0.0).amax(1)
         under = v[..., UNDER].nan_to_num(0.0).clamp(min=0.0).amax(1)
