@@ -19,6 +19,7 @@ boundary state machine further would spread one decision over several files.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -274,17 +275,17 @@ class Watch:
         self.closed = True
         try:
             if pending:
-                self._finish_step(partial=False)
+                self._close_step(partial=False)
                 self.step_index += 1
             elif implicit_last:
                 # A loop without optimizer or scaler: its last step ends with the run.
                 self._bounds.implicit = True
-                self._finish_step(partial=False)
+                self._close_step(partial=False)
                 self.step_index += 1
             elif self._buffer is not None and self._loop.trained_since_boundary:
                 # Training work after the last boundary (a crash mid-step); an
                 # evaluation pass after the last step is not a step.
-                self._finish_step(partial=True)
+                self._close_step(partial=True)
         finally:
             self._teardown()
             # Leave no reference to the user's tensors behind.
@@ -583,15 +584,31 @@ class Watch:
     def _boundary(self) -> None:
         if self.closed:
             return
-        self._finish_step(partial=False)
-        self.step_index += 1
-        self._set_recording()
-        self._loop.new_step()
-        self._bounds.idle = False
+        try:
+            self._finish_step(partial=False)
+        finally:
+            # The next step starts even if the last one could not be folded (an
+            # internal error, reported by the patch hub): its hooks get a new buffer.
+            self.step_index += 1
+            self._set_recording()
+            self._loop.new_step()
+            self._bounds.idle = False
         if self._opts.stop_after is not None and self.step_index >= self._opts.stop_after:
             from amp_doctor.errors import StopRun
 
             raise StopRun(self.step_index)
+
+    def _close_step(self, partial: bool) -> None:
+        """:meth:`_finish_step` at close: an internal error there must cost the user
+        neither their run nor the report of the steps before, so it becomes an
+        ``internal_error`` event of the report instead of an exception."""
+        try:
+            self._finish_step(partial)
+        except Exception as e:
+            if os.environ.get("AMP_DOCTOR_DEBUG"):
+                raise
+            self._extra_events.append(
+                Event(kind="internal_error", step=self.step_index, data={"error": repr(e)}))
 
     def _finish_step(self, partial: bool) -> None:
         """End the current step: fold its record (if recorded), then its scaler outcome."""
@@ -603,7 +620,8 @@ class Watch:
             loss_bad, self._pending_loss_bad = self._pending_loss_bad, None
             self._pending_culprits = None
             step = self.step_index
-            buf = self._buffer
+            # Detached first: a buffer is flushed once, even if folding it fails below.
+            buf, self._buffer = self._buffer, None
             if self._anomaly is not None:
                 self._anomaly.end_step(skipped=skipped, recorded=buf is not None)
             flags = self._loop.end_step()

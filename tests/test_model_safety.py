@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -379,3 +380,79 @@ def test_vmap_per_sample_grads_over_the_watched_model() -> None:
     assert kinds == {"functorch"}
     assert w.session.recorded_steps == 1
     assert _module_hook_count(model) == 0
+
+
+# -- amp-doctor's own failures --------------------------------------------------------
+
+
+def test_a_step_that_fails_to_fold_costs_neither_the_run_nor_the_later_steps(
+        monkeypatch: Any) -> None:
+    """An internal error while folding one recorded step (simulated in amp-doctor's own
+    folder; torch and the scaler are real) is reported once by the patch hub; the
+    training's numerics are untouched, the next steps are recorded, and close() neither
+    raises nor loses them. Before, the spent step buffer was kept and flushed again,
+    and close() raised a shape error into the user's script."""
+    from amp_doctor.steps import folder
+
+    monkeypatch.delenv("AMP_DOCTOR_DEBUG", raising=False)
+    fold = folder.StepFolder.fold
+    calls = [0]
+
+    def fold_failing_once(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("simulated fold failure")
+        return fold(self, *args, **kwargs)
+
+    monkeypatch.setattr(folder.StepFolder, "fold", fold_failing_once)
+    plain, _ = _loop(_fresh(), watched=False)
+    model = _fresh()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watched, session = _loop(model, watched=True)
+    assert watched == plain
+    assert calls[0] == STEPS  # every step was folded once, the failed one included
+    assert session.recorded_steps == STEPS
+    assert [r.step for r in session.history] == [s for s in range(STEPS) if s != 1]
+    assert any("simulated fold failure" in str(w.message) for w in caught)
+    assert _module_hook_count(model) == 0 and _tensor_hook_count(model) == 0
+
+
+def test_an_internal_error_at_close_becomes_a_report_event_not_an_exception(
+        monkeypatch: Any) -> None:
+    """A run that stops mid-step (after a backward, before the optimizer step) has that
+    step folded by close(); if folding it fails, close() still returns the report of
+    the steps before, with the failure as an event, and leaves no hook behind."""
+    from amp_doctor.steps import folder
+
+    monkeypatch.delenv("AMP_DOCTOR_DEBUG", raising=False)
+    fold = folder.StepFolder.fold
+    calls = [0]
+
+    def fold_failing_third(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("simulated fold failure at close")
+        return fold(self, *args, **kwargs)
+
+    monkeypatch.setattr(folder.StepFolder, "fold", fold_failing_third)
+    model = _fresh()
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    w = amp_doctor.watch(model, every=1)
+    for i in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        if i < 2:  # the third step stops after its backward
+            scaler.step(opt)
+            scaler.update()
+    session = w.close()
+    assert calls[0] == 3
+    errors = [e for e in session.events if e.kind == "internal_error"]
+    assert len(errors) == 1 and "at close" in errors[0].data["error"]
+    assert [r.step for r in session.history] == [0, 1]
+    assert _module_hook_count(model) == 0 and _tensor_hook_count(model) == 0
