@@ -45,10 +45,12 @@ demo:
 BENCH_ARGS ?=
 
 # run.py: the sample models and the wide-and-deep GPT (524 leaf modules) against plain
-# AMP; bench_scale.py: cost against the number of layers, appended to results.md.
+# AMP; bench_scale.py: cost against the number of layers; bench_gc.py: Python GC
+# collections per step (the medians leave them out). Both appended to results.md.
 bench:
 	$(BIN)/python benchmarks/run.py $(BENCH_ARGS) --markdown benchmarks/results.md --json benchmarks/results.json
 	$(BIN)/python benchmarks/bench_scale.py --threads 1 --markdown benchmarks/results.md
+	$(BIN)/python benchmarks/bench_gc.py --threads 1 --markdown benchmarks/results.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs .pytest_cache

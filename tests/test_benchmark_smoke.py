@@ -135,3 +135,21 @@ def test_naive_baseline_counts_one_sync_per_stat_per_tensor() -> None:
     # 4 module outputs (3 layers + the Sequential), each with a gradient.
     assert hooks.steps == 1 and hooks.syncs == len(STATS) * 4 * 2
     assert all(len(model[i]._forward_hooks) == 0 for i in range(3))
+
+
+def test_the_gc_count_sees_the_collections_of_the_steps_it_times() -> None:
+    """bench_gc.py counts collections with gc.callbacks during the timed steps only."""
+    import gc
+
+    import bench_gc
+
+    mean, seen = bench_gc.measure("cnn", 1, 3)
+    assert mean > 0 and len(seen.count) == 3 and bench_gc.gc_callback_removed(seen)
+    # The counter is the one Python calls: a forced collection inside is counted.
+    counter = bench_gc._Collections()
+    gc.callbacks.append(counter)
+    try:
+        gc.collect(1)
+    finally:
+        gc.callbacks.remove(counter)
+    assert counter.count[1] == 1 and counter.seconds[1] > 0

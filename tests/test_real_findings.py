@@ -60,7 +60,8 @@ def test_gpt_overflow_is_one_error_named_the_same_at_every_rate(every: int) -> N
     assert "ln_f" not in collapse.message
 
 
-def test_nan_in_the_batch_is_blamed_on_the_input_not_the_first_layer() -> None:
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+def test_nan_in_the_batch_is_blamed_on_the_input_not_the_first_layer(bad: float) -> None:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -68,7 +69,7 @@ def test_nan_in_the_batch_is_blamed_on_the_input_not_the_first_layer() -> None:
     with amp_doctor.watch(model, every=2, tensorboard=False) as doctor:
         for _ in range(4):
             x = torch.randn(8, 16, generator=g)
-            x[3, 5] = math.nan
+            x[3, 5] = bad
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(8).long())
             opt.zero_grad()
@@ -77,7 +78,9 @@ def test_nan_in_the_batch_is_blamed_on_the_input_not_the_first_layer() -> None:
     s = doctor.session
     errs = errors(s)
     assert [(f.kind, f.module) for f in errs] == [("nonfinite_input", "MLP")]
-    assert "already held NaN" in errs[0].message
+    event = next(e for e in s.events if e.kind == "nonfinite_input")
+    assert (event.data["nan"], event.data["inf"]) == (math.isnan(bad), math.isinf(bad))
+    assert ("already held NaN" if math.isnan(bad) else "already held inf") in errs[0].message
     assert all(lay.overflow_origin_steps == 0 for lay in s.layers)
     # No layer is blamed, and the NaN loss is the input's consequence.
     assert not [f for f in s.findings if f.module == "fc1"]

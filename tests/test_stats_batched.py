@@ -97,6 +97,37 @@ def test_nan_and_inf_counts_are_exact_for_small_tensors(dtype: torch.dtype) -> N
     assert row[S.HIST + 255].item() == 5  # inf and NaN share the top exponent bin
 
 
+def test_mixed_dtypes_over_several_compacted_chunks_equal_one_tensor_at_a_time() -> None:
+    # float16, bfloat16, float32 and float64 rows in every chunk of per-tensor results,
+    # so each chunk and their concatenation promote dtypes as one stack would.
+    ts = _tensors() * 4
+    assert len(ts) > 2 * S.COMPACT_ROWS
+    b = S.Batch()
+    for t in ts:
+        b.add(t)
+    rows = S.host_rows(b.finish(), b.numel, b.sampled)
+    torch.testing.assert_close(rows, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
+
+
+def _live_tensors() -> int:
+    return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor)
+
+
+def test_a_batch_holds_a_few_tensor_objects_not_one_per_row() -> None:
+    # Per-row results kept as thousands of tensor objects through a step would survive
+    # Python's young-generation collections and trigger full-heap collections.
+    ts = [torch.full((4,), float(i), dtype=torch.float16) for i in range(1000)]
+    gc.collect()
+    before = _live_tensors()
+    b = S.Batch()
+    for t in ts:
+        b.add(t)
+    held = _live_tensors() - before
+    assert held <= 3 * S.COMPACT_ROWS + 3 * (1000 // S.COMPACT_ROWS + 1) + 10, held
+    rows = b.finish()
+    assert rows[:, S.MAX].tolist() == [float(i) for i in range(1000)]
+
+
 def test_a_summary_keeps_no_reference_to_the_tensor_once_added() -> None:
     buf = StepBuffer(0)
     x = torch.randn(64, 64).to(torch.bfloat16)
@@ -156,8 +187,8 @@ def test_a_step_split_over_devices_comes_back_in_insertion_order() -> None:
     split = StepBuffer(0)
     for i, t in enumerate(ts):
         dev = torch.device("cpu") if i % 3 else torch.device("cpu", 0)
-        batch = split._batches.setdefault(dev, S.Batch())
-        split._where.append((dev, batch.add(t)))
+        split._batches.setdefault(dev, S.Batch()).add(t)
+        split._where.append(dev)
     split.put_scalar("loss", torch.tensor(1.5))
     got = split.flush()
     assert len(split._batches) == 0 and got.scalars == {"loss": 1.5}

@@ -34,7 +34,9 @@ class StepBuffer:
         self.closed = False
         # One batch per device (a model split over devices); rows numbered globally.
         self._batches: dict[torch.device, S.Batch] = {}
-        self._where: list[tuple[torch.device, int]] = []
+        # The device of each row, in insertion order (no tuple per row: a step's
+        # thousands of small objects would feed Python's full-heap collections).
+        self._where: list[torch.device] = []
         self._scalars: dict[str, torch.Tensor] = {}
         self.assigned: dict[tuple[str, str], list[int]] = {}
         self.backward_order: list[str] = []
@@ -47,7 +49,8 @@ class StepBuffer:
         batch = self._batches.get(dev)
         if batch is None:
             batch = self._batches[dev] = S.Batch()
-        self._where.append((dev, batch.add(x)))
+        batch.add(x)
+        self._where.append(dev)
         return len(self._where) - 1
 
     def release(self) -> None:
@@ -129,7 +132,7 @@ def unpack_host(host: torch.Tensor, buf: StepBuffer) -> HostCopy:
         sampled: list[int] = []
         for dev, batch in batches:
             # Rows were grouped by device; put them back in insertion order.
-            order += [i for i, (d, _) in enumerate(buf._where) if d == dev]
+            order += [i for i, d in enumerate(buf._where) if d == dev]
             numel += batch.numel
             sampled += batch.sampled
         grouped = S.host_rows(host[:n_rows], numel, sampled)

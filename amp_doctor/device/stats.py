@@ -178,6 +178,41 @@ _STEPS_FIXED_NS = 55_000
 _STEPS_NS_PER_VALUE = 0.5
 
 
+# A batch's per-tensor results (0-d tensors) are stacked into one tensor every this
+# many rows. Thousands of small tensor objects kept through a whole step survive
+# Python's young-generation collections and make the cyclic GC sweep the whole heap
+# (about 0.1 s with torch imported) every few recorded steps.
+COMPACT_ROWS = 64
+
+
+class _Column:
+    """0-d device tensors appended one at a time, held as a few stacked chunks.
+
+    ``torch.stack`` and ``torch.cat`` promote mixed dtypes exactly (float16 and
+    bfloat16 into float32), as one stack of every value would.
+    """
+
+    __slots__ = ("_pending", "_chunks")
+
+    def __init__(self) -> None:
+        self._pending: list[torch.Tensor] = []
+        self._chunks: list[torch.Tensor] = []
+
+    def append(self, t: torch.Tensor) -> None:
+        self._pending.append(t)
+        if len(self._pending) >= COMPACT_ROWS:
+            self._chunks.append(torch.stack(self._pending))
+            self._pending = []
+
+    def __bool__(self) -> bool:
+        return bool(self._pending or self._chunks)
+
+    def stacked(self) -> torch.Tensor:
+        """Every value in order, as one 1-D tensor (the column must not be empty)."""
+        parts = self._chunks + ([torch.stack(self._pending)] if self._pending else [])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def exp_histogram(codes: torch.Tensor, nbins: int, device_path: bool | None = None) -> torch.Tensor:
     """Counts of ``codes`` in ``[0, nbins)``, int64, without a host sync.
 
@@ -225,9 +260,9 @@ class Batch:
         self._device_path = device_path
         self.numel: list[int] = []
         self.sampled: list[int] = []
-        self._mins: list[torch.Tensor] = []
-        self._maxs: list[torch.Tensor] = []
-        self._nonzeros: list[torch.Tensor] = []
+        self._mins = _Column()
+        self._maxs = _Column()
+        self._nonzeros = _Column()
         self._counted: list[int] = []  # the rows that have a _nonzeros entry, in order
         self._stage: torch.Tensor | None = None
         self._used = 0
@@ -331,8 +366,8 @@ class Batch:
         if not r:
             return out
         rows = out[:r]
-        rows[:, MIN].copy_(torch.stack(self._mins))
-        rows[:, MAX].copy_(torch.stack(self._maxs))
+        rows[:, MIN].copy_(self._mins.stacked())
+        rows[:, MAX].copy_(self._maxs.stacked())
         h = torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]
         rows[:, HIST:].copy_(h[:, :N_EXP_BINS])
         rows[:, NANS].copy_(h[:, _H_NANS])
@@ -342,9 +377,10 @@ class Batch:
         if self._counted:
             # ... and the exact count where code 0 may hold non-zeros (not float16).
             rows[:, ZEROS].index_copy_(0, upload(self._counted, dev),
-                                       torch.stack(self._nonzeros).to(f64))
+                                       self._nonzeros.stacked().to(f64))
         self._hists = []
-        self._mins, self._maxs, self._nonzeros, self._counted = [], [], [], []
+        self._mins, self._maxs, self._nonzeros = _Column(), _Column(), _Column()
+        self._counted = []
         return out
 
 

@@ -98,6 +98,8 @@ class _PostHook(WeakHook["Probes"]):
 class _GradHook(WeakHook["Probes"]):
     # The hook holds the layer names and the step's buffer, never the
     # activation: a finished step keeps no reference to user tensors.
+    __slots__ = ("owners", "buf")
+
     def __init__(self, probes: Probes, owners: list[str], buf: StepBuffer) -> None:
         super().__init__(probes)
         self.owners = owners

@@ -68,6 +68,9 @@ class WeakHook(Generic[_O]):
     """
 
     __torch_unserializable__ = True
+    # Subclasses without __slots__ still get a __dict__; those made per tensor
+    # declare theirs, so that each is one object for the garbage collector, not two.
+    __slots__ = ("_owner",)
 
     def __init__(self, owner: _O) -> None:
         self._owner = weakref.ref(owner)

@@ -82,7 +82,13 @@ class LoopSignals:
                 [~torch.isfinite(t.detach()).all() for t in losses]).any())
 
     def check_input(self, args: tuple[Any, ...]) -> None:
-        """On a recorded step: does the batch itself hold NaN/inf? Device flags only."""
+        """On a recorded step: does the batch itself hold NaN/inf? Device flags only.
+
+        One ``aminmax`` pass per tensor, with no temporary as large as the batch
+        (an ``isnan`` and an ``isinf`` mask would be two). As in anomaly mode's
+        batch check, a tensor holding a NaN reads as NaN: infinities beside it
+        are not told apart.
+        """
         # vmap's wrapped tensors must not escape into the step's flags; nor odd layouts.
         ts = [t for t in iter_tensors(args) if t.is_floating_point() and t.numel() > 0
               and unsummarizable(t) is None]
@@ -90,10 +96,10 @@ class LoopSignals:
             return
         with own_ops:
             try:
-                nan = torch.stack([t.detach().isnan().any() for t in ts]).any()
-                inf = torch.stack([t.detach().isinf().any() for t in ts]).any()
+                ext = torch.stack([v for t in ts for v in torch.aminmax(t.detach())])
             except Exception:  # odd tensors (nested, float8): skip the check
                 return
+            nan, inf = ext.isnan().any(), ext.isinf().any()
         self._or_flag("input_nan", nan)
         self._or_flag("input_inf", inf)
 
