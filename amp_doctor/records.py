@@ -96,8 +96,8 @@ class StepRecord:
     loss: float | None
     scale: float | None
     skipped: bool
-    # Plain records, or a step's decoded table (steps.table.StepTable) until the
-    # history keeps the step.
+    # Plain records; a step's decoded table (steps.table.StepTable) until the
+    # history keeps the step, then its kept layers packed (steps.table.KeptLayers).
     layers: Mapping[str, LayerStep]
     # Layers recorded in this step but left out of this history row (only the
     # worst ``history.HISTORY_LAYERS`` are kept; every layer is in the aggregates).

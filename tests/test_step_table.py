@@ -5,12 +5,15 @@ NaN headrooms, inf extremes and non-finite values."""
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
+import pickle
 import random
 
-from amp_doctor.records import LayerStep, TensorStats
+from amp_doctor.records import LayerStep, StepRecord, TensorStats
 from amp_doctor.steps.aggregates import LayerAggregates
+from amp_doctor.steps.history import History
 from amp_doctor.steps.table import ACT, GRAD, SLOTS, StepTable
 
 
@@ -84,6 +87,53 @@ def test_a_table_reads_back_the_records_it_was_made_of_and_ranks_them_as_python_
                 t is not None and (t.nonfinite_frac > 0 or t.overflow_frac > 0)
                 for t in (ls.act, ls.grad))]
             assert table.where(table.flagged((ACT, GRAD))) == flagged
+
+
+def _same_layer(got: LayerStep, want: LayerStep) -> bool:
+    for f in SLOTS:
+        a, b = getattr(got, f), getattr(want, f)
+        if (a is None) != (b is None):
+            return False
+        if a is not None and not all(_same(x, y) for x, y in zip(
+                a.__dict__.values(), b.__dict__.values(), strict=True)):
+            return False
+    return True
+
+
+def test_kept_layers_read_back_as_the_records_they_were_made_of() -> None:
+    for seed in range(3):
+        for layers in _steps(seed):
+            table = StepTable.from_layers(layers)
+            rows = table.worst(7)
+            kept = table.keep(rows)
+            names = [table.names[i] for i in rows]
+            assert list(kept) == names and len(kept) == len(names)
+            assert all(n in kept for n in names) and "nope" not in kept
+            for n in names:
+                assert _same_layer(kept[n], layers[n])
+                assert kept[n] is kept[n]  # made once
+            again = pickle.loads(pickle.dumps(kept))
+            assert list(again) == names and all(_same_layer(again[n], layers[n]) for n in names)
+
+
+def test_a_full_history_holds_no_records_until_read() -> None:
+    """512 rows of 32 layers as records were about 77,000 objects for every full
+    garbage collection to sweep; packed, a row is a few."""
+    steps = _steps(7, n_steps=2, n_layers=60)
+    gc.collect()
+    before = len(gc.get_objects())
+    h = History()
+    for i in range(600):
+        h.add(StepRecord(step=i, loss=1.0, scale=None, skipped=False,
+                         layers=StepTable.from_layers(steps[i % 2])))
+    gc.collect()
+    assert len(h.records) <= 512
+    assert len(gc.get_objects()) - before < 10 * len(h.records)
+    row = h.records[-1]
+    want = steps[row.step % 2]
+    assert row.dropped_layers == len(want) - 32 and len(row.layers) == 32
+    for n, ls in row.layers.items():
+        assert _same_layer(ls, want[n])
 
 
 def _reference_summary(steps: list[dict[str, LayerStep]], name: str) -> dict[str, object]:

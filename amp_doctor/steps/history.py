@@ -1,7 +1,8 @@
 """The bounded history of step records: it keeps spanning the whole run.
 
-Host data only. Its rows are plain records (what the JSON report and the
-TensorBoard sink read back), each holding only the step's worst layers.
+Host data only. Its rows are step records, each holding only the step's worst
+layers, packed (:class:`~amp_doctor.steps.table.KeptLayers`) and read as plain
+records by the JSON report and the TensorBoard sink.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ HISTORY_LAYERS = 32
 
 
 def trim_layers(rec: StepRecord, limit: int) -> StepRecord:
-    """``rec`` with plain records of only its ``limit`` worst layers (forward order
-    kept; see :meth:`StepTable.worst`)."""
+    """``rec`` with only its ``limit`` worst layers (forward order kept; see
+    :meth:`StepTable.worst`), packed for keeping."""
     table = StepTable.from_layers(rec.layers)
     keep = table.worst(limit)
-    return dataclasses.replace(rec, layers=table.to_dict(keep),
+    return dataclasses.replace(rec, layers=table.keep(keep),
                                dropped_layers=rec.dropped_layers + len(table) - len(keep))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from array import array
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -27,7 +28,7 @@ from amp_doctor.device.recorder import HIST_FIELDS, HostCopy, StepHists, scale_l
 from amp_doctor.dtypes import FormatLimits
 from amp_doctor.records import LayerStep, TensorStats
 
-__all__ = ["SLOTS", "TS_FIELDS", "StepTable", "decode_step"]
+__all__ = ["SLOTS", "TS_FIELDS", "KeptLayers", "StepTable", "decode_step"]
 
 # A layer's tensors in a step, in LayerStep's field order.
 SLOTS = tuple(f.name for f in dataclasses.fields(LayerStep))
@@ -116,6 +117,13 @@ class StepTable(Mapping[str, LayerStep]):
             self._made[i] = LayerStep(*(TensorStats(int(c[NUMEL]), *c[1:]) if p else None
                                         for c, p in zip(cells, has, strict=True)))
 
+    def keep(self, rows: list[int]) -> KeptLayers:
+        """The layers of ``rows`` (in their order), packed for keeping through the run."""
+        at = torch.tensor(rows, dtype=torch.long)
+        values = array("d", self.data.index_select(0, at).flatten().tolist())
+        present = bytes(self.present.index_select(0, at).flatten().tolist())
+        return KeptLayers([self.names[i] for i in rows], values, present)
+
     # -- whole-step questions -------------------------------------------
     def column(self, slot: int, fld: int) -> torch.Tensor:
         """``[layers]`` figure ``fld`` of ``slot`` (NaN where absent)."""
@@ -156,6 +164,59 @@ class StepTable(Mapping[str, LayerStep]):
         for key in (-under, head, -over, -nonfinite.to(torch.float64)):
             order = order[torch.argsort(key[order], stable=True)]
         return sorted(order[:limit].tolist())
+
+
+class KeptLayers(Mapping[str, LayerStep]):
+    """Some layers of one step, as kept by the history for the whole run.
+
+    As records, a history row's 32 layers are about 150 Python objects (about
+    80 KB, each one swept by every full garbage collection, and a run keeps
+    512 rows); here their figures are one ``array("d")`` (11.5 KB) and a
+    presence mask. A layer's :class:`LayerStep` is made when it is looked up
+    (the JSON report, the TensorBoard sink at close), once.
+    """
+
+    __slots__ = ("names", "_values", "_present", "_made")
+
+    def __init__(self, names: list[str], values: array[float], present: bytes) -> None:
+        self.names = names
+        self._values = values
+        self._present = present
+        self._made: dict[int, LayerStep] = {}
+
+    def __getitem__(self, name: str) -> LayerStep:
+        try:
+            i = self.names.index(name)
+        except ValueError:
+            raise KeyError(name) from None
+        ls = self._made.get(i)
+        if ls is None:
+            ls = self._made[i] = self._make(i)
+        return ls
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __repr__(self) -> str:
+        return f"KeptLayers({dict(self.items())!r})"
+
+    def _make(self, i: int) -> LayerStep:
+        width = len(TS_FIELDS)
+        cells: list[TensorStats | None] = []
+        for slot in range(len(SLOTS)):
+            if not self._present[i * len(SLOTS) + slot]:
+                cells.append(None)
+                continue
+            at = (i * len(SLOTS) + slot) * width
+            c = self._values[at : at + width]
+            cells.append(TensorStats(int(c[NUMEL]), *c[1:]))
+        return LayerStep(*cells)
 
 
 def decode_step(hs: HostCopy, fmt: FormatLimits, grad_scale: float | None,
