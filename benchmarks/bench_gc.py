@@ -29,7 +29,7 @@ from tabulate import tabulate
 
 import amp_doctor
 
-__all__ = ["gc_callback_removed", "main", "measure"]
+__all__ = ["main", "measure"]
 
 # Steps per model and variant: a few full collections' worth on the GPT.
 DEFAULT_STEPS = {"cnn": 100, "transformer": 100, "gpt": 40}
@@ -75,11 +75,6 @@ def measure(model: str, every: int | None, steps: int) -> tuple[float, _Collecti
         if w is not None:
             w.close()
     return spent, seen
-
-
-def gc_callback_removed(seen: _Collections) -> bool:
-    """The counter of :func:`measure` is no longer installed."""
-    return all(cb is not seen for cb in gc.callbacks)
 
 
 def main(argv: list[str] | None = None) -> int:

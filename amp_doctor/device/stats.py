@@ -204,9 +204,6 @@ class _Column:
             self._chunks.append(torch.stack(self._pending))
             self._pending = []
 
-    def __bool__(self) -> bool:
-        return bool(self._pending or self._chunks)
-
     def stacked(self) -> torch.Tensor:
         """Every value in order, as one 1-D tensor (the column must not be empty)."""
         parts = self._chunks + ([torch.stack(self._pending)] if self._pending else [])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -111,11 +111,10 @@ class StepTable(Mapping[str, LayerStep]):
         if not rows:
             return
         at = torch.tensor(rows)
-        data = self.data.index_select(0, at).tolist()
+        data = self.data.index_select(0, at).flatten(1).tolist()
         present = self.present.index_select(0, at).tolist()
-        for i, cells, has in zip(rows, data, present, strict=True):
-            self._made[i] = LayerStep(*(TensorStats(int(c[NUMEL]), *c[1:]) if p else None
-                                        for c, p in zip(cells, has, strict=True)))
+        for i, values, has in zip(rows, data, present, strict=True):
+            self._made[i] = _layer_step(values, has)
 
     def keep(self, rows: list[int]) -> KeptLayers:
         """The layers of ``rows`` (in their order), packed for keeping through the run."""
@@ -207,16 +206,18 @@ class KeptLayers(Mapping[str, LayerStep]):
         return f"KeptLayers({dict(self.items())!r})"
 
     def _make(self, i: int) -> LayerStep:
-        width = len(TS_FIELDS)
-        cells: list[TensorStats | None] = []
-        for slot in range(len(SLOTS)):
-            if not self._present[i * len(SLOTS) + slot]:
-                cells.append(None)
-                continue
-            at = (i * len(SLOTS) + slot) * width
-            c = self._values[at : at + width]
-            cells.append(TensorStats(int(c[NUMEL]), *c[1:]))
-        return LayerStep(*cells)
+        n = len(SLOTS) * len(TS_FIELDS)
+        return _layer_step(self._values[i * n : (i + 1) * n],
+                           self._present[i * len(SLOTS) : (i + 1) * len(SLOTS)])
+
+
+def _layer_step(values: Sequence[float], present: Sequence[bool | int]) -> LayerStep:
+    """One layer's record from its figures, ``len(SLOTS) * len(TS_FIELDS)`` values in
+    slot order, and each slot's presence."""
+    w = len(TS_FIELDS)
+    return LayerStep(*(
+        TensorStats(int(values[s * w + NUMEL]), *values[s * w + 1 : (s + 1) * w]) if p else None
+        for s, p in enumerate(present)))
 
 
 def decode_step(hs: HostCopy, fmt: FormatLimits, grad_scale: float | None,
