@@ -5,7 +5,8 @@ flow (hooks, stats, step records, anomaly mode, the scaler mirror) can share
 these three things without an import circle.
 
 - :data:`own_ops` marks amp-doctor's own device work, which anomaly mode must
-  neither check nor count.
+  neither check nor count, and keeps the user's default device away from it
+  (:func:`as_own_work` for the entry points the user calls).
 - :func:`count_sync` / :func:`host_syncs` count amp-doctor's device->host copies.
   Every module that copies to the host calls :func:`count_sync` once per copy,
   so the benchmark and the tests can hold the "one sync per recorded step"
@@ -19,14 +20,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
-__all__ = ["own_ops", "count_sync", "host_syncs", "host_scalars", "iter_tensors", "map_tensors",
-           "MAX_OUTPUT_DEPTH"]
+__all__ = ["own_ops", "as_own_work", "count_sync", "host_syncs", "host_scalars", "iter_tensors",
+           "map_tensors", "MAX_OUTPUT_DEPTH"]
 
 # How deep the walker looks into nested outputs: deeper structures are rare in
 # models and walking them on every call would cost more than they tell.
@@ -35,9 +37,29 @@ MAX_OUTPUT_DEPTH = 4
 _own = threading.local()
 
 
+def _user_default_device() -> bool:
+    """Whether the user's code made another device than the CPU the default for new
+    tensors (``torch.set_default_device("cuda")`` or ``with torch.device(...)``).
+
+    Both push a ``DeviceContext`` function mode: with no function mode at all (one C
+    call) there is none, so the usual case costs nothing more.
+    """
+    if not torch._C._len_torch_function_stack():
+        return False
+    return torch.get_default_device().type != "cpu"
+
+
 class _OwnOps:
     """``with own_ops:`` marks amp-doctor's own tensor work (stats, the step's host
-    copy, the scaler observer), which the dispatch mode must neither check nor count.
+    copy, the scaler observer, the session built at close), which the dispatch mode
+    must neither check nor count.
+
+    It also keeps the user's default device away from that work: amp-doctor makes its
+    host-side tensors without a device argument, and under the user's
+    ``torch.set_default_device("cuda")`` they would land on the GPU, to meet host
+    tensors there (a device mismatch inside the user's step). On entering, the CPU is
+    made the default again, for amp-doctor's work only; tensors made for the user's
+    device always name it.
 
     Per thread: a user's thread running the model meanwhile must not have its ops
     taken for ours. On CUDA the backward pass runs on an autograd thread, and
@@ -49,13 +71,37 @@ class _OwnOps:
         return bool(getattr(_own, "depth", 0))
 
     def __enter__(self) -> None:
-        _own.depth = getattr(_own, "depth", 0) + 1
+        depth = getattr(_own, "depth", 0)
+        _own.depth = depth + 1
+        if depth == 0 and _user_default_device():
+            cpu = torch.device("cpu")
+            cpu.__enter__()
+            _own.cpu_default = cpu
 
     def __exit__(self, *exc: object) -> None:
         _own.depth -= 1
+        if _own.depth == 0:
+            cpu = getattr(_own, "cpu_default", None)
+            if cpu is not None:
+                _own.cpu_default = None
+                cpu.__exit__(None, None, None)
 
 
 own_ops = _OwnOps()
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def as_own_work(fn: _F) -> _F:
+    """Run ``fn`` inside :data:`own_ops`: for the entry points the user calls
+    (``watch()``, ``close()``...), which make amp-doctor's tensors outside any hook."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with own_ops:
+            return fn(*args, **kwargs)
+
+    return cast(_F, wrapper)
 
 _SYNCS = [0]
 

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from amp_doctor._version import __version__
 from amp_doctor.device.recorder import StepBuffer
-from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.devicework import as_own_work, iter_tensors, own_ops
 from amp_doctor.dtypes import dtype_name, limits
 from amp_doctor.errors import AmpDoctorError
 from amp_doctor.hooks.discovery import (
@@ -113,6 +113,7 @@ class Watch:
     GradScaler skipped that was not recorded, to name the culprit layers.
     """
 
+    @as_own_work
     def __init__(
         self,
         model: Models | None,
@@ -198,6 +199,7 @@ class Watch:
         return self._set.models
 
     # -- lifecycle -----------------------------------------------------------
+    @as_own_work
     def start(self) -> Watch:
         if self._started_flag:
             return self
@@ -265,6 +267,7 @@ class Watch:
         self._run_meta.setdefault("outcome", outcome)
         self.close()
 
+    @as_own_work
     def close(self) -> Session:
         """Stop watching, remove every hook and patch, and build the session."""
         if self.closed:
@@ -337,6 +340,7 @@ class Watch:
         self._buffer = None
 
     # -- public API ------------------------------------------------------------
+    @as_own_work
     def step(self) -> None:
         """Mark the end of a training step yourself (custom loops).
 
@@ -355,12 +359,14 @@ class Watch:
         self._boundary()
 
     @property
+    @as_own_work
     def session(self) -> Session:
         """The finished session (after close), or a snapshot of the run so far."""
         if self.session_ is not None:
             return self.session_
         return self._build_session()
 
+    @as_own_work
     def report(self, **kwargs: Any) -> str:
         from amp_doctor.sinks.text import render_text
 
@@ -380,6 +386,7 @@ class Watch:
         self._listeners.append(fn)
 
     # -- discovery (the CLI's way in) ------------------------------------------
+    @as_own_work
     def add_model(self, model: nn.Module, name: str | None = None) -> None:
         """Watch one more root model. With several, every layer name gets its model's prefix."""
         given = model

@@ -157,8 +157,9 @@ class _DeviceFloor(Attached):
     def __init__(self, trainer: Trainer, full: bool) -> None:
         self._full = full
         self._batch = S.Batch()
-        self._stage = torch.empty(S.STAGE_LIMIT, dtype=torch.float32)
+        self._stage: torch.Tensor | None = None  # sized and regrown as stats.Batch does
         self._used = 0
+        self._filed = 0  # bytes filed this step
         self._seen: SeenTensors[bool] = SeenTensors()  # as the probes: no id reuse
 
         def file(t: torch.Tensor) -> None:
@@ -167,8 +168,13 @@ class _DeviceFloor(Attached):
                 return
             sample = S._sample(t.detach())
             k = sample.numel()
-            if self._used + k > S.STAGE_LIMIT:
+            self._filed += t.numel() * t.element_size()
+            if self._stage is not None and self._used + k > self._stage.numel():
                 self._used = 0
+                if self._stage.numel() < S.stage_size(self._filed):
+                    self._stage = None
+            if self._stage is None:
+                self._stage = torch.empty(S.stage_size(self._filed), dtype=torch.float32)
             self._stage[self._used : self._used + k].copy_(sample)
             self._used += k
 
@@ -193,6 +199,7 @@ class _DeviceFloor(Attached):
             if self._full:
                 self._batch.finish().cpu()  # the step's one host copy
                 self._batch = S.Batch()
+            self._stage, self._used, self._filed = None, 0, 0
             self._seen.clear()
 
         self._handles = [m.register_forward_hook(on_forward) for m in trainer.model.modules()]

@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
+import subprocess
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import amp_doctor
 from amp_doctor.hooks.probes import Unwatched
+from amp_doctor.jsoncodec import to_jsonable
 from tests.helpers import MLP
 
 STEPS = 6
@@ -456,3 +461,60 @@ def test_an_internal_error_at_close_becomes_a_report_event_not_an_exception(
     assert len(errors) == 1 and "at close" in errors[0].data["error"]
     assert [r.step for r in session.history] == [0, 1]
     assert _module_hook_count(model) == 0 and _tensor_hook_count(model) == 0
+
+
+# -- the user's default device ------------------------------------------------------
+
+_DEFAULT_DEVICE_SCRIPT = Path(__file__).parent / "fixtures" / "default_device.py"
+
+
+def _default_device_run(tmp_path: Path, device: str, mode: str) -> dict[str, Any]:
+    out = tmp_path / f"{device}-{mode}.json"
+    proc = subprocess.run([sys.executable, str(_DEFAULT_DEVICE_SCRIPT), device, str(out), mode],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "amp-doctor: internal error" not in proc.stderr, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+@pytest.mark.parametrize("mode", ["watch", "anomaly"])
+def test_a_default_device_set_before_import_leaves_the_run_and_report_as_they_were(
+        tmp_path: Path, mode: str) -> None:
+    # torch.set_default_device("cuda") sends every tensor made without a device argument
+    # to the GPU: amp-doctor's host tensors (some made at import) must not go there.
+    # "meta" stands in for "cuda" on this machine: a tensor made there has no data.
+    plain = _default_device_run(tmp_path, "cpu", "")
+    reference = _default_device_run(tmp_path, "cpu", mode)
+    got = _default_device_run(tmp_path, "meta", mode)
+    assert got["losses"] == reference["losses"] == plain["losses"]
+    assert got["params"] == plain["params"]
+    assert got["session"] == reference["session"]
+    kinds = {(f["kind"], f["module"]) for f in got["session"]["findings"]}
+    assert ("activation_overflow", "2") in kinds
+
+
+def test_a_default_device_set_after_import_leaves_the_run_and_report_as_they_were() -> None:
+    def cpu_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(8, 16, generator=g, device="cpu") * 3e3,
+                torch.randint(0, 4, (8,), generator=g, device="cpu"))
+
+    plain, _ = _loop(_fresh(), watched=False, make_batch=cpu_batch)
+    runs = []
+    for device in (None, "meta"):  # one call site: the event's user frames are alike
+        model = _fresh()
+        torch.set_default_device(device)
+        try:
+            runs.append(_loop(model, watched=True, make_batch=cpu_batch, anomaly=True))
+        finally:
+            torch.set_default_device(None)
+    assert torch.get_default_device().type == "cpu"
+    (reference_losses, reference), (watched, session) = runs
+    assert watched == reference_losses == plain
+    got, want = to_jsonable(session), to_jsonable(reference)
+    got.pop("run")
+    want.pop("run")
+    assert got == want
+    # The op-level search found the overflowing backward op in both runs.
+    assert ("nonfinite_backward", "fc2") in {(f.kind, f.module) for f in session.findings}
+    assert session.events[0].op == "aten.mm"

@@ -65,6 +65,7 @@ __all__ = [
     "SAMPLE_LIMIT",
     "upload",
     "Batch",
+    "stage_size",
     "exp_histogram",
     "stack_rows",
     "host_rows",
@@ -159,15 +160,33 @@ _CODE_SHIFT = 22
 # Values staged per device before one batched pass (float32: 256 KB). Every
 # tensor's sample fits (SAMPLE_LIMIT), so a pass holds at least one row.
 STAGE_LIMIT = 4 * SAMPLE_LIMIT
+# The stage is at most this fraction of the bytes the step has filed so far (but
+# always holds one sample): on a small model a fixed 256 KB stage was +18% of the
+# whole run's peak memory. A smaller stage only means more passes, each a few ops.
+STAGE_SHARE = 1 / 16
 # Rows per pass: bounds the pass's transient histogram (CODES_PER_ROW int64
 # counts per row, 4 MB at 512 rows) and keeps every code exact in float32 for
 # ``histc`` (< 2**24).
 ROWS_PER_PASS = 512
 # A pass's folded histogram row: the N_EXP_BINS exponent bins, then NaNs and the
-# code-0 count.
+# code-0 count. Each code goes to one column, so a NaN is in _H_NANS and not in
+# the top exponent bin, and code 0 in _H_CODE0 and not in bin 0: :meth:`Batch.finish`
+# adds them back, once for every row.
 _H_NANS = N_EXP_BINS
 _H_CODE0 = N_EXP_BINS + 1
 _HIST_COLS = N_EXP_BINS + 2
+
+
+@functools.cache
+def _fold_index(device: torch.device) -> torch.Tensor:
+    """The column of a pass's folded row for each of a row's CODES_PER_ROW counts."""
+    code = torch.arange(CODES_PER_ROW, device="cpu")  # not the user's default device
+    within = code % (2 * N_EXP_BINS)  # the sign folded away
+    exp, top_bit = within // 2, within % 2
+    col = exp.clone()
+    col[(exp == N_EXP_BINS - 1) & (top_bit == 1)] = _H_NANS
+    col[(exp == 0) & (top_bit == 0)] = _H_CODE0
+    return col.to(device)
 # Offsetting a pass's rows: one in-place add per row, or the summed row-start
 # steps (a zeroed buffer, a cumsum and an add over every staged value). Costs in
 # place, on a stage gone cold in the cache, tuned on the benchmark models' passes
@@ -215,12 +234,20 @@ def exp_histogram(codes: torch.Tensor, nbins: int, device_path: bool | None = No
 
     ``torch.bincount`` reads its input's max back to size the output: a host
     sync on CUDA. There, ``histc`` with a fixed range does the same count
-    asynchronously. ``device_path`` forces a path (tests run both on CPU).
+    asynchronously, unless the user's run has
+    ``torch.use_deterministic_algorithms(True)``: ``histc`` has no deterministic
+    CUDA kernel and would raise (or warn) inside the user's step, so an
+    ``index_add`` of ones counts instead (deterministic there, and integer sums are
+    exact). ``device_path`` forces a path (tests run every path on CPU).
     """
     if device_path is None:
         device_path = codes.device.type != "cpu"
     if not device_path:
         return torch.bincount(codes, minlength=nbins)
+    if torch.are_deterministic_algorithms_enabled():
+        ones = torch.ones(1, dtype=torch.int64, device=codes.device).expand(codes.numel())
+        counts = torch.zeros(nbins, dtype=torch.int64, device=codes.device)
+        return counts.index_add_(0, codes, ones)
     return torch.histc(codes.float(), bins=nbins, min=-0.5, max=nbins - 0.5).long()
 
 
@@ -237,6 +264,13 @@ def upload(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def stage_size(filed_bytes: int) -> int:
+    """Values of a stage for a step that has filed ``filed_bytes`` so far: a
+    :data:`STAGE_SHARE` of them, between one sample and :data:`STAGE_LIMIT`."""
+    share = int(filed_bytes * STAGE_SHARE) // 4  # float32 values
+    return min(STAGE_LIMIT, max(SAMPLE_LIMIT, share))
 
 
 class Batch:
@@ -263,6 +297,7 @@ class Batch:
         self._counted: list[int] = []  # the rows that have a _nonzeros entry, in order
         self._stage: torch.Tensor | None = None
         self._used = 0
+        self._filed_bytes = 0  # of every tensor filed in this batch, for the stage's size
         self._lengths: list[int] = []  # sample lengths of the rows in the stage
         self._hists: list[torch.Tensor] = []  # [rows, _HIST_COLS] int16 per pass
 
@@ -274,10 +309,15 @@ class Batch:
         x = x.detach()
         sample = _sample(x)
         k = sample.numel()
-        if self._stage is None:
-            self._stage = torch.empty(STAGE_LIMIT, dtype=torch.float32, device=x.device)
-        elif self._used + k > STAGE_LIMIT or len(self._lengths) >= ROWS_PER_PASS:
+        self._filed_bytes += x.numel() * x.element_size()
+        if self._stage is not None and (self._used + k > self._stage.numel()
+                                        or len(self._lengths) >= ROWS_PER_PASS):
             self._pass()
+            if self._stage.numel() < stage_size(self._filed_bytes):
+                self._stage = None  # grown: the step has filed more since it was made
+        if self._stage is None:
+            self._stage = torch.empty(stage_size(self._filed_bytes), dtype=torch.float32,
+                                      device=x.device)
         mn, mx = torch.aminmax(x)
         self._mins.append(mn)
         self._maxs.append(mx)
@@ -323,16 +363,14 @@ class Batch:
             codes += steps.cumsum_(0)
             del steps  # before the histogram's own transient
         h = exp_histogram(codes, CODES_PER_ROW * rows, self._device_path)
-        # Folded now, while small (these live until finish, through the backward):
+        # Folded now, while small (these live until finish, through the backward),
+        # with one index_add (a few ops, however many rows: a pass may hold only one):
         # per row the exponent bins, then the two counts that need the top mantissa
-        # bit: NaNs (bin 255 with it set) and code 0 (bin 0 with it clear). int16 holds
+        # bit, NaNs (bin 255 with it set) and code 0 (bin 0 with it clear). int16 holds
         # any count, a row being one sample of at most SAMPLE_LIMIT values.
-        q = h.view(rows, 2, N_EXP_BINS, 2).sum(1)  # the sign folded away
-        folded = torch.empty(rows, _HIST_COLS, dtype=torch.int16, device=dev)
-        torch.add(q[:, :, 0], q[:, :, 1], out=folded[:, :N_EXP_BINS])
-        folded[:, _H_NANS].copy_(q[:, N_EXP_BINS - 1, 1])
-        folded[:, _H_CODE0].copy_(q[:, 0, 0])
-        self._hists.append(folded)
+        folded = torch.zeros(rows, _HIST_COLS, dtype=h.dtype, device=dev)
+        folded.index_add_(1, _fold_index(dev), h.view(rows, CODES_PER_ROW))
+        self._hists.append(folded.to(torch.int16))
         self._used = 0
         self._lengths = []
 
@@ -368,6 +406,8 @@ class Batch:
         h = torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]
         rows[:, HIST:].copy_(h[:, :N_EXP_BINS])
         rows[:, NANS].copy_(h[:, _H_NANS])
+        rows[:, HIST + N_EXP_BINS - 1] += rows[:, NANS]
+        rows[:, HIST] += h[:, _H_CODE0]
         # Non-zeros: every sampled value but code 0 (zero, or |x| < 2**-127; exact for
         # float16, see add()) ...
         torch.sub(upload(self.sampled, dev), h[:, _H_CODE0], out=rows[:, ZEROS])
@@ -458,7 +498,7 @@ def decode_many(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int]) -> lis
 DECODED_FIELDS = ("numel", "min", "max", "absmax", "zero_frac", "nonfinite_frac", "nan_count",
                   "inf_count", "overflow_frac", "underflow_frac", "headroom", "over_count")
 
-_BINS = torch.arange(N_EXP_BINS)
+_BINS = torch.arange(N_EXP_BINS, device="cpu")  # not the user's default device
 
 
 def _band_sums(hist: torch.Tensor, index: torch.Tensor, shifts: torch.Tensor,

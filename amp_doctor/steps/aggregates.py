@@ -60,7 +60,8 @@ _LOS = ((ACT, MIN), (ACT, HEAD), (GRAD, HEAD))
 L_MIN, L_HEAD, L_GHEAD = range(len(_LOS))
 # Steps with a non-finite output / gradient / parameter gradient.
 _NFS = ((ACT, NONFINITE), (GRAD, NONFINITE), (PG, NONFINITE))
-_COLS = torch.tensor([s * _W + f for s, f in (*_MEANS, *_HIS, *_LOS, *_NFS)])
+# Host tensors made at import name the CPU: the user may have set another default device.
+_COLS = torch.tensor([s * _W + f for s, f in (*_MEANS, *_HIS, *_LOS, *_NFS)], device="cpu")
 _SPLIT = (len(_MEANS), len(_HIS), len(_LOS), len(_NFS))
 # The summed block: the means' sums and counts, the non-finite step counts, steps with
 # a gradient headroom, steps seen.

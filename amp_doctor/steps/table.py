@@ -42,9 +42,10 @@ assert TS_FIELDS == ("numel", "min", "max", "absmax", "zero_frac", "nonfinite_fr
 # decode_table's columns that make a TensorStats, in its field order.
 _TS_COLUMNS = [S.DECODED_FIELDS.index(f) for f in TS_FIELDS]
 # The slot each slot falls back to when absent (an unscaled view: its scaled slot).
-_FALLBACK = torch.tensor([ACT, GRAD, GRAD, PG, PG])
+# (Host tensors made at import name the CPU: the user may have set another default device.)
+_FALLBACK = torch.tensor([ACT, GRAD, GRAD, PG, PG], device="cpu")
 # The tensors a layer's risk is judged on: outputs, their gradients, parameter gradients.
-_RISK_SLOTS = torch.tensor([ACT, GRAD, PG_U])
+_RISK_SLOTS = torch.tensor([ACT, GRAD, PG_U], device="cpu")
 # The slot a filed field fills, and the slot of its unscaled view.
 _SLOT_OF = {"act": (ACT, None), "grad": (GRAD, GRAD_U), "param_grad": (PG, PG_U)}
 
