@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 __all__ = ["own_ops", "as_own_work", "count_sync", "host_syncs", "host_scalars", "iter_tensors",
            "map_tensors", "MAX_OUTPUT_DEPTH"]
@@ -42,11 +44,16 @@ def _user_default_device() -> bool:
     tensors (``torch.set_default_device("cuda")`` or ``with torch.device(...)``).
 
     Both push a ``DeviceContext`` function mode: with no function mode at all (one C
-    call) there is none, so the usual case costs nothing more.
+    call) there is none, so the usual case costs nothing more. The mode's device is
+    read as ``torch.get_default_device()`` finds it, without that function's probe
+    tensor (a device allocation on every hook, when the device has no index).
     """
     if not torch._C._len_torch_function_stack():
         return False
-    return torch.get_default_device().type != "cpu"
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return bool(mode.device.type != "cpu")
+    return False
 
 
 class _OwnOps:
