@@ -171,6 +171,8 @@ class Watch:
         self._started = (time.perf_counter(),
                          _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
         self._buffer: StepBuffer | None = None
+        # Bytes the last recorded step filed, per device: the next one's stage size.
+        self._filed_last: dict[torch.device, int] = {}
         self._extra_events: list[Event] = []
         self._listeners: list[StepListener] = []
         self._probes: Probes | None = None
@@ -558,7 +560,8 @@ class Watch:
         # Anomaly mode's op-level search names modules, so it needs the module stack.
         self._probes.set_armed(not self.closed and (self._probes.recording or (
             self._anomaly is not None and self._anomaly.wants_modules)))
-        self._buffer = StepBuffer(self.step_index) if self._probes.recording else None
+        self._buffer = (StepBuffer(self.step_index, self._filed_last)
+                        if self._probes.recording else None)
 
     def _auto_boundary(self) -> None:
         """A step boundary seen in the loop (``scaler.update``, ``optimizer.step``).

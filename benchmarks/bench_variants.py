@@ -160,6 +160,7 @@ class _DeviceFloor(Attached):
         self._stage: torch.Tensor | None = None  # sized and regrown as stats.Batch does
         self._used = 0
         self._filed = 0  # bytes filed this step
+        self._head = 0  # the stage's head start (stats.STAGE_HEAD_START of the last step)
         self._seen: SeenTensors[bool] = SeenTensors()  # as the probes: no id reuse
 
         def file(t: torch.Tensor) -> None:
@@ -174,7 +175,8 @@ class _DeviceFloor(Attached):
                 if self._stage.numel() < S.stage_size(self._filed):
                     self._stage = None
             if self._stage is None:
-                self._stage = torch.empty(S.stage_size(self._filed), dtype=torch.float32)
+                self._stage = torch.empty(S.stage_size(max(self._filed, self._head)),
+                                          dtype=torch.float32)
             self._stage[self._used : self._used + k].copy_(sample)
             self._used += k
 
@@ -196,9 +198,11 @@ class _DeviceFloor(Attached):
             for p in params:
                 if p.grad is not None:
                     file(p.grad)
+            filed = self._batch.filed_bytes if self._full else self._filed
+            self._head = int(filed * S.STAGE_HEAD_START)
             if self._full:
                 self._batch.finish().cpu()  # the step's one host copy
-                self._batch = S.Batch()
+                self._batch = S.Batch(head_start_bytes=self._head)
             self._stage, self._used, self._filed = None, 0, 0
             self._seen.clear()
 

@@ -148,10 +148,14 @@ def test_hf_callback_finds_accelerates_autocast(in_tmp: Path) -> None:
 
 def test_hf_callback_takes_the_scaler_from_acceleratedoptimizer() -> None:
     """fp16 on a GPU: Accelerate's optimizer wrapper carries the GradScaler."""
+    from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
 
     from amp_doctor.integrations.transformers import _scaler_and_optimizer
 
+    # The wrapper reads Accelerate's process-wide state: made here (as a Trainer
+    # would), so that this test passes alone as well as after the Trainer tests.
+    Accelerator(cpu=True)
     model = torch.nn.Linear(4, 2)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")

@@ -118,6 +118,32 @@ def test_the_stage_is_a_share_of_what_the_step_has_filed() -> None:
     assert big._stage is not None and big._stage.numel() == S.STAGE_LIMIT
 
 
+
+def test_a_recorded_step_starts_its_stage_at_the_size_the_last_one_reached() -> None:
+    # A large model's stage used to start at one sample every step and reach its
+    # full size only after about fifty early passes.
+    filed: dict[torch.device, int] = {}
+    first = StepBuffer(0, filed)
+    for t in _tensors() * 12:  # 26 MB filed
+        first.add(t)
+    first.flush()
+    assert filed[torch.device("cpu")] == sum(t.numel() * t.element_size()
+                                             for t in _tensors() * 12) > 2**24
+    second = StepBuffer(1, filed)
+    second.add(torch.randn(100))
+    stage = second._batches[torch.device("cpu")]._stage
+    assert stage is not None and stage.numel() == S.STAGE_LIMIT
+    # A small model's stage stays at one sample: its peak memory is the constraint.
+    small: dict[torch.device, int] = {}
+    for step in range(2):
+        buf = StepBuffer(step, small)
+        for _ in range(20):
+            buf.add(torch.randn(2000, dtype=torch.float16))
+        stage = buf._batches[torch.device("cpu")]._stage
+        assert stage is not None and stage.numel() == S.SAMPLE_LIMIT
+        buf.flush()
+    assert small[torch.device("cpu")] == 20 * 2000 * 2
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_nan_and_inf_counts_are_exact_for_small_tensors(dtype: torch.dtype) -> None:
     x = torch.tensor([1.0, math.nan, -math.nan, math.inf, -math.inf, -math.inf, 0.0, -0.0, 3e-5])

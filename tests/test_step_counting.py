@@ -3,6 +3,8 @@ nothing was judged is never called healthy."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -221,3 +223,29 @@ def test_no_visible_step_boundary_is_said_with_the_fix() -> None:
     f = s.findings_of("no_step_boundary")[0]
     assert f.severity == "warning" and "doctor.step()" in f.advice
     assert HEALTHY not in doctor.report()
+
+
+def test_the_loss_flag_is_exact_for_every_loss_shape_and_value() -> None:
+    # A 0-d flag (the skip check stacks it with the layers'), set by NaN, inf and
+    # -inf in any low-precision format, and OR-ed over the step's backward passes.
+    from amp_doctor.steps.loop import LoopSignals
+
+    values = [1.5, -0.0, 65504.0, math.nan, math.inf, -math.inf]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for shape in ((), (1,), (1, 1)):
+            for v in values:
+                sig = LoopSignals()
+                w = torch.ones((), requires_grad=True)
+                loss = (w * torch.tensor(v)).to(dtype).reshape(shape)
+                sig.note_loss([loss])
+                flag = sig.loss_flag()
+                assert flag is not None and flag.shape == ()
+                assert bool(flag) is (not math.isfinite(v)), (dtype, shape, v)
+    sig = LoopSignals()
+    w = torch.ones((), requires_grad=True)
+    sig.note_loss([w * 2.0, w * math.inf])  # one backward of two roots
+    assert bool(sig.loss_flag()) is True
+    sig.note_loss([w * 3.0])  # a later backward of the same step does not clear it
+    flag = sig.loss_flag()
+    assert flag is not None and flag.shape == () and bool(flag) is True
+    assert LoopSignals().loss_flag() is None

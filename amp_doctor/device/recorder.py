@@ -29,8 +29,12 @@ class StepBuffer:
     every row and scalar of the step for a single host copy.
     """
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, filed_before: dict[torch.device, int] | None = None) -> None:
+        """``filed_before``: the bytes the previous recorded step filed, per device, as
+        :meth:`flush` leaves them; the staging buffers are sized from it from the
+        first tensor on (see ``stats.STAGE_HEAD_START``), and flush updates it."""
         self.step = step
+        self._filed_before = filed_before if filed_before is not None else {}
         self.closed = False
         # One batch per device (a model split over devices); rows numbered globally.
         self._batches: dict[torch.device, S.Batch] = {}
@@ -48,7 +52,8 @@ class StepBuffer:
         dev = x.device
         batch = self._batches.get(dev)
         if batch is None:
-            batch = self._batches[dev] = S.Batch()
+            head = int(self._filed_before.get(dev, 0) * S.STAGE_HEAD_START)
+            batch = self._batches[dev] = S.Batch(head_start_bytes=head)
         batch.add(x)
         self._where.append(dev)
         return len(self._where) - 1
@@ -106,6 +111,8 @@ class StepBuffer:
         host = to_host(matrix)
         count_sync()
         hs = unpack_host(host, self)
+        self._filed_before.clear()
+        self._filed_before.update({dev: b.filed_bytes for dev, b in self._batches.items()})
         self._batches = {}
         self._where = []
         self._scalars = {}

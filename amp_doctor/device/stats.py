@@ -164,6 +164,11 @@ STAGE_LIMIT = 4 * SAMPLE_LIMIT
 # always holds one sample): on a small model a fixed 256 KB stage was +18% of the
 # whole run's peak memory. A smaller stage only means more passes, each a few ops.
 STAGE_SHARE = 1 / 16
+# A recorded step's stage starts as if this share of the bytes the previous recorded
+# step filed were filed already: a large model (a GPT files tens of MB a step) gets
+# its full stage at once instead of about fifty early passes through a growing one,
+# while a small model's stage stays at one sample (its peak memory is the constraint).
+STAGE_HEAD_START = 1 / 4
 # Rows per pass: bounds the pass's transient histogram (CODES_PER_ROW int64
 # counts per row, 4 MB at 512 rows) and keeps every code exact in float32 for
 # ``histc`` (< 2**24).
@@ -287,8 +292,10 @@ class Batch:
     call.
     """
 
-    def __init__(self, device_path: bool | None = None) -> None:
+    def __init__(self, device_path: bool | None = None, head_start_bytes: int = 0) -> None:
         self._device_path = device_path
+        # Bytes counted as filed before the first add, for the stage's size only.
+        self._head_start = head_start_bytes
         self.numel: list[int] = []
         self.sampled: list[int] = []
         self._mins = _Column()
@@ -304,6 +311,11 @@ class Batch:
     def __len__(self) -> int:
         return len(self.numel)
 
+    @property
+    def filed_bytes(self) -> int:
+        """Bytes of every tensor filed so far (not of their samples)."""
+        return self._filed_bytes
+
     def add(self, x: torch.Tensor) -> int:
         """File ``x`` (floating point, non-empty, strided); returns its row in this batch."""
         x = x.detach()
@@ -316,8 +328,8 @@ class Batch:
             if self._stage.numel() < stage_size(self._filed_bytes):
                 self._stage = None  # grown: the step has filed more since it was made
         if self._stage is None:
-            self._stage = torch.empty(stage_size(self._filed_bytes), dtype=torch.float32,
-                                      device=x.device)
+            size = stage_size(max(self._filed_bytes, self._head_start))
+            self._stage = torch.empty(size, dtype=torch.float32, device=x.device)
         mn, mx = torch.aminmax(x)
         self._mins.append(mn)
         self._maxs.append(mx)

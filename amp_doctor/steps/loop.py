@@ -77,9 +77,15 @@ class LoopSignals:
         """Before a backward: note on the device whether its loss is NaN/inf."""
         losses = [t for t in roots if t.numel() == 1 and t.is_floating_point()
                   and t.grad_fn is not None]
-        if losses:
-            self._or_flag("loss_bad", torch.stack(
-                [~torch.isfinite(t.detach()).all() for t in losses]).any())
+        if not losses:
+            return
+        # x * 0 is NaN exactly when x is NaN or inf: two ops on every step, where
+        # isfinite is four on the CPU (abs, ne, eq, mul) before the reduction.
+        # 0-d, as the skip check stacks it with the layers' flags.
+        x = losses[0].detach().reshape(()) if len(losses) == 1 else torch.stack(
+            [t.detach().reshape(()) for t in losses])
+        bad = (x * 0).ne(0)
+        self._or_flag("loss_bad", bad if len(losses) == 1 else bad.any())
 
     def check_input(self, args: tuple[Any, ...]) -> None:
         """On a recorded step: does the batch itself hold NaN/inf? Device flags only.
