@@ -2,8 +2,10 @@
 
 A causal LM fine-tune as the transformers examples write it (``run_clm.py`` style): a
 ``GPT2Config`` built in code (tiny, nothing downloaded), a dataset of random token ids,
-``TrainingArguments`` with ``bf16=True`` or ``fp16=True`` on the CPU (Accelerate then enters
-autocast inside the model's forward and, for float16, owns a GradScaler).
+``TrainingArguments`` with ``bf16=True`` or ``fp16=True`` on the CPU. For bfloat16 Accelerate
+enters autocast inside the model's forward; ``fp16=True`` on a CPU (Accelerate 1.x) runs in
+float32, with no autocast and no GradScaler, which amp-doctor reports as autocast_inactive
+(on a GPU, Accelerate's optimizer wrapper owns a GradScaler).
 
     python hf_trainer.py --steps 12 --precision bf16 [--out_dir out-hf] [--callback]
 
