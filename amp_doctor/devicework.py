@@ -5,8 +5,10 @@ flow (hooks, stats, step records, anomaly mode, the scaler mirror) can share
 these three things without an import circle.
 
 - :data:`own_ops` marks amp-doctor's own device work, which anomaly mode must
-  neither check nor count, and keeps the user's default device away from it
-  (:func:`as_own_work` for the entry points the user calls).
+  neither check nor count, and keeps the user's global state away from it (default
+  device, autocast, ``__torch_function__`` subclasses; :func:`as_own_work` for the
+  entry points the user calls, :func:`user_autocast_enabled` to read the user's
+  autocast from inside it).
 - :func:`count_sync` / :func:`host_syncs` count amp-doctor's device->host copies.
   Every module that copies to the host calls :func:`count_sync` once per copy,
   so the benchmark and the tests can hold the "one sync per recorded step"
@@ -29,8 +31,8 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-__all__ = ["own_ops", "as_own_work", "count_sync", "host_syncs", "host_scalars", "iter_tensors",
-           "map_tensors", "MAX_OUTPUT_DEPTH"]
+__all__ = ["own_ops", "as_own_work", "user_autocast_enabled", "count_sync", "host_syncs",
+           "host_scalars", "iter_tensors", "map_tensors", "MAX_OUTPUT_DEPTH"]
 
 # How deep the walker looks into nested outputs: deeper structures are rare in
 # models and walking them on every call would cost more than they tell.
@@ -56,6 +58,28 @@ def _user_default_device() -> bool:
     return False
 
 
+def _autocast_device_types() -> tuple[str, ...]:
+    """The device types whose autocast this torch build can report."""
+    out = []
+    for dev in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia"):
+        try:
+            torch.is_autocast_enabled(dev)
+        except (RuntimeError, ValueError, TypeError):
+            continue
+        out.append(dev)
+    return tuple(out)
+
+
+_AUTOCAST_DEVICES = _autocast_device_types()
+
+
+def user_autocast_enabled(device_type: str) -> bool:
+    """Whether the user's code has autocast on for ``device_type``, also from inside
+    :data:`own_ops` (which turns it off for amp-doctor's own work)."""
+    return device_type in getattr(_own, "autocast_off", ()) or torch.is_autocast_enabled(
+        device_type)
+
+
 class _OwnOps:
     """``with own_ops:`` marks amp-doctor's own tensor work (stats, the step's host
     copy, the scaler observer, the session built at close), which the dispatch mode
@@ -67,6 +91,17 @@ class _OwnOps:
     tensors there (a device mismatch inside the user's step). On entering, the CPU is
     made the default again, for amp-doctor's work only; tensors made for the user's
     device always name it.
+
+    Two more pieces of the user's state are kept away from it, because a hook or a
+    step boundary can run inside the user's forward:
+    - autocast, which would recast amp-doctor's tensors and, for ops that promote
+      (``stack``, ``cat``), raise on a mix of float16 and bfloat16 statistics (two
+      models trained in the two formats, one step boundary inside the second one's
+      forward); it is turned off and restored (:func:`user_autocast_enabled` reads
+      the user's setting meanwhile);
+    - a ``__torch_function__`` tensor subclass of the user's (one that logs, counts or
+      refuses ops), which would see amp-doctor's ops on its tensors and make its
+      statistics instances of itself.
 
     Per thread: a user's thread running the model meanwhile must not have its ops
     taken for ours. On CUDA the backward pass runs on an autograd thread, and
@@ -80,18 +115,38 @@ class _OwnOps:
     def __enter__(self) -> None:
         depth = getattr(_own, "depth", 0)
         _own.depth = depth + 1
-        if depth == 0 and _user_default_device():
+        if depth:
+            return
+        plain = torch._C.DisableTorchFunctionSubclass()
+        plain.__enter__()
+        _own.plain = plain
+        if torch._C._is_any_autocast_enabled():
+            off = tuple(d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+            for d in off:
+                torch.set_autocast_enabled(d, False)
+            _own.autocast_off = off
+        if _user_default_device():
             cpu = torch.device("cpu")
             cpu.__enter__()
             _own.cpu_default = cpu
 
     def __exit__(self, *exc: object) -> None:
         _own.depth -= 1
-        if _own.depth == 0:
-            cpu = getattr(_own, "cpu_default", None)
-            if cpu is not None:
-                _own.cpu_default = None
-                cpu.__exit__(None, None, None)
+        if _own.depth:
+            return
+        cpu = getattr(_own, "cpu_default", None)
+        if cpu is not None:
+            _own.cpu_default = None
+            cpu.__exit__(None, None, None)
+        off = getattr(_own, "autocast_off", ())
+        if off:
+            _own.autocast_off = ()
+            for d in off:
+                torch.set_autocast_enabled(d, True)
+        plain = getattr(_own, "plain", None)
+        if plain is not None:
+            _own.plain = None
+            plain.__exit__(None, None, None)
 
 
 own_ops = _OwnOps()

@@ -518,3 +518,121 @@ def test_a_default_device_set_after_import_leaves_the_run_and_report_as_they_wer
     # The op-level search found the overflowing backward op in both runs.
     assert ("nonfinite_backward", "fc2") in {(f.kind, f.module) for f in session.findings}
     assert session.events[0].op == "aten.mm"
+
+
+def _two_format_run(watch: bool) -> tuple[list[float], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    b = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    runs = [(a, torch.optim.SGD(a.parameters(), lr=0.1), torch.amp.GradScaler("cpu"),
+             torch.float16),
+            (b, torch.optim.SGD(b.parameters(), lr=0.1), torch.amp.GradScaler("cpu"),
+             torch.bfloat16)]
+    g = torch.Generator().manual_seed(1)
+    losses: list[float] = []
+    doctor = amp_doctor.watch([a, b], every=1, tensorboard=False) if watch else None
+    try:
+        for _ in range(STEPS):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            for m, opt, scaler, dt in runs:
+                with torch.autocast("cpu", dtype=dt):
+                    loss = nn.functional.cross_entropy(m(x), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                losses.append(loss.item())
+    finally:
+        if doctor is not None:
+            s = doctor.close()
+            assert s.steps == STEPS
+            assert not [e for e in s.events if e.kind == "internal_error"]
+    return losses, [p.detach().clone() for m, *_ in runs for p in m.parameters()]
+
+
+def test_two_models_in_float16_and_bfloat16_train_as_they_would_unwatched() -> None:
+    # The step boundary after the first model's update is taken in the second model's
+    # forward, under the user's autocast: amp-doctor's stack of float16 and bfloat16
+    # statistics raised there ("Unexpected floating ScalarType in
+    # at::autocast::prioritize") until own_ops turned autocast off for its own work.
+    plain = _two_format_run(False)
+    watched = _two_format_run(True)
+    assert plain[0] == watched[0]
+    assert all(torch.equal(p, q) for p, q in zip(plain[1], watched[1], strict=True))
+    assert not torch.is_autocast_enabled("cpu")
+
+
+class _OpLog(torch.Tensor):
+    """A user's ``__torch_function__`` subclass that logs every op it sees."""
+
+    seen: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        cls.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("kw", [{"every": 1}, {"anomaly": True}])
+def test_a_torch_function_subclass_sees_only_the_users_own_ops(kw: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step() -> list[str]:
+        _OpLog.seen = []
+        x = torch.randn(8, 16).as_subclass(_OpLog)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), torch.zeros(8).long())
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return list(_OpLog.seen)
+
+    step()  # the scaler's first scale() reads more than later ones
+    plain = step()
+    with amp_doctor.watch(model, tensorboard=False, **kw):
+        watched = [step() for _ in range(3)]
+    assert "linear" in plain
+    assert watched == [plain] * 3
+
+
+def test_anomaly_mode_beside_vmap_of_grad_still_names_the_nan_batch() -> None:
+    # functional_call under vmap(grad(...)) calls the watched model with batched tensors:
+    # a summary of those made at the root's call failed later, outside the transform.
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def per_sample(p: dict[str, torch.Tensor], xi: torch.Tensor,
+                   yi: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, p, (xi.unsqueeze(0),))
+        return nn.functional.cross_entropy(out, yi.unsqueeze(0))
+
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # an internal error warns
+        with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+            for step in range(6):
+                x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+                if step == 4:
+                    x[0, 0] = float("nan")
+                params = {k: v.detach() for k, v in model.named_parameters()}
+                vmap(grad(per_sample), in_dims=(None, 0, 0))(params, x, y)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    s = doctor.session
+    assert s is not None
+    assert not [e for e in s.events if e.kind == "internal_error"]
+    errors = [(f.kind, f.steps) for f in s.findings if f.severity == "error"]
+    assert errors == [("nonfinite_input", [4])]

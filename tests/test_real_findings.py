@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import amp_doctor
 from amp_doctor.analysis.analyze import risk_order
@@ -486,3 +487,49 @@ def test_clip_before_unscale_gives_no_false_underflow_warning() -> None:
     assert clip.severity == "error" and clip.data["underflow_follow_ons"] == ["0"]
     assert [f.kind for f in s.findings if f.severity in ("error", "warning")] == [
         "clip_before_unscale"]
+
+
+class _Exp20(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x * 20)  # beyond float16's max for x > 0.55
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(16, 16)
+        self.blk = nn.Sequential(nn.Linear(16, 16), _Exp20())
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.blk, self.inp(x), use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_an_overflow_inside_activation_checkpointing_is_blamed_on_its_layer(
+        reentrant: bool) -> None:
+    # A reentrant checkpoint runs its first pass under no_grad and the second inside
+    # backward; neither was recorded, so the error went to `out`, which only passed
+    # the inf on.
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s is not None
+    errors = [(f.kind, f.module) for f in s.findings if f.severity == "error"]
+    assert errors == [("activation_overflow", "blk.1")]
+    calls = {layer.name: layer.calls for layer in s.layers}
+    assert calls["blk.1"] == calls["out"] == 3  # once a step: the recompute is not counted

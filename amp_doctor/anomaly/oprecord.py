@@ -27,6 +27,7 @@ from amp_doctor.anomaly.userframes import Frame, UserFrames
 from amp_doctor.devicework import iter_tensors, own_ops
 from amp_doctor.dtypes import dtype_name
 from amp_doctor.errors import NonFiniteError
+from amp_doctor.hooks.tensorkinds import unsummarizable
 
 __all__ = ["OpRecorder", "OpTag", "summarizable"]
 
@@ -97,9 +98,10 @@ def _leaves(obj: Any) -> Iterator[Any]:
 
 
 def summarizable(t: torch.Tensor) -> bool:
-    """A floating, strided, non-meta, non-empty tensor: one ``aminmax`` summarises it."""
-    return (t.is_floating_point() and t.layout is torch.strided and not t.is_meta
-            and t.numel() > 0)
+    """A floating, non-empty tensor that the probes could summarise too (not sparse,
+    meta, float8, nor wrapped by ``vmap``/``grad``, whose summary would be a batched
+    tensor that fails once the transform has returned): one ``aminmax`` summarises it."""
+    return t.is_floating_point() and t.numel() > 0 and unsummarizable(t) is None
 
 
 class OpRecorder:

@@ -215,10 +215,11 @@ class _ApiHub:
 
     def _mark_scaled(self, scaler: GradScaler, result: Any) -> None:
         hook = functools.partial(_flow_hook, id(scaler))
-        for t in iter_tensors(result):
-            if t.requires_grad:
-                self._scaled_outputs[t] = id(scaler)
-                t.register_hook(hook)
+        with own_ops:  # a __torch_function__ subclass of the user's sees none of it
+            for t in iter_tensors(result):
+                if t.requires_grad:
+                    self._scaled_outputs[t] = id(scaler)
+                    t.register_hook(hook)
 
     def _wrap_unscale(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         hub = self

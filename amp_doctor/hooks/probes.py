@@ -66,6 +66,10 @@ MAX_TENSORS_PER_OUTPUT = 64
 # Tensor-hook handles kept between step boundaries before the dead ones are pruned.
 MAX_TENSOR_HANDLES = 4096
 
+# Around each hook's work: a user's ``__torch_function__`` tensor subclass (one that
+# logs, counts or refuses ops) must not see what amp-doctor does with its tensors.
+_PLAIN = torch._C.DisableTorchFunctionSubclass
+
 
 class _PreHook(WeakHook["Probes"]):
     def __init__(self, probes: Probes) -> None:
@@ -80,7 +84,8 @@ class _PreHook(WeakHook["Probes"]):
             return None
         probes = self.owner()
         if probes is not None:
-            probes._pre(module, args, kwargs)
+            with _PLAIN():
+                probes._pre(module, args, kwargs)
         return None
 
 
@@ -91,7 +96,8 @@ class _PostHook(WeakHook["Probes"]):
             return None
         probes = self.owner()
         if probes is not None:
-            probes._post(module, args, kwargs, output)
+            with _PLAIN():
+                probes._post(module, args, kwargs, output)
         return None
 
 
@@ -110,7 +116,8 @@ class _GradHook(WeakHook["Probes"]):
             return None
         probes = self.owner()
         if probes is not None:
-            probes._on_grad(self.owners, self.buf, grad)
+            with _PLAIN():
+                probes._on_grad(self.owners, self.buf, grad)
         return None
 
 
@@ -188,6 +195,10 @@ class Probes:
         self._on_root_forward = on_root_forward
         self.recording = False
         self._depth = 0
+        # The outermost watched call of the running forward had grad enabled: a training
+        # forward, in which a no_grad part (a reentrant checkpoint's first pass, a teacher
+        # or EMA call) still ran in the step and is recorded.
+        self._training_call = False
         # Names of the modules whose forward is running, innermost last.
         self.stack: list[str] = []
         # Per step: which summary a tensor got, and which layers own its grad.
@@ -405,11 +416,13 @@ class Probes:
             self.apply_armed()
         self._depth += 1
         self.stack.append(name)
+        if self._depth == 1:
+            self._training_call = torch.is_grad_enabled()
         if id(module) in self._roots and self._depth == 1:
             self._on_root_forward(module, args)
             if self.armed and self.recording:
                 self._armed_root_calls[id(module)] = self._armed_root_calls.get(id(module), 0) + 1
-        if not self.recording or not torch.is_grad_enabled():
+        if not self.recording or not (self._training_call or torch.is_grad_enabled()):
             return
         meta = self.layers[name]
         for t in _first_tensors((args, kwargs)):
@@ -428,8 +441,10 @@ class Probes:
         publish(module, output)
         # Inference passes (validation under no_grad) are not training steps; and an
         # activation-checkpointing recompute (it runs inside backward) is a second run
-        # of a forward already recorded, which would double the layer's calls.
-        if (not self.recording or not torch.is_grad_enabled()
+        # of a forward already recorded, which would double the layer's calls. A
+        # reentrant checkpoint's first pass runs under no_grad inside the training
+        # forward: recorded, as it is the only pass of those layers outside backward.
+        if (not self.recording or not (self._training_call or torch.is_grad_enabled())
                 or torch._C._current_graph_task_id() != -1):
             return
         meta = self.layers[name]

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 
-from amp_doctor.devicework import host_scalars
+from amp_doctor.devicework import host_scalars, user_autocast_enabled
 from amp_doctor.dtypes import dtype_name
 from amp_doctor.records import Event
 from amp_doctor.steps.registry import AmpRegistry, optimizer_params, optimizer_stage
@@ -231,7 +231,8 @@ class MisuseChecks:
             return
         for dev in ("cuda", "cpu"):
             try:
-                on = torch.is_autocast_enabled(dev)
+                # Read inside the hub's own_ops, which turns autocast off for its work.
+                on = user_autocast_enabled(dev)
             except Exception:  # devices this torch build does not know
                 on = False
             if on:
