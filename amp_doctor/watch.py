@@ -35,7 +35,7 @@ from amp_doctor._version import __version__
 from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.devicework import as_own_work, iter_tensors, own_ops
 from amp_doctor.dtypes import dtype_name, limits
-from amp_doctor.errors import AmpDoctorError
+from amp_doctor.errors import AmpDoctorError, UsageError
 from amp_doctor.hooks.discovery import (
     GlobalDiscovery,
     Models,
@@ -48,7 +48,7 @@ from amp_doctor.hooks.discovery import (
 from amp_doctor.hooks.patching import Subscription, subscribe
 from amp_doctor.hooks.probes import COMPILED_NOTE, Probes
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
-from amp_doctor.runfiles import JSON_NAME
+from amp_doctor.runfiles import JSON_NAME, make_writable_dir
 from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
 from amp_doctor.steps.loop import LoopSignals
 from amp_doctor.steps.monitor import AmpMonitor, LoopCallbacks
@@ -247,6 +247,8 @@ class Watch:
                     module_name=self._probes.name_of,
                 )
                 self._anomaly.start()
+            if self.logdir is not None:
+                _make_logdir(self.logdir)
             if self.logdir is not None and self._opts.tensorboard:
                 from amp_doctor.sinks.tensorboard import TensorBoardSink
 
@@ -763,3 +765,13 @@ def watch(model: Models, **kwargs: Any) -> Watch:
     """
     check_option_names(kwargs, Watch.__init__)
     return Watch(model, **kwargs).start()
+
+
+def _make_logdir(logdir: Path) -> None:
+    """The logdir exists and takes files, or a one-line error names it (a file in its
+    place, a read-only parent) before any hook is on the user's model."""
+    try:
+        make_writable_dir(logdir)
+    except OSError as e:
+        raise UsageError(f"cannot write to logdir {str(logdir)!r} ({e.strerror or e}); pass a "
+                         "writable directory, e.g. logdir='runs/amp'.") from None

@@ -174,10 +174,40 @@ def test_bfloat16_run_predicts_the_float16_overflow() -> None:
     # Asking for float16 as the target makes it a warning, judged from the same session.
     warned = whatif_findings(s, target="float16")
     assert [x.severity for x in warned if x.kind == "whatif_float16"] == ["warning"]
+    # The advice survives the rule that a bfloat16 run is never told to use bfloat16.
+    assert f.advice.startswith("Stay on bfloat16")
     # Every low-precision layer gets FP8 rows with shares in range.
     rows = fp8_rows(s)
     assert {r.layer for r in rows} >= {"proj", "head"}
     assert all(0.0 <= r.zero_share <= 1.0 and r.format in ("e4m3", "e5m2") for r in rows)
+
+
+def _bf16_whatif_run(scaler: bool) -> Session:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sc = torch.amp.GradScaler("cpu", enabled=scaler)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 4, generator=g)).pow(2).mean()
+            opt.zero_grad()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+    assert doctor.session is not None
+    return doctor.session
+
+
+def test_the_float16_whatif_counts_a_running_scaler_once() -> None:
+    # The recorded gradients already carry the run's scale (2**16 here): shifting them by
+    # a float16 GradScaler's 2**16 again put all of them beyond 65504.
+    plain, scaled = _bf16_whatif_run(False), _bf16_whatif_run(True)
+    assert scaled.scaler is not None and scaled.scaler.enabled
+    assert not [f for f in plain.findings if f.kind == "whatif_float16"]
+    assert not [f for f in scaled.findings if f.kind == "whatif_float16"]
+    assert whatif_findings(scaled, target="float16") == whatif_findings(plain, target="float16")
 
 
 def test_healthy_bfloat16_run_has_no_whatif_finding(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import amp_doctor
 from amp_doctor.hooks.probes import Unwatched
 from amp_doctor.jsoncodec import to_jsonable
-from tests.helpers import MLP
+from tests.helpers import MLP, train
 
 STEPS = 6
 
@@ -607,8 +607,6 @@ def test_anomaly_mode_beside_vmap_of_grad_still_names_the_nan_batch() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
 
     def per_sample(p: dict[str, torch.Tensor], xi: torch.Tensor,
                    yi: torch.Tensor) -> torch.Tensor:
@@ -616,21 +614,19 @@ def test_anomaly_mode_beside_vmap_of_grad_still_names_the_nan_batch() -> None:
         return nn.functional.cross_entropy(out, yi.unsqueeze(0))
 
     g = torch.Generator().manual_seed(0)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        if step == 4:
+            x[0, 0] = float("nan")
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        vmap(grad(per_sample), in_dims=(None, 0, 0))(params, x, y)  # per-sample grads
+        return x, y
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # an internal error warns
         with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
-            for step in range(6):
-                x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-                if step == 4:
-                    x[0, 0] = float("nan")
-                params = {k: v.detach() for k, v in model.named_parameters()}
-                vmap(grad(per_sample), in_dims=(None, 0, 0))(params, x, y)
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = nn.functional.cross_entropy(model(x), y)
-                opt.zero_grad()
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+            train(model, steps=6, lr=0.1, batch=batch)
     s = doctor.session
     assert s is not None
     assert not [e for e in s.events if e.kind == "internal_error"]

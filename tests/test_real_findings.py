@@ -19,7 +19,7 @@ from amp_doctor.analysis.analyze import risk_order
 from amp_doctor.analysis.folding import fold_follow_ons
 from amp_doctor.records import Finding, Session
 from tests.fixtures.findings import tiny_gpt
-from tests.helpers import MLP
+from tests.helpers import MLP, train
 
 C_FC = "transformer.h.1.mlp.c_fc"
 
@@ -515,18 +515,8 @@ def test_an_overflow_inside_activation_checkpointing_is_blamed_on_its_layer(
     # the inf on.
     torch.manual_seed(0)
     model = _Checkpointed(reentrant)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu")
-    g = torch.Generator().manual_seed(0)
     with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
-        for _ in range(3):
-            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        train(model, steps=3, lr=0.01)
     s = doctor.session
     assert s is not None
     errors = [(f.kind, f.module) for f in s.findings if f.severity == "error"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -81,3 +83,17 @@ def test_models_from_a_generator_and_an_empty_container_module() -> None:
     with amp_doctor.watch(empty) as doctor:
         pass
     assert doctor.models == {"": empty}
+
+
+def test_a_logdir_that_cannot_take_files_is_one_usage_error(tmp_path: Path) -> None:
+    # It was a traceback from inside tensorboard's makedirs (FileExistsError).
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("")
+    model = MLP()
+    for bad, why in ((a_file, "File exists"), (a_file / "sub", "Not a directory")):
+        with pytest.raises(UsageError) as e:
+            amp_doctor.watch(model, logdir=bad)
+        assert str(e.value) == (f"cannot write to logdir {str(bad)!r} ({why}); pass a "
+                                "writable directory, e.g. logdir='runs/amp'.")
+        assert not patches_installed()
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

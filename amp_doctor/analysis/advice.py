@@ -254,8 +254,9 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
 
 
 def bf16_advice(f: Finding) -> Finding:
-    """A bfloat16 run is never told to train in bfloat16."""
-    if "bfloat16" not in f.advice or f.kind == "scaler_with_bf16":
+    """A bfloat16 run is never told to train in bfloat16 (but may be told to stay on it:
+    the float16 what-if, which only a bfloat16 run gets)."""
+    if "bfloat16" not in f.advice or f.kind in ("scaler_with_bf16", "whatif_float16"):
         return f
     adv = ADVICE_BF16.get(f.kind)
     if adv is None or f.op:

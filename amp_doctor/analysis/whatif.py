@@ -157,9 +157,28 @@ class Fp16Row:
     underflow_share: float  # below float16's smallest normal (flushed or subnormal)
 
 
+def _applied_scale_log2(s: Session) -> int:
+    """log2 of the scale a GradScaler of the run already put in the recorded gradients.
+
+    The gradient histograms hold the values the backward saw: scaled, when the run
+    has an enabled GradScaler. The median of the scale timeline stands for the scale
+    of every recorded step: exact while the scale holds (a bfloat16 run rarely backs
+    off), an estimate of a bit or two once it has grown.
+    """
+    tl = s.scaler
+    if tl is None or not tl.enabled:
+        return 0
+    logs = sorted(math.log2(v) for _, v in tl.scale if v > 0 and math.isfinite(v))
+    if not logs:
+        return round(math.log2(tl.init_scale)) if tl.init_scale else 0
+    return round(logs[len(logs) // 2])
+
+
 def float16_rows(s: Session) -> list[Fp16Row]:
     """Layers of a bfloat16 run whose values would leave float16's range."""
     fmt = FORMATS["float16"]
+    # Gradients as a float16 run's GradScaler would hold them, from the scale they have.
+    grad_shift = FP16_GRAD_SCALE_LOG2 - _applied_scale_log2(s)
     rows = []
     for lay in s.layers:
         if not lay.ran_low_precision or lay.passthrough:
@@ -167,7 +186,7 @@ def float16_rows(s: Session) -> list[Fp16Row]:
         for tensor, hist in (("activation", lay.act_exp_hist), ("gradient", lay.grad_exp_hist)):
             if not hist:
                 continue
-            shift = FP16_GRAD_SCALE_LOG2 if tensor == "gradient" else 0
+            shift = grad_shift if tensor == "gradient" else 0
             zero, sub, over = _shares(hist, fmt, shift)
             if over >= AFFECTED_SHARE or zero + sub >= UNDERFLOW_SHARE:
                 rows.append(Fp16Row(lay.name, tensor, over, zero + sub))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from amp_doctor.commands.common import fail
 from amp_doctor.commands.terminal import Console
-from amp_doctor.runfiles import JSON_NAME
+from amp_doctor.runfiles import JSON_NAME, make_writable_dir
 
 if TYPE_CHECKING:
     from amp_doctor import runner
@@ -57,10 +57,7 @@ def default_logdir(target: runner.Target) -> Path:
 
 def check_writable(d: Path, option: str = "--logdir") -> None:
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / f".amp-doctor-write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        make_writable_dir(d)
     except OSError as e:
         what = "logdir" if option == "--logdir" else f"the folder of {option}"
         fail(f"cannot write to {what} {str(d)!r} ({e.strerror or e}); "
