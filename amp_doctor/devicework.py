@@ -31,7 +31,8 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-__all__ = ["own_ops", "as_own_work", "user_autocast_enabled", "count_sync", "host_syncs",
+__all__ = ["own_ops", "as_own_work", "without_subclasses", "user_autocast_enabled",
+           "count_sync", "host_syncs",
            "host_scalars", "iter_tensors", "map_tensors", "MAX_OUTPUT_DEPTH"]
 
 # How deep the walker looks into nested outputs: deeper structures are rare in
@@ -117,9 +118,12 @@ class _OwnOps:
         _own.depth = depth + 1
         if depth:
             return
-        plain = torch._C.DisableTorchFunctionSubclass()
-        plain.__enter__()
-        _own.plain = plain
+        if torch._C._is_torch_function_enabled():
+            # Not when already off: entering it under DisableTorchFunction would turn
+            # the function modes (the user's default device) back on.
+            plain = torch._C.DisableTorchFunctionSubclass()
+            plain.__enter__()
+            _own.plain = plain
         if torch._C._is_any_autocast_enabled():
             off = tuple(d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
             for d in off:
@@ -152,6 +156,17 @@ class _OwnOps:
 own_ops = _OwnOps()
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_R = TypeVar("_R")
+
+
+def without_subclasses(fn: Callable[..., _R], *args: Any) -> _R:
+    """``fn(*args)`` where a user's ``__torch_function__`` tensor subclass (one that logs,
+    counts or refuses ops) does not see what amp-doctor does with its tensors: for the
+    hooks' bookkeeping outside :data:`own_ops`. Nothing to do when it is off already."""
+    if not torch._C._is_torch_function_enabled():
+        return fn(*args)
+    with torch._C.DisableTorchFunctionSubclass():
+        return fn(*args)
 
 
 def as_own_work(fn: _F) -> _F:

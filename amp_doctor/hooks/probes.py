@@ -44,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_doctor.device.recorder import StepBuffer
-from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.devicework import iter_tensors, own_ops, without_subclasses
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, dtype_name
 from amp_doctor.hooks.compiled import (
     COMPILED_NOTE,
@@ -66,10 +66,6 @@ MAX_TENSORS_PER_OUTPUT = 64
 # Tensor-hook handles kept between step boundaries before the dead ones are pruned.
 MAX_TENSOR_HANDLES = 4096
 
-# Around each hook's work: a user's ``__torch_function__`` tensor subclass (one that
-# logs, counts or refuses ops) must not see what amp-doctor does with its tensors.
-_PLAIN = torch._C.DisableTorchFunctionSubclass
-
 
 class _PreHook(WeakHook["Probes"]):
     def __init__(self, probes: Probes) -> None:
@@ -84,8 +80,7 @@ class _PreHook(WeakHook["Probes"]):
             return None
         probes = self.owner()
         if probes is not None:
-            with _PLAIN():
-                probes._pre(module, args, kwargs)
+            without_subclasses(probes._pre, module, args, kwargs)
         return None
 
 
@@ -96,8 +91,7 @@ class _PostHook(WeakHook["Probes"]):
             return None
         probes = self.owner()
         if probes is not None:
-            with _PLAIN():
-                probes._post(module, args, kwargs, output)
+            without_subclasses(probes._post, module, args, kwargs, output)
         return None
 
 
@@ -116,8 +110,7 @@ class _GradHook(WeakHook["Probes"]):
             return None
         probes = self.owner()
         if probes is not None:
-            with _PLAIN():
-                probes._on_grad(self.owners, self.buf, grad)
+            without_subclasses(probes._on_grad, self.owners, self.buf, grad)
         return None
 
 
