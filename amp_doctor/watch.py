@@ -22,7 +22,7 @@ import datetime as _dt
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from amp_doctor.hooks.discovery import (
     as_models,
     compile_wrappers,
     compiled_by_method,
+    is_parametrization,
     unwrap,
 )
 from amp_doctor.hooks.patching import Subscription, subscribe
@@ -102,6 +103,8 @@ class _Boundaries:
     lead_root: int | None = None
     # Steps were counted from backward passes (no optimizer, scaler or doctor.step()).
     implicit: bool = False
+    # The watched root models that ran a training forward so far.
+    trained_roots: set[int] = field(default_factory=set)
 
 
 class Watch:
@@ -245,6 +248,7 @@ class Watch:
                     mode=self._opts.on_nonfinite,
                     allow=self._opts.anomaly_allow,
                     module_name=self._probes.name_of,
+                    training_forward=self._probes.in_training_forward,
                 )
                 self._anomaly.start()
             if self.logdir is not None:
@@ -422,6 +426,7 @@ class Watch:
         """A module the loop calls is a new root model (discovery)."""
         return (self._probes is not None and not self.closed
                 and not self._probes.watches(module)
+                and not is_parametrization(module)
                 and next(module.parameters(), None) is not None)
 
     def _found(self, module: nn.Module, name: str | None, args: tuple[Any, ...] | None) -> None:
@@ -441,6 +446,7 @@ class Watch:
     def _on_root_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         training = torch.is_grad_enabled() and module.training and not _in_backward()
         if training:
+            self._bounds.trained_roots.add(id(module))
             if self._bounds.lead_root is None:
                 self._bounds.lead_root = id(module)
             elif id(module) != self._bounds.lead_root and self._bounds.idle:
@@ -575,7 +581,7 @@ class Watch:
         """
         if self.closed:
             return
-        if not self._bounds.defer:
+        if not self._bounds.defer and not self._others_yet_to_train():
             self._boundary()
             self._bounds.idle = True
             return
@@ -585,6 +591,18 @@ class Watch:
             self._boundary()
         self._bounds.pending = True
         self._bounds.idle = True
+
+    def _others_yet_to_train(self) -> bool:
+        """Another watched model with trainable parameters has not trained yet: it may
+        train next in this very iteration (two models, two optimizers), so the first
+        boundary waits like a deferred one instead of splitting the first iteration.
+        If the step's first model comes back first, the boundary is taken there. Only
+        the first step asks (the answer is learned then), so no step pays for the scan."""
+        if self.step_index > 0 or len(self._set.models) < 2:
+            return False
+        return any(id(m) not in self._bounds.trained_roots
+                   and any(p.requires_grad for p in m.parameters())
+                   for m in self._set.models.values())
 
     def _take_pending_boundary(self) -> bool:
         if not self._bounds.pending:

@@ -294,3 +294,27 @@ def test_scheduler_made_before_the_first_forward_does_not_hide_the_scaler(
     assert s.amp.scaler and s.steps == 6 and s.recorded_steps == 6
     assert s.scaler is not None and s.scaler.scale[-1][1] == 65536.0
     assert not s.findings_of("missing_scaler")
+
+
+def test_an_unlocated_nan_is_told_what_it_has_not_tried_and_raise_names_the_op(
+        cli: Cli, work: Path) -> None:
+    # One outlier batch: the search on the next steps sees only finite ops. The advice
+    # leaves out --every 1 (already so) and gives the CLI's way to stop at the op.
+    ran = cli(["diagnose", "--every", "1", "--anomaly", "--logdir", "a", "outlier_batch.py"])
+    assert ran.returncode == 0
+    (f,) = [f for f in json.loads((work / "a" / "amp_doctor.json").read_text())["findings"]
+            if f["kind"] == "nonfinite_unlocated"]
+    assert f["step"] == 5
+    assert "--every 1" not in f["advice"] and "--anomaly --on-nonfinite raise" in f["advice"]
+    assert "Without a GradScaler" not in f["advice"]  # the run has one
+    ran = cli(["diagnose", "--every", "1", "--on-nonfinite", "raise", "--logdir", "r",
+               "outlier_batch.py"])
+    assert ran.returncode == 1  # the script ended at the op, as with watch(on_nonfinite=...)
+    report = json.loads((work / "r" / "amp_doctor.json").read_text())
+    assert report["run"]["outcome"] == "exception"
+    origin = [(f["kind"], f["module"], f["op"], f["step"]) for f in report["findings"]
+              if f["severity"] == "error"]
+    assert origin == [("nonfinite_forward", "block", "aten.exp", 5)]
+    # Steps 0-4 finished; step 5 was recorded up to the op that raised.
+    assert "| 5 steps (6 recorded, the last unfinished, every 1) |" in \
+        (work / "r" / "report.txt").read_text()

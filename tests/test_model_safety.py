@@ -632,3 +632,33 @@ def test_anomaly_mode_beside_vmap_of_grad_still_names_the_nan_batch() -> None:
     assert not [e for e in s.events if e.kind == "internal_error"]
     errors = [(f.kind, f.steps) for f in s.findings if f.severity == "error"]
     assert errors == [("nonfinite_input", [4])]
+
+
+def test_spectral_norm_layers_are_part_of_the_discovered_model() -> None:
+    # ParametrizationList calls itself while spectral_norm() registers it, before the
+    # model exists: discovery must not take it for a model of its own.
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    from amp_doctor.watch import Watch
+
+    def run(watched: bool) -> tuple[list[float], list[torch.Tensor], Any]:
+        torch.manual_seed(0)
+        w = Watch(None, every=1, discover=True, tensorboard=False).start() if watched else None
+        try:
+            disc = nn.Sequential(spectral_norm(nn.Linear(8, 32)), nn.LeakyReLU(0.2),
+                                 spectral_norm(nn.Linear(32, 1)))
+            losses = train(disc, steps=3, batch=lambda i: (torch.randn(8, 8),
+                                                           torch.zeros(8, dtype=torch.long)))
+        finally:
+            if w is not None:
+                w.close()
+        return losses, [p.detach().clone() for p in disc.parameters()], w
+
+    plain, plain_params, _ = run(False)
+    losses, params, w = run(True)
+    assert losses == plain
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
+    names = {lay.name for lay in w.session.layers}
+    assert w.session.run.models == ["Sequential"]
+    assert {"0", "1", "2", "0.parametrizations.weight.0"} <= names
+    assert not any(n.startswith("ParametrizationList") for n in names)

@@ -6,6 +6,7 @@ Each test runs a real loop (no mocks) and asserts on the findings' real values.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from pathlib import Path
 
@@ -523,3 +524,22 @@ def test_an_overflow_inside_activation_checkpointing_is_blamed_on_its_layer(
     assert errors == [("activation_overflow", "blk.1")]
     calls = {layer.name: layer.calls for layer in s.layers}
     assert calls["blk.1"] == calls["out"] == 3  # once a step: the recompute is not counted
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_anomaly_mode_names_the_op_inside_activation_checkpointing(reentrant: bool) -> None:
+    # The reentrant first pass runs under no_grad inside the training forward, and its
+    # recompute runs inside CheckpointFunctionBackward: both are blk.1's forward, so the
+    # origin is aten.exp in blk.1, with no backward finding that blames no module.
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant)
+    with amp_doctor.watch(model, every=1, anomaly=True, tensorboard=False) as doctor:
+        train(model, steps=3, lr=0.01)
+    s = doctor.session
+    errors = [(f.kind, f.module, f.op) for f in s.findings if f.severity == "error"]
+    assert errors == [("nonfinite_forward", "blk.1", "aten.exp")]
+    (origin,) = s.findings_of("nonfinite_forward")
+    assert origin.step == 0
+    line = inspect.getsourcelines(_Exp20.forward)[1] + 1  # the exp's own line
+    assert origin.data["frames"][0].endswith(f"test_real_findings.py:{line} in forward")
+    assert all(f.module == "blk.1" for f in s.findings_of("nonfinite_backward"))

@@ -4,7 +4,9 @@ nothing was judged is never called healthy."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -140,18 +142,30 @@ def test_doctor_step_with_a_scaler_counts_each_step_once() -> None:
     assert [r.step for r in s.history] == list(range(6))
 
 
-def test_two_models_with_two_gradscalers() -> None:
+@pytest.mark.parametrize("container", ["list", "ModuleDict", "ModuleList"])
+def test_two_models_with_two_gradscalers(container: str) -> None:
+    # Each iteration trains a, then b, each with its own optimizer and scaler: one step
+    # holds both, from the first iteration on (b's first forward comes after a's update).
+    # A ModuleDict or ModuleList has no forward: the models inside it are the roots.
     torch.manual_seed(0)
     a, b = MLP(), MLP()
     oa, ob = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (a, b))
     sa, sb = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
     g = torch.Generator().manual_seed(0)
-    with amp_doctor.watch([a, b], every=1, tensorboard=False) as doctor:
+    given: Any = {"list": [a, b], "ModuleDict": nn.ModuleDict({"a": a, "b": b}),
+                  "ModuleList": nn.ModuleList([a, b])}[container]
+    with amp_doctor.watch(given, every=1, tensorboard=False) as doctor:
         for _ in range(5):
             _scaled_step(a, oa, sa, g)
             _scaled_step(b, ob, sb, g)
     s = doctor.session
     assert (s.steps, s.recorded_steps) == (5, 5)
+    names = {"list": ["MLP0", "MLP1"], "ModuleDict": ["a", "b"],
+             "ModuleList": ["0", "1"]}[container]
+    assert s.run.models == names
+    fc1 = [f"{n}.fc1" for n in names]
+    assert [sorted(n for n in r.layers if n in fc1) for r in s.history] == [fc1] * 5
+    assert [(s.layer(n).calls, s.layer(n).recorded_steps) for n in fc1] == [(5, 5)] * 2
 
 
 def test_a_new_gradscaler_for_the_same_optimizer_takes_over() -> None:

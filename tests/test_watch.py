@@ -147,6 +147,41 @@ def test_autocast_inactive() -> None:
     assert doctor.session.layer("fc1").what_if
 
 
+def test_autocast_on_with_a_float64_model_is_not_healthy() -> None:
+    # CPU and CUDA autocast never cast float64: every layer ran wide under float16 autocast.
+    model = MLP().double()
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(8, 16, dtype=torch.float64, generator=g), torch.tensor([0, 1, 2, 3] * 2)
+
+    with amp_doctor.watch(model, every=1) as doctor:
+        train(model, steps=2, batch=batch)
+    (f,) = doctor.session.findings
+    assert f.kind == "autocast_inactive" and f.severity == "warning"
+    assert f.data["autocast_on"] and f.data["output_dtypes"] == ["float64"]
+    assert "Autocast (float16) was on" in f.message and "float64" in f.message
+    assert "model.float()" in f.advice
+
+
+def test_autocast_on_with_no_op_it_lowers_is_not_healthy() -> None:
+    # LayerNorm and softmax stay float32 under CPU autocast: nothing ran low.
+    class Norms(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(self.ln(x), -1)[:, :4]
+
+    model = Norms()
+    with amp_doctor.watch(model, every=1) as doctor:
+        train(model, steps=2, dtype=torch.bfloat16, scaler=False)
+    (f,) = doctor.session.findings
+    assert f.kind == "autocast_inactive"
+    assert f.data["output_dtypes"] == ["float32"]
+    assert "Autocast (bfloat16) was on" in f.message and "stays float32" in f.message
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("every", [1, 3])
 def test_bit_identical_numerics(dtype: torch.dtype, every: int) -> None:

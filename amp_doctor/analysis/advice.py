@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from amp_doctor.records import Event, Finding
 
-__all__ = ["ADVICE", "ADVICE_BF16", "OP_ADVICE", "advice_for", "event_advice", "bf16_advice"]
+__all__ = ["ADVICE", "ADVICE_BF16", "OP_ADVICE", "advice_for", "event_advice", "bf16_advice",
+           "unlocated_advice"]
 
 ADVICE: dict[str, str] = {
     "activation_overflow": (
@@ -52,6 +53,17 @@ ADVICE: dict[str, str] = {
         "Nothing ran in float16/bfloat16. Wrap the forward pass and loss in "
         "`with torch.autocast(device_type='cuda' or 'cpu', dtype=torch.float16):` and check "
         "that `enabled=` is True and the device_type matches where the model lives."
+    ),
+    "autocast_float64": (
+        "Autocast casts only float32 tensors, so a float64 model or input runs in float64 "
+        "under it. Train in float32: drop `torch.set_default_dtype(torch.float64)` and "
+        "`.double()`, call `model.float()` and pass float32 inputs; autocast then runs the "
+        "eligible ops (linear, conv, matmul) in low precision."
+    ),
+    "autocast_no_low_ops": (
+        "Autocast runs only some ops in low precision (linear, conv, matmul, ...), and "
+        "none of this model's did. Check that autocast wraps the forward pass where those "
+        "ops run, and that `device_type` matches the device the model lives on."
     ),
     "scaler_backoff": (
         "Each backoff is a skipped optimizer step caused by inf/NaN gradients. Look at the "
@@ -152,14 +164,6 @@ ADVICE: dict[str, str] = {
         "dtype=torch.float16)` with a `torch.amp.GradScaler`; the optimizer then updates the "
         "float32 weights, where small updates are not rounded away."
     ),
-    "nonfinite_unlocated": (
-        "Record every step (`--every 1`, or `watch(model, every=1)`) so that the failing "
-        "step's layer figures name the layer, or run `watch(model, anomaly=True, "
-        "on_nonfinite='raise')`, which checks every op and stops at the one that made "
-        "NaN/inf, with its line. Without a GradScaler, skip an update whose gradient norm is "
-        "not finite (`clip_grad_norm_` returns it), so that one bad step does not poison "
-        "the weights."
-    ),
     "run_ended_early": (
         "Fix the error that stopped the script (see the outcome above), then run again: "
         "amp-doctor judges training steps, and none finished."
@@ -251,6 +255,27 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "enabled=False):` and cast its input with `.float()`"
                 + (", or train with `dtype=torch.bfloat16`." if not bf16 else "."))
     return advice_for(e.kind, dtype)
+
+
+def unlocated_advice(every: int, cli: bool, raised: bool, scaler: bool) -> str:
+    """How to locate a NaN/Inf that was seen but not located, in the way the run was
+    started (``diagnose`` or ``watch()``), leaving out what it already did."""
+    ways = []
+    if every != 1:
+        ways.append("record every step (" + ("`--every 1`" if cli else "`watch(model, every=1)`")
+                    + ") so that the failing step's layer figures name the layer")
+    if not raised:
+        ways.append("check every op and stop at the one that made NaN/inf, with its line ("
+                    + ("`--anomaly --on-nonfinite raise`" if cli else
+                       "`watch(model, anomaly=True, on_nonfinite='raise')`") + ")")
+    locate = " or ".join(ways)
+    out = [locate[:1].upper() + locate[1:] + "."] if ways else []
+    if not scaler:
+        out.append("Without a GradScaler, skip an update whose gradient norm is not finite "
+                   "(`clip_grad_norm_` returns it), so that one bad step does not poison the "
+                   "weights.")
+    return " ".join(out) or ("Run the failing step again without torch.compile, so that "
+                             "every op is checked one by one.")
 
 
 def bf16_advice(f: Finding) -> Finding:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from amp_doctor.analysis.advice import event_advice
+from amp_doctor.analysis.advice import event_advice, unlocated_advice
 from amp_doctor.analysis.messages import event_message
 from amp_doctor.analysis.thresholds import LOWP_UNCHANGED_WARN, SCALED_GRAD_OVERFLOW_INFO_STEPS
 from amp_doctor.records import Event, Finding, Session, Severity
@@ -60,6 +60,13 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
     return sev
 
 
+def _advice(session: Session, first: Event) -> str:
+    if first.kind == "nonfinite_unlocated":
+        return unlocated_advice(session.run.every, session.run.command is not None,
+                                bool(first.data.get("raise_mode")), session.amp.scaler)
+    return event_advice(first, session.amp.dtype)
+
+
 def event_findings(session: Session) -> Iterable[Finding]:
     grouped: dict[tuple[str, str | None, str | None], list[Event]] = {}
     for e in session.events:
@@ -77,7 +84,7 @@ def event_findings(session: Session) -> Iterable[Finding]:
             kind=kind, severity=_severity(session, kind, es, n), module=module, op=op,
             step=first.step,
             message=event_message(first, n, steps),
-            advice=first.data.get("advice") or event_advice(first, session.amp.dtype),
+            advice=first.data.get("advice") or _advice(session, first),
             frame=first.frame, count=n, steps=steps[:MAX_STEPS_KEPT],
             data={k: v for k, v in first.data.items() if k not in ("message", "advice")},
         )

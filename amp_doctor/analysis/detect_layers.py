@@ -245,10 +245,33 @@ def run_findings(session: Session) -> Iterable[Finding]:
 
 def autocast_findings(session: Session) -> Iterable[Finding]:
     lows = any(lay.ran_low_precision for lay in session.layers)
-    if session.recorded_steps and not session.amp.autocast_seen and not lows:
+    if not session.recorded_steps or lows:
+        return
+    n = session.recorded_steps
+    recorded = f"{n} recorded step{'' if n == 1 else 's'}"
+    if not session.amp.autocast_seen:
         yield Finding(
             kind="autocast_inactive", severity="warning", module=None, op=None, step=None,
-            message=(f"No layer ran in float16 or bfloat16 in {session.recorded_steps} recorded "
-                     "steps: autocast was not active during the forward pass."),
+            message=(f"No layer ran in float16 or bfloat16 in {recorded}: autocast was not "
+                     "active during the forward pass."),
             advice=ADVICE["autocast_inactive"],
         )
+        return
+    # Autocast was on, yet every recorded layer's output stayed wide: the run pays for
+    # AMP's machinery and gets none of its savings, which "healthy" would hide.
+    ran = [lay for lay in session.layers if lay.output_dtypes]
+    if not ran:
+        return  # nothing recorded to judge by (e.g. the whole model compiled)
+    wide = sorted({d for lay in ran for d in lay.output_dtypes})
+    f64 = any("float64" in lay.input_dtypes for lay in ran)
+    low = session.amp.dtype or "low precision"
+    why = ("the layers ran in float64, which autocast never casts" if f64 else
+           f"every op these layers ran stays {'/'.join(wide)} under autocast on "
+           f"{session.amp.device_type or 'this device'}")
+    yield Finding(
+        kind="autocast_inactive", severity="warning", module=None, op=None, step=None,
+        message=(f"Autocast ({low}) was on, yet no layer ran in {low} in "
+                 f"{recorded}: {why}."),
+        advice=ADVICE["autocast_float64" if f64 else "autocast_no_low_ops"],
+        data={"autocast_on": True, "output_dtypes": wide},
+    )

@@ -283,8 +283,10 @@ def _nonfinite_input(a: MessageArgs) -> str:
 @message_for("nonfinite_backward")
 def _nonfinite_backward(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
-    return (f"In the backward pass, {e.op} (part of {d.get('node')}, the backward of "
-            f"{d.get('forward_op')} {_where(e)}) produced {nonfinite_what(d)}{_op_range(d)}, "
+    of = (f"the backward of {d.get('forward_op')} {_where(e)}" if d.get("forward_op")
+          else f"a backward {_where(e)}")
+    return (f"In the backward pass, {e.op} (part of {d.get('node')}, {of}) produced "
+            f"{nonfinite_what(d)}{_op_range(d)}, "
             f"{_op_steps(a)}. This is the first backward op to go non-finite; the layers "
             "before it in backward order only passed it on.")
 

@@ -141,6 +141,7 @@ class AnomalyMode:
         mode: str = "record",
         allow: Iterable[str] = (),
         module_name: Callable[[nn.Module], str | None] | None = None,
+        training_forward: Callable[[], bool] = lambda: False,
     ) -> None:
         self._current_module = current_module
         self._module_name = module_name
@@ -148,7 +149,7 @@ class AnomalyMode:
         self._raise = mode == "raise"
         self._log = EventLog()
         self._recorder = OpRecorder(self._module, step_of, allow, self._on_entry,
-                                    self._log.note_internal)
+                                    self._log.note_internal, training_forward)
         self._check = StepCheck()
         self._mode: OpMode | None = None
         self._handle: moduleends.Listening | None = None
@@ -438,11 +439,12 @@ class AnomalyMode:
             "searched_steps": list(self._searched),
             "scaler_skipped_only": not real,
             "weights_nonfinite_at": self._weights_bad_at,
+            "raise_mode": self._raise,
             "reason": (
                 "the weights were already non-finite when the op-level search ran: with no "
                 "GradScaler to skip it, the bad step's update wrote NaN/Inf into them, so no "
-                "later op starts from finite inputs. on_nonfinite='raise' checks every op of "
-                "every step and stops at the origin" if self._weights_bad_at is not None
+                "later op starts from finite inputs. Checking every op of every step "
+                "(on_nonfinite='raise') stops at the origin" if self._weights_bad_at is not None
                 else "the op-level search ran on the next steps but saw no op inside the "
                 "watched model: it runs under torch.compile, whose compiled ops are not "
                 "searched one by one (run a few steps without compiling to name the op)"

@@ -32,6 +32,8 @@ from amp_doctor.hooks.tensorkinds import unsummarizable
 __all__ = ["OpRecorder", "OpTag", "summarizable"]
 
 _TAG = "amp_doctor"
+# The autograd node of torch.utils.checkpoint(use_reentrant=True): it reruns the forward.
+_REENTRANT_RECOMPUTE = "CheckpointFunctionBackward"
 # The op_dtypes key of the ops that ran outside every watched module.
 _OUTSIDE = "<outside>"
 # Ops whose output is garbage or constant by design: never an origin.
@@ -119,8 +121,10 @@ class OpRecorder:
         allow: Iterable[str],
         on_entry: Callable[[], None],
         on_error: Callable[[Exception], None],
+        training_forward: Callable[[], bool] = lambda: False,
     ) -> None:
         self._module_of = module_of
+        self._training_forward = training_forward
         self._step_of = step_of
         self._allow = tuple(allow)
         self._allow_cache: dict[str, bool] = {}
@@ -177,9 +181,12 @@ class OpRecorder:
         if self._to_tag is not None:
             self.tag_previous()
         if own_ops.active() or (
-                not torch.is_grad_enabled() and torch._C._current_autograd_node() is None):
+                not torch.is_grad_enabled() and torch._C._current_autograd_node() is None
+                and not self._training_forward()):
             # amp-doctor's own work; or neither a training forward nor backward:
-            # optimizer updates, GradScaler's unscale, evaluation under no_grad.
+            # optimizer updates, GradScaler's unscale, evaluation under no_grad. (A
+            # no_grad block inside a training forward, such as a reentrant checkpoint's
+            # first pass, is the forward: checked.)
             return func(*args, **kwargs)
         try:
             pre = self._before(func, args, kwargs)
@@ -231,7 +238,10 @@ class OpRecorder:
         outs = [t for t in (out if isinstance(out, (list, tuple)) else (out,))
                 if isinstance(t, torch.Tensor)]
         node = torch._C._current_autograd_node()
-        forward = node is None
+        # A reentrant checkpoint recomputes its layers' forward inside its backward node:
+        # those are the layers' forward ops (tagged as such, for their own backward).
+        forward = node is None or (node.name() == _REENTRANT_RECOMPUTE
+                                   and self._module_of() is not None)
         if pre.is_view:
             self._after_view(pre, outs, forward)
             return

@@ -47,6 +47,11 @@ __all__ = ["diagnose"]
               help="Record one training step in N [default: 10].")
 @click.option("--anomaly", is_flag=True,
               help="Find the first op that produced NaN/Inf (slower).")
+@click.option("--on-nonfinite", type=click.Choice(["record", "raise"]), default="record",
+              show_default=True,
+              help="With --anomaly: 'raise' checks every op of every step and stops the "
+                   "script at the first one that makes NaN/Inf (much slower; implies "
+                   "--anomaly).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Also write the JSON report to this file.")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), default=None,
@@ -73,6 +78,7 @@ def diagnose(
     logdir: Path | None,
     every: int | None,
     anomaly: bool,
+    on_nonfinite: str,
     json_path: Path | None,
     report_path: Path | None,
     fail_on: str,
@@ -93,6 +99,7 @@ def diagnose(
     """
     from amp_doctor import runner
 
+    anomaly = anomaly or on_nonfinite == "raise"
     if module is not None:
         target = runner.Target("module", module, tuple(script_and_args))
     elif script_and_args:
@@ -124,6 +131,7 @@ def diagnose(
     if nproc_per_node is not None and nproc_per_node > 1:
         forwarded = [*(["--every", str(every)] if every else []),
                      *(["--anomaly"] if anomaly else []),
+                     *(["--on-nonfinite", on_nonfinite] if on_nonfinite != "record" else []),
                      *(["--max-steps", str(max_steps)] if max_steps else []),
                      *[a for p in fp32 for a in ("--fp32", p)],
                      *(["--stop-after", str(stop_after)] if stop_after else []),
@@ -137,7 +145,7 @@ def diagnose(
             note_reused_logdir(logdir, console)
         code = _diagnose(resolved, target, logdir, every, anomaly, json_out, report_out,
                          fail_on, max_steps, quiet, not no_tensorboard, console, fp32,
-                         stop_after, target_dtype)
+                         stop_after, target_dtype, on_nonfinite)
     finally:
         console.close()
     sys.exit(code)
@@ -161,6 +169,7 @@ def _diagnose(
     json_out: Path | None, report_out: Path | None, fail_on: str, max_steps: int | None,
     quiet: bool, tensorboard: bool, console: Console, fp32: tuple[str, ...] = (),
     stop_after: int | None = None, target_dtype: str | None = None,
+    on_nonfinite: str = "record",
 ) -> int:
     from amp_doctor.merge import rank_dir, rank_env
     from amp_doctor.watch import DEFAULT_EVERY, Watch
@@ -169,7 +178,8 @@ def _diagnose(
     under_launcher = bool(os.environ.get(LAUNCHER_ENV))
     run_dir = rank_dir(logdir, ranks[0]) if ranks else logdir
     doctor = Watch(None, every=every or DEFAULT_EVERY, logdir=run_dir, anomaly=anomaly,
-                   max_steps=max_steps, discover=True, tensorboard=tensorboard, fp32=fp32,
+                   on_nonfinite=on_nonfinite, max_steps=max_steps, discover=True,
+                   tensorboard=tensorboard, fp32=fp32,
                    stop_after=stop_after, target_dtype=target_dtype)
     speaks = ranks is None or (ranks[0] == 0 and not under_launcher)
     progress = Progress(enabled=speaks and not quiet and console.isatty(), console=console)

@@ -18,12 +18,13 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from amp_doctor.errors import AmpDoctorError
 from amp_doctor.hooks.probes import run_eagerly_when_called_by_dynamo
 
 __all__ = ["Models", "ModelSet", "GlobalDiscovery", "as_models", "unwrap",
-           "compile_wrappers", "compiled_by_method", "variable_name"]
+           "compile_wrappers", "compiled_by_method", "variable_name", "is_parametrization"]
 
 Models = nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module]
 # Wrappers whose inner module is the user's model.
@@ -32,7 +33,15 @@ _WRAPPERS = ("DistributedDataParallel", "DataParallel", "OptimizedModule")
 NAME_SEARCH_FRAMES = 40
 
 
+# Containers that hold models but have no forward of their own: the loop calls what
+# is inside them, so each member is a root model (named by its key or index).
+_CONTAINERS = (nn.ModuleDict, nn.ModuleList)
+
+
 def as_models(model: Models) -> dict[str, nn.Module]:
+    if isinstance(model, _CONTAINERS) and len(model):
+        model = dict(model.items()) if isinstance(model, nn.ModuleDict) else \
+            {str(i): m for i, m in enumerate(model)}
     if isinstance(model, nn.Module):
         return {"": model}
     if isinstance(model, Mapping):
@@ -68,6 +77,13 @@ def compile_wrappers(model: nn.Module) -> list[nn.Module]:
 def compiled_by_method(model: nn.Module) -> bool:
     """``model.compile()`` was called: its hooks run inside the compiled graph."""
     return getattr(model, "_compiled_call_impl", None) is not None
+
+
+def is_parametrization(module: nn.Module) -> bool:
+    """A ``torch.nn.utils.parametrize`` list (spectral_norm, weight_norm, orthogonal):
+    part of the layer that owns it, never a model, though it is called outside any
+    forward (once when registered, and whenever the user's code reads the weight)."""
+    return isinstance(module, ParametrizationList)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

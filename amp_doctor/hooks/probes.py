@@ -329,6 +329,13 @@ class Probes:
     def current_module(self) -> str | None:
         return self.stack[-1] if self.stack else None
 
+    def in_training_forward(self) -> bool:
+        """A watched layer below the root is running inside a forward whose outermost
+        watched call had grad enabled (so a ``no_grad`` block in it, e.g. a reentrant
+        checkpoint's first pass, is still training work). The root alone does not count:
+        a compiled root's graph runs under no_grad inside its call, and is not searched."""
+        return self._depth > 1 and self._training_call
+
     def new_step(self) -> None:
         self._seen.clear()
         # Gradient hooks of the step that ended: its backward has run. Removing

@@ -49,7 +49,10 @@ def summary_line(s: Session) -> str:
     dtype = f"{amp.dtype} autocast" if amp.autocast_seen else (
         f"{amp.dtype} (no autocast)" if amp.dtype else "no low precision")
     scaler = "GradScaler on" if amp.scaler else "no GradScaler"
-    steps = f"{s.steps} steps ({s.recorded_steps} recorded, every {s.run.every})"
+    # The step a run ended in is recorded, though it never finished: say so, rather than
+    # count more recorded steps than steps.
+    partial = ", the last unfinished" if s.recorded_steps > s.steps else ""
+    steps = f"{s.steps} steps ({s.recorded_steps} recorded{partial}, every {s.run.every})"
     parts = [amp.device_type or "device ?", dtype, scaler, steps, s.run.outcome]
     if s.run.exit_code not in (None, 0):
         parts.append(f"exit code {s.run.exit_code}")
