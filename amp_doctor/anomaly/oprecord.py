@@ -240,8 +240,10 @@ class OpRecorder:
         node = torch._C._current_autograd_node()
         # A reentrant checkpoint recomputes its layers' forward inside its backward node:
         # those are the layers' forward ops (tagged as such, for their own backward).
-        forward = node is None or (node.name() == _REENTRANT_RECOMPUTE
-                                   and self._module_of() is not None)
+        # (The module stack first: it is empty in a plain backward, so no op there pays
+        # for the node's name.)
+        forward = node is None or (self._module_of() is not None
+                                   and node.name() == _REENTRANT_RECOMPUTE)
         if pre.is_view:
             self._after_view(pre, outs, forward)
             return

@@ -418,10 +418,11 @@ class Probes:
         self.stack.append(name)
         if self._depth == 1:
             self._training_call = torch.is_grad_enabled()
-        if id(module) in self._roots and self._depth == 1:
-            self._on_root_forward(module, args)
-            if self.armed and self.recording:
-                self._armed_root_calls[id(module)] = self._armed_root_calls.get(id(module), 0) + 1
+            if id(module) in self._roots:
+                self._on_root_forward(module, args)
+                if self.armed and self.recording:
+                    self._armed_root_calls[id(module)] = \
+                        self._armed_root_calls.get(id(module), 0) + 1
         if not self.recording or not (self._training_call or torch.is_grad_enabled()):
             return
         meta = self.layers[name]
