@@ -113,6 +113,17 @@ class _OwnOps:
     def active() -> bool:
         return bool(getattr(_own, "depth", 0))
 
+    @staticmethod
+    def needed_for(t: torch.Tensor) -> bool:
+        """Whether reading ``t`` with views, reductions and copies into amp-doctor's own
+        buffers needs this guard. Not for a plain tensor while no dispatch mode runs
+        (the usual hook on a recorded step; a third of the cost of filing a small
+        tensor): no subclass would see those ops, and no mode must tell them from the
+        user's. Autocast and the user's default device do not reach them: they make
+        no new tensor without naming its device, and none is in an autocast list.
+        """
+        return type(t) is not torch.Tensor or bool(torch._C._len_torch_dispatch_stack())
+
     def __enter__(self) -> None:
         depth = getattr(_own, "depth", 0)
         _own.depth = depth + 1

@@ -153,3 +153,16 @@ def test_the_gc_count_sees_the_collections_of_the_steps_it_times() -> None:
     finally:
         gc.callbacks.remove(counter)
     assert counter.count[1] == 1 and counter.seconds[1] > 0
+
+
+def test_the_guard_harness_times_both_ways_and_restores_the_guard() -> None:
+    """bench_guard.py forces own_ops around every filed tensor for one copy only."""
+    import bench_guard
+
+    from amp_doctor.devicework import own_ops
+
+    shipped = type(own_ops).__dict__["needed_for"]
+    r = bench_guard.measure("cnn", "bfloat16", rounds=1, steps=1)
+    assert type(own_ops).__dict__["needed_for"] is shipped
+    assert not own_ops.needed_for(torch.ones(2)) and own_ops.needed_for(nn.Parameter(torch.ones(2)))
+    assert r["plain_ms"] > 0 and len(r["forced"]) == len(r["shipped"]) == 1

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
+from amp_doctor.devicework import own_ops
 from amp_doctor.dtypes import FormatLimits
 
 __all__ = [
@@ -225,7 +226,8 @@ class _Column:
     def append(self, t: torch.Tensor) -> None:
         self._pending.append(t)
         if len(self._pending) >= COMPACT_ROWS:
-            self._chunks.append(torch.stack(self._pending))
+            with own_ops:  # stack promotes under autocast: float16 with bfloat16 raises
+                self._chunks.append(torch.stack(self._pending))
             self._pending = []
 
     def stacked(self) -> torch.Tensor:
@@ -317,19 +319,27 @@ class Batch:
         return self._filed_bytes
 
     def add(self, x: torch.Tensor) -> int:
-        """File ``x`` (floating point, non-empty, strided); returns its row in this batch."""
+        """File ``x`` (floating point, non-empty, strided); returns its row in this batch.
+
+        Safe from anywhere, also inside the user's forward (autocast, a default
+        device, a tensor subclass, a dispatch mode): what needs :data:`own_ops`
+        enters it, and the usual plain tensor's few ops do not pay for it.
+        """
+        if own_ops.needed_for(x):
+            with own_ops:
+                return self._add(x)
+        return self._add(x)
+
+    def _add(self, x: torch.Tensor) -> int:
         x = x.detach()
         sample = _sample(x)
         k = sample.numel()
         self._filed_bytes += x.numel() * x.element_size()
-        if self._stage is not None and (self._used + k > self._stage.numel()
-                                        or len(self._lengths) >= ROWS_PER_PASS):
-            self._pass()
-            if self._stage.numel() < stage_size(self._filed_bytes):
-                self._stage = None  # grown: the step has filed more since it was made
-        if self._stage is None:
-            size = stage_size(max(self._filed_bytes, self._head_start))
-            self._stage = torch.empty(size, dtype=torch.float32, device=x.device)
+        stage = self._stage
+        if stage is None or (self._used + k > stage.numel()
+                             or len(self._lengths) >= ROWS_PER_PASS):
+            with own_ops:  # the pass and a new stage make tensors: the default device
+                self._make_room(x.device)
         mn, mx = torch.aminmax(x)
         self._mins.append(mn)
         self._maxs.append(mx)
@@ -340,12 +350,23 @@ class Batch:
             self._counted.append(len(self.numel))
         # float64 beyond float32's range becomes inf here, which is what a cast to
         # any low-precision format would do too.
+        assert self._stage is not None
         self._stage[self._used : self._used + k].copy_(sample)
         self._used += k
         self._lengths.append(k)
         self.numel.append(x.numel())
         self.sampled.append(k)
         return len(self.numel) - 1
+
+    def _make_room(self, device: torch.device) -> None:
+        """Count a full stage, and make a new one if there is none or it is too small."""
+        if self._stage is not None:
+            self._pass()
+            if self._stage.numel() < stage_size(self._filed_bytes):
+                self._stage = None  # grown: the step has filed more since it was made
+        if self._stage is None:
+            size = stage_size(max(self._filed_bytes, self._head_start))
+            self._stage = torch.empty(size, dtype=torch.float32, device=device)
 
     def _pass(self) -> None:
         rows = len(self._lengths)
@@ -392,7 +413,8 @@ class Batch:
         For a pause in filing that is followed by the user's own allocations (the
         optimizer step after the parameter gradients): the stage is not held then.
         """
-        self._pass()
+        with own_ops:
+            self._pass()
         self._stage = None
 
     def finish(self, extra_rows: int = 0) -> torch.Tensor:

@@ -472,8 +472,7 @@ class Probes:
             # An in-place op (x.mul_(gamma)) returns the same tensor with new
             # values: only an unchanged version counter means "already seen".
             if entry is None or entry[2] != version:
-                with own_ops:
-                    idx = buf.add(t)
+                idx = buf.add(t)  # enters own_ops itself, when it needs to
                 owners = [name]
                 self._seen[t] = (idx, owners, version)
                 if t.requires_grad:
@@ -495,8 +494,7 @@ class Probes:
             return
         if grad.numel() == 0:
             return
-        with own_ops:
-            idx = buf.add(grad)
+        idx = buf.add(grad)
         for n in owners:
             buf.assign(n, "grad", idx)
         buf.note_backward(owners[0])
