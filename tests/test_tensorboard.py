@@ -284,6 +284,22 @@ def test_exp_counts_places_a_float32_beyond_the_max_by_the_exact_extremes() -> N
     assert S.decode(row.tolist(), F16).overflow_frac == pytest.approx(1 / 3)
 
 
+def test_a_steps_histograms_counted_together_equal_each_row_counted_alone() -> None:
+    # One decode for a step's live layers instead of one per row; each row's counts,
+    # the moved-up 65510 and a sampled (scaled, non-integer) row included, are the same.
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.tensor([1.0, 65000.0, 65510.0]), torch.tensor([0.0, math.inf, math.nan, 3.0]),
+          torch.randn(3 * S.SAMPLE_LIMIT + 7, generator=g) * 1e-4,
+          (torch.randn(300, generator=g) * 1e5).half().float()]
+    rows = torch.stack([S.summary_row(x) for x in xs])
+    for fmt in (F16, limits(torch.bfloat16)):
+        eb = exp_buckets(fmt)
+        together = tbs.exp_counts_many(rows, eb)
+        assert together == [exp_counts(r, eb) for r in rows]
+        assert together[0][eb.overflow] == (1 if fmt is F16 else 0)
+        assert sum(together[2]) == pytest.approx(xs[2].numel())
+
+
 def _rgb(ev: Any) -> Image.Image:
     return Image.open(io.BytesIO(ev.encoded_image_string)).convert("RGB")
 

@@ -137,6 +137,7 @@ __all__ = [
     "ExpBuckets",
     "exp_buckets",
     "exp_counts",
+    "exp_counts_many",
     "hist_description",
     "infer_format",
     "layer_scalars",
@@ -238,21 +239,28 @@ def exp_counts(row: torch.Tensor, eb: ExpBuckets) -> list[float]:
     Linear in ``row``, so the counts of a sum of rows are the sum of the counts
     (up to :func:`~amp_doctor.device.stats.decode_many`'s "at least one" beyond the max).
     """
-    r = row.to(torch.float64)
-    counts = torch.zeros(len(eb), dtype=torch.float64)
-    counts.index_add_(0, eb.index, r[S.HIST:])
-    out = counts.tolist()
-    zeros = float(r[S.ZEROS])
-    out[eb.sub_bucket] -= zeros
-    out[eb.zero] += zeros
+    return exp_counts_many(row.reshape(1, -1), eb)[0]
+
+
+def exp_counts_many(rows: torch.Tensor, eb: ExpBuckets) -> list[list[float]]:
+    """:func:`exp_counts` of each of the raw host rows ``[K, SUMMARY_LEN]``, at once: a
+    step's histograms in a few whole-matrix ops (one row at a time, the decode below
+    cost about half a millisecond a row, 16 ms a step with 16 live layers)."""
+    r = rows.to(torch.float64)
+    counts = torch.zeros(r.shape[0], len(eb), dtype=torch.float64)
+    counts.index_add_(1, eb.index, r[:, S.HIST:])
+    zeros = r[:, S.ZEROS]
+    counts[:, eb.sub_bucket] -= zeros
+    counts[:, eb.zero] += zeros
     # Values beyond the max that share the top bucket's float32 exponent (a float32
     # 65510 for float16) are known only through the exact max: move them up.
-    infs = out[eb.nonfinite] - float(r[S.NANS])
-    finite_over = S.decode_many(r.reshape(1, -1), eb.fmt, [0])[0].over_count - max(infs, 0.0)
-    moved = min(max(finite_over - out[eb.overflow], 0.0), out[eb.top])
-    out[eb.top] -= moved
-    out[eb.overflow] += moved
-    return out
+    infs = (counts[:, eb.nonfinite] - r[:, S.NANS]).clamp(min=0.0)
+    over = S.decode_table(r, eb.fmt, [0] * r.shape[0])[:, S.DECODED_FIELDS.index("over_count")]
+    moved = torch.minimum((over - infs - counts[:, eb.overflow]).clamp(min=0.0),
+                          counts[:, eb.top])
+    counts[:, eb.top] -= moved
+    counts[:, eb.overflow] += moved
+    return counts.tolist()
 
 
 def infer_format(layers: Iterable[LayerStep]) -> FormatLimits | None:
@@ -439,6 +447,7 @@ class TensorBoardSink:
         # Only live layers are thinned; a model with none needs no look at the step.
         write_live = not self._live or i % live_stride(i) == 0 or _notable(rec)
         deferred: list[tuple[str, str]] = []
+        hists: list[tuple[str, torch.Tensor]] = []
         for name in rec.layers:
             if name in self._dupe_of:
                 continue
@@ -451,7 +460,11 @@ class TensorBoardSink:
             for fld, group in (("act", "act_exp"), ("grad", "grad_exp")):
                 row = hs.merged(name, fld)
                 if row is not None:
-                    self._write_hist(w, f"{group}/{name}", exp_counts(row, eb), step)
+                    hists.append((f"{group}/{name}", row))
+        if hists:
+            rows = torch.stack([row for _, row in hists])
+            for (tag, _), counts in zip(hists, exp_counts_many(rows, eb), strict=True):
+                self._write_hist(w, tag, counts, step)
         self._add_totals(hs, deferred)
 
     def _add_totals(self, hs: StepRows, keys: list[tuple[str, str]]) -> None:
