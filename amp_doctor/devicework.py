@@ -20,6 +20,7 @@ these three things without an import circle.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -31,7 +32,7 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-__all__ = ["own_ops", "as_own_work", "without_subclasses", "user_autocast_enabled",
+__all__ = ["own_ops", "OWN_MODE_FLAG", "as_own_work", "without_subclasses", "user_autocast_enabled",
            "count_sync", "host_syncs",
            "host_scalars", "iter_tensors", "map_tensors", "MAX_OUTPUT_DEPTH"]
 
@@ -40,6 +41,10 @@ __all__ = ["own_ops", "as_own_work", "without_subclasses", "user_autocast_enable
 MAX_OUTPUT_DEPTH = 4
 
 _own = threading.local()
+
+# Set on amp-doctor's own dispatch mode (anomaly mode's), which :data:`own_ops` leaves
+# on the stack while it takes the user's modes off.
+OWN_MODE_FLAG = "_amp_doctor_own_mode"
 
 
 def _user_default_device() -> bool:
@@ -81,6 +86,45 @@ def user_autocast_enabled(device_type: str) -> bool:
         device_type)
 
 
+def _torch_function_off() -> contextlib.AbstractContextManager[None] | None:
+    """The context that keeps the user's ``__torch_function__`` code away from
+    amp-doctor's ops, or None when none of it would run.
+
+    With a function mode on the stack, both modes and subclasses are turned off: a
+    mode of the user's that logs, counts or refuses ops (``aminmax``, ``empty``) would
+    otherwise see amp-doctor's and could fail the user's step in a hook. That also
+    takes the user's default device (itself a function mode) away from amp-doctor's
+    tensors, so they are made on the CPU. With subclasses only, only they are turned
+    off; and nothing is entered when they are off already: ``DisableTorchFunctionSubclass``
+    entered under ``DisableTorchFunction`` would turn the modes back on.
+    """
+    if torch._C._is_torch_function_mode_enabled():
+        return torch._C.DisableTorchFunction()
+    if torch._C._is_torch_function_enabled():
+        return torch._C.DisableTorchFunctionSubclass()
+    return None
+
+
+def _pop_user_dispatch_modes() -> list[Any]:
+    """Take the user's dispatch modes off this thread's stack, top first, for
+    :meth:`_OwnOps.__exit__` to push back in order.
+
+    A mode of the user's (``FlopCounterMode``, a logging or counting mode) would see
+    amp-doctor's ops as the user's: a watched run's FLOP count would include the
+    histograms' ``mm``. The pop stops at amp-doctor's own anomaly mode (below every
+    user mode, and it tells amp-doctor's ops apart by :data:`own_ops`; entering and
+    leaving it inside ``own_ops`` must find it on top) and at an infra mode
+    (tracing: fake or functional tensors need theirs).
+    """
+    popped: list[Any] = []
+    while n := torch._C._len_torch_dispatch_stack():
+        top = torch._C._get_dispatch_stack_at(n - 1)
+        if getattr(top, OWN_MODE_FLAG, False) or top.is_infra_mode():
+            break
+        popped.append(torch._C._pop_torch_dispatch_stack(None))
+    return popped
+
+
 class _OwnOps:
     """``with own_ops:`` marks amp-doctor's own tensor work (stats, the step's host
     copy, the scaler observer, the session built at close), which the dispatch mode
@@ -100,9 +144,10 @@ class _OwnOps:
       models trained in the two formats, one step boundary inside the second one's
       forward); it is turned off and restored (:func:`user_autocast_enabled` reads
       the user's setting meanwhile);
-    - a ``__torch_function__`` tensor subclass of the user's (one that logs, counts or
-      refuses ops), which would see amp-doctor's ops on its tensors and make its
-      statistics instances of itself.
+    - a ``__torch_function__`` tensor subclass or function mode of the user's (one
+      that logs, counts or refuses ops), which would see amp-doctor's ops and, for a
+      subclass, make its statistics instances of itself (:func:`_torch_function_off`);
+    - the user's ``__torch_dispatch__`` modes (:func:`_pop_user_dispatch_modes`).
 
     Per thread: a user's thread running the model meanwhile must not have its ops
     taken for ours. On CUDA the backward pass runs on an autograd thread, and
@@ -118,21 +163,21 @@ class _OwnOps:
         """Whether reading ``t`` with views, reductions and copies into amp-doctor's own
         buffers needs this guard. Not for a plain tensor while no dispatch mode runs
         (the usual hook on a recorded step; a third of the cost of filing a small
-        tensor): no subclass would see those ops, and no mode must tell them from the
-        user's. Autocast and the user's default device do not reach them: they make
-        no new tensor without naming its device, and none is in an autocast list.
+        tensor): no subclass or mode of the user's would see those ops, and no mode
+        of amp-doctor's must tell them from the user's. Autocast and the user's
+        default device do not reach them: they make no new tensor without naming its
+        device, and none is in an autocast list.
         """
-        return type(t) is not torch.Tensor or bool(torch._C._len_torch_dispatch_stack())
+        return (type(t) is not torch.Tensor or bool(torch._C._len_torch_dispatch_stack())
+                or torch._C._is_torch_function_mode_enabled())
 
     def __enter__(self) -> None:
         depth = getattr(_own, "depth", 0)
         _own.depth = depth + 1
         if depth:
             return
-        if torch._C._is_torch_function_enabled():
-            # Not when already off: entering it under DisableTorchFunction would turn
-            # the function modes (the user's default device) back on.
-            plain = torch._C.DisableTorchFunctionSubclass()
+        plain = _torch_function_off()
+        if plain is not None:
             plain.__enter__()
             _own.plain = plain
         if torch._C._is_any_autocast_enabled():
@@ -140,15 +185,22 @@ class _OwnOps:
             for d in off:
                 torch.set_autocast_enabled(d, False)
             _own.autocast_off = off
-        if _user_default_device():
+        if plain is None and _user_default_device():
             cpu = torch.device("cpu")
             cpu.__enter__()
             _own.cpu_default = cpu
+        if torch._C._len_torch_dispatch_stack():
+            _own.user_modes = _pop_user_dispatch_modes()
 
     def __exit__(self, *exc: object) -> None:
         _own.depth -= 1
         if _own.depth:
             return
+        modes = getattr(_own, "user_modes", None)
+        if modes:
+            for m in reversed(modes):
+                torch._C._push_on_torch_dispatch_stack(m)
+        _own.user_modes = None
         cpu = getattr(_own, "cpu_default", None)
         if cpu is not None:
             _own.cpu_default = None
@@ -174,9 +226,10 @@ def without_subclasses(fn: Callable[..., _R], *args: Any) -> _R:
     """``fn(*args)`` where a user's ``__torch_function__`` tensor subclass (one that logs,
     counts or refuses ops) does not see what amp-doctor does with its tensors: for the
     hooks' bookkeeping outside :data:`own_ops`. Nothing to do when it is off already."""
-    if not torch._C._is_torch_function_enabled():
+    off = _torch_function_off()
+    if off is None:
         return fn(*args)
-    with torch._C.DisableTorchFunctionSubclass():
+    with off:
         return fn(*args)
 
 

@@ -6,6 +6,8 @@ AveragedModel, real vmap) and compares losses bit for bit with an unwatched run.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import gc
 import json
@@ -21,6 +23,8 @@ import pytest
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_doctor
 from amp_doctor.hooks.probes import Unwatched
@@ -46,9 +50,11 @@ def _loop(
     steps: int = STEPS,
     every: int = 1,
     make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    around_step: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     **watch_kw: Any,
 ) -> tuple[list[float], Any]:
-    """The usual AMP loop (float16 autocast + GradScaler on CPU); returns losses and session."""
+    """The usual AMP loop (float16 autocast + GradScaler on CPU); returns losses and session.
+    ``around_step``: entered around each whole step (forward, backward, update)."""
     g = torch.Generator().manual_seed(0)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
     scaler = torch.amp.GradScaler("cpu")
@@ -60,12 +66,13 @@ def _loop(
                 x, y = make_batch(g)
             else:
                 x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = nn.functional.cross_entropy(model(x).float(), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            with around_step():
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(x).float(), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
             losses.append(float(loss.detach()))
             if each_step is not None:
                 each_step(i, model)
@@ -598,6 +605,84 @@ def test_a_torch_function_subclass_sees_only_the_users_own_ops(kw: dict[str, Any
         watched = [step() for _ in range(3)]
     assert "linear" in plain
     assert watched == [plain] * 3
+
+
+class _FunctionLog(TorchFunctionMode):
+    """A user's function mode: logs every call, and refuses ``refused`` as a strict one might."""
+
+    def __init__(self, refused: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.refused = refused
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name in self.refused:
+            raise RuntimeError(f"this mode refuses {name}")
+        self.seen[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _DispatchLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.seen[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _modes_loop(watch_kw: dict[str, Any] | None, make_modes: Callable[[], list[Any]]
+                ) -> tuple[list[float], list[Any]]:
+    """The AMP loop with the user's modes around each whole step (forward, backward, update)."""
+    modes = make_modes()
+
+    def around() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for m in modes:
+            stack.enter_context(m)
+        return stack
+
+    losses, _ = _loop(_fresh(), watch_kw is not None, steps=4, around_step=around,
+                      **(watch_kw or {}))
+    return losses, modes
+
+
+@pytest.mark.parametrize("kw", [{"every": 1}, {"every": 2}, {"anomaly": True, "every": 1},
+                                {"on_nonfinite": "raise", "every": 1}])
+def test_the_users_function_and_dispatch_modes_see_only_the_users_ops(
+        kw: dict[str, Any]) -> None:
+    # A FlopCounterMode counted the histograms' mm (+18% FLOPs on a small MLP), and a
+    # function mode that refuses aminmax or empty failed the user's step in a hook.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def modes() -> list[Any]:
+        return [_FunctionLog(), _DispatchLog(), FlopCounterMode(display=False)]
+
+    plain, (fn, disp, flops) = _modes_loop(None, modes)
+    watched, (wfn, wdisp, wflops) = _modes_loop(kw, modes)
+    assert watched == plain
+    assert fn.seen["linear"] == 4 * 2 and disp.seen["aten.addmm.default"] == 4 * 2  # 2 Linear
+    assert wfn.seen == fn.seen
+    if kw.get("anomaly"):
+        # While the op-level search runs (step 0 here) beneath the user's mode, that
+        # mode also sees a ``detach`` after each factory call of GradScaler and backward
+        # (full, ones_like: 4 in all), dispatched by torch from the user's own frame.
+        # Every other op, and the FLOPs, are the user's alone.
+        extra = wdisp.seen - disp.seen
+        assert set(extra) <= {"aten.detach.default"} and extra.total() <= 4
+        assert not disp.seen - wdisp.seen
+    else:
+        assert wdisp.seen == disp.seen
+    assert wflops.get_total_flops() == flops.get_total_flops() > 0
+    assert torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
+
+    strict, _ = _modes_loop(kw, lambda: [_FunctionLog(frozenset({"aminmax", "empty", "copy_",
+                                                                  "stack", "count_nonzero"}))])
+    assert strict == plain
 
 
 def test_anomaly_mode_beside_vmap_of_grad_still_names_the_nan_batch() -> None:

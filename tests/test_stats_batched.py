@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_doctor.device import stats as S
 from amp_doctor.device.recorder import StepBuffer, to_host
-from amp_doctor.devicework import own_ops
+from amp_doctor.devicework import OWN_MODE_FLAG, own_ops
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -277,49 +277,79 @@ def test_merged_rows_are_the_summary_of_the_tensors_together() -> None:
     torch.testing.assert_close(merged[2], rows[2], rtol=0, atol=0, equal_nan=True)
 
 
-class _OpsSeen(TorchFunctionMode):
-    """Which of ``names`` ran, and whether inside amp-doctor's own_ops."""
+class _Sub(torch.Tensor):
+    pass
 
-    def __init__(self, names: set[str]) -> None:
-        super().__init__()
-        self.names = names
-        self.seen: list[tuple[str, bool]] = []
 
+class _NoOpFn(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in self.names:
-            self.seen.append((name, own_ops.active()))
         return func(*args, **(kwargs or {}))
 
 
-def test_a_plain_tensor_is_filed_outside_own_ops_and_the_rest_inside() -> None:
+class _NoOpDispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_plain_tensor_is_filed_outside_own_ops_and_the_rest_inside(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # own_ops costs a few microseconds a call, a third of filing a small tensor: a
-    # plain tensor's own ops (aminmax) skip it, but the pass and the new stage, which
-    # make tensors (the user's default device, autocast's promotions), are inside.
-    spy = _OpsSeen({"aminmax", "bincount", "empty", "stack"})
+    # plain tensor's own ops (aminmax) skip it while nothing of the user's could see
+    # them; the pass, the new stage and the compaction (which make tensors, and would
+    # meet autocast's promotions) are inside.
+    x = torch.randn(8)
+    assert not own_ops.needed_for(x)
+    assert own_ops.needed_for(x.as_subclass(_Sub))
+    with _NoOpFn():
+        assert own_ops.needed_for(x)
+    with _NoOpDispatch():
+        assert own_ops.needed_for(x)
+    with torch.device("meta"):  # a default device is a function mode
+        assert own_ops.needed_for(x)
+
+    entered: list[int] = []
+    real_enter = type(own_ops).__enter__
+
+    def counting_enter(self: Any) -> None:
+        entered.append(1)
+        real_enter(self)
+
+    monkeypatch.setattr(type(own_ops), "__enter__", counting_enter)
     b = S.Batch()
-    with spy:
-        for i in range(S.COMPACT_ROWS + 3):
-            b.add(torch.full((S.SAMPLE_LIMIT // 2,), float(i)))
-    seen = dict(spy.seen)
-    assert spy.seen.count(("aminmax", False)) == S.COMPACT_ROWS + 3
-    assert seen["bincount"] and seen["empty"] and seen["stack"]
-    assert b.finish()[:, S.MAX].tolist() == [float(i) for i in range(S.COMPACT_ROWS + 3)]
+    n = S.COMPACT_ROWS * 2 + 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for i in range(n):
+            b.add(torch.full((64,), float(i)))
+    assert 0 < len(entered) < n // 8  # the stage, a compaction per COMPACT_ROWS, the pass
+    assert b.finish()[:, S.MAX].tolist() == [float(i) for i in range(n)]
 
 
-def test_under_a_dispatch_mode_every_op_of_filing_is_inside_own_ops() -> None:
-    # Anomaly mode's dispatch mode tells amp-doctor's ops from the user's by own_ops.
+def test_the_users_modes_see_none_of_filing_and_amp_doctors_own_sees_it_inside_own_ops(
+        ) -> None:
+    # Anomaly mode's dispatch mode tells amp-doctor's ops from the user's by own_ops;
+    # a mode of the user's (a FLOP counter) must not see them at all.
     flags: list[bool] = []
+    users: list[str] = []
 
-    class Spy(TorchDispatchMode):
+    class Ours(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
             flags.append(own_ops.active())
             return func(*args, **(kwargs or {}))
 
+    setattr(Ours, OWN_MODE_FLAG, True)
+
+    class Users(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            users.append(str(func))
+            return func(*args, **(kwargs or {}))
+
     b = S.Batch()
     x = torch.randn(100)
-    with Spy():
+    with Ours(), Users():
         b.add(x)
         b.add(x * 2)
-    assert len(flags) > 2 and all(flags[:1]) and flags.count(False) == 1  # only x * 2
+    assert users == ["aten.mul.Tensor"]
+    assert len(flags) > 2 and flags.count(False) == 1  # only x * 2
+    assert torch._C._len_torch_dispatch_stack() == 0

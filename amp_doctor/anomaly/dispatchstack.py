@@ -15,6 +15,8 @@ import torch
 import torch.utils._python_dispatch as _pd
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from amp_doctor.devicework import OWN_MODE_FLAG
+
 __all__ = ["OpHandler", "OpMode", "enter_below_user_modes", "on_stack", "remove_mode"]
 
 # ``handler(func, args, kwargs)`` runs the op (``func(*args, **kwargs)``) and returns its result.
@@ -38,6 +40,11 @@ class OpMode(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         return self._handler(func, args, kwargs or {})
+
+
+# own_ops keeps it on the stack (it skips amp-doctor's ops itself) while it takes the
+# user's modes off.
+setattr(OpMode, OWN_MODE_FLAG, True)
 
 
 def _pop_user_modes_above(mode: TorchDispatchMode | None) -> list[Any]:

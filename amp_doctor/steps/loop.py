@@ -106,8 +106,8 @@ class LoopSignals:
             except Exception:  # odd tensors (nested, float8): skip the check
                 return
             nan, inf = ext.isnan().any(), ext.isinf().any()
-        self._or_flag("input_nan", nan)
-        self._or_flag("input_inf", inf)
+            self._or_flag("input_nan", nan)
+            self._or_flag("input_inf", inf)
 
     # -- steps without an optimizer ------------------------------------------------
     def backward_done(self, roots: list[torch.Tensor], owns: Callable[[torch.Tensor], bool],
