@@ -489,6 +489,10 @@ def test_background_inference_thread_neither_crashes_nor_loses_steps() -> None:
     s = doctor.session
     assert not errors and calls[0] > 0
     assert (s.steps, s.recorded_steps) == (30, 30)
+    # The other thread's no_grad calls are its own (per-thread forward state): neither
+    # recorded as training nor crashing on a step buffer closed meanwhile.
+    assert {lay.name: lay.calls for lay in s.layers} == {"MLP": 30, "fc1": 30, "act": 30,
+                                                         "fc2": 30}
     assert not [e for e in s.events if e.kind in ("internal_error",) or e.kind.startswith(
         "nonfinite")], s.events
 

@@ -34,6 +34,7 @@ Design choices that keep the cost low and the user's run untouched:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +149,19 @@ def _first_tensors(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+class _ForwardCalls(threading.local):
+    """The watched forward calls running in one thread."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        # The outermost watched call of the running forward had grad enabled: a training
+        # forward, in which a no_grad part (a reentrant checkpoint's first pass, a teacher
+        # or EMA call) still ran in the step and is recorded.
+        self.training = False
+        # Names of the modules whose forward is running, innermost last.
+        self.stack: list[str] = []
+
+
 class Probes:
     """Forward hooks on the modules of the watched models.
 
@@ -187,13 +201,10 @@ class Probes:
         self._buffer = buffer_provider
         self._on_root_forward = on_root_forward
         self.recording = False
-        self._depth = 0
-        # The outermost watched call of the running forward had grad enabled: a training
-        # forward, in which a no_grad part (a reentrant checkpoint's first pass, a teacher
-        # or EMA call) still ran in the step and is recorded.
-        self._training_call = False
-        # Names of the modules whose forward is running, innermost last.
-        self.stack: list[str] = []
+        # Per thread: a forward the user runs in another thread meanwhile (inference
+        # under no_grad) has depth, stack and grad mode of its own, and must neither
+        # be recorded as training nor unbalance the training forward's.
+        self._calls = _ForwardCalls()
         # Per step: which summary a tensor got, and which layers own its grad.
         self._seen: SeenTensors[tuple[int, list[str], int]] = SeenTensors()
         self.param_owner: dict[int, str] = {}
@@ -266,7 +277,7 @@ class Probes:
         call: removing a hook mid-forward would lose its module's post-hook.
         """
         self._want_armed = armed
-        if self._depth == 0:
+        if self._calls.depth == 0:
             self.apply_armed()
 
     def apply_armed(self) -> None:
@@ -305,7 +316,7 @@ class Probes:
             meta.name = mapping.get(meta.name, meta.name)
         self._names = {k: mapping.get(v, v) for k, v in self._names.items()}
         self.param_owner = {k: mapping.get(v, v) for k, v in self.param_owner.items()}
-        self.stack = [mapping.get(v, v) for v in self.stack]
+        self._calls.stack = [mapping.get(v, v) for v in self._calls.stack]
         return mapping
 
     # -- lifecycle -------------------------------------------------------
@@ -320,21 +331,23 @@ class Probes:
         self._leaf_hooks = WeakIdKeyDictionary()
         self.armed = self._want_armed = False
         self._seen.clear()
-        self.stack.clear()
-        self._depth = 0
+        self._calls.stack.clear()
+        self._calls.depth = 0
 
     def name_of(self, module: nn.Module) -> str | None:
         return self._names.get(id(module))
 
     def current_module(self) -> str | None:
-        return self.stack[-1] if self.stack else None
+        stack = self._calls.stack
+        return stack[-1] if stack else None
 
     def in_training_forward(self) -> bool:
         """A watched layer below the root is running inside a forward whose outermost
         watched call had grad enabled (so a ``no_grad`` block in it, e.g. a reentrant
         checkpoint's first pass, is still training work). The root alone does not count:
         a compiled root's graph runs under no_grad inside its call, and is not searched."""
-        return self._depth > 1 and self._training_call
+        calls = self._calls
+        return calls.depth > 1 and calls.training
 
     def new_step(self) -> None:
         self._seen.clear()
@@ -412,18 +425,19 @@ class Probes:
         if name is None:
             # copy.copy(module) shares the hook dicts: that copy is not watched.
             return
-        if self._depth == 0 and self._want_armed != self.armed:
+        calls = self._calls
+        if calls.depth == 0 and self._want_armed != self.armed:
             self.apply_armed()
-        self._depth += 1
-        self.stack.append(name)
-        if self._depth == 1:
-            self._training_call = torch.is_grad_enabled()
+        calls.depth += 1
+        calls.stack.append(name)
+        if calls.depth == 1:
+            calls.training = torch.is_grad_enabled()
             if id(module) in self._roots:
                 self._on_root_forward(module, args)
                 if self.armed and self.recording:
                     self._armed_root_calls[id(module)] = \
                         self._armed_root_calls.get(id(module), 0) + 1
-        if not self.recording or not (self._training_call or torch.is_grad_enabled()):
+        if not self.recording or not (calls.training or torch.is_grad_enabled()):
             return
         meta = self.layers[name]
         for t in _first_tensors((args, kwargs)):
@@ -436,16 +450,17 @@ class Probes:
         name = self._names.get(id(module))
         if name is None:
             return
-        self._depth = max(0, self._depth - 1)
-        if self.stack:
-            self.stack.pop()
+        calls = self._calls
+        calls.depth = max(0, calls.depth - 1)
+        if calls.stack:
+            calls.stack.pop()
         publish(module, output)
         # Inference passes (validation under no_grad) are not training steps; and an
         # activation-checkpointing recompute (it runs inside backward) is a second run
         # of a forward already recorded, which would double the layer's calls. A
         # reentrant checkpoint's first pass runs under no_grad inside the training
         # forward: recorded, as it is the only pass of those layers outside backward.
-        if (not self.recording or not (self._training_call or torch.is_grad_enabled())
+        if (not self.recording or not (calls.training or torch.is_grad_enabled())
                 or torch._C._current_graph_task_id() != -1):
             return
         meta = self.layers[name]
