@@ -36,6 +36,7 @@ from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.devicework import as_own_work, iter_tensors, own_ops
 from amp_doctor.dtypes import dtype_name, limits
 from amp_doctor.errors import AmpDoctorError, UsageError
+from amp_doctor.hooks.compiled import dynamo_compiled_something
 from amp_doctor.hooks.discovery import (
     GlobalDiscovery,
     Models,
@@ -752,14 +753,22 @@ class Watch:
         """What the loop itself showed: NaN losses, how steps were counted, frozen weights."""
         out = self._folder.loss_events(self.step_index)
         mon = self._monitor
-        if self._bounds.implicit:
+        metas = self._probes.layers.values() if self._probes else []
+        if (self._probes is not None and (self.step_index or self._loop.backward)
+                and not self._compiled_names and not any(m.calls for m in metas)):
+            # Training went on, but no hook of the watched model ever ran: "autocast was
+            # not active" or "no step ended" (an optimizer of another model's weights)
+            # would be guesses about a forward nobody saw.
+            out.append(Event(kind="model_not_run", step=0, data={
+                "steps": self.step_index, "backward": self._loop.backward,
+                "compiled": dynamo_compiled_something()}))
+        elif self._bounds.implicit:
             out.append(Event(kind="steps_from_backward", step=0, data={
                 "steps": self.step_index, "severity": "info"}))
         elif (mon is not None and self.step_index == 0 and not mon.manual_steps
               and (self._loop.backward or self.recorded)):
             out.append(Event(kind="no_step_boundary", step=0, data={
                 "backward": self._loop.backward}))
-        metas = self._probes.layers.values() if self._probes else []
         return out + self._folder.lowp_events(d for m in metas for d in m.param_dtypes)
 
     def _write_outputs(self, session: Session) -> None:

@@ -295,3 +295,46 @@ def test_anomaly_mode_says_why_an_overflow_inside_a_compiled_graph_is_not_locate
     assert unlocated and unlocated[0].step == 0
     assert "torch.compile" in unlocated[0].data["reason"]
     assert any(e.kind == "compiled_model" for e in events)
+
+
+def test_a_graph_compiled_before_the_watch_and_reused_is_named_not_taken_for_no_autocast(
+        ) -> None:
+    """A model compiled and trained unwatched, then a fresh one of the same class compiled
+    and watched: dynamo reuses the first graph, which has no hooks, so nothing of the
+    second model is seen. That is said, not "autocast was not active" (it was)."""
+    torch._dynamo.reset()
+
+    def train(watched: bool) -> tuple[list[float], Any]:
+        torch.manual_seed(0)
+        # An nn.Sequential: torch's own forward, which dynamo inlines; a module with a
+        # forward of its own (MLP) gets a graph of its own and its hooks run eagerly.
+        m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        compiled = torch.compile(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        w = amp_doctor.watch(m, every=1) if watched else None
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        try:
+            for _ in range(3):
+                x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = compiled(x)
+                assert out.dtype == torch.bfloat16
+                loss = nn.functional.cross_entropy(out.float(), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+        finally:
+            session = w.close() if w is not None else None
+        return losses, session
+
+    plain, _ = train(False)
+    losses, session = train(True)
+    assert losses == plain
+    kinds = [f.kind for f in session.findings]
+    assert "autocast_inactive" not in kinds and "no_step_boundary" not in kinds
+    (f,) = [f for f in session.findings if f.kind == "model_not_run"]
+    assert f.severity == "warning" and f.data["compiled"] is True and f.data["steps"] == 3
+    assert "torch._dynamo.reset()" in f.advice
+    torch._dynamo.reset()

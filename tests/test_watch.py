@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import math
@@ -389,3 +390,28 @@ def test_a_run_that_recorded_nothing_is_not_called_healthy() -> None:
     with amp_doctor.watch(model, every=1) as doctor:
         train(model, steps=2)
     assert "AMP looks healthy" in doctor.report()
+
+
+def test_watching_a_copy_of_the_trained_model_says_so_and_nothing_it_cannot_know() -> None:
+    # The loop trains a deepcopy: no hook of the watched model runs. "Autocast was not
+    # active" and "no step ended" would be guesses; one finding names the cause.
+    torch.manual_seed(0)
+    watched = MLP()
+    trained = copy.deepcopy(watched)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    with amp_doctor.watch(watched, every=1) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = trained(torch.randn(4, 16)).float().sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    assert [f.kind for f in s.findings] == ["model_not_run"]
+    f = s.findings[0]
+    assert f.severity == "warning" and f.data["backward"] is True
+    assert "the loop trains another module than the one watched" in f.message
+    # Whether torch.compile also ran earlier in this process (other tests) decides
+    # whether the reused-graph cause is named beside it.
+    assert f.data["compiled"] == ("torch.compile reused" in f.message)
+    assert "copy" in f.advice

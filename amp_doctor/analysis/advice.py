@@ -148,6 +148,18 @@ ADVICE: dict[str, str] = {
         "0/0: mask with a large negative number instead of -inf, or skip empty batches; "
         "compute the loss in float32 with `loss_fn(out.float(), y)`)."
     ),
+    "model_not_run": (
+        "Watch the module your loop calls: `amp_doctor.watch(model)` on the same object "
+        "whose forward runs (or a wrapper of it), not a copy: `copy.deepcopy`, or a model "
+        "re-built or re-loaded after the watch began."
+    ),
+    "model_not_run_compiled": (
+        "Watch the module your loop calls (the same object whose forward runs, not a copy). "
+        "If it is, torch.compile reused a graph it compiled before the watch began (for an "
+        "earlier model of the same class): run `torch._dynamo.reset()` before "
+        "`amp_doctor.watch(model)`. For per-layer figures, watch a few steps without "
+        "torch.compile."
+    ),
     "no_step_boundary": (
         "amp-doctor ends a step at `scaler.update()`, at `optimizer.step()`, or at the next "
         "forward after a backward once the weights changed. None of these happened: call "
@@ -254,6 +266,8 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
         return (f"Compute {e.op} in float32: wrap it in `with torch.autocast(device_type, "
                 "enabled=False):` and cast its input with `.float()`"
                 + (", or train with `dtype=torch.bfloat16`." if not bf16 else "."))
+    if e.kind == "model_not_run" and e.data.get("compiled"):
+        return advice_for("model_not_run_compiled", dtype)
     return advice_for(e.kind, dtype)
 
 

@@ -31,6 +31,7 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "scaled_grads_stepped": "error",
     "nonfinite_loss": "error",
     "no_step_boundary": "warning",
+    "model_not_run": "warning",
     "steps_from_backward": "info",
     "lowp_updates_lost": "error",
     # Not recorded, and why: a compiled model's inner layers, tensors that cannot be summarised.

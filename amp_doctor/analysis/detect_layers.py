@@ -245,8 +245,9 @@ def run_findings(session: Session) -> Iterable[Finding]:
 
 def autocast_findings(session: Session) -> Iterable[Finding]:
     lows = any(lay.ran_low_precision for lay in session.layers)
-    if not session.recorded_steps or lows:
-        return
+    if not session.recorded_steps or lows or any(
+            e.kind == "model_not_run" for e in session.events):
+        return  # (no forward of the model was seen: model_not_run says so)
     n = session.recorded_steps
     recorded = f"{n} recorded step{'' if n == 1 else 's'}"
     if not session.amp.autocast_seen:

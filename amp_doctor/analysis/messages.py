@@ -219,6 +219,20 @@ def _no_step_boundary(a: MessageArgs) -> str:
             + ". The figures below cover everything as one unfinished step.")
 
 
+@message_for("model_not_run")
+def _model_not_run(a: MessageArgs) -> str:
+    d = a.event.data
+    steps = int(d.get("steps") or 0)
+    trained = (f"{steps} training step{'' if steps == 1 else 's'} ran" if steps
+               else "backward ran")
+    other = "the loop trains another module than the one watched"
+    why = (f" Either {other}, or torch.compile reused a graph made before the watch began "
+           "(it compiled in this process), which runs without the watched model's hooks."
+           if d.get("compiled") else f" Most likely {other}.")
+    return (f"The watched model never ran a forward that amp-doctor saw, although {trained}: "
+            f"no layer was recorded, so nothing can be said of its precision.{why}")
+
+
 @message_for("steps_from_backward")
 def _steps_from_backward(a: MessageArgs) -> str:
     return (f"No optimizer or GradScaler was seen: {a.event.data.get('steps')} step(s) were "
