@@ -163,9 +163,11 @@ class Watch:
             opts = list(optimizer)
         self._opts = _Options(
             discover=discover, fp32=tuple(fp32), stop_after=stop_after,
-            target_dtype=target_dtype, tensorboard=tensorboard, anomaly=anomaly,
-            on_nonfinite=on_nonfinite, anomaly_allow=tuple(anomaly_allow), scaler=scaler,
-            optimizers=tuple(opts))
+            # "raise" is anomaly mode's: asking for it asks for anomaly mode, as the CLI's
+            # --on-nonfinite raise does (alone, it would do nothing, silently).
+            target_dtype=target_dtype, tensorboard=tensorboard,
+            anomaly=anomaly or on_nonfinite == "raise", on_nonfinite=on_nonfinite,
+            anomaly_allow=tuple(anomaly_allow), scaler=scaler, optimizers=tuple(opts))
         self._fp32: Any = None
 
         self.step_index = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -212,6 +213,59 @@ def test_raise_mode_stops_at_the_op_and_restores_everything() -> None:
     assert (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) == before
     assert doctor.session.run.outcome == "exception"
     assert doctor.session.findings_of("nonfinite_forward")
+
+
+@pytest.mark.parametrize("anomaly", [True, False])
+def test_raise_alone_asks_for_anomaly_mode_as_the_cli_does(anomaly: bool) -> None:
+    # watch(on_nonfinite="raise") without anomaly=True ran no check at all, silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), LogProbHead())
+    with torch.no_grad():
+        model[0].weight.mul_(20)
+    with pytest.raises(NonFiniteError, match=r"aten\.log in module '1'"):
+        with amp_doctor.watch(model, anomaly=anomaly, on_nonfinite="raise"):
+            _loop(model, 3, lambda i: torch.randn(8, 16))
+
+
+def test_raise_mode_lets_the_grad_scaler_skip_its_own_overflows() -> None:
+    # A healthy float16 run: the default scale (65536) overflows the summed loss's scaled
+    # gradients in the first steps, the scaler skips them and backs off, and training
+    # goes on. Raise mode stopped it at step 0 with an error and advice to change the
+    # model; now the backward through scale() is recorded as in record mode.
+    def run(watched: bool) -> tuple[list[float], list[torch.Tensor], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        sc = torch.amp.GradScaler("cpu")
+        g = torch.Generator().manual_seed(0)
+        w = amp_doctor.watch(model, on_nonfinite="raise") if watched else None
+        losses, scales = [], []
+        try:
+            for _ in range(8):
+                x, y = torch.randn(256, 64, generator=g), torch.randint(0, 10, (256,), generator=g)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(x), y, reduction="sum")
+                opt.zero_grad()
+                sc.scale(loss).backward()
+                sc.step(opt)
+                sc.update()
+                losses.append(float(loss.detach()))
+                scales.append(sc.get_scale())
+        finally:
+            session = w.close() if w is not None else None
+        return losses, [p.detach().clone() for p in model.parameters()], (session, scales)
+
+    plain, plain_params, (_, scales) = run(False)
+    losses, params, (s, _) = run(True)
+    assert losses == plain
+    assert all(torch.equal(a, b) for a, b in zip(plain_params, params, strict=True))
+    assert scales[0] < 65536 and all(math.isfinite(x) for x in plain)  # it did overflow
+    assert s.run.outcome == "completed" and s.steps == 8
+    # The overflows are recorded, as the scaler's business: calibration (steps 0-2 here)
+    # and one more backoff at step 4 (the scaler's own finding judges that one).
+    overflows = s.findings_of("nonfinite_backward")
+    assert overflows and {f.severity for f in overflows} == {"info"}
+    assert not [f for f in s.findings if f.severity == "error"]
 
 
 def test_allowlist_by_op_or_module() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from amp_doctor.analysis.advice import event_advice, unlocated_advice
+from amp_doctor.analysis.detect_scaler import normal_backoff_steps
 from amp_doctor.analysis.messages import event_message
 from amp_doctor.analysis.thresholds import LOWP_UNCHANGED_WARN, SCALED_GRAD_OVERFLOW_INFO_STEPS
 from amp_doctor.records import Event, Finding, Session, Severity
@@ -56,8 +57,12 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
         sev = "info"  # only steps the GradScaler skipped: the backoff findings cover them
     if kind == "nonfinite_backward" and session.amp.scaler and not any(
             e.data.get("nan") for e in es):
-        # Scaled gradients overflowing is what GradScaler detects and skips.
-        sev = "info" if n <= SCALED_GRAD_OVERFLOW_INFO_STEPS else "warning"
+        # Scaled gradients overflowing is what GradScaler detects and skips: at its
+        # calibration and growth probes always (raise mode checks every step, so it sees
+        # all of them), and at a few other steps.
+        normal = normal_backoff_steps(session)
+        beyond = sum(e.step not in normal for e in es)
+        sev = "info" if beyond <= SCALED_GRAD_OVERFLOW_INFO_STEPS else "warning"
     return sev
 
 

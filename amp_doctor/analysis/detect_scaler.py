@@ -28,7 +28,7 @@ from amp_doctor.analysis.thresholds import (
 from amp_doctor.dtypes import FORMAT_MAX
 from amp_doctor.records import Finding, ScalerEvent, Session
 
-__all__ = ["scaler_findings", "ORIGIN_RANK"]
+__all__ = ["scaler_findings", "normal_backoff_steps", "ORIGIN_RANK"]
 
 # Findings keep at most this many of their steps.
 MAX_STEPS_KEPT = 50
@@ -190,12 +190,28 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
     return text
 
 
+def _scaler_events(session: Session) -> tuple[list[ScalerEvent], list[ScalerEvent]]:
+    """The run's backoffs and growths, in step order (none without an enabled scaler)."""
+    sc = session.scaler
+    if sc is None or not sc.enabled:
+        return [], []
+    return (sorted((e for e in sc.events if e.kind == "backoff"), key=lambda e: e.step),
+            sorted((e for e in sc.events if e.kind == "growth"), key=lambda e: e.step))
+
+
+def normal_backoff_steps(session: Session) -> set[int]:
+    """Steps whose backoff was GradScaler working as designed (calibration, a probe):
+    a scaled gradient overflowing there is the scaler's business, not a finding's."""
+    backoffs, growths = _scaler_events(session)
+    return {e.step for i, g in enumerate(F.consecutive_runs(backoffs))
+            if _normal_backoff(i, g, growths, session.steps - 1) is not None for e in g}
+
+
 def scaler_findings(session: Session) -> Iterable[Finding]:
     sc = session.scaler
     if sc is None or not sc.enabled:
         return
-    backoffs = sorted((e for e in sc.events if e.kind == "backoff"), key=lambda e: e.step)
-    growths = sorted((e for e in sc.events if e.kind == "growth"), key=lambda e: e.step)
+    backoffs, growths = _scaler_events(session)
     groups = F.consecutive_runs(backoffs)
     last_step = session.steps - 1
     origins = _origins_by_step(session)

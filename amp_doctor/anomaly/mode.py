@@ -89,6 +89,8 @@ from amp_doctor.devicework import count_sync, iter_tensors, own_ops
 from amp_doctor.dtypes import dtype_name
 from amp_doctor.errors import AmpDoctorError, NonFiniteError
 from amp_doctor.hooks import moduleends
+from amp_doctor.hooks.compiled import capturing
+from amp_doctor.hooks.patching import in_scaled_backward
 from amp_doctor.records import Event
 
 __all__ = [
@@ -248,9 +250,9 @@ class AnomalyMode:
     def check_inputs(self, module: str, args: Any, root: nn.Module | None = None) -> None:
         """A root model is being called: note its floating inputs (the batch)."""
 
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
-            return  # dynamo tracing the hook (the compiled region is not searched); or
-            # another thread's inference
+        if capturing() or threading.get_ident() != self._thread:
+            return  # dynamo or torch.jit.trace tracing the hook (the compiled region is
+            # not searched); or another thread's inference
         try:
             if root is not None:
                 self._root_call = _RootRunning(root, module)
@@ -472,7 +474,11 @@ class AnomalyMode:
             # The module has not finished yet: whether its output stays finite is unknown.
             ev = report_origins(OpWindow(entries=p.entries[-1:], sums=p.sums), flags, rows,
                                 self._log.store)
-            if ev is not None:
+            if ev is not None and not (ev.kind == "nonfinite_backward"
+                                       and in_scaled_backward()):
+                # (A backward through an enabled GradScaler's scale() overflowing is what
+                # the scaler detects and skips, at its first steps and after each growth
+                # in a healthy float16 run: recorded, as in record mode, not raised.)
                 raise NonFiniteError(one_line(ev))
 
     def _module_post(self, module: nn.Module, output: Any) -> None:

@@ -180,10 +180,11 @@ class OpRecorder:
     def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._to_tag is not None:
             self.tag_previous()
-        if own_ops.active() or (
+        if own_ops.active() or torch._C._is_tracing() or (
                 not torch.is_grad_enabled() and torch._C._current_autograd_node() is None
                 and not self._training_forward()):
-            # amp-doctor's own work; or neither a training forward nor backward:
+            # amp-doctor's own work; torch.jit.trace recording the ops (its graph must
+            # hold the user's alone); or neither a training forward nor backward:
             # optimizer updates, GradScaler's unscale, evaluation under no_grad. (A
             # no_grad block inside a training forward, such as a reentrant checkpoint's
             # first pass, is the forward: checked.)

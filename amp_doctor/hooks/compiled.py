@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPILED_NOTE", "run_eagerly_when_called_by_dynamo", "dynamo_compiled_something",
-           "compiled_autocast"]
+__all__ = ["COMPILED_NOTE", "run_eagerly_when_called_by_dynamo", "capturing",
+           "dynamo_compiled_something", "compiled_autocast"]
 
 # What the session says about a model that ran under torch.compile.
 COMPILED_NOTE = (
@@ -50,6 +50,14 @@ def run_eagerly_when_called_by_dynamo(*fns: Callable[..., Any]) -> None:
         code = getattr(getattr(fn, "__func__", fn), "__code__", None)
         if code is not None:
             set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def capturing() -> bool:
+    """A graph is being captured from the running Python: dynamo compiling, or
+    ``torch.jit.trace``. Hooks then do nothing, so that the graph holds only the
+    user's ops (a trace records every op its inputs flow through, and its check
+    compares two runs' graphs), and a hook's work is not taken for a step's."""
+    return torch.compiler.is_compiling() or torch._C._is_tracing()
 
 
 def dynamo_compiled_something() -> bool:

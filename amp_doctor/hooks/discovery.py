@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList
 
 from amp_doctor.errors import AmpDoctorError
+from amp_doctor.hooks.compiled import capturing
 from amp_doctor.hooks.probes import run_eagerly_when_called_by_dynamo
 
 __all__ = ["Models", "ModelSet", "GlobalDiscovery", "as_models", "unwrap",
@@ -238,8 +239,8 @@ class GlobalDiscovery:
         ]
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if torch.compiler.is_compiling():
-            return  # traced into a compiled graph: do nothing, so dynamo adds nothing
+        if capturing():
+            return  # traced into a graph: do nothing, so the graph holds only the user's ops
         self._depth += 1
         if self._depth != 1 or self._stopped:
             return
@@ -249,7 +250,7 @@ class GlobalDiscovery:
         self._found(module, variable_name(module), args)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if torch.compiler.is_compiling():
+        if capturing():
             return
         self._depth = max(0, self._depth - 1)
 

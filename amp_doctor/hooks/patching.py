@@ -47,9 +47,10 @@ from torch.optim.optimizer import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.hooks.weakhooks import own_hooks_lifted
 
 __all__ = ["ApiSubscriber", "Subscription", "subscribe", "patches_installed",
-           "in_scaler_step", "scaled_backwards"]
+           "in_scaler_step", "in_scaled_backward", "scaled_backwards"]
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update", "load_state_dict")
 
@@ -98,6 +99,10 @@ class _ApiHub:
         self.flows: dict[int, int] = {}
         self._total_flows = 0
         self._scaled_outputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # The running outermost backward reached (or starts at) an enabled GradScaler's
+        # scale() output: an overflow in it is what the scaler detects and skips.
+        self.in_backward = False
+        self.scaled_backward = False
 
     @property
     def installed(self) -> bool:
@@ -139,6 +144,8 @@ class _ApiHub:
         """A backward pass went through an output of scaler ``scaler_id``'s ``scale()``."""
         self.flows[scaler_id] = self.flows.get(scaler_id, 0) + 1
         self._total_flows += 1
+        if self.in_backward:
+            self.scaled_backward = True
 
     # -- installation ------------------------------------------------------
     def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -187,6 +194,7 @@ class _ApiHub:
             if "step" in vars(cls):
                 self._patch(cls, "step", self._wrap_sched)
         self._patch(torch.autograd, "backward", self._wrap_backward)
+        self._patch(torch.jit, "script", _wrap_jit_script)
 
     def _uninstall(self) -> None:
         while self._restore:
@@ -355,13 +363,31 @@ class _ApiHub:
                     return orig(tensors, *args, **kwargs)
                 flows = hub._total_flows
                 hub.emit("on_backward", tensors)
-                result = orig(tensors, *args, **kwargs)
-                through = hub._total_flows != flows or any(
-                    t in hub._scaled_outputs for t in iter_tensors(tensors))
+                scaled_roots = any(t in hub._scaled_outputs for t in iter_tensors(tensors))
+                hub.in_backward, hub.scaled_backward = True, scaled_roots
+                try:
+                    result = orig(tensors, *args, **kwargs)
+                finally:
+                    hub.in_backward = hub.scaled_backward = False
+                through = hub._total_flows != flows or scaled_roots
                 hub.emit("on_backward_end", tensors, through)
                 return result
 
         return backward
+
+
+def _wrap_jit_script(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def script(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        # TorchScript compiles a module's forward hooks too: a watched model's would
+        # fail it ("'_PostHook' object has no attribute '__name__'"), and the scripted
+        # model, a copy made for export, is not watched anyway.
+        if not isinstance(obj, torch.nn.Module):
+            return orig(obj, *args, **kwargs)
+        with own_hooks_lifted(obj):
+            return orig(obj, *args, **kwargs)
+
+    return script
 
 
 def _flow_hook(scaler_id: int, grad: torch.Tensor) -> None:
@@ -414,6 +440,13 @@ def patches_installed() -> bool:
 def in_scaler_step() -> bool:
     """True inside ``GradScaler.step`` (an optimizer step there is the scaler's)."""
     return _HUB.in_scaler_step > 0
+
+
+def in_scaled_backward() -> bool:
+    """True inside a backward pass that goes through an enabled GradScaler's ``scale()``
+    (from where the scaled output's gradient is reached; ``scaler.scale(loss).backward()``:
+    from its start)."""
+    return _HUB.scaled_backward
 
 
 def scaled_backwards(scaler: GradScaler | None) -> int:

@@ -49,6 +49,7 @@ from amp_doctor.devicework import iter_tensors, own_ops, without_subclasses
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, dtype_name
 from amp_doctor.hooks.compiled import (
     COMPILED_NOTE,
+    capturing,
     compiled_autocast,
     dynamo_compiled_something,
     run_eagerly_when_called_by_dynamo,
@@ -79,6 +80,8 @@ class _PreHook(WeakHook["Probes"]):
         if torch.compiler.is_compiling():
             self.traced = compiled_autocast()
             return None
+        if torch._C._is_tracing():  # torch.jit.trace: see capturing()
+            return None
         probes = self.owner()
         if probes is not None:
             without_subclasses(probes._pre, module, args, kwargs)
@@ -88,7 +91,7 @@ class _PreHook(WeakHook["Probes"]):
 class _PostHook(WeakHook["Probes"]):
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
-        if torch.compiler.is_compiling():
+        if capturing():
             return None
         probes = self.owner()
         if probes is not None:
@@ -107,7 +110,7 @@ class _GradHook(WeakHook["Probes"]):
         self.buf = buf
 
     def __call__(self, grad: torch.Tensor) -> None:
-        if torch.compiler.is_compiling():
+        if capturing():
             return None
         probes = self.owner()
         if probes is not None:

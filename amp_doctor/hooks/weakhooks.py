@@ -13,14 +13,15 @@ A leaf module: it imports nothing else from amp-doctor.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["Unwatched", "WeakHook", "WeakMethodHook", "drop_hook"]
+__all__ = ["Unwatched", "WeakHook", "WeakMethodHook", "drop_hook", "own_hooks_lifted"]
 
 _O = TypeVar("_O")
 
@@ -38,6 +39,35 @@ def drop_hook(module: nn.Module, hook: object) -> None:
                 f.pop(k, None)
 
 
+@contextlib.contextmanager
+def own_hooks_lifted(root: nn.Module) -> Iterator[None]:
+    """Take amp-doctor's hooks (and the :class:`Unwatched` ones of a copy) off the forward
+    hook dicts of ``root`` and its submodules for the block, then put every dict back as it
+    was, in its order: for ``torch.jit.script``, which compiles a module's forward hooks
+    as TorchScript, and so would fail on them (and must not carry them if it could)."""
+    saved: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+    for m in root.modules():
+        for hooks, flags in (
+            (m._forward_pre_hooks, (m._forward_pre_hooks_with_kwargs,)),
+            (m._forward_hooks, (m._forward_hooks_with_kwargs, m._forward_hooks_always_called)),
+        ):
+            ours = [k for k, v in hooks.items() if isinstance(v, (WeakHook, Unwatched))]
+            if not ours:
+                continue
+            for d in (hooks, *flags):
+                saved.append((d, dict(d)))
+            for k in ours:
+                del hooks[k]
+                for f in flags:
+                    f.pop(k, None)
+    try:
+        yield
+    finally:
+        for d, was in saved:
+            d.clear()
+            d.update(was)
+
+
 class Unwatched:
     """What a watched model's hook becomes in a deep copy or an unpickled model.
 
@@ -50,7 +80,7 @@ class Unwatched:
     __torch_unserializable__ = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch._C._is_tracing():
             return None
         if args and isinstance(args[0], nn.Module):
             drop_hook(args[0], self)
