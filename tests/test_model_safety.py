@@ -786,3 +786,31 @@ def test_torchscript_export_during_a_watch_works_and_leaves_the_watch_as_it_was(
     assert session.steps == STEPS and not [e for e in session.events
                                            if e.kind == "internal_error"]
     assert torch.jit.script is torch.jit._script.script  # the patch is gone with the watch
+
+
+@pytest.mark.parametrize("kw", [{"every": 1}, {"every": 1, "anomaly": True},
+                                {"every": 1, "on_nonfinite": "raise"}])
+def test_a_fake_tensor_forward_mid_training_is_not_taken_for_a_training_step(
+        kw: dict[str, Any]) -> None:
+    # A memory or shape estimate under FakeTensorMode between steps ran the hooks: its
+    # calls were counted as training, its fake tensors filed, and the step's histogram
+    # pass failed on them (DynamicOutputShapeException), losing that step's record.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shapes: list[tuple[int, ...]] = []
+
+    def estimate(i: int, m: nn.Module) -> None:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            with torch.autocast("cpu", dtype=torch.float16):
+                shapes.append(tuple(m(torch.empty(4, 16)).shape))
+
+    plain, _ = _loop(_fresh(), False, each_step=estimate)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watched, s = _loop(_fresh(), True, each_step=estimate, **kw)
+    assert watched == plain and shapes == [(4, 4)] * (2 * STEPS)
+    assert not [str(c.message) for c in caught if "amp-doctor" in str(c.message)]
+    assert (s.steps, s.recorded_steps) == (STEPS, STEPS)
+    assert {lay.name: lay.calls for lay in s.layers} == dict.fromkeys(
+        ("MLP", "fc1", "act", "fc2"), STEPS)
+    assert not [e for e in s.events if e.kind == "internal_error"]

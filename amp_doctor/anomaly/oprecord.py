@@ -27,6 +27,7 @@ from amp_doctor.anomaly.userframes import Frame, UserFrames
 from amp_doctor.devicework import iter_tensors, own_ops
 from amp_doctor.dtypes import dtype_name
 from amp_doctor.errors import NonFiniteError
+from amp_doctor.hooks.compiled import capturing_eagerly
 from amp_doctor.hooks.tensorkinds import unsummarizable
 
 __all__ = ["OpRecorder", "OpTag", "summarizable"]
@@ -180,11 +181,12 @@ class OpRecorder:
     def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._to_tag is not None:
             self.tag_previous()
-        if own_ops.active() or torch._C._is_tracing() or (
+        if own_ops.active() or capturing_eagerly() or (
                 not torch.is_grad_enabled() and torch._C._current_autograd_node() is None
                 and not self._training_forward()):
-            # amp-doctor's own work; torch.jit.trace recording the ops (its graph must
-            # hold the user's alone); or neither a training forward nor backward:
+            # amp-doctor's own work; torch.jit.trace or a fake/proxy mode running them
+            # (its graph must hold the user's alone; fake tensors have no values); or
+            # neither a training forward nor backward:
             # optimizer updates, GradScaler's unscale, evaluation under no_grad. (A
             # no_grad block inside a training forward, such as a reentrant checkpoint's
             # first pass, is the forward: checked.)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPILED_NOTE", "run_eagerly_when_called_by_dynamo", "capturing",
+__all__ = ["COMPILED_NOTE", "run_eagerly_when_called_by_dynamo", "capturing", "capturing_eagerly",
            "dynamo_compiled_something", "compiled_autocast"]
 
 # What the session says about a model that ran under torch.compile.
@@ -52,12 +52,28 @@ def run_eagerly_when_called_by_dynamo(*fns: Callable[..., Any]) -> None:
             set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
+_MODE_KEYS = getattr(torch._C, "_TorchDispatchModeKey", None)
+# The dispatch modes torch itself runs a module under when it only traces or propagates
+# shapes: fake tensors (a FakeTensorMode memory or shape estimate, torch.export), the
+# proxy of make_fx, functionalization.
+_INFRA_MODE_KEYS = tuple(getattr(_MODE_KEYS, k) for k in ("FAKE", "PROXY", "FUNCTIONAL")
+                         if hasattr(_MODE_KEYS, k))
+
+
+def capturing_eagerly() -> bool:
+    """:func:`capturing`, but for dynamo (whose hooks test it themselves)."""
+    return torch._C._is_tracing() or (
+        bool(torch._C._len_torch_dispatch_stack())
+        and any(torch._C._get_dispatch_mode(k) is not None for k in _INFRA_MODE_KEYS))
+
+
 def capturing() -> bool:
-    """A graph is being captured from the running Python: dynamo compiling, or
-    ``torch.jit.trace``. Hooks then do nothing, so that the graph holds only the
-    user's ops (a trace records every op its inputs flow through, and its check
-    compares two runs' graphs), and a hook's work is not taken for a step's."""
-    return torch.compiler.is_compiling() or torch._C._is_tracing()
+    """The running forward or backward is being captured or traced, not trained: dynamo
+    compiling, ``torch.jit.trace``, or a fake, proxy or functional mode of torch's.
+    Hooks then do nothing, so that the graph holds only the user's ops (a trace records
+    every op its inputs flow through, and its check compares two runs' graphs), and
+    such a pass (fake tensors have no values) is not taken for a training step's."""
+    return torch.compiler.is_compiling() or capturing_eagerly()
 
 
 def dynamo_compiled_something() -> bool:

@@ -50,6 +50,7 @@ from amp_doctor.dtypes import LOW_PRECISION_NAMES, dtype_name
 from amp_doctor.hooks.compiled import (
     COMPILED_NOTE,
     capturing,
+    capturing_eagerly,
     compiled_autocast,
     dynamo_compiled_something,
     run_eagerly_when_called_by_dynamo,
@@ -80,7 +81,7 @@ class _PreHook(WeakHook["Probes"]):
         if torch.compiler.is_compiling():
             self.traced = compiled_autocast()
             return None
-        if torch._C._is_tracing():  # torch.jit.trace: see capturing()
+        if capturing_eagerly():
             return None
         probes = self.owner()
         if probes is not None:
