@@ -32,7 +32,8 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-__all__ = ["own_ops", "OWN_MODE_FLAG", "as_own_work", "without_subclasses", "user_autocast_enabled",
+__all__ = ["own_ops", "OWN_MODE_FLAG", "pop_dispatch_modes", "push_dispatch_modes",
+           "as_own_work", "without_subclasses", "user_autocast_enabled",
            "count_sync", "host_syncs",
            "host_scalars", "iter_tensors", "map_tensors", "MAX_OUTPUT_DEPTH"]
 
@@ -105,24 +106,28 @@ def _torch_function_off() -> contextlib.AbstractContextManager[None] | None:
     return None
 
 
-def _pop_user_dispatch_modes() -> list[Any]:
-    """Take the user's dispatch modes off this thread's stack, top first, for
-    :meth:`_OwnOps.__exit__` to push back in order.
-
-    A mode of the user's (``FlopCounterMode``, a logging or counting mode) would see
-    amp-doctor's ops as the user's: a watched run's FLOP count would include the
-    histograms' ``mm``. The pop stops at amp-doctor's own anomaly mode (below every
-    user mode, and it tells amp-doctor's ops apart by :data:`own_ops`; entering and
-    leaving it inside ``own_ops`` must find it on top) and at an infra mode
-    (tracing: fake or functional tensors need theirs).
-    """
+def pop_dispatch_modes(stop_at: Callable[[Any], bool]) -> list[Any]:
+    """Pop the non-infra dispatch modes off the top of this thread's stack, top first, up
+    to the first for which ``stop_at`` is true; :func:`push_dispatch_modes` puts them
+    back in order. Infra modes (fake or functional tensors while tracing) stay, as do
+    the modes below them."""
     popped: list[Any] = []
     while n := torch._C._len_torch_dispatch_stack():
         top = torch._C._get_dispatch_stack_at(n - 1)
-        if getattr(top, OWN_MODE_FLAG, False) or top.is_infra_mode():
+        if stop_at(top) or top.is_infra_mode():
             break
         popped.append(torch._C._pop_torch_dispatch_stack(None))
     return popped
+
+
+def push_dispatch_modes(popped: list[Any]) -> None:
+    """Undo :func:`pop_dispatch_modes`."""
+    for m in reversed(popped):
+        torch._C._push_on_torch_dispatch_stack(m)
+
+
+def _is_own_mode(mode: Any) -> bool:
+    return bool(getattr(mode, OWN_MODE_FLAG, False))
 
 
 class _OwnOps:
@@ -147,7 +152,7 @@ class _OwnOps:
     - a ``__torch_function__`` tensor subclass or function mode of the user's (one
       that logs, counts or refuses ops), which would see amp-doctor's ops and, for a
       subclass, make its statistics instances of itself (:func:`_torch_function_off`);
-    - the user's ``__torch_dispatch__`` modes (:func:`_pop_user_dispatch_modes`).
+    - the user's ``__torch_dispatch__`` modes (:func:`pop_dispatch_modes`).
 
     Per thread: a user's thread running the model meanwhile must not have its ops
     taken for ours. On CUDA the backward pass runs on an autograd thread, and
@@ -190,7 +195,12 @@ class _OwnOps:
             cpu.__enter__()
             _own.cpu_default = cpu
         if torch._C._len_torch_dispatch_stack():
-            _own.user_modes = _pop_user_dispatch_modes()
+            # A mode of the user's (FlopCounterMode, a logging or counting one) would see
+            # amp-doctor's ops as the user's: a watched run's FLOP count would include the
+            # histograms' mm. Amp-doctor's own anomaly mode stays: it is below every user
+            # mode, tells amp-doctor's ops apart by own_ops, and is entered and left
+            # inside own_ops, where it must be found on top.
+            _own.user_modes = pop_dispatch_modes(_is_own_mode)
 
     def __exit__(self, *exc: object) -> None:
         _own.depth -= 1
@@ -198,8 +208,7 @@ class _OwnOps:
             return
         modes = getattr(_own, "user_modes", None)
         if modes:
-            for m in reversed(modes):
-                torch._C._push_on_torch_dispatch_stack(m)
+            push_dispatch_modes(modes)
         _own.user_modes = None
         cpu = getattr(_own, "cpu_default", None)
         if cpu is not None:

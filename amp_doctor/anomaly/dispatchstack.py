@@ -15,7 +15,7 @@ import torch
 import torch.utils._python_dispatch as _pd
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amp_doctor.devicework import OWN_MODE_FLAG
+from amp_doctor.devicework import OWN_MODE_FLAG, pop_dispatch_modes, push_dispatch_modes
 
 __all__ = ["OpHandler", "OpMode", "enter_below_user_modes", "on_stack", "remove_mode"]
 
@@ -49,21 +49,7 @@ setattr(OpMode, OWN_MODE_FLAG, True)
 
 def _pop_user_modes_above(mode: TorchDispatchMode | None) -> list[Any]:
     """Pop the non-infra modes above ``mode`` (or all, if None); top first."""
-    popped: list[Any] = []
-    while True:
-        n = torch._C._len_torch_dispatch_stack()
-        if n == 0:
-            break
-        top = torch._C._get_dispatch_stack_at(n - 1)
-        if top is mode or top.is_infra_mode():
-            break
-        popped.append(torch._C._pop_torch_dispatch_stack(None))
-    return popped
-
-
-def _repush(popped: list[Any]) -> None:
-    for m in reversed(popped):
-        torch._C._push_on_torch_dispatch_stack(m)
+    return pop_dispatch_modes(lambda top: top is mode)
 
 
 def _sync_mode_flags() -> None:
@@ -88,7 +74,7 @@ def enter_below_user_modes(mode: TorchDispatchMode) -> None:
     try:
         mode.__enter__()
     finally:
-        _repush(popped)
+        push_dispatch_modes(popped)
         if popped:
             _sync_mode_flags()
 
@@ -108,6 +94,6 @@ def remove_mode(mode: TorchDispatchMode) -> None:
         if n and torch._C._get_dispatch_stack_at(n - 1) is mode:
             mode.__exit__(None, None, None)
     finally:
-        _repush(popped)
+        push_dispatch_modes(popped)
         if popped:
             _sync_mode_flags()

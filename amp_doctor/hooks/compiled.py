@@ -61,7 +61,9 @@ _INFRA_MODE_KEYS = tuple(getattr(_MODE_KEYS, k) for k in ("FAKE", "PROXY", "FUNC
 
 
 def capturing_eagerly() -> bool:
-    """:func:`capturing`, but for dynamo (whose hooks test it themselves)."""
+    """:func:`capturing` without its dynamo test: for a caller that made that test
+    itself (the pre-hook, which notes dynamo's autocast), or that dynamo never runs
+    (anomaly mode's op handler ignores compiled regions)."""
     return torch._C._is_tracing() or (
         bool(torch._C._len_torch_dispatch_stack())
         and any(torch._C._get_dispatch_mode(k) is not None for k in _INFRA_MODE_KEYS))

@@ -26,13 +26,17 @@ __all__ = ["Unwatched", "WeakHook", "WeakMethodHook", "drop_hook", "own_hooks_li
 _O = TypeVar("_O")
 
 
+def _forward_hook_dicts(module: nn.Module) -> Iterator[tuple[dict[Any, Any],
+                                                            tuple[dict[Any, Any], ...]]]:
+    """``module``'s forward (pre-)hook dicts, each with the flag dicts keyed like it."""
+    yield module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)
+    yield module._forward_hooks, (module._forward_hooks_with_kwargs,
+                                  module._forward_hooks_always_called)
+
+
 def drop_hook(module: nn.Module, hook: object) -> None:
     """Remove every registration of ``hook`` from ``module``'s forward hook dicts."""
-    for hooks, flags in (
-        (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
-        (module._forward_hooks, (module._forward_hooks_with_kwargs,
-                                 module._forward_hooks_always_called)),
-    ):
+    for hooks, flags in _forward_hook_dicts(module):
         for k in [k for k, v in hooks.items() if v is hook]:
             del hooks[k]
             for f in flags:
@@ -47,10 +51,7 @@ def own_hooks_lifted(root: nn.Module) -> Iterator[None]:
     as TorchScript, and so would fail on them (and must not carry them if it could)."""
     saved: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
     for m in root.modules():
-        for hooks, flags in (
-            (m._forward_pre_hooks, (m._forward_pre_hooks_with_kwargs,)),
-            (m._forward_hooks, (m._forward_hooks_with_kwargs, m._forward_hooks_always_called)),
-        ):
+        for hooks, flags in _forward_hook_dicts(m):
             ours = [k for k, v in hooks.items() if isinstance(v, (WeakHook, Unwatched))]
             if not ours:
                 continue
