@@ -233,7 +233,9 @@ class Watch:
                     boundary=self._auto_boundary, param_grads=self._on_param_grads,
                     skip=self._on_skip, scale=self._on_scale, backward=self._on_backward,
                     backward_done=self._on_backward_done,
-                    optimizer_done=self._on_optimizer_done),
+                    optimizer_done=self._on_optimizer_done,
+                    root_params=lambda: [list(m.parameters())
+                                         for m in self._set.models.values()]),
                 autocast_dtype=self._precision.autocast_dtype,
                 scaler=self._opts.scaler,
                 optimizers=self._opts.optimizers,

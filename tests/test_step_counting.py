@@ -168,6 +168,90 @@ def test_two_models_with_two_gradscalers(container: str) -> None:
     assert [(s.layer(n).calls, s.layer(n).recorded_steps) for n in fc1] == [(5, 5)] * 2
 
 
+def _gan_iteration(order: str, gen: nn.Module, disc: nn.Module,
+                   opts: dict[str, torch.optim.Optimizer],
+                   scalers: dict[str, torch.amp.GradScaler], g: torch.Generator,
+                   doctor: Any, seen: list[str]) -> None:
+    """One GAN iteration: each letter of ``order`` is a discriminator ("d") or generator
+    ("g") update, and both run the generator forward. Without scalers it is bfloat16;
+    with them float16, each update through its model's scaler."""
+    dtype = torch.float16 if scalers else torch.bfloat16
+    for who in order:
+        z, real = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opts[who].zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            fake = gen(z)
+            if who == "d":
+                loss = disc(real).float().mean() - disc(fake.detach()).float().mean()
+            else:
+                loss = disc(fake).float().mean()
+        if scalers:
+            scalers[who].scale(loss).backward()
+            scalers[who].step(opts[who])
+            scalers[who].update()
+        else:
+            loss.backward()
+            opts[who].step()
+        seen.append(f"{who}{doctor.step_index}")
+
+
+@pytest.mark.parametrize("scalers", ["none", "two", "shared"])
+@pytest.mark.parametrize("order", ["dg", "gd", "ddg"])
+def test_a_gan_is_one_step_per_iteration(order: str, scalers: str) -> None:
+    # Before: the first update ended every step (its optimizer's step, or its scaler's
+    # update), so each step held one iteration's generator update and the next one's
+    # discriminator update; and close added a partial step.
+    torch.manual_seed(0)
+    gen, disc = MLP(16, 32, 4), MLP(4, 32, 1)
+    opts = {"g": torch.optim.Adam(gen.parameters(), 1e-3),
+            "d": torch.optim.Adam(disc.parameters(), 1e-3)}
+    one = torch.amp.GradScaler("cpu")
+    sc = {"none": {}, "shared": {"g": one, "d": one},
+          "two": {"g": torch.amp.GradScaler("cpu"), "d": torch.amp.GradScaler("cpu")}}[scalers]
+    g = torch.Generator().manual_seed(0)
+    seen: list[str] = []
+    with amp_doctor.watch({"gen": gen, "disc": disc}, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            _gan_iteration(order, gen, disc, opts, sc, g, doctor, seen)
+    # The step index after each update: the iteration's last update ends the step.
+    assert seen == [f"{w}{k + (i == len(order) - 1)}"
+                    for k in range(4) for i, w in enumerate(order)]
+    s = doctor.session
+    assert (s.steps, s.recorded_steps) == (4, 4)
+    assert [r.step for r in s.history] == [0, 1, 2, 3]
+    per_step = len(order)  # the generator runs once per update
+    assert s.layer("gen.fc1").calls == 4 * per_step
+    assert s.layer("disc.fc1").calls == 4 * (per_step + order.count("d"))
+    assert all({"gen.fc1", "disc.fc1"} <= set(r.layers) for r in s.history)
+
+
+def test_a_second_model_that_no_optimizer_holds_is_not_waited_for() -> None:
+    # An EMA copy watched beside the model: its parameters require grad, but no
+    # optimizer steps them, so the model's optimizer ends every step.
+    torch.manual_seed(0)
+    model = MLP()
+    ema = MLP()
+    ema.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    after: list[int] = []
+    with amp_doctor.watch({"model": model, "ema": ema}, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            x, y = _batch(g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+                ema(x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            after.append(doctor.step_index)
+            with torch.no_grad():
+                for pe, pm in zip(ema.parameters(), model.parameters(), strict=True):
+                    pe.lerp_(pm, 0.1)
+    assert after == [1, 2, 3]
+    assert (doctor.session.steps, doctor.session.recorded_steps) == (3, 3)
+
+
 def test_a_new_gradscaler_for_the_same_optimizer_takes_over() -> None:
     torch.manual_seed(0)
     model = MLP()

@@ -27,7 +27,13 @@ from amp_doctor.devicework import iter_tensors
 from amp_doctor.hooks.patching import in_scaler_step
 from amp_doctor.records import Event, ScalerTimeline
 from amp_doctor.steps.misuse import MisuseChecks
-from amp_doctor.steps.registry import AmpRegistry, is_deferred, optimizer_params, optimizer_stage
+from amp_doctor.steps.registry import (
+    AmpRegistry,
+    FirstCycle,
+    is_deferred,
+    optimizer_params,
+    optimizer_stage,
+)
 from amp_doctor.steps.scaler import ScalerMirror, ScaleTimeline, StepOutcome
 
 __all__ = ["AmpMonitor", "LoopCallbacks"]
@@ -50,6 +56,8 @@ class LoopCallbacks:
     backward: Callable[[Params], None]
     backward_done: Callable[[Params], None]
     optimizer_done: Callable[[Params], None]
+    # The watched root models' parameters, one list per root.
+    root_params: Callable[[], list[Params]]
 
 
 class AmpMonitor:
@@ -73,6 +81,14 @@ class AmpMonitor:
         self.manual_steps = False
         self._outcome = StepOutcome()
         self._step_params: dict[int, Params] = {}
+        # Several models, each with its own optimizer: until the update that ends an
+        # iteration is known (_cycle_started: it was asked for).
+        self._cycle: FirstCycle | None = None
+        self._cycle_started = False
+        # With GradScalers, once the first step waited: the optimizer stepping last in
+        # an iteration, and whether it stepped since the last boundary.
+        self._closing: int | None = None
+        self._closing_stepped = False
 
     @property
     def drives_steps(self) -> bool:
@@ -115,6 +131,12 @@ class AmpMonitor:
             return
         st.opt_ids.add(id(optimizer))
         self.registry.claim(scaler, st)
+        # Skipped or not, the optimizer had its turn in this iteration.
+        cycle = self._learning()
+        if cycle is not None:
+            cycle.stepped(optimizer)
+        if id(optimizer) == self._closing:
+            self._closing_stepped = True
         if scaler._enabled:
             self._misuse.scaler_step(scaler, st, optimizer)
 
@@ -164,7 +186,22 @@ class AmpMonitor:
                 self._misuse.note_update(step, set(st.skipped), before, after)
         st.end_update()
         self._misuse.forget_backwards()
-        if not self.manual_steps and primary:
+        if self.manual_steps:
+            return
+        cycle = self._cycle
+        if cycle is not None and st.relevant:
+            if cycle.waiting():
+                return
+            self._cycle = None
+            if cycle.waited:
+                self._closing = cycle.last
+                self._cb.boundary()
+                return
+        if self._closing is not None:
+            if self._closing_stepped and st.relevant:
+                self._closing_stepped = False
+                self._cb.boundary()
+        elif primary:
             self._cb.boundary()
 
     def on_scaler_load(self, scaler: GradScaler, state: Any) -> None:
@@ -212,11 +249,29 @@ class AmpMonitor:
         if not in_scaler_step():
             # A plain optimizer.step(): those backward passes are not a scaler's.
             self._misuse.forget_backwards()
+        if reg.primary_scaler is not None or self.manual_steps:
+            if reg.primary_opt is None:
+                reg.primary_opt = id(optimizer)
+            return
         if reg.primary_opt is None:
+            reg.primary_opt = id(optimizer)  # drives_steps from now on; the cycle decides
+        cycle = self._learning()
+        if cycle is not None:
+            cycle.stepped(optimizer)
+            if cycle.waiting():
+                return
+            self._cycle = None
             reg.primary_opt = id(optimizer)
-        if (not self.manual_steps and reg.primary_scaler is None
-                and id(optimizer) == reg.primary_opt):
+        if id(optimizer) == reg.primary_opt:
             self._cb.boundary()
+
+    def _learning(self) -> FirstCycle | None:
+        """The first step's :class:`FirstCycle`, made at the first update it is asked
+        about; None once it decided, or with one model."""
+        if not self._cycle_started:
+            self._cycle_started = True
+            self._cycle = self.registry.first_cycle(self._cb.root_params())
+        return self._cycle
 
     # -- clipping, schedulers, backward ------------------------------------
     def on_clip(self, func: str, parameters: list[torch.Tensor], info: dict[str, Any]) -> None:

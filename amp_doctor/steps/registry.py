@@ -12,6 +12,7 @@ one's address is told apart and judged anew.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,7 +23,11 @@ from torch.optim import Optimizer
 
 from amp_doctor.steps.scaler import ScalerMirror
 
-__all__ = ["AmpRegistry", "optimizer_params", "optimizer_stage", "is_deferred"]
+__all__ = ["AmpRegistry", "FirstCycle", "optimizer_params", "optimizer_stage", "is_deferred"]
+
+# The first step waits at most this many optimizer steps for the other models'
+# optimizers (a GAN whose generator starts training late must not make step 0 endless).
+FIRST_CYCLE_MAX_STEPS = 16
 
 
 def optimizer_params(opt: Any) -> list[torch.Tensor]:
@@ -149,6 +154,15 @@ class AmpRegistry:
         """
         self._opt_relevant = {k: v for k, v in self._opt_relevant.items() if v}
 
+    def first_cycle(self, roots: list[list[torch.Tensor]]) -> FirstCycle | None:
+        """A :class:`FirstCycle` for these watched roots; None when it has nothing to
+        decide: one model, or a scaler named to the watch (its updates end the steps,
+        and the other scalers' steps are not seen)."""
+        if len(roots) < 2 or self._explicit_scaler is not None:
+            return None
+        explicit = self._explicit_opts
+        return FirstCycle(roots, lambda opt: not explicit or id(opt) in explicit)
+
     def opt_name(self, opt: Any) -> str:
         self.relevant(opt)
         return self._opt_names[id(opt)]
@@ -159,3 +173,62 @@ class AmpRegistry:
 
     def owns_param(self, p: torch.Tensor) -> bool:
         return self._owns_param(p)
+
+
+class FirstCycle:
+    """Which update ends an iteration, when several models train each with its own
+    optimizer (a GAN's generator and discriminator), with or without GradScalers.
+
+    The first update does not end the first step if another watched model has
+    trainable parameters that no optimizer stepped yet and some live optimizer holds
+    them: that one steps later in the same iteration, whichever model ran forward
+    first (a discriminator update runs the generator too). The optimizer whose step
+    leaves no model waiting is the iteration's last: its update (its own step, or its
+    scaler's ``update()``) ends this step and every later one. A model whose
+    parameters no optimizer holds (an EMA copy, a forgotten ``requires_grad``) is not
+    waited for.
+    """
+
+    def __init__(self, roots: list[list[torch.Tensor]],
+                 candidates: Callable[[Any], bool] = lambda opt: True) -> None:
+        self._candidates = candidates
+        self._roots = [{id(p) for p in ps if p.requires_grad} for ps in roots]
+        self._roots = [r for r in self._roots if r]
+        self._covered: set[int] = set()
+        self._stepped: set[int] = set()
+        self._holders: set[int] | None = None
+        self._steps = 0
+        # The optimizer that stepped last, and whether the first step ever waited.
+        self.last: int | None = None
+        self.waited = False
+
+    def stepped(self, optimizer: Any) -> None:
+        self._steps += 1
+        self._stepped.add(id(optimizer))
+        self._covered.update(id(p) for p in optimizer_params(optimizer))
+        self.last = id(optimizer)
+
+    def waiting(self) -> bool:
+        """Does the first step go on after the updates so far (another optimizer is due)?"""
+        untrained = [r for r in self._roots if r.isdisjoint(self._covered)]
+        if not untrained or self._steps >= FIRST_CYCLE_MAX_STEPS:
+            return False
+        if self._holders is None:
+            self._holders = _holders_of(set().union(*untrained), self._candidates)
+        if self._holders - self._stepped:
+            self.waited = True
+            return True
+        return False
+
+
+def _holders_of(param_ids: set[int], candidates: Callable[[Any], bool]) -> set[int]:
+    """The live optimizers holding any of ``param_ids``. Optimizers made before the
+    watch are seen nowhere else: one walk of the collector's objects, once a run
+    (about 0.2 s with transformers imported), and only for several models."""
+    found = set()
+    for obj in gc.get_objects():
+        # type(), not isinstance: a proxy's __class__ may run arbitrary code.
+        if issubclass(type(obj), Optimizer) and candidates(obj) and any(
+                id(p) in param_ids for p in optimizer_params(obj)):
+            found.add(id(obj))
+    return found
