@@ -234,6 +234,7 @@ class Watch:
                     skip=self._on_skip, scale=self._on_scale, backward=self._on_backward,
                     backward_done=self._on_backward_done,
                     optimizer_done=self._on_optimizer_done,
+                    scaled_grads=self._loop.note_scaled_grads,
                     root_params=lambda: [list(m.parameters())
                                          for m in self._set.models.values()]),
                 autocast_dtype=self._precision.autocast_dtype,
@@ -438,6 +439,8 @@ class Watch:
         self.add_model(module, name)
         if args is not None:
             # This call's own pre-hooks were collected before we added ours.
+            if self._probes is not None:
+                self._probes.note_root_call(module)
             self._on_root_forward(module, args)
 
     # -- hook callbacks ------------------------------------------------------
@@ -449,15 +452,18 @@ class Watch:
         return self._probes.layers if self._probes is not None else {}
 
     def _on_root_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """A forward starts at ``module``: a watched model, or a submodule of one that
+        the loop calls itself (counted as its model's call)."""
         training = torch.is_grad_enabled() and module.training and not _in_backward()
         if training:
-            self._bounds.trained_roots.add(id(module))
+            root = self._probes.root_id(module) if self._probes is not None else id(module)
+            self._bounds.trained_roots.add(root)
             if self._bounds.lead_root is None:
-                self._bounds.lead_root = id(module)
-            elif id(module) != self._bounds.lead_root and self._bounds.idle:
+                self._bounds.lead_root = root
+            elif root != self._bounds.lead_root and self._bounds.idle:
                 # Right after the boundary, another model trains: same iteration.
                 self._bounds.defer = True
-            if id(module) == self._bounds.lead_root and self._take_pending_boundary():
+            if root == self._bounds.lead_root and self._take_pending_boundary():
                 if self._probes is not None:
                     # Before any sublayer ran: hooking or unhooking them loses nothing.
                     self._probes.apply_armed()
@@ -467,7 +473,8 @@ class Watch:
             self._loop.train_forward = True
             self._bounds.idle = False
             if self._buffer is not None:
-                self._loop.check_input(args)
+                name = self._probes.name_of(module) if self._probes is not None else None
+                self._loop.check_input(args, name or self._set.label())
         if self._anomaly is not None and self._probes is not None:
             self._anomaly.check_inputs(self._probes.name_of(module) or type(module).__name__, args,
                                        module)
@@ -659,6 +666,7 @@ class Watch:
             buf, self._buffer = self._buffer, None
             if self._anomaly is not None:
                 self._anomaly.end_step(skipped=skipped, recorded=buf is not None)
+            input_module = self._loop.input_module
             flags = self._loop.end_step()
             if loss_bad is not None:
                 self._folder.note_loss(step, loss_bad)
@@ -685,7 +693,7 @@ class Watch:
                     hs, fmt=limits(self._precision.low_dtype()),
                     param_grads_scaled=buf.param_grads_scaled, skipped=skipped,
                     scale=outcome.scale_after if outcome else None,
-                    check_input=self._anomaly is None)
+                    check_input=self._anomaly is None, input_module=input_module)
                 if folded.loss_bad is not None:
                     loss_bad = folded.loss_bad
                 if skipped:

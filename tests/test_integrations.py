@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -245,3 +246,39 @@ def test_lightning_callback_closes_on_exception(in_tmp: Path) -> None:
     s = Session.load(cb.logdir / "amp_doctor.json")
     assert s.run.outcome == "exception" and "a metric blew up" in (s.run.error or "")
     assert s.steps == 3
+
+
+def test_lightning_training_step_calling_a_submodule_is_checked(in_tmp: Path) -> None:
+    # Most LightningModules' training_step calls self.net(x) or self.model(x): the
+    # LightningModule's own forward never runs. Before: a NaN batch trained on NaN
+    # losses with "Findings: none" and the device unknown.
+    import lightning as L
+
+    from amp_doctor.integrations.lightning import AmpDoctor
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                           torch.nn.Linear(32, 3))
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    L.seed_everything(0, verbose=False)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    x[40] = math.nan  # batch 5
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    cb = AmpDoctor(anomaly=True)
+    L.Trainer(max_epochs=1, accelerator="cpu", precision="bf16-mixed", callbacks=[cb],
+              logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=str(in_tmp)).fit(Net(), data)
+    assert cb.session is not None
+    s = cb.session
+    assert s.amp.device_type == "cpu" and s.steps == 8
+    assert [(f.kind, f.module, f.step) for f in s.findings if f.severity == "error"] == [
+        ("nonfinite_input", "net", 5)]

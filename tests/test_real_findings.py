@@ -86,7 +86,60 @@ def test_nan_in_the_batch_is_blamed_on_the_input_not_the_first_layer(bad: float)
     assert all(lay.overflow_origin_steps == 0 for lay in s.layers)
     # No layer is blamed, and the NaN loss is the input's consequence.
     assert not [f for f in s.findings if f.module == "fc1"]
-    assert s.findings_of("nonfinite_loss")[0].severity == "info"
+    loss = s.findings_of("nonfinite_loss")[0]
+    assert loss.severity == "info"
+    # Not "every watched layer's output was finite": the NaN went through all of them.
+    assert "already held NaN/inf on recorded step 0: it came from the data" in loss.message
+
+
+class _Wrapper(nn.Module):
+    """A model whose own forward the loop never calls (as a LightningModule's
+    training_step calling ``self.net(x)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP()
+
+
+@pytest.mark.parametrize("kw", [{"every": 2}, {"anomaly": True}], ids=["every=2", "anomaly"])
+def test_a_loop_that_calls_a_submodule_of_the_watched_model_is_still_checked(
+        kw: dict[str, object]) -> None:
+    # Before: the batch and step checks ran only from the root's own forward, so a NaN
+    # batch trained on with "Findings: none" (anomaly mode), or was blamed on net.fc1,
+    # and the device was unknown.
+    torch.manual_seed(0)
+    w = _Wrapper()
+    opt = torch.optim.SGD(w.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    with amp_doctor.watch(w, tensorboard=False, **kw) as doctor:  # type: ignore[arg-type]
+        for step in range(6):
+            x = torch.randn(8, 16, generator=g)
+            if step == 2:
+                x[2, 4] = math.nan
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(w.net(x).float(), torch.zeros(8).long())
+            losses.append(loss.item())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    assert s.amp.device_type == "cpu" and s.steps == 6
+    assert [(f.kind, f.module, f.step) for f in errors(s)] == [("nonfinite_input", "net", 2)]
+    assert math.isfinite(losses[1]) and all(map(math.isnan, losses[2:]))
+
+
+def test_raise_mode_stops_a_loop_that_calls_a_submodule() -> None:
+    torch.manual_seed(0)
+    w = _Wrapper()
+    x = torch.randn(8, 16)
+    x[2, 4] = math.nan
+    from amp_doctor.errors import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match="the batch passed to 'net' holds NaN"), \
+            amp_doctor.watch(w, on_nonfinite="raise", tensorboard=False):
+        w.net(torch.randn(8, 16)).sum().backward()
+        w.net(x).sum().backward()
 
 
 def test_worst_first_puts_the_layer_closest_to_the_max_first() -> None:
@@ -543,3 +596,40 @@ def test_anomaly_mode_names_the_op_inside_activation_checkpointing(reentrant: bo
     line = inspect.getsourcelines(_Exp20.forward)[1] + 1  # the exp's own line
     assert origin.data["frames"][0].endswith(f"test_real_findings.py:{line} in forward")
     assert all(f.module == "blk.1" for f in s.findings_of("nonfinite_backward"))
+
+
+class _CausalAttention(nn.Module):
+    """One self-attention layer that takes the mask the nn.Transformer tutorial makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        att = (q @ k.transpose(-2, -1) / 4 + mask).softmax(-1)
+        return self.out(att @ v)
+
+
+@pytest.mark.parametrize("kw", [{"every": 1}, {}, {"anomaly": True}],
+                         ids=["every=1", "default", "anomaly"])
+def test_a_causal_minus_inf_mask_given_to_the_model_is_not_bad_data(
+        kw: dict[str, object]) -> None:
+    # Before: the recorded steps' batch check called the -inf mask a NaN/inf batch (an
+    # error, "check the data pipeline") on a run whose every loss was finite.
+    torch.manual_seed(0)
+    model = _CausalAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mask = nn.Transformer.generate_square_subsequent_mask(6)
+    assert mask.min() == -math.inf and mask.max() == 0
+    with amp_doctor.watch(model, tensorboard=False, **kw) as doctor:  # type: ignore[arg-type]
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(2, 6, 16), mask).float().pow(2).mean()
+            assert torch.isfinite(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [f.kind for f in doctor.session.findings if f.severity != "info"] == []
+    # A stray -inf among positive values is still bad data (the -inf test above).

@@ -828,3 +828,79 @@ def test_missing_scaler_on_layers_whose_gradients_arrive_flushed_to_zero() -> No
     assert f"{100 * lay.grad_zero_frac:.3g}% of its output-gradient values are exactly zero" \
         in f.message
     assert "underflowed float16 in 1 (" in f.message and "no GradScaler is in use" in f.message
+
+
+def _penalty_run(kw: dict[str, Any] | None) -> tuple[list[float], list[torch.Tensor], Any]:
+    """PyTorch's AMP recipe for a gradient penalty: the gradients of the scaled loss
+    (``torch.autograd.grad``, ``create_graph=True``), unscaled by hand. In the scaler's
+    first steps they overflow, the penalty is inf and GradScaler skips the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    doctor = amp_doctor.watch(model, tensorboard=False, **kw) if kw is not None else None
+    losses = []
+    try:
+        for _ in range(8):
+            x, y = torch.randn(16, 8), torch.randn(16, 1)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            grads = torch.autograd.grad(scaler.scale(loss), list(model.parameters()),
+                                        create_graph=True)
+            inv = 1.0 / scaler.get_scale()
+            with torch.autocast("cpu", dtype=torch.float16):
+                total = loss + sum((g * inv).pow(2).sum() for g in grads).sqrt()
+            opt.zero_grad()
+            scaler.scale(total).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(total.item())
+    finally:
+        if doctor is not None:
+            doctor.close()
+    return losses, [p.detach().clone() for p in model.parameters()], doctor
+
+
+@pytest.mark.parametrize("kw", [{}, {"every": 1}, {"on_nonfinite": "raise"}],
+                         ids=["default", "every=1", "raise"])
+def test_the_gradient_penalty_recipe_calibrates_without_findings(kw: dict[str, Any]) -> None:
+    # Before: raise mode stopped this healthy run at step 0 (the scaled gradients'
+    # overflow in torch.autograd.grad was not known to be a scaled backward); record
+    # modes gave a nonfinite_loss error and a scaler_backoff warning for the calibration.
+    plain_losses, plain_params, _ = _penalty_run(None)
+    assert math.isinf(plain_losses[0]) and all(map(math.isfinite, plain_losses[1:]))
+    losses, params, doctor = _penalty_run(kw)
+    assert str(losses) == str(plain_losses)
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
+    s = doctor.session
+    assert [f.kind for f in s.findings if f.severity != "info"] == []
+    assert "while calibrating" in s.findings_of("scaler_backoff")[0].message
+
+
+def test_a_high_init_scale_calibrating_down_is_not_a_collapse() -> None:
+    # GradScaler(init_scale=2**32), Megatron-LM's default: it halves 13 times and settles
+    # above the default 2**16. Before: scale_collapse (an error, "do not just lower
+    # init_scale") and a warning blaming the last layer.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                      nn.Linear(64, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 32, growth_interval=20)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(m, tensorboard=False) as doctor:
+        for _ in range(60):
+            x, y = torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(m(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.backoff_steps[:13] == list(range(13))
+    assert scaler.get_scale() > 2.0 ** 16
+    assert not s.findings_of("scale_collapse")
+    assert [f.kind for f in s.findings if f.severity == "error"] == []
+    info = next(f for f in s.findings_of("scaler_backoff") if f.severity == "info")
+    assert "13 while calibrating at the start (steps 0-12, scale 4294967296 -> 524288)" \
+        in info.message

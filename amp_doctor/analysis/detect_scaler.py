@@ -18,6 +18,7 @@ from amp_doctor.analysis.detect_layers import low_format
 from amp_doctor.analysis.thresholds import (
     BACKOFF_RUN_COLLAPSE,
     BACKOFF_SHARE_COLLAPSE,
+    CALIBRATED_MIN,
     CALIBRATION_START,
     CALIBRATION_STEPS,
     DEFAULT_GROWTH_INTERVAL,
@@ -47,24 +48,33 @@ def _culprits_of(group: list[ScalerEvent]) -> list[str]:
     return out
 
 
-def _normal_backoff(i: int, g: list[ScalerEvent], growths: list[ScalerEvent],
+def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[ScalerEvent],
                     last_step: int) -> str | None:
     """Why a group of backoffs is GradScaler working as designed, or None.
 
     * calibration: the scale starts high (2**16) and halves in the first steps
-      until the gradients fit: a short run, starting at once, that ends and
+      until the gradients fit: a run starting at once that ends, short or leaving
+      the scale above :data:`CALIBRATED_MIN` (from a higher ``init_scale``), and
       leaves the scale >= 1;
     * probe: the scale grew, the next step overflowed, and one backoff put the
       scale back where it was before the growth.
     """
+    g = groups[i]
     if any(e.forward_origin or e.loss_nonfinite for e in g):
         # The loss itself was NaN/inf: the forward pass failed, whatever the scale.
         return None
     after = g[-1].scale_after
     prev = [x for x in growths if x.step < g[0].step]
     if (i == 0 and not prev and g[0].step < CALIBRATION_START
-            and len(g) < BACKOFF_RUN_COLLAPSE and g[-1].step < last_step
+            and (len(g) < BACKOFF_RUN_COLLAPSE or after > CALIBRATED_MIN)
+            and g[-1].step < last_step
             and not (after < SCALE_COLLAPSE_MIN)):
+        return "calibration"
+    if (i == 1 and not prev and len(g) == 1 and g[0].step < CALIBRATION_STEPS
+            and after > CALIBRATED_MIN
+            and _normal_backoff(0, groups, growths, last_step) == "calibration"):
+        # One more halving soon after, before the scale ever grew: the scale the
+        # calibration stopped at was just too high for a later batch.
         return "calibration"
     if len(g) == 1 and prev and not (after < prev[-1].scale_before):
         return "probe"
@@ -203,8 +213,9 @@ def normal_backoff_steps(session: Session) -> set[int]:
     """Steps whose backoff was GradScaler working as designed (calibration, a probe):
     a scaled gradient overflowing there is the scaler's business, not a finding's."""
     backoffs, growths = _scaler_events(session)
-    return {e.step for i, g in enumerate(F.consecutive_runs(backoffs))
-            if _normal_backoff(i, g, growths, session.steps - 1) is not None for e in g}
+    groups = F.consecutive_runs(backoffs)
+    return {e.step for i, g in enumerate(groups)
+            if _normal_backoff(i, groups, growths, session.steps - 1) is not None for e in g}
 
 
 def scaler_findings(session: Session) -> Iterable[Finding]:
@@ -222,7 +233,7 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
     known = _backoff_origins(session, backoffs, origins)
     with_params = {lay.name for lay in session.layers if lay.param_dtypes}
     for i, g in enumerate(groups):
-        why = _normal_backoff(i, g, growths, last_step)
+        why = _normal_backoff(i, groups, growths, last_step)
         if why is not None:
             normal.append((why, g))
             continue
@@ -271,10 +282,11 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
         probes = [g for why, g in normal if why == "probe"]
         parts = []
         if cal:
-            g = cal[0]
-            parts.append(f"{len(g)} while calibrating at the start (steps {g[0].step}-"
-                         f"{g[-1].step}, scale {_scale(g[0].scale_before)} -> "
-                         f"{_scale(g[-1].scale_after)})")
+            g, n = cal[0], sum(len(c) for c in cal)
+            spans = ", ".join(f"{c[0].step}" if len(c) == 1 else f"{c[0].step}-{c[-1].step}"
+                              for c in cal)
+            parts.append(f"{n} while calibrating at the start (steps {spans}, scale "
+                         f"{_scale(g[0].scale_before)} -> {_scale(cal[-1][-1].scale_after)})")
         if probes:
             parts.append(f"{len(probes)} right after a growth, each undoing it (steps "
                          f"{F.steps_list([g[0].step for g in probes])})")
@@ -300,8 +312,10 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
             min_scale = e.scale_after if min_scale is None else min(min_scale, e.scale_after)
     post = [e for e in backoffs if e.step >= CALIBRATION_STEPS]
     eligible = max(session.steps - CALIBRATION_STEPS, 0)
-    # A first run that fell this far is no calibration, however early.
-    deep = (sc.init_scale or DEFAULT_INIT_SCALE) / 2 ** (2 * BACKOFF_RUN_COLLAPSE)
+    # A first run that fell this far is no calibration, however early (from the default
+    # scale: a higher init_scale has further to fall before it fits).
+    deep = min(sc.init_scale or DEFAULT_INIT_SCALE, DEFAULT_INIT_SCALE) / 2 ** (
+        2 * BACKOFF_RUN_COLLAPSE)
     runs = [g for i, g in enumerate(groups) if len(g) >= BACKOFF_RUN_COLLAPSE and (
         i > 0 or g[0].step >= CALIBRATION_STEPS or g[-1].step >= last_step
         or g[-1].scale_after < deep)]

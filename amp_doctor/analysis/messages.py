@@ -199,6 +199,9 @@ def _nonfinite_loss(a: MessageArgs) -> str:
     if e.module:
         where = (f"It first appeared in {e.module}'s output, the first watched layer to go "
                  f"non-finite (seen on recorded step {d.get('recorded_at')})")
+    elif d.get("input_bad"):
+        where = (f"The batch given to the model already held NaN/inf on recorded step "
+                 f"{d.get('recorded_at')}: it came from the data, not from a layer")
     elif d.get("recorded_at") is not None:
         where = ("Every watched layer's output was finite when it was NaN/inf (recorded "
                  f"step {d.get('recorded_at')}): it appeared outside the watched modules, "

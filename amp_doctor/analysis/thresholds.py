@@ -16,6 +16,7 @@ __all__ = [
     "BACKOFF_SHARE_COLLAPSE",
     "BACKOFF_RUN_COLLAPSE",
     "CALIBRATION_START",
+    "CALIBRATED_MIN",
     "CALIBRATION_STEPS",
     "STUCK_INTERVALS",
     "SCALED_GRAD_OVERFLOW_INFO_STEPS",
@@ -49,6 +50,10 @@ BACKOFF_RUN_COLLAPSE = 5
 # GradScaler starts at 2**16 and backs off until the scale fits: a short run of
 # backoffs that starts in the first few steps is normal calibration, not a problem.
 CALIBRATION_START = 3
+# A first run of backoffs that ends above this scale is calibration however long it
+# is: a high init_scale (Megatron-LM's 2**32) halves many times before it fits. It is
+# where the default 2**16 ends after BACKOFF_RUN_COLLAPSE halvings.
+CALIBRATED_MIN = 2.0 ** 16 / 2 ** BACKOFF_RUN_COLLAPSE
 # Backoffs in the first steps are not counted in the share of backoffs below.
 CALIBRATION_STEPS = 20
 # No growth across this many growth intervals means the scale is stuck.

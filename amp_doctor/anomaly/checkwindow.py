@@ -16,6 +16,7 @@ import torch
 from amp_doctor.anomaly.origins import OpWindow, origin_flags, stack_rows
 from amp_doctor.anomaly.stepcheck import RootCall, StepFlag
 from amp_doctor.anomaly.userframes import format_frames
+from amp_doctor.device.stats import bad_batch
 from amp_doctor.records import Event
 
 __all__ = ["CheckWindow", "gather", "input_event"]
@@ -49,8 +50,7 @@ def gather(p: OpWindow, calls: list[RootCall], grads: list[StepFlag],
         parts.append(op_flags)
     if calls:
         call_rows = stack_rows([c.row for c in calls])
-        # The batch: NaN or +inf is bad data; -inf is how masks are written.
-        parts.append(torch.isnan(call_rows).any(1) | (call_rows[:, 1] == math.inf))
+        parts.append(bad_batch(call_rows))
     sums = [g.value for g in grads] + [g.value for g in weights]
     if not parts and not sums:
         return None

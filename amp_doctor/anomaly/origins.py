@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from amp_doctor.anomaly.userframes import Frame, format_frames
+from amp_doctor.device.stats import bad_batch
 from amp_doctor.devicework import count_sync
 from amp_doctor.records import Event
 
@@ -92,8 +93,7 @@ def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, tor
         is_input.append(e.kind == "input")
     n = len(entries)
     bad_any = ~torch.isfinite(rows).all(1)
-    # Inputs to the model: NaN or +inf is bad data; -inf is how masks are written.
-    bad_data = torch.isnan(rows).any(1) | (rows[:, 1] == math.inf)
+    bad_data = bad_batch(rows)  # inputs to the model
     oi = torch.tensor(out_idx, device=dev)
     oo = torch.tensor(out_owner, device=dev)
     sel = torch.tensor(is_input, device=dev)[oo]

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from amp_doctor.anomaly.userframes import Frame
+from amp_doctor.device.stats import merged_extremes
 from amp_doctor.devicework import own_ops
 from amp_doctor.dtypes import dtype_name
 
@@ -60,12 +61,12 @@ def norm_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def batch_row(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[2] float32: the (min, max) over all of ``tensors``, on the device. No sync."""
+    """[2] float32: the (min, max) over all of ``tensors`` but an attention mask's -inf
+    (:func:`~amp_doctor.device.stats.merged_extremes`), on the device. No sync."""
     rows = [torch.stack(torch.aminmax(t)).float() for t in tensors]
     if len(rows) == 1:
         return rows[0]
-    both = torch.stack(rows)
-    return torch.stack((both[:, 0].min(), both[:, 1].max()))
+    return merged_extremes(torch.stack(rows))
 
 
 class StepCheck:

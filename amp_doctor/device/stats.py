@@ -62,6 +62,8 @@ from amp_doctor.dtypes import FormatLimits
 
 __all__ = [
     "SUMMARY_LEN",
+    "bad_batch",
+    "merged_extremes",
     "N_EXP_BINS",
     "SAMPLE_LIMIT",
     "upload",
@@ -256,6 +258,24 @@ def exp_histogram(codes: torch.Tensor, nbins: int, device_path: bool | None = No
         counts = torch.zeros(nbins, dtype=torch.int64, device=codes.device)
         return counts.index_add_(0, codes, ones)
     return torch.histc(codes.float(), bins=nbins, min=-0.5, max=nbins - 0.5).long()
+
+
+def bad_batch(extremes: torch.Tensor) -> torch.Tensor:
+    """Which rows of (min, max) describe a tensor given to a model that is bad data: a
+    NaN, +inf, or -inf among positive values. An additive attention mask is -inf beside
+    zeros and other non-positive biases (``generate_square_subsequent_mask``,
+    ``masked_fill(mask, -inf)``, ALiBi): its max is at most 0. On the device, no sync."""
+    lo, hi = extremes[:, 0], extremes[:, 1]
+    return (lo.isnan() | hi.isnan() | (hi == math.inf)
+            | ((lo == -math.inf) & (hi > 0)))
+
+
+def merged_extremes(extremes: torch.Tensor) -> torch.Tensor:
+    """[2]: the (min, max) of several tensors given to a model, from their [n, 2] rows,
+    leaving out an attention mask's -inf (see :func:`bad_batch`): the data's range."""
+    lo, hi = extremes[:, 0], extremes[:, 1]
+    lo = torch.where((lo == -math.inf) & (hi <= 0), hi, lo)
+    return torch.stack((lo.min(), hi.max()))
 
 
 def upload(values: list[int], device: torch.device) -> torch.Tensor:

@@ -73,6 +73,7 @@ class ApiSubscriber(Protocol):
     def on_scheduler_step(self, scheduler: Any) -> None: ...
     def on_backward(self, tensors: Any) -> None: ...
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None: ...
+    def on_scaled_grads(self, grads: Any) -> None: ...
     def on_scaler_load(self, scaler: GradScaler, state: Any) -> None: ...
 
 
@@ -140,6 +141,17 @@ class _ApiHub:
         finally:
             self._depth[key] -= 1
 
+    @contextlib.contextmanager
+    def _backward_pass(self, roots: Any) -> Iterator[bool]:
+        """While the outermost backward from ``roots`` runs; yields whether they are
+        outputs of a scaler's ``scale()`` (the flow hook may tell it later, too)."""
+        scaled = any(t in self._scaled_outputs for t in iter_tensors(roots))
+        self.in_backward, self.scaled_backward = True, scaled
+        try:
+            yield scaled
+        finally:
+            self.in_backward = self.scaled_backward = False
+
     def note_flow(self, scaler_id: int) -> None:
         """A backward pass went through an output of scaler ``scaler_id``'s ``scale()``."""
         self.flows[scaler_id] = self.flows.get(scaler_id, 0) + 1
@@ -194,6 +206,7 @@ class _ApiHub:
             if "step" in vars(cls):
                 self._patch(cls, "step", self._wrap_sched)
         self._patch(torch.autograd, "backward", self._wrap_backward)
+        self._patch(torch.autograd, "grad", self._wrap_grad)
         self._patch(torch.jit, "script", _wrap_jit_script)
 
     def _uninstall(self) -> None:
@@ -363,17 +376,34 @@ class _ApiHub:
                     return orig(tensors, *args, **kwargs)
                 flows = hub._total_flows
                 hub.emit("on_backward", tensors)
-                scaled_roots = any(t in hub._scaled_outputs for t in iter_tensors(tensors))
-                hub.in_backward, hub.scaled_backward = True, scaled_roots
-                try:
+                with hub._backward_pass(tensors) as scaled_roots:
                     result = orig(tensors, *args, **kwargs)
-                finally:
-                    hub.in_backward = hub.scaled_backward = False
                 through = hub._total_flows != flows or scaled_roots
                 hub.emit("on_backward_end", tensors, through)
                 return result
 
         return backward
+
+
+    def _wrap_grad(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """``torch.autograd.grad``: a backward pass too. Through a scaled output (the AMP
+        recipe for a gradient penalty: the gradients of ``scaler.scale(loss)``, then
+        unscaled by hand) it overflows in the scaler's calibration steps, as any scaled
+        backward does, and the loss made from those gradients with it."""
+        hub = self
+
+        @functools.wraps(orig)
+        def grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            with hub.outermost("backward") as outer:
+                if not outer:
+                    return orig(outputs, *args, **kwargs)
+                with hub._backward_pass(outputs) as scaled:
+                    result = orig(outputs, *args, **kwargs)
+                if scaled:
+                    hub.emit("on_scaled_grads", result)
+                return result
+
+        return grad
 
 
 def _wrap_jit_script(orig: Callable[..., Any]) -> Callable[..., Any]:

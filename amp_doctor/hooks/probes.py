@@ -189,6 +189,10 @@ class Probes:
         self.layers: dict[str, LayerMeta] = {}
         self._names: dict[int, str] = {}
         self._roots: set[int] = set()
+        # Submodules the loop calls directly (see _entry): hooked for the whole watch.
+        self._entries: set[int] = set()
+        # Roots whose own forward ran with grad enabled: their submodules are no entries.
+        self._roots_trained: set[int] = set()
         self._handles: list[RemovableHandle] = []
         # Hooks on non-root modules, present only while armed.
         self._sub_handles: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
@@ -257,6 +261,39 @@ class Probes:
                 if self.armed:
                     self._sub_handles[id(mod)] = self._hook(mod)
         return True
+
+    def _entry(self, module: nn.Module) -> bool:
+        """``module``, a submodule of a watched model, is called by the loop itself (a
+        Lightning ``training_step`` calling ``self.net(x)``, a loop calling
+        ``model.backbone(x)``): the root's forward never runs, so this call is where a
+        training step's forward starts. From the first such training call on, it is
+        hooked on every step, as a root is, and its calls are seen as the root's."""
+        mid = id(module)
+        if mid in self._entries:
+            return True
+        root = self._root_of(mid)
+        if (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
+                or root in self._roots_trained or root in self._frozen
+                or mid not in self._sub_handles):
+            # Inference; a checkpoint's recompute in backward; a model whose own forward
+            # trains (found by discovery during that call, whose hooks it missed); or a
+            # compiled model (dynamo guards on the hook dicts it traced).
+            return False
+        self._handles.extend(self._sub_handles.pop(mid))
+        self._subs.remove(module)
+        self._entries.add(mid)
+        return True
+
+    def note_root_call(self, model: nn.Module) -> None:
+        """``model``'s forward is running, though its hooks were not called (discovery
+        found it during the call)."""
+        self._calls.training = torch.is_grad_enabled()
+        if self._calls.training:
+            self._roots_trained.add(id(model))
+
+    def root_id(self, module: nn.Module) -> int:
+        """The ``id()`` of the watched model ``module`` belongs to (itself for a root)."""
+        return self._root_of(id(module))
 
     def freeze(self, model: nn.Module) -> None:
         """``model`` runs under torch.compile: leave its sublayer hooks as they are now."""
@@ -437,10 +474,14 @@ class Probes:
         if calls.depth == 1:
             calls.training = torch.is_grad_enabled()
             if id(module) in self._roots:
+                if calls.training:
+                    self._roots_trained.add(id(module))
                 self._on_root_forward(module, args)
                 if self.armed and self.recording:
                     self._armed_root_calls[id(module)] = \
                         self._armed_root_calls.get(id(module), 0) + 1
+            elif self._entry(module):
+                self._on_root_forward(module, args)
         if not self.recording or not (calls.training or torch.is_grad_enabled()):
             return
         meta = self.layers[name]

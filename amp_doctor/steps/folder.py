@@ -67,7 +67,9 @@ class StepFolder:
         # in the skip's one sync), and those of them where it was NaN/inf.
         self._loss_checked: set[int] = set()
         self._loss_bad: set[int] = set()
-        self._loss_origin: tuple[int, str | None] | None = None
+        # The first recorded step with a bad loss: its forward origin, and whether the
+        # batch itself was non-finite there.
+        self._loss_origin: tuple[int, str | None, bool] | None = None
         self._lp_counts = [0.0, 0.0]  # sampled elements with a gradient, unchanged of those
 
     def note_loss(self, step: int, bad: bool) -> None:
@@ -77,10 +79,12 @@ class StepFolder:
             self._loss_bad.add(step)
 
     def fold(self, hs: HostCopy, *, fmt: FormatLimits, param_grads_scaled: bool,
-             skipped: bool, scale: float | None, check_input: bool) -> FoldedStep:
+             skipped: bool, scale: float | None, check_input: bool,
+             input_module: str | None = None) -> FoldedStep:
         """One recorded step's host copy -> its record, folded into the run's aggregates.
 
-        ``check_input``: report a NaN/inf batch here (anomaly mode reports it otherwise).
+        ``check_input``: report a NaN/inf batch here (anomaly mode reports it otherwise),
+        as given to ``input_module`` (default: the model).
         """
         step = hs.step
         grad_scale = hs.scalars.get(GRAD_SCALE_KEY)
@@ -90,11 +94,12 @@ class StepFolder:
         for h in hists:
             self.hists.add(h)
         origin = self._forward_origin(layers)
-        if hs.scalars.get("input_nan") or hs.scalars.get("input_inf"):
+        input_bad = bool(hs.scalars.get("input_nan") or hs.scalars.get("input_inf"))
+        if input_bad:
             # The batch was already non-finite: no layer is the origin.
             origin = None
             if check_input:
-                self._note_bad_input(step, hs.scalars)
+                self._note_bad_input(step, hs.scalars, input_module or self._model_label())
         if origin is not None:
             self.aggregates.note_origin(origin)
         loss_bad: bool | None = None
@@ -102,7 +107,7 @@ class StepFolder:
             loss_bad = bool(hs.scalars["loss_bad"])
             self.note_loss(step, loss_bad)
             if loss_bad and self._loss_origin is None:
-                self._loss_origin = (step, origin)
+                self._loss_origin = (step, origin, input_bad)
         if "lp_with_grad" in hs.scalars:
             self._lp_counts[0] += hs.scalars["lp_with_grad"]
             self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
@@ -112,14 +117,14 @@ class StepFolder:
         self.history.add(rec)
         return FoldedStep(rec, origin, culprits, loss_bad)
 
-    def _note_bad_input(self, step: int, scalars: dict[str, float]) -> None:
+    def _note_bad_input(self, step: int, scalars: dict[str, float], module: str) -> None:
         seen = [e for e in self._events
                 if e.kind == "nonfinite_input" and e.data.get("detected") == "recorded step"]
         if seen:
             for e in seen:
                 e.data["occurrences"] = int(e.data.get("occurrences", 1)) + 1
             return
-        self._events.append(Event(kind="nonfinite_input", step=step, module=self._model_label(),
+        self._events.append(Event(kind="nonfinite_input", step=step, module=module,
                                  data={"nan": bool(scalars.get("input_nan")),
                                        "inf": bool(scalars.get("input_inf")),
                                        "detected": "recorded step"}))
@@ -184,7 +189,8 @@ class StepFolder:
                           "steps_bad": len(self._loss_bad),
                           "checked": len(self._loss_checked), "steps": steps,
                           "recorded_at": seen[0] if seen else None,
-                          "origin": seen[1] if seen else None})]
+                          "origin": seen[1] if seen else None,
+                          "input_bad": seen[2] if seen else False})]
 
     def lowp_events(self, param_dtypes: Iterable[str]) -> list[Event]:
         """Sampled low-precision weights that the optimizer's update did not move."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from amp_doctor.device.recorder import StepBuffer
+from amp_doctor.device.stats import bad_batch
 from amp_doctor.devicework import iter_tensors, own_ops
 from amp_doctor.dtypes import LOW_PRECISION_DTYPES
 from amp_doctor.hooks.probes import unsummarizable
@@ -36,6 +37,8 @@ class LoopSignals:
         self._flags: dict[str, torch.Tensor] = {}
         self.train_forward = False
         self.backward = False
+        # The module given the step's first checked batch (check_input).
+        self.input_module: str | None = None
         # A backward of this step reached the watched parameters.
         self.backward_reached = False
         # A parameter's gradient and weight versions after the last backward.
@@ -49,6 +52,7 @@ class LoopSignals:
 
     def new_step(self) -> None:
         self.backward = False
+        self.input_module = None
         self._sentinel = None
         self.backward_reached = False
         self.train_forward = False
@@ -85,27 +89,50 @@ class LoopSignals:
         x = losses[0].detach().reshape(()) if len(losses) == 1 else torch.stack(
             [t.detach().reshape(()) for t in losses])
         bad = (x * 0).ne(0)
-        self._or_flag("loss_bad", bad if len(losses) == 1 else bad.any())
+        bad = bad if len(losses) == 1 else bad.any()
+        scaled = self._flags.get("scaled_grads_bad")
+        if scaled is not None:
+            # A loss made of gradients that overflowed under the loss scale (a gradient
+            # penalty) is non-finite by the scaler's doing: it skips the step, as
+            # designed, and lowers the scale. Not a loss that went bad by itself.
+            bad = bad & ~scaled.to(bad.device)
+        self._or_flag("loss_bad", bad)
 
-    def check_input(self, args: tuple[Any, ...]) -> None:
-        """On a recorded step: does the batch itself hold NaN/inf? Device flags only.
+    def note_scaled_grads(self, grads: list[torch.Tensor]) -> None:
+        """``torch.autograd.grad`` of a scaled output returned ``grads``: note on the
+        device whether any of them overflowed (no sync)."""
+        ts = [g for g in grads if g.is_floating_point() and g.numel() > 0
+              and unsummarizable(g) is None]
+        if not ts:
+            return
+        with own_ops:
+            # x * 0 is NaN exactly where x is NaN or inf; one sum per gradient.
+            bad = torch.stack([(g.detach() * 0).sum() for g in ts]).ne(0).any()
+        self._or_flag("scaled_grads_bad", bad)
+
+    def check_input(self, args: tuple[Any, ...], module: str) -> None:
+        """On a recorded step: does the batch itself hold NaN or +inf? Device flags only.
 
         One ``aminmax`` pass per tensor, with no temporary as large as the batch
         (an ``isnan`` and an ``isinf`` mask would be two). As in anomaly mode's
-        batch check, a tensor holding a NaN reads as NaN: infinities beside it
-        are not told apart.
+        batch check (:func:`~amp_doctor.device.stats.bad_batch`), a tensor holding a
+        NaN reads as NaN, and an attention mask's -inf is not bad data.
         """
         # vmap's wrapped tensors must not escape into the step's flags; nor odd layouts.
         ts = [t for t in iter_tensors(args) if t.is_floating_point() and t.numel() > 0
               and unsummarizable(t) is None]
         if not ts:
             return
+        if self.input_module is None:
+            self.input_module = module
         with own_ops:
             try:
-                ext = torch.stack([v for t in ts for v in torch.aminmax(t.detach())])
+                ext = torch.stack([v for t in ts for v in torch.aminmax(t.detach())]).view(-1, 2)
             except Exception:  # odd tensors (nested, float8): skip the check
                 return
-            nan, inf = ext.isnan().any(), ext.isinf().any()
+            bad = bad_batch(ext)
+            nan = ext.isnan().any()
+            inf = (bad & ~ext.isnan().any(1)).any()
             self._or_flag("input_nan", nan)
             self._or_flag("input_inf", inf)
 

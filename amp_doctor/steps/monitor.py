@@ -56,6 +56,8 @@ class LoopCallbacks:
     backward: Callable[[Params], None]
     backward_done: Callable[[Params], None]
     optimizer_done: Callable[[Params], None]
+    # torch.autograd.grad of a scaled output returned these (still scaled) gradients.
+    scaled_grads: Callable[[Params], None]
     # The watched root models' parameters, one list per root.
     root_params: Callable[[], list[Params]]
 
@@ -283,6 +285,9 @@ class AmpMonitor:
     def on_backward(self, tensors: Any) -> None:
         self._cb.backward(list(iter_tensors(tensors)))
         self._misuse.backward()
+
+    def on_scaled_grads(self, grads: Any) -> None:
+        self._cb.scaled_grads(list(iter_tensors(grads)))
 
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None:
         ts = list(iter_tensors(tensors))
