@@ -780,7 +780,8 @@ class Watch:
         elif (mon is not None and self.step_index == 0 and not mon.manual_steps
               and (self._loop.backward or self.recorded)):
             out.append(Event(kind="no_step_boundary", step=0, data={
-                "backward": self._loop.backward}))
+                "backward": self._loop.backward,
+                "foreign_optimizers": mon.registry.foreign_optimizers()}))
         return out + self._folder.lowp_events(d for m in metas for d in m.param_dtypes)
 
     def _write_outputs(self, session: Session) -> None:

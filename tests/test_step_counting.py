@@ -347,3 +347,36 @@ def test_the_loss_flag_is_exact_for_every_loss_shape_and_value() -> None:
     flag = sig.loss_flag()
     assert flag is not None and flag.shape == () and bool(flag) is True
     assert LoopSignals().loss_flag() is None
+
+
+def test_an_optimizer_of_a_parameter_dict_is_named_and_can_be_given() -> None:
+    # torch.func.functional_call with a parameter dict: the optimizer steps tensors that
+    # are not the model's parameters. Before: "no optimizer.step(), no scaler.update()".
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = MLP()
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in model.named_parameters()}
+    opt = torch.optim.SGD(params.values(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+
+    def train(doctor: Any) -> None:
+        for _ in range(3):
+            x, y = _batch(g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(functional_call(model, params, (x,)), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        train(doctor)
+    f = doctor.session.findings_of("no_step_boundary")[0]
+    assert "SGD#0 stepped, but none of the watched model's parameters" in f.message
+    assert "watch(model, optimizer=opt, scaler=scaler)" in f.advice
+    with amp_doctor.watch(model, optimizer=opt, scaler=scaler, tensorboard=False) as doctor:
+        train(doctor)
+    s = doctor.session
+    assert (s.steps, s.amp.scaler) == (3, True) and not s.findings_of("no_step_boundary")

@@ -165,6 +165,11 @@ ADVICE: dict[str, str] = {
         "forward after a backward once the weights changed. None of these happened: call "
         "`doctor.step()` at the end of each iteration (with `doctor = amp_doctor.watch(model)`)."
     ),
+    "no_step_boundary_foreign": (
+        "Name the optimizer and scaler that train the model: "
+        "`amp_doctor.watch(model, optimizer=opt, scaler=scaler)` (or `doctor.step()` at the "
+        "end of each iteration)."
+    ),
     "steps_from_backward": (
         "No optimizer or GradScaler was seen, so each step was taken to end when the loop "
         "updated the weights (or reset the gradients) after a backward. If your loop differs, "
@@ -268,6 +273,8 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 + (", or train with `dtype=torch.bfloat16`." if not bf16 else "."))
     if e.kind == "model_not_run" and e.data.get("compiled"):
         return advice_for("model_not_run_compiled", dtype)
+    if e.kind == "no_step_boundary" and e.data.get("foreign_optimizers"):
+        return advice_for("no_step_boundary_foreign", dtype)
     return advice_for(e.kind, dtype)
 
 

@@ -216,6 +216,13 @@ def _nonfinite_loss(a: MessageArgs) -> str:
 
 @message_for("no_step_boundary")
 def _no_step_boundary(a: MessageArgs) -> str:
+    foreign = a.event.data.get("foreign_optimizers") or []
+    if foreign:
+        return (f"No training step was seen to end: {', '.join(foreign)} stepped, but "
+                "none of the watched model's parameters (the optimizer holds other tensors: "
+                "a parameter dict given to torch.func.functional_call, or a copy of the "
+                "model), so neither it nor its GradScaler ends the watched model's steps. "
+                "The figures below cover everything as one unfinished step.")
     return ("No training step was seen to end: no optimizer.step(), no scaler.update(), "
             "no doctor.step()" + (", although backward ran" if a.event.data.get("backward")
                                   else "")

@@ -146,6 +146,13 @@ class AmpRegistry:
             self._opt_count += 1
         return self._opt_relevant[key]
 
+    def foreign_optimizers(self) -> list[str]:
+        """Names of the live optimizers seen stepping that hold none of the watched
+        models' parameters (a parameter dict given to ``torch.func.functional_call``)."""
+        return [self._opt_names[k] for k, ref in self._opts.items()
+                if ref() is not None and self._opt_relevant.get(k) is False
+                and k in self._opt_names]
+
     def models_changed(self) -> None:
         """The watch gained a model: optimizers judged "not ours" before may be ours now.
 
