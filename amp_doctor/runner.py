@@ -222,10 +222,27 @@ def report_exit(exc: BaseException | None, file: TextIO | None = None) -> int:
         message = system_exit_message(exc)
         if message is not None:
             stream.write(message + "\n")
+    elif exc is not None and stream is sys.stderr and sys.excepthook is not sys.__excepthook__:
+        # The script installed its own hook (a crash logger, Sentry, rich): python would
+        # call it, with the user's frames.
+        stream.flush()
+        try:
+            sys.excepthook(type(exc), exc, _script_tb(exc.__traceback__))
+        except Exception:
+            stream.write(user_traceback(exc))
     elif exc is not None:
         stream.write(user_traceback(exc))
     stream.flush()
     return exit_code(exc)
+
+
+def _script_tb(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` from the script's first frame on (below :func:`_exec_main`), as python's
+    own traceback of an uncaught exception starts there; all of it if not found."""
+    here = tb
+    while here is not None and here.tb_frame.f_code is not _exec_main.__code__:
+        here = here.tb_next
+    return here.tb_next if here is not None and here.tb_next is not None else tb
 
 
 # The module of the last script run, kept alive until the interpreter exits, as python

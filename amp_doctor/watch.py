@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,24 @@ __all__ = ["Watch", "watch", "DEFAULT_EVERY"]
 # to leave on (see benchmarks/results.md). Skips, backoffs and misuse are
 # tracked on every step regardless.
 DEFAULT_EVERY = 10
+
+# The watches started and not closed, for a fork of the process (see _forget_in_child).
+_LIVE: weakref.WeakSet[Watch] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """A child made by ``fork`` (a ``multiprocessing.Pool`` worker, a DataLoader worker, an
+    ``os.fork``) inherits the parent's watches, but not the TensorBoard writer's thread: a
+    write there fills its queue and blocks forever. The parent's watch is the parent's: in
+    the child each one lets go of everything at once, writes nothing, and the child runs
+    unwatched, as under python."""
+    for w in list(_LIVE):
+        w._forget()
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _in_backward() -> bool:
@@ -268,7 +287,20 @@ class Watch:
         except BaseException:
             self._teardown()
             raise
+        _LIVE.add(self)
         return self
+
+    def _forget(self) -> None:
+        """In a forked child: remove the hooks and patches, write nothing (see
+        :func:`_forget_in_child`); a later :meth:`close` returns what was gathered."""
+        self._tb = None  # never touched again: its writer thread is the parent's
+        self._listeners = []
+        self.logdir = None
+        self.closed = True
+        try:
+            self._teardown()
+        finally:
+            self._loop.release()
 
     def __enter__(self) -> Watch:
         return self.start()
@@ -285,11 +317,13 @@ class Watch:
     def close(self) -> Session:
         """Stop watching, remove every hook and patch, and build the session."""
         if self.closed:
-            assert self.session_ is not None
+            if self.session_ is None:  # a forked child's copy (_forget)
+                self.session_ = self._build_session()
             return self.session_
         pending, self._bounds.pending = self._bounds.pending, False
         implicit_last = self._implicit_candidate() and self._loop.backward_reached
         self.closed = True
+        _LIVE.discard(self)
         try:
             if pending:
                 self._close_step(partial=False)
@@ -444,8 +478,8 @@ class Watch:
             self._on_root_forward(module, args)
 
     # -- hook callbacks ------------------------------------------------------
-    def _current_buffer(self) -> StepBuffer:
-        assert self._buffer is not None
+    def _current_buffer(self) -> StepBuffer | None:
+        # None once closed: another thread's forward may still be in a hook then.
         return self._buffer
 
     def _layer_metas(self) -> dict[str, Any]:

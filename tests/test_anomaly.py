@@ -350,3 +350,31 @@ def test_one_anomaly_watch_at_a_time() -> None:
         with pytest.raises(AmpDoctorError, match="one watch.*anomaly=True"):
             amp_doctor.watch(b, anomaly=True)
     assert _get_current_dispatch_mode() is None
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("kw", [{"anomaly": True}, {"on_nonfinite": "raise"}],
+                         ids=["anomaly", "raise"])
+def test_a_default_dtype_of_the_users_does_not_break_anomaly_mode(
+        default: torch.dtype, kw: dict[str, Any]) -> None:
+    # Before: torch.set_default_dtype(bfloat16) made anomaly mode's zeros bfloat16 (an
+    # index_add_ dtype error each step, "nothing was recorded"), and float64 gradients
+    # could not be normed in float32 (an internal error each step).
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with amp_doctor.watch(model, every=1, tensorboard=False, **kw) as doctor:
+            for _ in range(3):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(torch.randn(4, 16)).float().pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    finally:
+        torch.set_default_dtype(saved)
+    s = doctor.session
+    assert [e.data for e in s.events if e.kind == "internal_error"] == []
+    assert (s.steps, s.recorded_steps) == (3, 3)

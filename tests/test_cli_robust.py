@@ -115,6 +115,93 @@ def test_os_exit_keeps_its_code_and_writes_what_the_readme_says(work: Path) -> N
     assert "amp-doctor" not in r.stderr
 
 
+# The LOOP trains in each forked worker; 40 steps write more than a TensorBoard queue holds.
+POOL = LOOP.replace("for _ in range(3):\n    step()", "") + """
+import multiprocessing as mp
+def train(seed):
+    torch.manual_seed(seed)
+    for _ in range(40):
+        step()
+    return seed
+if __name__ == "__main__":
+    for _ in range(3):
+        step()
+    with mp.get_context("fork").Pool(2) as pool:
+        print("sweep", pool.map(train, range(4)), flush=True)
+"""
+
+FORK_CHILD = LOOP + """
+pid = os.fork()
+if pid == 0:
+    for _ in range(30):
+        step()
+    print("child done", flush=True)
+    sys.exit(0)
+os.waitpid(pid, 0)
+step()
+print("parent done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("script", ["pool", "os_fork"])
+def test_forked_children_that_train_run_unwatched_and_the_parent_reports(
+        work: Path, script: str) -> None:
+    # Before: a fork child inherited the watch but not the TensorBoard writer's thread, so
+    # its writes filled the queue and blocked forever (a Pool hung; an os.fork child
+    # hung in its exit's flush, or printed a second report into the parent's logdir).
+    (work / "forks.py").write_text(POOL if script == "pool" else FORK_CHILD)
+    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "forks.py"], work,
+            timeout=120)
+    assert r.returncode == 0, r.stderr
+    expected = ("sweep [0, 1, 2, 3]\n" if script == "pool"
+                else "child done\nparent done\n")
+    assert r.stdout.startswith(expected)
+    assert (r.stdout + r.stderr).count("amp-doctor 0.1.0:") == 1  # the parent's report only
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.steps == (3 if script == "pool" else 4) and s.run.outcome == "completed"
+
+
+def test_a_training_thread_that_outlives_the_main_code_is_waited_for(work: Path) -> None:
+    # Python waits for non-daemon threads before it exits. Before: diagnose closed the
+    # watch when the main code returned, so the report held part of the run, or the
+    # training thread died of an AssertionError in amp-doctor's hook.
+    (work / "threaded.py").write_text(LOOP.replace("for _ in range(3):\n    step()", "") + """
+import threading
+def train():
+    for _ in range(60):
+        step()
+    print("thread done", flush=True)
+threading.Thread(target=train).start()
+print("main done", flush=True)
+""")
+    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "threaded.py"], work)
+    assert r.returncode == 0 and "Error" not in r.stderr, r.stderr
+    assert r.stdout.startswith("main done\nthread done\n")
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert (s.steps, s.recorded_steps, s.run.outcome) == (60, 60, "completed")
+
+
+def test_the_scripts_own_excepthook_is_called_as_under_python(work: Path) -> None:
+    # A crash logger (Sentry, rich) installed by the script. Before: never called.
+    (work / "hooked.py").write_text(LOOP + """
+def hook(t, v, tb):
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    open("crash.log", "w").write(f"{t.__name__}: {v} in {names}")
+sys.excepthook = hook
+def boom():
+    raise ValueError("boom")
+boom()
+""")
+    r = run([AMP_DOCTOR, "diagnose", "--logdir", "out", "hooked.py"], work)
+    assert r.returncode == 1
+    # The script's frames only, from its module level, as python hands them over.
+    assert (work / "crash.log").read_text() == "ValueError: boom in ['<module>', 'boom']"
+    assert Session.load(work / "out" / "amp_doctor.json").run.outcome == "exception"
+
+
 def test_ctrl_c_during_the_report_writing_is_ignored(work: Path) -> None:
     # The script's own thread plays the user: one Ctrl-C to stop training, then Ctrl-C
     # again and again until the JSON report is on disk, so that some land while the

@@ -98,10 +98,10 @@ def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, tor
     oo = torch.tensor(out_owner, device=dev)
     sel = torch.tensor(is_input, device=dev)[oo]
     bad_out = torch.where(sel, bad_data[oi], bad_any[oi])
-    out_bad = torch.zeros(n, device=dev).index_add_(0, oo, bad_out.float())
+    out_bad = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(0, oo, bad_out.float())
     flags = out_bad > 0
     if in_idx:
-        in_bad = torch.zeros(n, device=dev).index_add_(
+        in_bad = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(
             0, torch.tensor(in_owner, device=dev),
             bad_any[torch.tensor(in_idx, device=dev)].float())
         flags &= in_bad == 0

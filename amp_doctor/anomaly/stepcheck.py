@@ -45,18 +45,23 @@ def norm_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per device, the sum of the tensors' 2-norms: non-finite iff some value is NaN/Inf.
 
     Three launches per device, whatever the number of tensors. The norms are
-    accumulated in float32, so a finite float16 value cannot overflow them; on the
-    CPU the 2-norm is several times cheaper than the inf-norm.
+    accumulated in float32, so a finite float16 value cannot overflow them (float64
+    ones in float64, which float32 would overflow and refuses to narrow); on the CPU
+    the 2-norm is several times cheaper than the inf-norm.
     """
     strided = torch.strided
-    by_dev: dict[torch.device, list[torch.Tensor]] = {}
+    by_dev: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
     for g in tensors:
         if g.layout is strided and g.is_floating_point() and not g.is_meta:
-            by_dev.setdefault(g.device, []).append(g)
+            acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+            by_dev.setdefault(g.device, {}).setdefault(acc, []).append(g)
     out = []
     with torch.no_grad():
-        for gs in by_dev.values():
-            out.append(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).sum())
+        for groups in by_dev.values():
+            sums = [torch.stack(torch._foreach_norm(gs, 2, dtype=acc)).sum()
+                    for acc, gs in groups.items()]
+            out.append(sums[0] if len(sums) == 1 else torch.stack(
+                [x.double() for x in sums]).sum())
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -188,10 +189,15 @@ def _diagnose(
     doctor.start()
     doctor.add_listener(progress)
     progress.wrap_std_streams()
+    pid = os.getpid()
     try:
         exc = _run_script(resolved)
     except KeyboardInterrupt as late:  # a second Ctrl-C as the script's own exit unwound
         exc = late
+    if os.getpid() != pid:
+        return _child_exit(exc)
+    late_interrupt = _join_script_threads()
+    exc = exc if exc is not None else late_interrupt
     # A Ctrl-C in the instant before the shield is up only means "interrupted": nothing is
     # written yet, so take it as the outcome and finish again, shielded.
     while True:
@@ -203,6 +209,31 @@ def _diagnose(
                                report_out, fail_on, tensorboard, console)
         except KeyboardInterrupt as late:
             exc = exc if exc is not None else late
+
+
+def _join_script_threads() -> KeyboardInterrupt | None:
+    """Python runs a script's non-daemon threads to their end before it exits (a server
+    or GUI app whose training thread outlives the main code): so does diagnose, before it
+    closes the watch. A Ctrl-C while waiting ends the wait, as it does under python."""
+    try:
+        for t in threading.enumerate():
+            if t is not threading.current_thread() and not t.daemon:
+                t.join()
+    except KeyboardInterrupt as e:
+        return e
+    return None
+
+
+def _child_exit(exc: BaseException | None) -> int:
+    """A child the script forked (``os.fork``) came back out of the script: it exits as it
+    would under python, with no report (its watch let go at the fork; the run is the
+    parent's)."""
+    from amp_doctor import runner
+
+    if exc is not None and not isinstance(exc, SystemExit | KeyboardInterrupt):
+        sys.stderr.write(runner.user_traceback(exc))
+        sys.stderr.flush()
+    return runner.exit_code(exc)
 
 
 def _run_script(resolved: Any) -> BaseException | None:

@@ -181,7 +181,7 @@ class Probes:
     def __init__(
         self,
         models: dict[str, nn.Module],
-        buffer_provider: Callable[[], StepBuffer],
+        buffer_provider: Callable[[], StepBuffer | None],
         on_root_forward: Callable[[nn.Module, tuple[Any, ...]], None],
         events: list[Event] | None = None,
         on_compiled: Callable[[str, str], None] | None = None,
@@ -516,6 +516,8 @@ class Probes:
         if meta.root != id(module):
             self._sub_calls[meta.root] = self._sub_calls.get(meta.root, 0) + 1
         buf = self._buffer()
+        if buf is None or buf.closed:
+            return  # closed meanwhile, by another thread (the end of the run)
         for t in _first_tensors(output):
             meta.output_dtypes.add(dtype_name(t.dtype))
             if not t.is_floating_point():
