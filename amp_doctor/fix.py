@@ -170,6 +170,15 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
     result.layer_types = {lay.name: lay.type for lay in bs.layers}
     result.device_type = bs.amp.device_type or "cuda"
     result.models = list(bs.run.models)
+    if bs.steps == 0:
+        ended = (f"it ended with {bs.run.error}" if bs.run.error
+                 else f"it exited with code {base.exit_code}" if base.exit_code
+                 else "it ran to its end")
+        result.notes.append(
+            f"The baseline run finished no training step ({ended}): there is nothing to "
+            "search. Make the script train (its output is above), or run `amp-doctor "
+            "diagnose` on it to see why.")
+        return result
     if base.ok:
         result.notes.append("The baseline has no error finding: nothing to fix.")
         return result
@@ -373,7 +382,7 @@ def render_fix(r: FixResult) -> str:
         out.append("")
         out.extend("    " + line if line else "" for line in
                    snippet(r.best.fp32, r.device_type, r.models).splitlines())
-    elif not r.baseline.ok and r.baseline.errors != ("no_report",):
+    elif not r.baseline.ok and r.baseline.errors != ("no_report",) and r.baseline.steps > 0:
         budget = " within the trial budget (--trials)" if r.budget_exhausted else ""
         out.append(f"No set of float32 layers removed every error{budget}. Next things to try:")
         out.append("  - bfloat16 autocast (`torch.autocast(device_type, dtype=torch.bfloat16)`): "

@@ -21,6 +21,7 @@ checked against CPython 3.11's own behaviour (``Modules/main.c``, ``Python/pytho
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib._bootstrap
 import importlib._bootstrap_external
 import os
@@ -225,14 +226,17 @@ def report_exit(exc: BaseException | None, file: TextIO | None = None) -> int:
     elif exc is not None and stream is sys.stderr and sys.excepthook is not sys.__excepthook__:
         # The script installed its own hook (a crash logger, Sentry, rich): python would
         # call it, with the user's frames.
-        stream.flush()
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stream.flush()
         try:
             sys.excepthook(type(exc), exc, _script_tb(exc.__traceback__))
         except Exception:
             stream.write(user_traceback(exc))
     elif exc is not None:
         stream.write(user_traceback(exc))
-    stream.flush()
+    # The script's own stderr replacement may have no flush (a hand-written tee).
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        stream.flush()
     return exit_code(exc)
 
 

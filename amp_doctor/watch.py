@@ -281,7 +281,16 @@ class Watch:
             if self.logdir is not None and self._opts.tensorboard:
                 from amp_doctor.sinks.tensorboard import TensorBoardSink
 
-                self._tb = TensorBoardSink(self.logdir, top_k=self.top_k)
+                try:
+                    self._tb = TensorBoardSink(self.logdir, top_k=self.top_k)
+                except UnicodeError as e:
+                    # TensorBoard encodes paths as UTF-8; a C locale decodes a non-ASCII
+                    # path to surrogates, which it cannot encode back.
+                    raise UsageError(
+                        f"TensorBoard cannot write under {str(self.logdir)!r} ({e}); run "
+                        "with a UTF-8 locale (LC_ALL=C.UTF-8), pick an ASCII logdir, or "
+                        "turn TensorBoard off (--no-tensorboard, "
+                        "watch(tensorboard=False)).") from None
                 self._listeners.append(self._tb.on_step)
             self._set_recording()
         except BaseException:

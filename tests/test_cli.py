@@ -248,6 +248,54 @@ def test_syntax_error_is_reported_as_python_does(work: Path) -> None:
     assert plain.stderr.strip().splitlines()[-1] == under.stderr.strip().splitlines()[-1]
 
 
+def test_fix_on_a_syntax_error_is_reported_as_python_does(work: Path) -> None:
+    # Before: an internal traceback through click before the user's error.
+    (work / "syntax_error.py").write_text('x = (1,\nprint("never")\n')
+    plain = run([sys.executable, "syntax_error.py"], work)
+    under = run([AMP_DOCTOR, "fix", "syntax_error.py"], work)
+    assert plain.returncode == under.returncode == 1
+    assert "click" not in under.stderr and "amp_doctor" not in under.stderr
+    assert plain.stderr.strip().splitlines()[-1] == under.stderr.strip().splitlines()[-1]
+
+
+def test_fix_on_a_script_that_never_trains_says_so(work: Path, cli: Cli) -> None:
+    # Before: AMP advice (bfloat16, loss scaling) for a script whose config was missing,
+    # and the crash named nowhere.
+    (work / "early.py").write_text('raise RuntimeError("config missing: data path")\n')
+    r = cli(["fix", "--no-anomaly", "early.py"])
+    assert r.returncode == 1
+    assert ("The baseline run finished no training step (it ended with RuntimeError: "
+            "config missing: data path)") in r.stdout
+    assert "bfloat16" not in r.stdout and "Next things to try" not in r.stdout
+
+
+@pytest.mark.parametrize(("given", "says"), [
+    ("-", "a script read from standard input (`-`) cannot be diagnosed"),
+    ("nb.ipynb", "is a Jupyter notebook, not a Python script: convert it with "
+                 "`jupyter nbconvert --to script nb.ipynb`"),
+])
+def test_scripts_diagnose_cannot_run_are_one_clear_line(work: Path, cli: Cli, given: str,
+                                                         says: str) -> None:
+    (work / "nb.ipynb").write_text('{"cells": []}')
+    r = cli(["diagnose", given])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr
+
+
+def test_logdir_that_is_a_file_is_named_so(work: Path, cli: Cli) -> None:
+    (work / "afile").write_text("")
+    r = cli(["diagnose", "--logdir", "afile", "train_tiny.py"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "afile' is a file, not a directory; pass a directory" in r.stderr
+
+
+def test_report_on_a_run_killed_before_its_report_says_so(work: Path, cli: Cli) -> None:
+    (work / "killed").mkdir()
+    (work / "killed" / "events.out.tfevents.1.host").write_bytes(b"")
+    r = cli(["report", "killed"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "the run was stopped before it wrote one" in r.stderr
+
+
 def test_report_on_missing_run_is_a_one_line_error(work: Path) -> None:
     r = run([AMP_DOCTOR, "report", "nowhere"], work)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "amp_doctor.json" in r.stderr

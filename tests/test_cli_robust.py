@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -202,6 +203,41 @@ boom()
     assert Session.load(work / "out" / "amp_doctor.json").run.outcome == "exception"
 
 
+def test_a_stderr_replacement_without_flush_still_gets_the_report(work: Path) -> None:
+    # A hand-written tee with write() only. Before: amp-doctor's own traceback on its
+    # flush(), and no report printed.
+    (work / "tee.py").write_text("""
+import sys
+class Tee:
+    def __init__(self, f): self.f = f
+    def write(self, s): return self.f.write(s)
+sys.stderr = Tee(sys.stderr)
+""" + LOOP)
+    plain = run([sys.executable, "tee.py"], work)
+    r = run([AMP_DOCTOR, "diagnose", "--logdir", "out", "tee.py"], work)
+    assert r.returncode == plain.returncode  # python's own 120 at shutdown, as plain
+    assert "Traceback" not in r.stderr and "amp-doctor 0.1.0:" in r.stderr
+    assert Session.load(work / "out" / "amp_doctor.json").steps == 3
+
+
+def test_a_non_ascii_folder_under_a_c_locale_is_one_line_with_the_fix(work: Path) -> None:
+    # Python decodes the path to surrogates; TensorBoard cannot encode them. Before: a
+    # 51-line internal traceback.
+    folder = work / "d\u00e9"
+    folder.mkdir()
+    shutil.copy(work / "train_tiny.py", folder / "train_tiny.py")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+           "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([AMP_DOCTOR, "diagnose", "train_tiny.py"], cwd=folder, env=env,
+                       capture_output=True, timeout=180)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 2 and err.count("\n") == 1, err
+    assert "TensorBoard cannot write under" in err and "--no-tensorboard" in err
+    ok = subprocess.run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "train_tiny.py"],
+                        cwd=folder, env=env, capture_output=True, timeout=180)
+    assert ok.returncode == 0
+
+
 def test_ctrl_c_during_the_report_writing_is_ignored(work: Path) -> None:
     # The script's own thread plays the user: one Ctrl-C to stop training, then Ctrl-C
     # again and again until the JSON report is on disk, so that some land while the
@@ -363,9 +399,11 @@ def test_view_shows_two_runs_side_by_side_under_their_names(tmp_path: Path) -> N
     assert not set(view_dirs("amp-doctor-view-*/fp16")) - before
 
 
-def test_status_line_never_glues_onto_the_scripts_output(work: Path) -> None:
+@pytest.mark.parametrize("term", ["xterm", "dumb"])
+def test_status_line_never_glues_onto_the_scripts_output(work: Path, term: str) -> None:
     # On a terminal the live status line is drawn without a newline; each line the script
-    # prints must start on a cleared line, not after the status text.
+    # prints must start on a cleared line, not after the status text. A dumb terminal
+    # (TERM=dumb: an Emacs shell) would show the escapes raw: it gets no status line.
     chatty = """
 for i in range(40):
     step()
@@ -374,7 +412,7 @@ for i in range(40):
 """
     (work / "chatty.py").write_text(LOOP + chatty)
     master, slave = pty.openpty()
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "TERM": "xterm"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "TERM": term}
     proc = subprocess.Popen([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out",
                              "chatty.py"], cwd=work, env=env, stdin=subprocess.DEVNULL,
                             stdout=slave, stderr=slave, close_fds=True)
@@ -396,7 +434,10 @@ for i in range(40):
     os.close(master)
     assert proc.wait(timeout=60) == 0
     text = out.decode("utf-8", "replace")
-    assert "amp-doctor: step" in text  # the status line was drawn
+    if term == "dumb":
+        assert "\x1b[" not in text and "amp-doctor: step" not in text
+    else:
+        assert "amp-doctor: step" in text  # the status line was drawn
     # The terminal turns "\n" into "\r\n"; what is left of a line after its last
     # carriage return or clear-line is what shows on the screen.
     ticks = [line.removesuffix("\r") for line in text.split("\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -48,6 +49,10 @@ def load_session(path: Path) -> Session:
     from amp_doctor.records import Session
 
     p = path / JSON_NAME if path.is_dir() else path
+    if not p.exists() and path.is_dir() and any(path.glob("events.out.tfevents.*")):
+        fail(f"no amp-doctor report in {str(path)!r}: the run was stopped before it wrote one "
+             "(killed by a signal: SIGTERM, `timeout`, a scheduler; Ctrl-C writes it). Its "
+             f"live TensorBoard charts are there: amp-doctor view {shlex.quote(str(path))}.")
     if not p.exists():
         fail(f"no amp-doctor report at {str(p)!r}; pass a run directory written by "
              "`amp-doctor diagnose` (it holds amp_doctor.json) or a JSON report file.")

@@ -8,6 +8,7 @@ end, ``sys.exit``, an exception, Ctrl-C) becomes the run's outcome and exit code
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import threading
 from pathlib import Path
@@ -108,8 +109,16 @@ def diagnose(
     else:
         fail("no script given; usage: amp-doctor diagnose [OPTIONS] SCRIPT [ARGS]... "
              "or -m MODULE [ARGS]...")
+    if target.kind == "path" and target.name == "-":
+        fail("a script read from standard input (`-`) cannot be diagnosed: save it to a "
+             "file and pass its path, e.g. amp-doctor diagnose train.py.")
     if target.kind == "path" and target.name.startswith("-") and not Path(target.name).exists():
         _fail_unknown_option(target.name)
+    if target.kind == "path" and target.name.endswith(".ipynb"):
+        stem = shlex.quote(target.name[: -len(".ipynb")])
+        fail(f"{target.name!r} is a Jupyter notebook, not a Python script: convert it with "
+             f"`jupyter nbconvert --to script {shlex.quote(target.name)}`, then run "
+             f"amp-doctor diagnose {stem}.py (or use amp_doctor.watch(model) in the notebook).")
     try:
         resolved = runner.resolve(target)
     except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
@@ -183,7 +192,9 @@ def _diagnose(
                    tensorboard=tensorboard, fp32=fp32,
                    stop_after=stop_after, target_dtype=target_dtype)
     speaks = ranks is None or (ranks[0] == 0 and not under_launcher)
-    progress = Progress(enabled=speaks and not quiet and console.isatty(), console=console)
+    # TERM=dumb (an Emacs shell, some CI log viewers) shows the line's escapes raw.
+    progress = Progress(enabled=speaks and not quiet and console.isatty()
+                        and os.environ.get("TERM") != "dumb", console=console)
     command = ["python", *(["-m", target.name] if target.kind == "module" else [target.name]),
                *target.args]
     doctor.start()

@@ -50,6 +50,10 @@ def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: 
         runner.resolve(target)
     except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
         fail(str(e))
+    except BaseException as e:
+        # A SyntaxError in the script, or what `-m pkg.mod` raised importing pkg: as
+        # python (and diagnose) report it, before any trial runs.
+        sys.exit(runner.report_exit(e))
     if json_path is not None:
         check_writable(json_path.absolute().parent)
     workdir = fixing.default_workdir()
@@ -68,4 +72,5 @@ def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: 
     click.echo(f"amp-doctor fix: trial runs are in {workdir}", err=True)
     if json_path is not None:
         json_path.write_text(fixing.to_json(result))
-    sys.exit(0 if result.best is not None or result.baseline.ok else 1)
+    sys.exit(0 if result.best is not None
+             or (result.baseline.ok and result.baseline.steps > 0) else 1)

@@ -56,6 +56,9 @@ def default_logdir(target: runner.Target) -> Path:
 
 
 def check_writable(d: Path, option: str = "--logdir") -> None:
+    if option == "--logdir" and d.is_file():
+        fail(f"--logdir {str(d)!r} is a file, not a directory; pass a directory, e.g. "
+             f"--logdir {shlex.quote(str(d) + '_runs')}.")
     try:
         make_writable_dir(d)
     except OSError as e:
