@@ -238,6 +238,21 @@ def test_a_non_ascii_folder_under_a_c_locale_is_one_line_with_the_fix(work: Path
     assert ok.returncode == 0
 
 
+def test_a_script_that_re_executes_itself_gets_the_report_first(work: Path) -> None:
+    # Before: no report, no message, exit 0 (no Python code runs after an exec).
+    (work / "reexec.py").write_text("""
+import os, sys
+if os.environ.get("REEXECED") != "1":
+    os.environ["REEXECED"] = "1"
+""" + LOOP.replace("\n", "\n    ").replace("\n    \n", "\n\n") + """
+    os.execv(sys.executable, [sys.executable, "-c", "print('new process')"])
+""")
+    r = run([AMP_DOCTOR, "diagnose", "--logdir", "out", "reexec.py"], work)
+    assert r.returncode == 0 and r.stdout.endswith("new process\n"), r.stderr
+    assert "amp-doctor: the script replaced itself (os.execv)" in r.stderr
+    assert Session.load(work / "out" / "amp_doctor.json").steps == 3
+
+
 def test_ctrl_c_during_the_report_writing_is_ignored(work: Path) -> None:
     # The script's own thread plays the user: one Ctrl-C to stop training, then Ctrl-C
     # again and again until the JSON report is on disk, so that some land while the

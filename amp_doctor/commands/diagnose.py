@@ -7,10 +7,13 @@ end, ``sys.exit``, an exception, Ctrl-C) becomes the run's outcome and exit code
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import shlex
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -181,6 +184,7 @@ def _diagnose(
     stop_after: int | None = None, target_dtype: str | None = None,
     on_nonfinite: str = "record",
 ) -> int:
+    from amp_doctor import runner
     from amp_doctor.merge import rank_dir, rank_env
     from amp_doctor.watch import DEFAULT_EVERY, Watch
 
@@ -197,29 +201,71 @@ def _diagnose(
                         and os.environ.get("TERM") != "dumb", console=console)
     command = ["python", *(["-m", target.name] if target.kind == "module" else [target.name]),
                *target.args]
+    finished: list[int] = []
+
+    def finish(exc: BaseException | None) -> int:
+        # A Ctrl-C in the instant before the shield is up only means "interrupted": nothing
+        # is written yet, so take it as the outcome and finish again, shielded.
+        while not finished:
+            try:
+                with sigint_shield(console):
+                    progress.unwrap_std_streams()
+                    progress.clear()
+                    finished.append(_finish(doctor, exc, command, ranks, speaks, run_dir,
+                                            logdir, json_out, report_out, fail_on,
+                                            tensorboard, console))
+            except KeyboardInterrupt as late:
+                exc = exc if exc is not None else late
+        return finished[0]
+
+    def before_exec(call: str) -> None:
+        console.echo(f"amp-doctor: the script replaced itself ({call}): the new process runs "
+                     "without amp-doctor, and this report covers what ran before; to "
+                     "diagnose it, start amp-doctor with the environment the script sets.")
+        finish(None)
+
     doctor.start()
     doctor.add_listener(progress)
     progress.wrap_std_streams()
     pid = os.getpid()
     try:
-        exc = _run_script(resolved)
+        with _report_before_exec(before_exec):
+            exc = _run_script(resolved)
     except KeyboardInterrupt as late:  # a second Ctrl-C as the script's own exit unwound
         exc = late
     if os.getpid() != pid:
         return _child_exit(exc)
+    if finished:  # an exec that failed (OSError): the report is out already
+        return runner.exit_code(exc)
     late_interrupt = _join_script_threads()
-    exc = exc if exc is not None else late_interrupt
-    # A Ctrl-C in the instant before the shield is up only means "interrupted": nothing is
-    # written yet, so take it as the outcome and finish again, shielded.
-    while True:
-        try:
-            with sigint_shield(console):
-                progress.unwrap_std_streams()
-                progress.clear()
-                return _finish(doctor, exc, command, ranks, speaks, run_dir, logdir, json_out,
-                               report_out, fail_on, tensorboard, console)
-        except KeyboardInterrupt as late:
-            exc = exc if exc is not None else late
+    return finish(exc if exc is not None else late_interrupt)
+
+
+@contextlib.contextmanager
+def _report_before_exec(before: Callable[[str], None]) -> Iterator[None]:
+    """While the script runs: an ``os.execv``/``os.execve`` of its own process (a script
+    that re-executes itself to set its environment; ``os.execl`` and the others call
+    these) first finishes the run, since no Python code runs after an exec. A forked
+    child's exec is its own business."""
+    pid = os.getpid()
+    saved = {name: getattr(os, name) for name in ("execv", "execve")}
+
+    def wrap(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(orig)
+        def exec_(*args: Any, **kwargs: Any) -> Any:
+            if os.getpid() == pid:
+                before(f"os.{name}")
+            return orig(*args, **kwargs)
+
+        return exec_
+
+    for name, orig in saved.items():
+        setattr(os, name, wrap(name, orig))
+    try:
+        yield
+    finally:
+        for name, orig in saved.items():
+            setattr(os, name, orig)
 
 
 def _join_script_threads() -> KeyboardInterrupt | None:
