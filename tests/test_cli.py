@@ -193,6 +193,27 @@ def test_two_models_are_each_watched_with_prefixes(work: Path, cli: Cli) -> None
     assert s.steps == 4 and s.scaler is not None and s.amp.scaler
 
 
+def test_parts_called_from_a_dict_are_named_by_their_keys(work: Path, cli: Cli) -> None:
+    # Before: Linear, Linear1, Linear2..., which no finding or --fp32 pattern maps back.
+    (work / "parts.py").write_text("""
+import torch
+from torch import nn
+torch.manual_seed(0)
+parts = nn.ModuleDict({"encoder": nn.Linear(8, 8), "decoder": nn.Linear(8, 2)})
+nets = {"gen": nn.Linear(8, 8), "disc": nn.Linear(8, 1)}
+params = [*parts.parameters(), *[p for m in nets.values() for p in m.parameters()]]
+opt = torch.optim.SGD(params, lr=0.1)
+for i in range(3):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = parts["decoder"](parts["encoder"](torch.randn(2, 8)))
+        loss = h.float().pow(2).mean() + nets["disc"](nets["gen"](torch.randn(2, 8))).float().mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+""")
+    r = cli(["diagnose", "--every", "1", "--logdir", "out", "parts.py"])
+    assert r.returncode == 0, r.stderr
+    assert _report(work).run.models == ["parts.encoder", "parts.decoder", "nets.gen", "nets.disc"]
+
+
 def test_fail_on_gates_on_severity(work: Path, cli: Cli) -> None:
     healthy = cli(["diagnose", "--fail-on", "warning", "--logdir", "a", "train_tiny.py"])
     assert healthy.returncode == 0, healthy.stderr

@@ -415,3 +415,30 @@ def test_watching_a_copy_of_the_trained_model_says_so_and_nothing_it_cannot_know
     # whether the reused-graph cause is named beside it.
     assert f.data["compiled"] == ("torch.compile reused" in f.message)
     assert "copy" in f.advice
+
+
+def test_a_submodule_replaced_after_watch_is_watched_in_its_place() -> None:
+    # A task head replaced after watch() (linear probe, then fine-tune). Before: the new
+    # head had no hooks, and its overflow was blamed on the whole model.
+    from torch.nn.modules.module import _global_module_registration_hooks
+
+    registration_hooks = len(_global_module_registration_hooks)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        model[2] = nn.Sequential(nn.Linear(16, 4), nn.Tanh())  # before the first step
+        opt.add_param_group({"params": model[2].parameters()})
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    assert {lay.name: (lay.type, lay.calls) for lay in s.layers if lay.name.startswith("2")} \
+        == {"2": ("Sequential", 3), "2.0": ("Linear", 3), "2.1": ("Tanh", 3)}
+    assert s.layer("2.0").param_dtypes == ["float32"]
+    # Nothing left behind: no hook on the new head, the global hook gone.
+    assert len(_global_module_registration_hooks) == registration_hooks
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -32,6 +32,8 @@ Models = nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module]
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "OptimizedModule")
 # Frames searched for the variable a discovered model is bound to.
 NAME_SEARCH_FRAMES = 40
+# Containers (dicts, lists, ModuleDicts) searched one level deep, when no larger than this.
+NAME_SEARCH_ITEMS = 64
 
 
 # Containers that hold models but have no forward of their own: the loop calls what
@@ -107,9 +109,25 @@ def variable_name(module: nn.Module) -> str | None:
             break
         if not frame.f_code.co_filename.startswith(skip):
             for name, value in frame.f_locals.items():
-                if value is module and not name.startswith("_") and name != "self":
+                if name.startswith("_") or name == "self":
+                    continue
+                if value is module:
                     return name
+                key = _key_in(value, module)
+                if key is not None:
+                    return f"{name}.{key}"
         frame = frame.f_back
+    return None
+
+
+def _key_in(holder: Any, module: nn.Module) -> str | None:
+    """``module``'s key in a small dict, ``nn.ModuleDict``, list or ``nn.ModuleList`` (the
+    parts a script calls as ``parts["encoder"](x)``), or None."""
+    kind = type(holder)  # not isinstance: a proxy's __class__ may run arbitrary code
+    if issubclass(kind, dict | nn.ModuleDict) and len(holder) <= NAME_SEARCH_ITEMS:
+        return next((str(k) for k, v in holder.items() if v is module), None)
+    if issubclass(kind, list | tuple | nn.ModuleList) and len(holder) <= NAME_SEARCH_ITEMS:
+        return next((str(i) for i, v in enumerate(holder) if v is module), None)
     return None
 
 

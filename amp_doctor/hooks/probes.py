@@ -100,6 +100,16 @@ class _PostHook(WeakHook["Probes"]):
         return None
 
 
+class _RegisteredHook(WeakHook["Probes"]):
+    """Global: a submodule assigned to a module (``model.head = nn.Linear(...)``)."""
+
+    def __call__(self, module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+        probes = self.owner()
+        if probes is not None and submodule is not None and not capturing():
+            probes._registered(module, name, submodule)
+        return None
+
+
 class _GradHook(WeakHook["Probes"]):
     # The hook holds the layer names and the step's buffer, never the
     # activation: a finished step keeps no reference to user tensors.
@@ -231,6 +241,8 @@ class Probes:
                                           _GradHook.__call__, Unwatched.__call__)
         for prefix, model in models.items():
             self.add_root(prefix, model)
+        self._handles.append(torch.nn.modules.module.register_module_module_registration_hook(
+            _RegisteredHook(self)))
 
     @staticmethod
     def _layer_name(prefix: str, qual: str, mod: nn.Module) -> str:
@@ -261,6 +273,47 @@ class Probes:
                 if self.armed:
                     self._sub_handles[id(mod)] = self._hook(mod)
         return True
+
+    def _registered(self, parent: nn.Module, name: str, new: nn.Module) -> None:
+        """``new`` is being assigned to ``parent.<name>`` (a task head replaced after the
+        watch began): if ``parent`` is watched, ``new`` and its submodules are watched
+        under the names they take, in place of the module they replace."""
+        pname = self._names.get(id(parent))
+        if pname is None or id(new) in self._names:
+            return
+        pmeta = self.layers[pname]
+        old = parent._modules.get(name)
+        if old is not None:
+            self._forget_subtree(old)
+        base = ".".join(q for q in (pmeta.qual, name) if q)
+        prefix = self._root_prefix.get(pmeta.root, "")
+        for qual, mod in new.named_modules(prefix=base):
+            if id(mod) in self._names:
+                continue  # shared with a watched module: first name wins
+            lname = self._layer_name(prefix, qual, mod)
+            meta = self.layers.get(lname)
+            if meta is None or meta.root != pmeta.root:
+                meta = self.layers[lname] = LayerMeta(
+                    name=lname, type=type(mod).__name__, order=-1, root=pmeta.root, qual=qual)
+            meta.type = type(mod).__name__
+            meta.params = list(mod.parameters(recurse=False))
+            meta.param_dtypes = {dtype_name(p.dtype) for p in meta.params}
+            for p in meta.params:
+                self.param_owner[id(p)] = lname
+            self._names[id(mod)] = lname
+            self._subs.append(mod)
+            if self.armed:
+                self._sub_handles[id(mod)] = self._hook(mod)
+
+    def _forget_subtree(self, old: nn.Module) -> None:
+        """The modules of ``old``, replaced in the model: no longer watched."""
+        for mod in old.modules():
+            mid = id(mod)
+            if mid in self._roots or self._names.pop(mid, None) is None:
+                continue
+            for h in self._sub_handles.pop(mid, ()):
+                h.remove()
+            self._subs = [m for m in self._subs if m is not mod]
 
     def _entry(self, module: nn.Module) -> bool:
         """``module``, a submodule of a watched model, is called by the loop itself (a
