@@ -168,10 +168,13 @@ def test_a_training_thread_that_outlives_the_main_code_is_waited_for(work: Path)
     # training thread died of an AssertionError in amp-doctor's hook.
     (work / "threaded.py").write_text(LOOP.replace("for _ in range(3):\n    step()", "") + """
 import threading
+from concurrent.futures import ThreadPoolExecutor
 def train():
     for _ in range(60):
         step()
     print("thread done", flush=True)
+# A pool left running: python stops its workers at exit; they must not be waited for.
+ThreadPoolExecutor(2).submit(lambda: None).result()
 threading.Thread(target=train).start()
 print("main done", flush=True)
 """)

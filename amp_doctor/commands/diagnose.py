@@ -228,6 +228,7 @@ def _diagnose(
     doctor.add_listener(progress)
     progress.wrap_std_streams()
     pid = os.getpid()
+    threads_before = set(threading.enumerate())
     try:
         with _report_before_exec(before_exec):
             exc = _run_script(resolved)
@@ -237,7 +238,7 @@ def _diagnose(
         return _child_exit(exc)
     if finished:  # an exec that failed (OSError): the report is out already
         return runner.exit_code(exc)
-    late_interrupt = _join_script_threads()
+    late_interrupt = _join_script_threads(threads_before)
     return finish(exc if exc is not None else late_interrupt)
 
 
@@ -268,13 +269,18 @@ def _report_before_exec(before: Callable[[str], None]) -> Iterator[None]:
             setattr(os, name, orig)
 
 
-def _join_script_threads() -> KeyboardInterrupt | None:
+def _join_script_threads(before: set[threading.Thread]) -> KeyboardInterrupt | None:
     """Python runs a script's non-daemon threads to their end before it exits (a server
     or GUI app whose training thread outlives the main code): so does diagnose, before it
-    closes the watch. A Ctrl-C while waiting ends the wait, as it does under python."""
+    closes the watch, for the threads the script started (not ``before``). A thread pool's
+    workers are left out: python stops them at exit (an atexit hook) before it waits, and
+    they would wait for work forever. A Ctrl-C ends the wait, as it does under python."""
+    from concurrent.futures import thread as pool_threads
+
     try:
         for t in threading.enumerate():
-            if t is not threading.current_thread() and not t.daemon:
+            if (t not in before and not t.daemon and t is not threading.current_thread()
+                    and getattr(t, "_target", None) is not pool_threads._worker):
                 t.join()
     except KeyboardInterrupt as e:
         return e
