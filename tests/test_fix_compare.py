@@ -19,7 +19,7 @@ from amp_doctor.analysis.compare import compare, render
 from amp_doctor.analysis.whatif import FORMATS, _shares, fp8_rows, whatif_findings
 from amp_doctor.fix import find_fix, render_fix, snippet
 from amp_doctor.records import Session
-from tests.helpers import console_script
+from tests.helpers import console_script, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "sample_models"
@@ -252,3 +252,18 @@ def test_fix_prefers_a_child_that_works_over_its_parent() -> None:
     assert result.best is not None
     assert [t.fp32 for t in result.trials if t.ok][:2] == [("head",), ("head.fc",)]
     assert result.best.fp32 == ("head.fc",)
+
+
+def test_compare_of_two_different_models_says_so() -> None:
+    # Before: every layer listed as appeared/vanished, with no word that the runs are of
+    # two different models.
+    a = _run("fp16_activation_overflow", "SensorRegressor", steps=2)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4))
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        train(model, steps=2)
+    c = compare(a, doctor.session, "A", "B")
+    assert c.different_models and not compare(a, a).different_models
+    text = render(c)
+    assert "Note: A and B have no layer name in common: they are different models" in text
+    assert "loss, recorded steps: first -> last (min)" in text

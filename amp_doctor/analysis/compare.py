@@ -90,6 +90,9 @@ class Comparison:
     b: RunSide
     findings: list[FindingDelta]
     layers: list[LayerDelta]
+    # Both runs have layers, and no layer name in common: two different models, not one
+    # model before and after a change.
+    different_models: bool = False
 
     @property
     def resolved(self) -> list[FindingDelta]:
@@ -202,7 +205,9 @@ def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> C
             count_b=y.count if y else 0, message=g.message))
     status_rank = {"resolved": 0, "new": 1, "unchanged": 2}
     deltas.sort(key=lambda d: (status_rank[d.status], rank.get(d.severity, 9)))
-    return Comparison(_side(label_a, a), _side(label_b, b), deltas, _layer_deltas(a, b))
+    names_a, names_b = {x.name for x in a.layers}, {x.name for x in b.layers}
+    return Comparison(_side(label_a, a), _side(label_b, b), deltas, _layer_deltas(a, b),
+                      different_models=bool(names_a and names_b and not names_a & names_b))
 
 
 # -- rendering -----------------------------------------------------------------
@@ -220,7 +225,8 @@ def _run_rows(c: Comparison) -> list[list[str]]:
             f"{F.scale(s.init_scale)} -> {F.scale(s.final_scale)} ({F.scale(s.min_scale)})"),
         row("backoffs / growths", lambda s: f"{s.backoffs} / {s.growths}"),
         row("skipped steps", lambda s: _steps(s.skipped_steps)),
-        row("loss: first -> last (min)", lambda s: "not seen" if not s.loss_seen else
+        row("loss, recorded steps: first -> last (min)", lambda s: "not seen"
+            if not s.loss_seen else
             f"{F.num(s.loss_first, 4)} -> {F.num(s.loss_last, 4)} ({F.num(s.loss_min, 4)})"),
         row("non-finite losses", lambda s: f"{s.loss_nonfinite} of {s.loss_seen}"
             if s.loss_seen else "-"),
@@ -278,6 +284,10 @@ def render(c: Comparison, fmt: str = "text") -> str:
     table = "github" if fmt == "markdown" else "simple"
     h = (lambda t: f"### {t}") if fmt == "markdown" else (lambda t: t)
     out = [f"**{_verdict(c)}**" if fmt == "markdown" else _verdict(c), ""]
+    if c.different_models:
+        out += [f"Note: {c.a.label} and {c.b.label} have no layer name in common: they are "
+                "different models, so this compares their totals, not one model before and "
+                "after a change.", ""]
     out += [h("Runs"), tabulate(_run_rows(c), headers=["", c.a.label, c.b.label],
                                 tablefmt=table, disable_numparse=True), ""]
     out.append(h("Findings"))
