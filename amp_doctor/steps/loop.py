@@ -106,8 +106,10 @@ class LoopSignals:
         if not ts:
             return
         with own_ops:
-            # x * 0 is NaN exactly where x is NaN or inf; one sum per gradient.
-            bad = torch.stack([(g.detach() * 0).sum() for g in ts]).ne(0).any()
+            # As in check_input: one aminmax pass per gradient, no temporary as large as
+            # it; x * 0 is NaN exactly where x is NaN or inf.
+            ext = torch.stack([v for g in ts for v in torch.aminmax(g.detach())])
+            bad = (ext * 0).ne(0).any()
         self._or_flag("scaled_grads_bad", bad)
 
     def check_input(self, args: tuple[Any, ...], module: str) -> None:
@@ -130,11 +132,9 @@ class LoopSignals:
                 ext = torch.stack([v for t in ts for v in torch.aminmax(t.detach())]).view(-1, 2)
             except Exception:  # odd tensors (nested, float8): skip the check
                 return
-            bad = bad_batch(ext)
-            nan = ext.isnan().any()
-            inf = (bad & ~ext.isnan().any(1)).any()
-            self._or_flag("input_nan", nan)
-            self._or_flag("input_inf", inf)
+            row_nan = ext.isnan().any(1)
+            self._or_flag("input_nan", row_nan.any())
+            self._or_flag("input_inf", (bad_batch(ext) & ~row_nan).any())
 
     # -- steps without an optimizer ------------------------------------------------
     def backward_done(self, roots: list[torch.Tensor], owns: Callable[[torch.Tensor], bool],
