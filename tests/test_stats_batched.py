@@ -50,10 +50,12 @@ def test_a_batch_over_several_passes_equals_one_tensor_at_a_time() -> None:
 
 
 def test_both_ways_of_offsetting_rows_and_a_released_stage_give_the_same_rows() -> None:
-    # 60 tiny rows make a pass of many short rows (summed row-start steps), the
-    # long ones passes of few rows (one add per row); release() mid-step counts
-    # what is staged and frees the stage, as before an optimizer step.
-    ts = [torch.full((5,), float(i) - 30.0) for i in range(60)] + _tensors()
+    # 60 tiny rows of alternating lengths make a pass of many short runs (summed
+    # row-start steps), the long ones passes of few runs (one add per run, a run of
+    # equal rows through a 2-D view); release() mid-step counts what is staged and
+    # frees the stage, as before an optimizer step.
+    ts = ([torch.full((5 + i % 2,), float(i) - 30.0) for i in range(60)] + _tensors()
+          + [torch.randn(5000) * i for i in range(4)])
     b = S.Batch()
     for i, t in enumerate(ts):
         b.add(t)
@@ -64,6 +66,43 @@ def test_both_ways_of_offsetting_rows_and_a_released_stage_give_the_same_rows() 
     assert 60 * S._ROW_OP_NS > S._STEPS_FIXED_NS + 300 * S._STEPS_NS_PER_VALUE
     assert 3 * S._ROW_OP_NS < S._STEPS_FIXED_NS + 3 * S.SAMPLE_LIMIT * S._STEPS_NS_PER_VALUE
     torch.testing.assert_close(rows, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
+
+
+def test_filing_many_at_once_equals_filing_one_at_a_time() -> None:
+    # The parameters' gradients are filed together: small whole-sampled tensors by
+    # one cat per pass and segment reductions, the rest one by one, in order, over
+    # several passes and more rows than a pass holds, between single adds.
+    g = torch.Generator().manual_seed(5)
+    small = [torch.randn(n, generator=g).to(dt) for n, dt in zip(
+        [1, 32, 1024, S.SAMPLE_LIMIT, 7, 96] * 100,
+        [torch.float32, torch.float16, torch.bfloat16] * 200, strict=True)]
+    small[4][:] = 0
+    small[7][3] = math.nan
+    small[8][0] = -math.inf
+    small[9][1] = 1e-40  # a float32 subnormal: non-zero, in the histogram's bin 0
+    odd = torch.randn(40, 6, generator=g)[:, ::2]  # not contiguous
+    ts = _tensors()[:10] + small + [odd, torch.randn(4, dtype=torch.float64)] + small[:50]
+    one = S.Batch()
+    for t in ts:
+        one.add(t)
+    many = S.Batch()
+    many.add(ts[0])
+    assert many.add_many(ts[1:-5]) == 1
+    for t in ts[-5:]:
+        many.add(t)
+    assert len(ts) > S.ROWS_PER_PASS and many.numel == one.numel and many.sampled == one.sampled
+    a = S.host_rows(one.finish(), one.numel, one.sampled)
+    b = S.host_rows(many.finish(), many.numel, many.sampled)
+    torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(b, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
+    assert b[10 + 9, S.ZEROS].item() == 0 and b[10 + 4, S.ZEROS].item() == 7  # exact zeros
+
+    buf = StepBuffer(0)
+    assert buf.add(ts[0]) == 0
+    assert buf.add_many(ts[1:4]) == [1, 2, 3]
+    assert buf.add(ts[4]) == 4
+    torch.testing.assert_close(buf.flush().matrix, _one_by_one(ts[:5]), rtol=0, atol=0,
+                               equal_nan=True)
 
 
 def test_many_tiny_tensors_need_more_than_one_pass_of_rows() -> None:

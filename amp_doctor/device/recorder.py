@@ -50,13 +50,34 @@ class StepBuffer:
     def add(self, x: torch.Tensor) -> int:
         """Summarise ``x`` (floating point, non-empty, strided); returns its row."""
         dev = x.device
+        self._batch(dev).add(x)
+        self._where.append(dev)
+        return len(self._where) - 1
+
+    def add_many(self, xs: list[torch.Tensor]) -> list[int]:
+        """Summarise every tensor of ``xs`` (as :meth:`add` takes them), batched per
+        device (see ``Batch.add_many``); returns their rows, in order."""
+        rows: list[int] = []
+        i = 0
+        while i < len(xs):
+            dev = xs[i].device
+            j = i + 1
+            while j < len(xs) and xs[j].device == dev:
+                j += 1
+            batch = self._batch(dev)
+            batch.add_many(xs[i:j])
+            first = len(self._where)
+            self._where.extend([dev] * (j - i))
+            rows.extend(range(first, first + j - i))
+            i = j
+        return rows
+
+    def _batch(self, dev: torch.device) -> S.Batch:
         batch = self._batches.get(dev)
         if batch is None:
             head = int(self._filed_before.get(dev, 0) * S.STAGE_HEAD_START)
             batch = self._batches[dev] = S.Batch(head_start_bytes=head)
-        batch.add(x)
-        self._where.append(dev)
-        return len(self._where) - 1
+        return batch
 
     def release(self) -> None:
         """Free the staging buffers until the next :meth:`add` (see ``Batch.release``)."""

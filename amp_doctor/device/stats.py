@@ -44,8 +44,10 @@ and of their negations gives both, but the negation copies every tensor. On the
 CPU (``benchmarks/bench_foreach.py``, one thread) neither pays: for 500-2,000
 tensors of 256 values they are within 0.7-1.2x of per-tensor ``aminmax``, and for
 200 tensors of 65,536 values 2.4-9x slower. And a hook may not keep the tensor
-until a later batched call, so only the parameters' gradients could be batched at
-all. On CUDA they would save kernel launches; that is left to a measurement there.
+until a later batched call: an in-place op after the layer (``ReLU(inplace=True)``)
+would change what it summarises. Only the parameters' gradients are in hand all at
+once (:meth:`Batch.add_many`): the small ones are copied into the stage by one
+``cat`` and reduced there by ``segment_reduce``, three ops for many tensors.
 """
 
 from __future__ import annotations
@@ -195,7 +197,20 @@ def _fold_index(device: torch.device) -> torch.Tensor:
     col[(exp == N_EXP_BINS - 1) & (top_bit == 1)] = _H_NANS
     col[(exp == 0) & (top_bit == 0)] = _H_CODE0
     return col.to(device)
-# Offsetting a pass's rows: one in-place add per row, or the summed row-start
+@functools.cache
+def _row_offsets(device: torch.device) -> torch.Tensor:
+    """``[ROWS_PER_PASS, 1]`` int32: each row's code offset, as a column to add to a 2-D
+    view of several rows' codes."""
+    r = torch.arange(ROWS_PER_PASS, dtype=torch.int32, device="cpu")
+    return (_CODE_BIAS + r * CODES_PER_ROW).unsqueeze(1).to(device)
+
+
+def _equal_runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """``lengths`` as (length, count) runs of equal consecutive values."""
+    return [(k, len(list(g))) for k, g in itertools.groupby(lengths)]
+
+
+# Offsetting a pass's rows: one in-place add per run of equal rows, or the summed row-start
 # steps (a zeroed buffer, a cumsum and an add over every staged value). Costs in
 # place, on a stage gone cold in the cache, tuned on the benchmark models' passes
 # (one CPU thread; on CUDA both are a few launches): the per-row adds win below
@@ -203,6 +218,10 @@ def _fold_index(device: torch.device) -> torch.Tensor:
 _ROW_OP_NS = 3_000
 _STEPS_FIXED_NS = 55_000
 _STEPS_NS_PER_VALUE = 0.5
+
+
+# Formats whose every value is exact in the float32 stage (see Batch.add_many).
+_STAGED_EXACT = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # A batch's per-tensor results (0-d tensors) are stacked into one tensor every this
@@ -231,6 +250,14 @@ class _Column:
             with own_ops:  # stack promotes under autocast: float16 with bfloat16 raises
                 self._chunks.append(torch.stack(self._pending))
             self._pending = []
+
+    def extend(self, values: torch.Tensor) -> None:
+        """Append the values of a 1-D tensor, after every value appended so far."""
+        if self._pending:
+            with own_ops:
+                self._chunks.append(torch.stack(self._pending))
+            self._pending = []
+        self._chunks.append(values)
 
     def stacked(self) -> torch.Tensor:
         """Every value in order, as one 1-D tensor (the column must not be empty)."""
@@ -378,6 +405,67 @@ class Batch:
         self.sampled.append(k)
         return len(self.numel) - 1
 
+    def add_many(self, xs: list[torch.Tensor]) -> int:
+        """File every tensor of ``xs`` (as :meth:`add` takes them), in order, on consecutive
+        rows; returns the first. For tensors the caller holds all at once (the parameters'
+        gradients): a small one is filed with no op of its own.
+
+        Runs of whole-sampled tensors (at most :data:`SAMPLE_LIMIT` values, float16,
+        bfloat16 or float32: exact in the float32 stage) are copied into the stage by one
+        ``cat`` per pass and reduced there per row by ``segment_reduce``: their exact min,
+        max and non-zero count from three ops, where :meth:`add` pays three per tensor.
+        Others are filed by :meth:`add`.
+        """
+        first = len(self.numel)
+        run: list[torch.Tensor] = []
+        with own_ops:
+            for x in xs:
+                if x.numel() <= SAMPLE_LIMIT and x.dtype in _STAGED_EXACT:
+                    run.append(_flat(x.detach()))
+                    continue
+                self._file_run(run)
+                run = []
+                self._add(x)
+            self._file_run(run)
+        return first
+
+    def _file_run(self, flats: list[torch.Tensor]) -> None:
+        """File whole-sampled 1-D tensors, as many per ``cat`` as the stage takes."""
+        i = 0
+        while i < len(flats):
+            dev = flats[i].device
+            stage = self._stage
+            if stage is None or (self._used + flats[i].numel() > stage.numel()
+                                 or len(self._lengths) >= ROWS_PER_PASS):
+                self._make_room(dev)
+                stage = self._stage
+                assert stage is not None
+            room = stage.numel() - self._used
+            rows_left = ROWS_PER_PASS - len(self._lengths)
+            j, total = i, 0
+            while j < len(flats) and j - i < rows_left and total + flats[j].numel() <= room:
+                total += flats[j].numel()
+                j += 1
+            part = flats[i:j]
+            lengths = [f.numel() for f in part]
+            seg = stage.narrow(0, self._used, total)
+            torch.cat(part, out=seg)
+            lens = upload(lengths, dev)
+            rows = len(self.numel)
+            # unsafe: the lengths are right by construction, and the check reads them
+            # back to the host (a sync on CUDA).
+            self._mins.extend(torch.segment_reduce(seg, "min", lengths=lens, unsafe=True))
+            self._maxs.extend(torch.segment_reduce(seg, "max", lengths=lens, unsafe=True))
+            self._nonzeros.extend(torch.segment_reduce(seg.ne(0).to(torch.float32), "sum",
+                                                       lengths=lens, unsafe=True))
+            self._counted.extend(range(rows, rows + len(part)))
+            self._filed_bytes += sum(f.numel() * f.element_size() for f in part)
+            self._used += total
+            self._lengths.extend(lengths)
+            self.numel.extend(lengths)
+            self.sampled.extend(lengths)
+            i = j
+
     def _make_room(self, device: torch.device) -> None:
         """Count a full stage, and make a new one if there is none or it is too small."""
         if self._stage is not None:
@@ -399,12 +487,19 @@ class Batch:
         # in as few sweeps as possible: the stage has gone cold in the cache since.
         codes = self._stage[: self._used].view(torch.int32)
         codes >>= _CODE_SHIFT
-        if rows * _ROW_OP_NS <= _STEPS_FIXED_NS + self._used * _STEPS_NS_PER_VALUE:
-            # Few, long rows: one in-place add per row, and no buffer.
-            start = 0
-            for r, k in enumerate(self._lengths):
-                codes.narrow(0, start, k).add_(_CODE_BIAS + r * CODES_PER_ROW)
-                start += k
+        runs = _equal_runs(self._lengths)
+        if len(runs) * _ROW_OP_NS <= _STEPS_FIXED_NS + self._used * _STEPS_NS_PER_VALUE:
+            # Few runs of rows of one length (a model's blocks repeat their shapes): one
+            # in-place add per run, a row's offset per line of a 2-D view; no buffer.
+            start = r = 0
+            for k, n in runs:
+                span = codes.narrow(0, start, k * n)
+                if n == 1:
+                    span.add_(_CODE_BIAS + r * CODES_PER_ROW)
+                else:
+                    span.view(n, k).add_(_row_offsets(dev).narrow(0, r, n))
+                start += k * n
+                r += n
         else:
             # Many short rows: a step of CODES_PER_ROW at every row start, summed.
             # The buffer lives for this pass only, so that it is not part of the

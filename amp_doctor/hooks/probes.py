@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_doctor.device.recorder import StepBuffer
-from amp_doctor.devicework import iter_tensors, own_ops, without_subclasses
+from amp_doctor.devicework import iter_tensors, without_subclasses
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, dtype_name
 from amp_doctor.hooks.compiled import (
     COMPILED_NOTE,
@@ -620,7 +620,9 @@ class Probes:
 
         One row per gradient, merged per layer on the host (as repeated calls are):
         concatenating a layer's gradients first would copy them all, a transient
-        as large as the layer's parameters (an embedding's, on a GPU).
+        as large as the layer's parameters (an embedding's, on a GPU). The gradients
+        are in hand all at once, so the small ones are filed together
+        (``StepBuffer.add_many``).
         """
         by_layer: dict[str, list[torch.Tensor]] = {}
         for p in params:
@@ -635,11 +637,11 @@ class Probes:
                 self._note_skipped(name, why + " gradient", buf.step)
                 continue
             by_layer.setdefault(name, []).append(g)
-        with own_ops:
-            for name, grads in by_layer.items():
-                buf.param_grads_done.add(name)
-                for g in grads:
-                    buf.assign(name, "param_grad", buf.add(g))
+        names = [name for name, grads in by_layer.items() for _ in grads]
+        rows = buf.add_many([g for grads in by_layer.values() for g in grads])
+        buf.param_grads_done.update(by_layer)
+        for name, row in zip(names, rows, strict=True):
+            buf.assign(name, "param_grad", row)
 
     def low_precision_outputs(self) -> set[str]:
         return {d for m in self.layers.values() for d in m.output_dtypes
