@@ -498,6 +498,11 @@ class Watch:
         """A forward starts at ``module``: a watched model, or a submodule of one that
         the loop calls itself (counted as its model's call)."""
         training = torch.is_grad_enabled() and module.training and not _in_backward()
+        if not training and self._probes is not None and self._probes.in_companion_call():
+            # A frozen teacher run first in the iteration: the step starts with it, or
+            # its work would be filed into the step before.
+            if self._take_pending_boundary():
+                self._probes.apply_armed()
         if training:
             root = self._probes.root_id(module) if self._probes is not None else id(module)
             self._bounds.trained_roots.add(root)

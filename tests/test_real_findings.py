@@ -633,3 +633,95 @@ def test_a_causal_minus_inf_mask_given_to_the_model_is_not_bad_data(
             opt.step()
     assert [f.kind for f in doctor.session.findings if f.severity != "info"] == []
     # A stray -inf among positive values is still bad data (the -inf test above).
+
+
+def _distill(teacher_first: bool, watch: dict[str, object] | None,
+             steps: int = 6) -> tuple[list[float], list[torch.Tensor], amp_doctor.Watch | None]:
+    """Knowledge distillation under float16: a frozen teacher run under no_grad inside the
+    step, whose last Linear overflows float16 on every batch."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 10))
+    with torch.no_grad():
+        teacher[2].weight.mul_(1e5)
+    teacher.eval()
+    student = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 10))
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    losses: list[float] = []
+    doctor = (amp_doctor.watch({"student": student, "teacher": teacher}, tensorboard=False,
+                               **watch)  # type: ignore[arg-type]
+              if watch is not None else None)
+    try:
+        for _ in range(steps):
+            x = torch.randn(16, 8)
+            with torch.autocast("cpu", dtype=torch.float16):
+                if teacher_first:
+                    with torch.no_grad():
+                        t = teacher(x)
+                s = student(x)
+                if not teacher_first:
+                    with torch.no_grad():
+                        t = teacher(x)
+                loss = nn.functional.kl_div(nn.functional.log_softmax(s.float(), -1),
+                                            nn.functional.softmax(t.float(), -1),
+                                            reduction="batchmean")
+            losses.append(loss.item())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    finally:
+        if doctor is not None:
+            doctor.close()
+    return losses, [p.detach().clone() for p in student.parameters()], doctor
+
+
+@pytest.mark.parametrize("teacher_first", [True, False])
+@pytest.mark.parametrize("kw", [{"every": 1}, {}, {"every": 1, "anomaly": True}],
+                         ids=["every1", "default", "anomaly"])
+def test_a_frozen_teacher_under_no_grad_is_watched_and_blamed(
+        teacher_first: bool, kw: dict[str, object]) -> None:
+    # Before: the teacher's no_grad call was taken for inference, never recorded, and the
+    # NaN loss was blamed on "the loss computation", the backoffs on the student.
+    losses, params, doctor = _distill(teacher_first, kw)
+    plain_losses, plain_params, _ = _distill(teacher_first, None)
+    assert any(math.isnan(v) for v in losses)  # the pathology happened
+    assert [str(v) for v in losses] == [str(v) for v in plain_losses]  # bit-identical
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
+    assert doctor is not None
+    s = doctor.session
+    assert s.steps == 6
+    errs = [f for f in s.findings if f.severity in ("error", "warning")]
+    want = "nonfinite_forward" if kw.get("anomaly") else "activation_overflow"
+    assert [(f.kind, f.module) for f in errs] == [(want, "teacher.2")]
+    loss = s.findings_of("nonfinite_loss")[0]
+    assert loss.module == "teacher.2" and loss.severity == "info"
+    teacher2 = next(layer for layer in s.layers if layer.name == "teacher.2")
+    assert teacher2.recorded_steps == s.recorded_steps  # from the first step on
+    student = next(layer for layer in s.layers if layer.name == "student.2")
+    assert student.recorded_steps == s.recorded_steps
+    # The teacher's work is filed into its own iteration's step.
+    assert all("teacher.2" in r.layers for r in s.history)
+
+
+def test_raise_mode_stops_at_the_teachers_overflow() -> None:
+    with pytest.raises(amp_doctor.NonFiniteError, match="teacher.2") as info:
+        _distill(True, {"on_nonfinite": "raise"})
+    assert "at step 0" in str(info.value)
+
+
+def test_validation_of_the_trained_model_under_no_grad_is_still_inference() -> None:
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x)
+    first = next(layer for layer in doctor.session.layers if layer.name != "")
+    assert first.calls == 3  # the three training calls, not the validation ones

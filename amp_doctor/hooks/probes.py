@@ -203,6 +203,7 @@ class Probes:
         self._entries: set[int] = set()
         # Roots whose own forward ran with grad enabled: their submodules are no entries.
         self._roots_trained: set[int] = set()
+        self._roots_called: set[int] = set()  # any outermost call, training or not
         self._handles: list[RemovableHandle] = []
         # Hooks on non-root modules, present only while armed.
         self._sub_handles: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
@@ -336,6 +337,27 @@ class Probes:
         self._subs.remove(module)
         self._entries.add(mid)
         return True
+
+    def _companion(self, module: nn.Module) -> bool:
+        """``module``, called under no_grad (or inference_mode) outside backward, belongs
+        to a watched model that has never trained while another one has: a distillation
+        teacher, a frozen reference model, whose outputs feed the training step's loss.
+        Its forward is the step's work, recorded and checked as the trained model's is
+        (a teacher's float16 overflow poisons the student's loss). Validation of a
+        trained model, and anything before the first training forward (a Lightning
+        sanity check of one model), is inference."""
+        root = self._root_of(id(module))
+        if root in self._roots_trained or torch._C._current_graph_task_id() != -1:
+            return False
+        # Before any model trained: a teacher run first in the very first iteration (its
+        # student not called yet), but not a single model's validation.
+        return bool(self._roots_trained) or any(
+            r not in self._roots_called for r in self._roots if r != root)
+
+    def in_companion_call(self) -> bool:
+        """The outermost watched call running is a companion's (see :meth:`_companion`)."""
+        calls = self._calls
+        return calls.depth == 1 and calls.training and not torch.is_grad_enabled()
 
     def note_root_call(self, model: nn.Module) -> None:
         """``model``'s forward is running, though its hooks were not called (discovery
@@ -525,9 +547,10 @@ class Probes:
         calls.depth += 1
         calls.stack.append(name)
         if calls.depth == 1:
-            calls.training = torch.is_grad_enabled()
+            calls.training = torch.is_grad_enabled() or self._companion(module)
+            self._roots_called.add(self._root_of(id(module)))
             if id(module) in self._roots:
-                if calls.training:
+                if torch.is_grad_enabled():
                     self._roots_trained.add(id(module))
                 self._on_root_forward(module, args)
                 if self.armed and self.recording:
