@@ -12,6 +12,7 @@ right for whatever torch the user brings.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "LOW_PRECISION_DTYPES",
     "dtype_name",
     "parse_dtype",
+    "judged_format",
 ]
 
 FLOAT16 = "float16"
@@ -38,6 +40,21 @@ FLOAT32 = "float32"
 LOW_PRECISION_NAMES: frozenset[str] = frozenset({FLOAT16, BFLOAT16})
 # torch.finfo(dtype).max, for code that must not import torch (tests check they agree).
 FORMAT_MAX: dict[str, float] = {FLOAT16: 65504.0, BFLOAT16: 3.3895313892515355e38}
+
+
+
+def judged_format(output_dtypes: Iterable[str], run_format: str) -> str:
+    """The format a layer's figures are judged against: the low-precision format its
+    outputs had, float16 (the narrower) if both; the run's format for a layer that
+    stayed in float32 (its what-if). One run may train a float16 and a bfloat16 model
+    (a GAN), and a model may hold a float16 submodule in a bfloat16 run."""
+    outs = set(output_dtypes)
+    if FLOAT16 in outs:
+        return FLOAT16
+    if BFLOAT16 in outs:
+        return BFLOAT16
+    return run_format
+
 
 if TYPE_CHECKING:
     LOW_PRECISION_DTYPES: tuple[torch.dtype, ...]

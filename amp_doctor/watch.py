@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from amp_doctor._version import __version__
 from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.devicework import as_own_work, iter_tensors, own_ops
-from amp_doctor.dtypes import dtype_name, limits
+from amp_doctor.dtypes import FormatLimits, dtype_name, judged_format, limits, parse_dtype
 from amp_doctor.errors import AmpDoctorError, UsageError
 from amp_doctor.hooks.compiled import dynamo_compiled_something
 from amp_doctor.hooks.discovery import (
@@ -256,7 +256,7 @@ class Watch:
                     scaled_grads=self._loop.note_scaled_grads,
                     root_params=lambda: [list(m.parameters())
                                          for m in self._set.models.values()]),
-                autocast_dtype=self._precision.autocast_dtype,
+                autocast_dtype=self._precision.scaler_dtype,
                 scaler=self._opts.scaler,
                 optimizers=self._opts.optimizers,
             )
@@ -487,6 +487,14 @@ class Watch:
             self._on_root_forward(module, args)
 
     # -- hook callbacks ------------------------------------------------------
+    def _layer_formats(self, run_format: str) -> dict[str, FormatLimits]:
+        """The layers whose outputs ran in another low-precision format than the run's
+        (a bfloat16 generator beside a float16 discriminator): judged against their own."""
+        if self._probes is None:
+            return {}
+        return {name: limits(parse_dtype(own)) for name, meta in self._probes.layers.items()
+                if (own := judged_format(meta.output_dtypes, run_format)) != run_format}
+
     def _current_buffer(self) -> StepBuffer | None:
         # None once closed: another thread's forward may still be in a hook then.
         return self._buffer
@@ -737,8 +745,9 @@ class Watch:
                     mon.correct_scale(real_scale, int(tracker) if tracker is not None else None)
                     if outcome is not None:
                         outcome.scale_after = real_scale
+                run_fmt = self._precision.low_dtype()
                 folded = self._folder.fold(
-                    hs, fmt=limits(self._precision.low_dtype()),
+                    hs, fmt=limits(run_fmt), formats=self._layer_formats(dtype_name(run_fmt)),
                     param_grads_scaled=buf.param_grads_scaled, skipped=skipped,
                     scale=outcome.scale_after if outcome else None,
                     check_input=self._anomaly is None, input_module=input_module)

@@ -173,10 +173,10 @@ def _gan_iteration(order: str, gen: nn.Module, disc: nn.Module,
                    scalers: dict[str, torch.amp.GradScaler], g: torch.Generator,
                    doctor: Any, seen: list[str]) -> None:
     """One GAN iteration: each letter of ``order`` is a discriminator ("d") or generator
-    ("g") update, and both run the generator forward. Without scalers it is bfloat16;
-    with them float16, each update through its model's scaler."""
-    dtype = torch.float16 if scalers else torch.bfloat16
+    ("g") update, and both run the generator forward. An update with a scaler is float16,
+    through its model's scaler; one without is bfloat16."""
     for who in order:
+        dtype = torch.float16 if who in scalers else torch.bfloat16
         z, real = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
         opts[who].zero_grad()
         with torch.autocast("cpu", dtype=dtype):
@@ -185,7 +185,7 @@ def _gan_iteration(order: str, gen: nn.Module, disc: nn.Module,
                 loss = disc(real).float().mean() - disc(fake.detach()).float().mean()
             else:
                 loss = disc(fake).float().mean()
-        if scalers:
+        if who in scalers:
             scalers[who].scale(loss).backward()
             scalers[who].step(opts[who])
             scalers[who].update()
@@ -195,18 +195,20 @@ def _gan_iteration(order: str, gen: nn.Module, disc: nn.Module,
         seen.append(f"{who}{doctor.step_index}")
 
 
-@pytest.mark.parametrize("scalers", ["none", "two", "shared"])
+@pytest.mark.parametrize("scalers", ["none", "two", "shared", "d_only"])
 @pytest.mark.parametrize("order", ["dg", "gd", "ddg"])
 def test_a_gan_is_one_step_per_iteration(order: str, scalers: str) -> None:
     # Before: the first update ended every step (its optimizer's step, or its scaler's
     # update), so each step held one iteration's generator update and the next one's
-    # discriminator update; and close added a partial step.
+    # discriminator update; and close added a partial step. d_only (a float16
+    # discriminator with a GradScaler, a bfloat16 generator without): a plain step after
+    # the scaler's update never ended a step ("no training step was seen to end").
     torch.manual_seed(0)
     gen, disc = MLP(16, 32, 4), MLP(4, 32, 1)
     opts = {"g": torch.optim.Adam(gen.parameters(), 1e-3),
             "d": torch.optim.Adam(disc.parameters(), 1e-3)}
     one = torch.amp.GradScaler("cpu")
-    sc = {"none": {}, "shared": {"g": one, "d": one},
+    sc = {"none": {}, "shared": {"g": one, "d": one}, "d_only": {"d": one},
           "two": {"g": torch.amp.GradScaler("cpu"), "d": torch.amp.GradScaler("cpu")}}[scalers]
     g = torch.Generator().manual_seed(0)
     seen: list[str] = []
@@ -223,6 +225,57 @@ def test_a_gan_is_one_step_per_iteration(order: str, scalers: str) -> None:
     assert s.layer("gen.fc1").calls == 4 * per_step
     assert s.layer("disc.fc1").calls == 4 * (per_step + order.count("d"))
     assert all({"gen.fc1", "disc.fc1"} <= set(r.layers) for r in s.history)
+
+
+@pytest.mark.parametrize("order", ["dg", "gd"])
+def test_a_float16_and_a_bfloat16_model_are_each_judged_in_their_own_format(
+        order: str) -> None:
+    # A bfloat16 generator without a scaler beside a float16 discriminator with one; the
+    # last layer of each puts its outputs near 1e-6, in float16's subnormal range. Before:
+    # every layer was judged against the one run format: in a run taken for bfloat16 the
+    # discriminator's underflow was missed and "a GradScaler with bfloat16" was said; in
+    # one taken for float16 the bfloat16 generator got float16 underflow warnings.
+    torch.manual_seed(0)
+    gen, disc = MLP(16, 32, 4), MLP(4, 32, 1)
+    with torch.no_grad():
+        for m in (gen, disc):
+            m.fc2.weight.mul_(1e-5)
+            m.fc2.bias.zero_()
+    og, od = torch.optim.Adam(gen.parameters(), 1e-3), torch.optim.Adam(disc.parameters(), 1e-3)
+    sd = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch({"gen": gen, "disc": disc}, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            z, real = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            for who in order:
+                if who == "d":
+                    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                        fake = gen(z)
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        ld = disc(real).float().mean() - disc(fake.float()).float().mean()
+                    od.zero_grad()
+                    sd.scale(ld).backward()
+                    sd.step(od)
+                    sd.update()
+                else:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        lg = disc(gen(z).float()).float().mean()
+                    og.zero_grad()
+                    lg.backward()
+                    og.step()
+    s = doctor.session
+    assert s.steps == 4
+    assert s.layer("gen.fc2").output_dtypes == ["bfloat16"]
+    assert "float16" in s.layer("disc.fc2").output_dtypes
+    under = [f for f in s.findings if f.kind == "activation_underflow"]
+    assert [f.module for f in under] == ["disc.fc2", "disc"]
+    assert all(f.data["dtype"] == "float16" for f in under)
+    assert s.layer("disc.fc2").underflow_frac > 0.3
+    assert s.layer("gen.fc2").underflow_frac == 0.0  # bfloat16 holds 1e-6
+    assert not [f for f in s.findings if f.module and f.module.startswith("gen")
+                and f.severity != "info"]
+    assert not s.findings_of("scaler_with_bf16")
+    assert not s.findings_of("no_step_boundary")
 
 
 def test_a_second_model_that_no_optimizer_holds_is_not_waited_for() -> None:

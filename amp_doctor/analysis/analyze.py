@@ -102,7 +102,9 @@ def analyze(session: Session) -> list[Finding]:
     out = fold_follow_ons(session, out)
     out = fold_early_end(out)
     if session.amp.dtype == "bfloat16":
-        out = [bf16_advice(f) for f in out]
+        # A float16 layer's finding in a run that also trains in bfloat16 keeps its
+        # advice (see dtypes.judged_format).
+        out = [bf16_advice(f) if f.data.get("dtype") != "float16" else f for f in out]
     out = cap_per_kind(out)
     out.sort(key=lambda f: (SEVERITY_RANK[f.severity], f.step if f.step is not None else 0,
                             f.kind in _SCALE_KINDS))

@@ -21,7 +21,7 @@ from amp_doctor.analysis.thresholds import (
     MADE_INF_HEADROOM_BITS,
     OVERFLOW_FRAC_ERROR,
 )
-from amp_doctor.dtypes import FORMAT_MAX
+from amp_doctor.dtypes import FORMAT_MAX, judged_format
 from amp_doctor.records import Finding, LayerSummary, Session
 
 __all__ = ["layer_findings", "run_findings", "autocast_findings", "low_format",
@@ -77,7 +77,7 @@ def layer_findings(session: Session) -> Iterable[Finding]:
               if not any(u.order < c.order and same_output(u, c) for u in under)]
     source = max(leaves, key=lambda x: x.order) if leaves else None
     for lay in session.layers:
-        yield from _layer_findings(session, lay, fmt, source)
+        yield from _layer_findings(session, lay, judged_format(lay.output_dtypes, fmt), source)
 
 
 def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
@@ -165,7 +165,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
     flushed = (source is not None and source is not lay and lay.order < source.order
                and lay.ran_low_precision and bool(lay.param_dtypes)
                and (lay.grad_zero_frac or 0.0) > GRAD_FLUSHED_WARN)
-    if session.amp.dtype == "float16" and (
+    if session.amp.dtype and fmt == "float16" and (
             (gu is not None and gu > GRAD_UNDERFLOW_WARN) or flushed):
         scaled = session.amp.scaler
         kind = "missing_scaler" if not scaled else "gradient_underflow"

@@ -81,8 +81,12 @@ class StepFolder:
 
     def fold(self, hs: HostCopy, *, fmt: FormatLimits, param_grads_scaled: bool,
              skipped: bool, scale: float | None, check_input: bool,
-             input_module: str | None = None) -> FoldedStep:
+             input_module: str | None = None,
+             formats: Mapping[str, FormatLimits] | None = None) -> FoldedStep:
         """One recorded step's host copy -> its record, folded into the run's aggregates.
+
+        ``fmt``: the run's low-precision format; ``formats``: the layers judged against
+        another (see ``dtypes.judged_format``).
 
         ``check_input``: report a NaN/inf batch here (anomaly mode reports it otherwise),
         as given to ``input_module`` (default: the model).
@@ -90,7 +94,7 @@ class StepFolder:
         step = hs.step
         grad_scale = hs.scalars.get(GRAD_SCALE_KEY)
         layers, hists = decode_step(hs, fmt, grad_scale,
-                                    grad_scale if param_grads_scaled else None)
+                                    grad_scale if param_grads_scaled else None, formats)
         self.aggregates.add(layers)
         for h in hists:
             self.hists.add(h)

@@ -190,15 +190,8 @@ class AmpMonitor:
         self._misuse.forget_backwards()
         if self.manual_steps:
             return
-        cycle = self._cycle
-        if cycle is not None and st.relevant:
-            if cycle.waiting():
-                return
-            self._cycle = None
-            if cycle.waited:
-                self._closing = cycle.last
-                self._cb.boundary()
-                return
+        if st.relevant and self._settle_cycle():
+            return
         if self._closing is not None:
             if self._closing_stepped and st.relevant:
                 self._closing_stepped = False
@@ -254,6 +247,8 @@ class AmpMonitor:
         if reg.primary_scaler is not None or self.manual_steps:
             if reg.primary_opt is None:
                 reg.primary_opt = id(optimizer)
+            if not self.manual_steps and not in_scaler_step():
+                self._plain_beside_scaler(optimizer)
             return
         if reg.primary_opt is None:
             reg.primary_opt = id(optimizer)  # drives_steps from now on; the cycle decides
@@ -266,6 +261,33 @@ class AmpMonitor:
             reg.primary_opt = id(optimizer)
         if id(optimizer) == reg.primary_opt:
             self._cb.boundary()
+
+    def _plain_beside_scaler(self, optimizer: Optimizer) -> None:
+        """A plain ``optimizer.step()`` in a run whose steps a GradScaler ends: a model
+        trained without one beside a model trained with one (a bfloat16 generator, a
+        float16 discriminator). While the first step waits for it, it has its turn; when
+        it is the iteration's last update, its step ends each step."""
+        if self._cycle is not None:
+            self._cycle.stepped(optimizer)
+            self._settle_cycle()
+        elif self._closing == id(optimizer):
+            self._cb.boundary()
+
+    def _settle_cycle(self) -> bool:
+        """After an update in the first step: does the step go on (another optimizer is
+        due), or did this update, after waiting, end it (it is the iteration's last: it
+        ends every later step)? False with no cycle, or one that never waited."""
+        cycle = self._cycle
+        if cycle is None:
+            return False
+        if cycle.waiting():
+            return True
+        self._cycle = None
+        if cycle.waited:
+            self._closing = cycle.last
+            self._cb.boundary()
+            return True
+        return False
 
     def _learning(self) -> FirstCycle | None:
         """The first step's :class:`FirstCycle`, made at the first update it is asked

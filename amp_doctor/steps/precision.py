@@ -83,6 +83,14 @@ class PrecisionSeen:
         name = max(self._autocast, key=lambda k: self._autocast[k])
         return getattr(torch, name)
 
+    def scaler_dtype(self) -> torch.dtype | None:
+        """The autocast dtype a GradScaler is judged against: float16 if any forward ran
+        under float16 autocast (a float16 discriminator beside a bfloat16 generator: the
+        scaler serves it), else :meth:`autocast_dtype`."""
+        if "float16" in self._autocast:
+            return torch.float16
+        return self.autocast_dtype()
+
     def autocast_inside(self) -> str | None:
         """Autocast entered inside the model's forward (Accelerate wraps ``forward``).
 

@@ -222,12 +222,16 @@ def _layer_step(values: Sequence[float], present: Sequence[bool | int]) -> Layer
 
 
 def decode_step(hs: HostCopy, fmt: FormatLimits, grad_scale: float | None,
-                param_grad_scale: float | None) -> tuple[StepTable, list[StepHists]]:
+                param_grad_scale: float | None,
+                formats: Mapping[str, FormatLimits] | None = None
+                ) -> tuple[StepTable, list[StepHists]]:
     """Decode a host step into its :class:`StepTable`, and the rows of its histograms.
 
     Every figure (a layer's field, and the unscaled view of a scaled gradient) is
-    decoded in one batch from the copy's one row per (layer, field).
+    decoded in one batch per format from the copy's one row per (layer, field):
+    ``fmt``, or the layer's own in ``formats`` (see ``dtypes.judged_format``).
     """
+    formats = formats or {}
     shift_of = {GRAD_U: scale_log2_of(grad_scale), PG_U: scale_log2_of(param_grad_scale)}
     names: dict[str, int] = {}
     cells: list[int] = []
@@ -235,23 +239,30 @@ def decode_step(hs: HostCopy, fmt: FormatLimits, grad_scale: float | None,
     shifts: list[int] = []
     hist_cells: list[tuple[str, int, int]] = []
     n_slots = len(SLOTS)
+    fmts: list[FormatLimits] = []
     for (name, fld), row in hs.row_of.items():
         i = names.setdefault(name, len(names))  # forward order of first filing
         slot, unscaled = _SLOT_OF[fld]
+        own = formats.get(name, fmt)
         cells.append(i * n_slots + slot)
         rows.append(row)
         shifts.append(0)
+        fmts.append(own)
         if unscaled is not None and shift_of[unscaled]:
             cells.append(i * n_slots + unscaled)
             rows.append(row)
             shifts.append(shift_of[unscaled])
+            fmts.append(own)
         if fld in HIST_FIELDS:
             hist_cells.append((name, HIST_FIELDS.index(fld), row))
     values = torch.full((len(names) * n_slots, len(TS_FIELDS)), math.nan, dtype=torch.float64)
     present = torch.zeros(len(names) * n_slots, dtype=torch.bool)
-    if cells:
-        at = torch.tensor(cells)
-        values.index_copy_(0, at, S.decode_table(hs.block, fmt, shifts, index=rows)[:, _TS_COLUMNS])
+    for f in dict.fromkeys(fmts):
+        pick = [k for k, g in enumerate(fmts) if g == f] if len(formats) else range(len(cells))
+        at = torch.tensor([cells[k] for k in pick], dtype=torch.long)
+        decoded = S.decode_table(hs.block, f, [shifts[k] for k in pick],
+                                 index=[rows[k] for k in pick])
+        values.index_copy_(0, at, decoded[:, _TS_COLUMNS])
         present[at] = True
     table = StepTable(list(names), values.view(len(names), n_slots, len(TS_FIELDS)),
                       present.view(len(names), n_slots))
