@@ -302,6 +302,15 @@ def test_scripts_diagnose_cannot_run_are_one_clear_line(work: Path, cli: Cli, gi
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr
 
 
+def test_an_empty_logdir_is_an_error_not_the_working_directory(work: Path, cli: Cli) -> None:
+    # --logdir "$OUT" with OUT unset: before, the reports went into the working directory.
+    before = sorted(p.name for p in work.iterdir())
+    r = cli(["diagnose", "--logdir", "", "train_tiny.py"])
+    assert r.returncode == 2
+    assert "Invalid value for '--logdir': is empty; pass a directory" in r.stderr
+    assert sorted(p.name for p in work.iterdir()) == before
+
+
 def test_logdir_that_is_a_file_is_named_so(work: Path, cli: Cli) -> None:
     (work / "afile").write_text("")
     r = cli(["diagnose", "--logdir", "afile", "train_tiny.py"])

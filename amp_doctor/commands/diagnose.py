@@ -26,6 +26,7 @@ from amp_doctor.commands.paths import (
     check_output_file,
     check_writable,
     default_logdir,
+    logdir_option,
     note_reused_logdir,
 )
 from amp_doctor.commands.publish import print_user_exit, publish, render_report, write_or_warn
@@ -45,7 +46,7 @@ __all__ = ["diagnose"]
     short_help="Run a training script under amp-doctor.",
 )
 @click.option("-m", "module", metavar="MODULE", help="Run a module, as `python -m MODULE`.")
-@click.option("--logdir", type=click.Path(path_type=Path), default=None,
+@click.option("--logdir", type=click.Path(), default=None, callback=logdir_option,
               help="Where the JSON and TensorBoard logs go "
                    "[default: a new runs/amp-doctor/<script>-<timestamp> per run].")
 @click.option("--every", type=click.IntRange(min=1), default=None,

@@ -9,6 +9,8 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import click
+
 from amp_doctor.commands.common import fail
 from amp_doctor.commands.terminal import Console
 from amp_doctor.runfiles import JSON_NAME, make_writable_dir
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
     from amp_doctor import runner
 
 __all__ = ["DEFAULT_RUNS_DIR", "check_output_file", "check_writable", "default_logdir",
-           "note_reused_logdir"]
+           "logdir_option", "note_reused_logdir"]
 
 DEFAULT_RUNS_DIR = Path("runs") / "amp-doctor"
 # Parallel runs started in the same second (a sweep) get "-2", "-3", ... suffixes; a
@@ -53,6 +55,17 @@ def default_logdir(target: runner.Target) -> Path:
         return d
     fail(f"no free folder name for {stem}-{stamp} in {str(DEFAULT_RUNS_DIR)!r}; "
          "pass --logdir DIR.")
+
+
+def logdir_option(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
+    """``--logdir``'s value as a path: an empty one (an unset shell variable,
+    ``--logdir "$OUT"``) would be the working directory, and fails instead."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise click.BadParameter("is empty; pass a directory, e.g. --logdir runs/exp1 "
+                                 "(an unset shell variable?).")
+    return Path(value)
 
 
 def check_writable(d: Path, option: str = "--logdir") -> None:
