@@ -725,3 +725,43 @@ def test_validation_of_the_trained_model_under_no_grad_is_still_inference() -> N
                 model(x)
     first = next(layer for layer in doctor.session.layers if layer.name != "")
     assert first.calls == 3  # the three training calls, not the validation ones
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_gradients_that_all_flush_to_zero_are_an_error(scaled: bool) -> None:
+    # A tiny loss weight in float16: the loss's gradient flushes to zero on its way back,
+    # every weight gradient is exactly 0 and the model does not train. Before: "AMP looks
+    # healthy" (an underflow share counts subnormals, and these are zeros).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000, enabled=scaled)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            x, y = torch.randn(32, 16), torch.randn(32, 1)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y) * 1e-9
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            assert model[0].weight.grad is not None
+            assert not model[0].weight.grad.any()  # the pathology happened
+            scaler.step(opt)
+            scaler.update()
+    errs = errors(doctor.session)
+    kind = "gradient_underflow" if scaled else "missing_scaler"
+    assert [(f.kind, f.module) for f in errs] == [(kind, "3")]
+    assert errs[0].message.startswith("Every parameter gradient was exactly zero in all 4")
+    assert "does not train" in errs[0].message
+
+
+def test_a_zero_loss_with_zero_gradients_is_not_a_flush() -> None:
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 16)).float().sum() * 0.0
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert not errors(doctor.session)

@@ -522,7 +522,7 @@ def test_missing_scaler_names_the_layer_with_real_numbers() -> None:
     f = by_module["0.fc2"]
     gu = max(v for v in (lay.grad_underflow_frac, lay.param_grad_underflow_frac) if v)
     assert f.data["grad_underflow_frac"] == gu and gu > 0.5
-    assert f"{100 * gu:.3g}% of its gradient values are below float16's smallest normal" \
+    assert f"{100 * gu:.3g}% of its gradient values are float16 subnormals (below the smallest" \
         in f.message
     assert "no GradScaler is in use" in f.message
     assert "torch.amp.GradScaler(device_type)" in f.advice

@@ -117,6 +117,15 @@ def test_an_all_nan_tensor_and_an_overflowing_float16_tensor() -> None:
     assert _decoded(big, BF16).overflow_frac == 0.25  # only inf
 
 
+def test_the_absmax_of_nan_and_zeros_is_zero_not_the_smallest_bin() -> None:
+    # A NaN gradient's absmax falls back to the top populated finite bin; bin 0 holds the
+    # zeros too, which made it 2**-126 (and 142 bits of headroom) for NaN and zeros.
+    d = _decoded(torch.tensor([math.nan, 0.0, 0.0, -0.0]), F16)
+    assert d.absmax == 0.0 and d.headroom == math.inf
+    assert _decoded(torch.tensor([math.nan, 0.0, 1e-40]), F16).absmax == 2.0 ** -126
+    assert _decoded(torch.tensor([math.nan, 0.0, 0.5]), F16).absmax == 1.0
+
+
 def test_the_torch_free_format_names_and_maxima_agree_with_torch() -> None:
     from amp_doctor import dtypes
 

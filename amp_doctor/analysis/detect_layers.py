@@ -17,6 +17,7 @@ from amp_doctor.analysis.thresholds import (
     F16_SMALLEST_NORMAL,
     GRAD_FLUSHED_WARN,
     GRAD_UNDERFLOW_WARN,
+    GRAD_ZEROS_SAID,
     HEADROOM_WARN_BITS,
     MADE_INF_HEADROOM_BITS,
     OVERFLOW_FRAC_ERROR,
@@ -63,6 +64,11 @@ def low_format(session: Session) -> str:
 
 def layer_findings(session: Session) -> Iterable[Finding]:
     fmt = low_format(session)
+    flushed = _no_gradient_reached_the_weights(session, fmt)
+    if flushed is not None:
+        # Every gradient is zero: no layer's underflow share can say so (zeros are not
+        # subnormals).
+        yield flushed
     # Gradients that underflowed in one layer reach the layers before it as
     # exact zeros: those layers are flushed, not merely subnormal.
     under = [lay for lay in session.layers if lay.recorded_steps and
@@ -189,8 +195,15 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                        if session.amp.device_type != "cuda" else "") + ")"
                     if sc is not None and not sc.enabled else ", and no GradScaler is in use")
         if gu is not None and gu > GRAD_UNDERFLOW_WARN:
-            what = (f"{F.pct(gu)} of its gradient values are below float16's smallest normal "
-                    f"({F.num(F16_SMALLEST_NORMAL)}) and lose precision or flush to zero{tail}"
+            # The share counts float16 subnormals: a value that flushed to zero cannot be
+            # told from a true zero (a ReLU's), so the zeros are said apart.
+            zeros = max((v for v in (lay.grad_zero_frac, lay.param_grad_zero_frac)
+                         if v is not None), default=0.0)
+            what = (f"{F.pct(gu)} of its gradient values are float16 subnormals (below the "
+                    f"smallest normal, {F.num(F16_SMALLEST_NORMAL)}), which lose precision"
+                    + (f"; another {F.pct(zeros)} are exactly zero (flushed, or zero "
+                       "already)" if zeros >= GRAD_ZEROS_SAID else "")
+                    + tail
                     + (f"; its largest |gradient| is {F.num(big)}" if big else ""))
         else:
             assert source is not None
@@ -206,6 +219,40 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                   "flushed_after": source.name if flushed and source else None,
                   "scaled": scaled, "grad_absmax": big},
         )
+
+
+def _no_gradient_reached_the_weights(session: Session, fmt: str) -> Finding | None:
+    """A float16 run in which every recorded parameter gradient was exactly zero, though
+    the loss was not: the loss's gradient flushed to zero on its way back (a tiny loss
+    weight, no GradScaler), so the model does not train."""
+    with_params = [lay for lay in session.layers
+                   if lay.recorded_steps and lay.param_grad_zero_frac is not None]
+    if (not with_params or any(lay.param_grad_zero_frac != 1.0 for lay in with_params)
+            or not any(judged_format(lay.output_dtypes, fmt) == "float16"
+                       for lay in session.layers if lay.ran_low_precision)
+            or not session.amp.dtype):
+        return None
+    losses = [r.loss for r in session.history if r.loss is not None]
+    if losses and not any(math.isfinite(v) and v != 0 for v in losses):
+        return None  # a zero (or non-finite) loss: nothing to flush
+    last = max(with_params, key=lambda lay: lay.order)
+    scaled = session.amp.scaler
+    loss = next((v for v in losses if math.isfinite(v) and v != 0), None)
+    tail = ("the GradScaler's scale did not lift it above float16's smallest subnormal"
+            if scaled else "no GradScaler lifts it")
+    return Finding(
+        kind="gradient_underflow" if scaled else "missing_scaler", severity="error",
+        module=last.name, op=None, step=None,
+        message=(f"Every parameter gradient was exactly zero in all "
+                 f"{session.recorded_steps} recorded step(s)"
+                 + (f", while the loss was {F.num(loss)}" if loss is not None else "")
+                 + ": the loss's gradient flushed to zero in float16 before it reached "
+                 f"any weight ({last.name} is the first layer it meets), so the model does "
+                 f"not train; {tail}."),
+        advice=ADVICE["gradient_underflow" if scaled else "missing_scaler"],
+        data={"param_grad_zero_frac": 1.0, "scaled": scaled, "loss": loss,
+              "dtype": "float16", "all_flushed": True},
+    )
 
 
 def _grad_under_unscaled(lay: LayerSummary) -> float | None:

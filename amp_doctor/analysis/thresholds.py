@@ -12,6 +12,7 @@ __all__ = [
     "ACT_UNDERFLOW_WARN",
     "GRAD_UNDERFLOW_WARN",
     "GRAD_FLUSHED_WARN",
+    "GRAD_ZEROS_SAID",
     "SCALE_COLLAPSE_MIN",
     "BACKOFF_SHARE_COLLAPSE",
     "BACKOFF_RUN_COLLAPSE",
@@ -41,6 +42,8 @@ GRAD_UNDERFLOW_WARN = 0.10
 # Share of exact zeros in the output gradient of a layer that runs before (in
 # forward order) one whose gradients underflow: they arrived flushed to zero.
 GRAD_FLUSHED_WARN = 0.90
+# A gradient underflow message also says the share of exact zeros from this much on.
+GRAD_ZEROS_SAID = 0.01
 # The scale has no business below 1: the loss is then scaled *down*.
 SCALE_COLLAPSE_MIN = 1.0
 # Backoffs in more than this share of steps (after calibration) is a collapse.

@@ -708,6 +708,8 @@ def decode_table(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int],
         # aminmax propagates NaN; fall back to the top populated finite bin.
         sel = with_nan.nonzero().squeeze(1)
         populated = hist.index_select(0, idx[sel])[:, : N_EXP_BINS - 1] > 0
+        # Bin 0 holds the zeros too: populated only by values besides them (subnormals).
+        populated[:, 0] = hist[idx[sel], 0] > zeros[sel]
         top_bin = torch.where(populated, _BINS[: N_EXP_BINS - 1].to(f64), -math.inf).amax(1)
         absmax[sel] = torch.where(top_bin >= 0, torch.exp2(top_bin - _F32_BIAS + 1), 0.0)
     # log2(max / 0) = inf (all zeros), log2(max / inf) = -inf, NaN stays NaN.

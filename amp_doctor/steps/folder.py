@@ -25,6 +25,7 @@ from amp_doctor.records import Event, LayerSummary, StepRecord
 from amp_doctor.steps.aggregates import LayerAggregates
 from amp_doctor.steps.history import History
 from amp_doctor.steps.listeners import StepListener, StepRows
+from amp_doctor.steps.loop import PLAIN_LOSS_KEY
 from amp_doctor.steps.table import ACT, GRAD, NONFINITE, PG, StepTable, decode_step
 
 __all__ = ["StepRows", "StepListener", "FoldedStep", "StepFolder", "skip_culprits",
@@ -67,9 +68,9 @@ class StepFolder:
         # in the skip's one sync), and those of them where it was NaN/inf.
         self._loss_checked: set[int] = set()
         self._loss_bad: set[int] = set()
-        # The first recorded step with a bad loss (the first that shows where it came
-        # from, if a later one does): its forward origin, and whether the batch itself
-        # was non-finite there.
+        # The first recorded step with a bad loss: its forward origin, and whether the
+        # batch itself was non-finite there (a later one's may be the first's doing:
+        # weights the bad update made NaN).
         self._loss_origin: tuple[int, str | None, bool] | None = None
         self._lp_counts = [0.0, 0.0]  # sampled elements with a gradient, unchanged of those
 
@@ -111,24 +112,17 @@ class StepFolder:
         if "loss_bad" in hs.scalars:
             loss_bad = bool(hs.scalars["loss_bad"])
             self.note_loss(step, loss_bad)
-            if loss_bad and (self._loss_origin is None or (
-                    not self._located(self._loss_origin) and (origin or input_bad))):
+            if loss_bad and self._loss_origin is None:
                 self._loss_origin = (step, origin, input_bad)
         if "lp_with_grad" in hs.scalars:
             self._lp_counts[0] += hs.scalars["lp_with_grad"]
             self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
         culprits = self._culprits(hs, layers) if skipped else []
-        rec = StepRecord(step=step, loss=hs.scalars.get("loss"), scale=scale, skipped=skipped,
+        loss = hs.scalars.get("loss", hs.scalars.get(PLAIN_LOSS_KEY))
+        rec = StepRecord(step=step, loss=loss, scale=scale, skipped=skipped,
                          layers=layers)
         self.history.add(rec)
         return FoldedStep(rec, origin, culprits, loss_bad)
-
-    @staticmethod
-    def _located(seen: tuple[int, str | None, bool]) -> bool:
-        """A bad loss's recorded step showed where it came from: a layer, or the batch.
-        A later one that did is kept in place of the first that did not (a model watched
-        from the second step on, a frozen teacher, had no record on the first)."""
-        return seen[1] is not None or seen[2]
 
     def _note_bad_input(self, step: int, scalars: dict[str, float], module: str) -> None:
         seen = [e for e in self._events

@@ -22,11 +22,14 @@ from amp_doctor.dtypes import LOW_PRECISION_DTYPES
 from amp_doctor.hooks.probes import unsummarizable
 from amp_doctor.steps.misuse import reaches_params
 
-__all__ = ["LoopSignals", "UPDATE_SAMPLE"]
+__all__ = ["LoopSignals", "UPDATE_SAMPLE", "PLAIN_LOSS_KEY"]
 
 # Pure low-precision training: parameter elements sampled per tensor on a recorded
 # step to see whether the optimizer's update changed them at all.
 UPDATE_SAMPLE = 1024
+# The scalar key of the loss as backward saw it: the step's loss when scaler.scale did
+# not note it (a plain loss.backward()).
+PLAIN_LOSS_KEY = "loss_plain"
 
 
 class LoopSignals:
@@ -90,6 +93,8 @@ class LoopSignals:
             [t.detach().reshape(()) for t in losses])
         bad = (x * 0).ne(0)
         bad = bad if len(losses) == 1 else bad.any()
+        # The step's loss, for a loop without scaler.scale (which notes it unscaled).
+        self._flags.setdefault(PLAIN_LOSS_KEY, x.float() if len(losses) == 1 else x[0].float())
         scaled = self._flags.get("scaled_grads_bad")
         if scaled is not None:
             # A loss made of gradients that overflowed under the loss scale (a gradient
