@@ -282,3 +282,56 @@ def test_lightning_training_step_calling_a_submodule_is_checked(in_tmp: Path) ->
     assert s.amp.device_type == "cpu" and s.steps == 8
     assert [(f.kind, f.module, f.step) for f in s.findings if f.severity == "error"] == [
         ("nonfinite_input", "net", 5)]
+
+
+def test_a_lightning_gan_with_manual_optimization_is_one_step_per_iteration(
+        in_tmp: Path) -> None:
+    # One LightningModule holding a generator and a discriminator, each with its own
+    # optimizer, stepped by hand in training_step. Before: the discriminator's update
+    # ended each step, the generator's backward fell into the next one (its layers had
+    # no gradient figures, and an extra step appeared), and Lightning's own
+    # manual_backward, which it runs inside autocast, was warned about on every step.
+    import lightning as L
+
+    from amp_doctor.integrations.lightning import AmpDoctor
+
+    class GAN(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.G = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(),
+                                         torch.nn.Linear(16, 8))
+            self.D = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                         torch.nn.Linear(16, 1))
+
+        def training_step(self, batch: Any, i: int) -> None:
+            og, od = self.optimizers()  # type: ignore[misc]
+            x = batch[0]
+            fake = self.G(torch.randn(x.shape[0], 4))
+            ld = (torch.nn.functional.softplus(-self.D(x)).mean()
+                  + torch.nn.functional.softplus(self.D(fake.detach())).mean())
+            od.zero_grad()
+            self.manual_backward(ld)
+            od.step()
+            lg = torch.nn.functional.softplus(-self.D(fake)).mean()
+            og.zero_grad()
+            self.manual_backward(lg)
+            og.step()
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.Adam(self.G.parameters(), 1e-3),
+                    torch.optim.Adam(self.D.parameters(), 1e-3)]
+
+    L.seed_everything(0, verbose=False)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(48, 8)),
+                                       batch_size=8)
+    cb = AmpDoctor(every=1)
+    L.Trainer(max_epochs=1, accelerator="cpu", precision="bf16-mixed", callbacks=[cb],
+              logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=str(in_tmp)).fit(GAN(), data)
+    s = cb.session
+    assert s is not None
+    assert (s.steps, s.recorded_steps) == (6, 6)
+    assert all(r.layers["G.0"].grad is not None and r.layers["G.0"].param_grad is not None
+               for r in s.history)
+    assert not s.findings_of("backward_in_autocast")

@@ -227,6 +227,37 @@ def test_a_gan_is_one_step_per_iteration(order: str, scalers: str) -> None:
     assert all({"gen.fc1", "disc.fc1"} <= set(r.layers) for r in s.history)
 
 
+@pytest.mark.parametrize("scalers", ["none", "two"])
+@pytest.mark.parametrize("order", ["dg", "gd", "ddg"])
+def test_a_gan_in_one_module_is_one_step_per_iteration(order: str, scalers: str) -> None:
+    # The generator and the discriminator as two halves of one watched module (as in a
+    # LightningModule), each with its own optimizer. Before: the first update ended each
+    # step, so the other half's backward fell into the next step (no gradient figures for
+    # it) and an extra step appeared.
+    torch.manual_seed(0)
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gen, self.disc = MLP(16, 32, 4), MLP(4, 32, 1)
+
+    both = Pair()
+    gen, disc = both.gen, both.disc
+    opts = {"g": torch.optim.Adam(gen.parameters(), 1e-3),
+            "d": torch.optim.Adam(disc.parameters(), 1e-3)}
+    sc = {"none": {}, "two": {"g": torch.amp.GradScaler("cpu"),
+                              "d": torch.amp.GradScaler("cpu")}}[scalers]
+    g = torch.Generator().manual_seed(0)
+    seen: list[str] = []
+    with amp_doctor.watch(both, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            _gan_iteration(order, gen, disc, opts, sc, g, doctor, seen)
+    assert seen == [f"{w}{k + (i == len(order) - 1)}"
+                    for k in range(4) for i, w in enumerate(order)]
+    s = doctor.session
+    assert (s.steps, s.recorded_steps) == (4, 4)
+    assert all(r.layers["gen.fc1"].grad is not None for r in s.history)
+
+
 @pytest.mark.parametrize("order", ["dg", "gd"])
 def test_a_float16_and_a_bfloat16_model_are_each_judged_in_their_own_format(
         order: str) -> None:

@@ -9,7 +9,9 @@ without the scaler, and ``step``/``unscale_`` without ``update``. Each is an
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
@@ -54,6 +56,22 @@ def reaches_params(roots: list[Any], owns: Callable[[torch.Tensor], bool]) -> bo
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None:
                 todo.append(nxt)
+    return False
+
+
+# How far up the stack a backward looks for Lightning's manual_backward.
+_LIGHTNING_FRAMES = 40
+
+
+def _lightning_manual_backward() -> bool:
+    """Is this backward Lightning's ``LightningModule.manual_backward``?"""
+    f: FrameType | None = sys._getframe(1)
+    for _ in range(_LIGHTNING_FRAMES):
+        if f is None:
+            return False
+        if f.f_code.co_name == "manual_backward" and "lightning" in f.f_code.co_filename:
+            return True
+        f = f.f_back
     return False
 
 
@@ -235,6 +253,11 @@ class MisuseChecks:
                 on = user_autocast_enabled(dev)
             except Exception:  # devices this torch build does not know
                 on = False
+            if on and _lightning_manual_backward():
+                # Lightning runs training_step inside autocast, and its documented
+                # manual optimization calls self.manual_backward(loss) there: the user
+                # cannot move it out, and backward ops keep the forward's dtypes anyway.
+                return
             if on:
                 self._bwd_autocast_step = step
                 try:

@@ -163,9 +163,9 @@ class AmpRegistry:
 
     def first_cycle(self, roots: list[list[torch.Tensor]]) -> FirstCycle | None:
         """A :class:`FirstCycle` for these watched roots; None when it has nothing to
-        decide: one model, or a scaler named to the watch (its updates end the steps,
-        and the other scalers' steps are not seen)."""
-        if len(roots) < 2 or self._explicit_scaler is not None:
+        decide: a scaler named to the watch (its updates end the steps, and the other
+        scalers' steps are not seen)."""
+        if self._explicit_scaler is not None:
             return None
         explicit = self._explicit_opts
         return FirstCycle(roots, lambda opt: not explicit or id(opt) in explicit)
@@ -183,24 +183,24 @@ class AmpRegistry:
 
 
 class FirstCycle:
-    """Which update ends an iteration, when several models train each with its own
-    optimizer (a GAN's generator and discriminator), with or without GradScalers.
+    """Which update ends an iteration, when several optimizers train the watched
+    models (a GAN's generator and discriminator, as two models or as the two halves of
+    one LightningModule), with or without GradScalers.
 
-    The first update does not end the first step if another watched model has
-    trainable parameters that no optimizer stepped yet and some live optimizer holds
-    them: that one steps later in the same iteration, whichever model ran forward
-    first (a discriminator update runs the generator too). The optimizer whose step
-    leaves no model waiting is the iteration's last: its update (its own step, or its
-    scaler's ``update()``) ends this step and every later one. A model whose
-    parameters no optimizer holds (an EMA copy, a forgotten ``requires_grad``) is not
-    waited for.
+    The first update does not end the first step if watched trainable parameters that
+    no optimizer stepped yet are held by a live optimizer: that one steps later in the
+    same iteration, whichever part ran forward first (a discriminator update runs the
+    generator too). The optimizer whose step leaves none waiting is the iteration's
+    last: its update (its own step, or its scaler's ``update()``) ends this step and
+    every later one. Parameters no optimizer holds (an EMA copy, a forgotten
+    ``requires_grad``) are not waited for. With one optimizer over every trainable
+    parameter (most runs) the first update decides at once, with no search.
     """
 
     def __init__(self, roots: list[list[torch.Tensor]],
                  candidates: Callable[[Any], bool] = lambda opt: True) -> None:
         self._candidates = candidates
-        self._roots = [{id(p) for p in ps if p.requires_grad} for ps in roots]
-        self._roots = [r for r in self._roots if r]
+        self._params = {id(p) for ps in roots for p in ps if p.requires_grad}
         self._covered: set[int] = set()
         self._stepped: set[int] = set()
         self._holders: set[int] | None = None
@@ -217,11 +217,11 @@ class FirstCycle:
 
     def waiting(self) -> bool:
         """Does the first step go on after the updates so far (another optimizer is due)?"""
-        untrained = [r for r in self._roots if r.isdisjoint(self._covered)]
+        untrained = self._params - self._covered
         if not untrained or self._steps >= FIRST_CYCLE_MAX_STEPS:
             return False
         if self._holders is None:
-            self._holders = _holders_of(set().union(*untrained), self._candidates)
+            self._holders = _holders_of(untrained, self._candidates)
         if self._holders - self._stepped:
             self.waited = True
             return True
@@ -231,7 +231,8 @@ class FirstCycle:
 def _holders_of(param_ids: set[int], candidates: Callable[[Any], bool]) -> set[int]:
     """The live optimizers holding any of ``param_ids``. Optimizers made before the
     watch are seen nowhere else: one walk of the collector's objects, once a run
-    (about 0.2 s with transformers imported), and only for several models."""
+    (about 0.2 s with transformers imported), and only when the first update left
+    trainable parameters unstepped."""
     found = set()
     for obj in gc.get_objects():
         # type(), not isinstance: a proxy's __class__ may run arbitrary code.
