@@ -820,7 +820,7 @@ class Watch:
 
     def _loop_events(self) -> list[Event]:
         """What the loop itself showed: NaN losses, how steps were counted, frozen weights."""
-        out = self._folder.loss_events(self.step_index)
+        out = self._folder.loss_events(self.step_index, anomaly=self._anomaly is not None)
         mon = self._monitor
         metas = self._probes.layers.values() if self._probes else []
         if (self._probes is not None and (self.step_index or self._loop.backward)

@@ -765,3 +765,25 @@ def test_a_zero_loss_with_zero_gradients_is_not_a_flush() -> None:
             loss.backward()
             opt.step()
     assert not errors(doctor.session)
+
+
+@pytest.mark.parametrize("anomaly", [False, True])
+def test_a_nan_loss_on_an_unrecorded_step_proposes_anomaly_mode_only_when_off(
+        anomaly: bool) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with amp_doctor.watch(model, every=10, anomaly=anomaly, tensorboard=False) as doctor:
+        for i in range(14):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().pow(2).mean() * (
+                    math.inf if i == 6 else 1.0)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    f = doctor.session.findings_of("nonfinite_loss")[0]
+    assert f.step == 6 and "where it appeared is unknown (record every step with `every=1`" \
+        in f.message
+    assert ("or use anomaly mode" in f.message) is not anomaly

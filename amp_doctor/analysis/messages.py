@@ -208,7 +208,8 @@ def _nonfinite_loss(a: MessageArgs) -> str:
                  "in the loss computation or in code between the model and the loss")
     else:
         where = ("No recorded step had it, so where it appeared is unknown (record every "
-                 "step with `every=1`, or use anomaly mode)")
+                 "step with `every=1`" + ("" if d.get("anomaly") else ", or use anomaly mode")
+                 + ")")
     return (f"The loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
             f"step(s) whose loss was checked (recorded or skipped steps; "
             f"{d.get('steps')} steps in all), first at step {e.step}. {where}.")

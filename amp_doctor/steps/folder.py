@@ -186,8 +186,9 @@ class StepFolder:
                 passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls))
         return sorted(out, key=lambda x: (x.order < 0, x.order))
 
-    def loss_events(self, steps: int) -> list[Event]:
-        """The steps whose loss was NaN/inf, over the whole run."""
+    def loss_events(self, steps: int, anomaly: bool = False) -> list[Event]:
+        """The steps whose loss was NaN/inf, over the whole run (``anomaly``: anomaly
+        mode was on, so the message does not propose it)."""
         if not self._loss_bad:
             return []
         seen = self._loss_origin
@@ -197,7 +198,8 @@ class StepFolder:
                           "checked": len(self._loss_checked), "steps": steps,
                           "recorded_at": seen[0] if seen else None,
                           "origin": seen[1] if seen else None,
-                          "input_bad": seen[2] if seen else False})]
+                          "input_bad": seen[2] if seen else False,
+                          "anomaly": anomaly})]
 
     def lowp_events(self, param_dtypes: Iterable[str]) -> list[Event]:
         """Sampled low-precision weights that the optimizer's update did not move."""
