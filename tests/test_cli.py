@@ -12,8 +12,10 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -300,6 +302,26 @@ def test_scripts_diagnose_cannot_run_are_one_clear_line(work: Path, cli: Cli, gi
     (work / "nb.ipynb").write_text('{"cells": []}')
     r = cli(["diagnose", given])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr
+
+
+def test_reports_are_written_through_a_symlink_and_into_a_fifo(work: Path, cli: Cli) -> None:
+    # The atomic write renamed over the path: a symlink was replaced by a file (its target
+    # kept the old report), and --json /dev/stdout replaced /dev/stdout itself as root.
+    (work / "real").mkdir()
+    (work / "real" / "r.json").write_text('{"old": true}')
+    (work / "r.json").symlink_to(work / "real" / "r.json")
+    os.mkfifo(work / "pipe.txt")
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append((work / "pipe.txt").read_bytes()))
+    reader.start()
+    r = cli(["diagnose", "--quiet", "--no-tensorboard", "--json", "r.json",
+             "--report", "pipe.txt", "train_tiny.py"])
+    reader.join(timeout=60)
+    assert r.returncode == 0
+    assert (work / "r.json").is_symlink()
+    assert json.loads((work / "real" / "r.json").read_text())["steps"] == 4
+    assert got and got[0].startswith(b"amp-doctor ")
+    assert stat.S_ISFIFO((work / "pipe.txt").stat().st_mode)
 
 
 def test_an_empty_logdir_is_an_error_not_the_working_directory(work: Path, cli: Cli) -> None:

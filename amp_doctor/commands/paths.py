@@ -86,7 +86,13 @@ def check_output_file(p: Path, option: str, example: str) -> None:
     if p.is_dir():
         fail(f"{option} {str(p)!r} is a directory; pass a file path, "
              f"e.g. {option} {shlex.quote(str(p / example))}.")
-    check_writable(p.parent, option)
+    if p.exists() and not p.is_file():
+        # /dev/stdout, a FIFO: written straight into, so it must be writable itself.
+        if not os.access(p, os.W_OK):
+            fail(f"cannot write to {option} {str(p)!r}; pass a writable path with {option}.")
+        return
+    # A symlink is written through (write_text_atomic): its target's folder must be writable.
+    check_writable(Path(os.path.realpath(p)).parent, option)
 
 
 def note_reused_logdir(logdir: Path, console: Console) -> None:

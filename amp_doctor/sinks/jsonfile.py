@@ -17,8 +17,17 @@ __all__ = ["write_json", "write_text_atomic"]
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
-    p = Path(path)
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one.
+
+    Through a symlink, to the file it names (replacing the link would leave the target
+    as it was); and straight into what is not a regular file (``--json /dev/stdout``, a
+    FIFO), which a rename would replace (``/dev/stdout`` itself, for root).
+    """
+    if os.path.exists(path) and not os.path.isfile(path):  # both follow symlinks
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return Path(path)
+    p = Path(os.path.realpath(path))
     p.parent.mkdir(parents=True, exist_ok=True)
     # Same folder as the target: os.replace is atomic only within one file system.
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
@@ -34,7 +43,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         except OSError:
             pass
         raise
-    return p
+    return Path(path)
 
 
 def _umask() -> int:
