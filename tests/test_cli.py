@@ -312,7 +312,8 @@ def test_reports_are_written_through_a_symlink_and_into_a_fifo(work: Path, cli: 
     (work / "r.json").symlink_to(work / "real" / "r.json")
     os.mkfifo(work / "pipe.txt")
     got: list[bytes] = []
-    reader = threading.Thread(target=lambda: got.append((work / "pipe.txt").read_bytes()))
+    reader = threading.Thread(target=lambda: got.append((work / "pipe.txt").read_bytes()),
+                              daemon=True)
     reader.start()
     r = cli(["diagnose", "--quiet", "--no-tensorboard", "--json", "r.json",
              "--report", "pipe.txt", "train_tiny.py"])
