@@ -185,6 +185,33 @@ print("main done", flush=True)
     assert (s.steps, s.recorded_steps, s.run.outcome) == (60, 60, "completed")
 
 
+def test_what_the_script_sets_before_importing_torch_takes_effect(work: Path) -> None:
+    # OMP_NUM_THREADS set at the top of the script, before `import torch`: torch reads it
+    # at import. Before: diagnose had imported torch already, so the run used every core
+    # (and a float32 sum split over them rounded differently from the same run under
+    # python). The script then trains, watched from its first torch op.
+    (work / "pinned.py").write_text('import os\nos.environ["OMP_NUM_THREADS"] = "1"\n'
+                                    + LOOP + 'print("threads", torch.get_num_threads())\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",
+                                                             "MKL_NUM_THREADS")}
+    plain = subprocess.run([sys.executable, "pinned.py"], cwd=work, capture_output=True,
+                           text=True, env=env, timeout=120)
+    r = subprocess.run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "--every", "1",
+                        "--logdir", "out", "pinned.py"], cwd=work, capture_output=True,
+                       text=True, env=env, timeout=180)
+    assert plain.stdout == "threads 1\n"
+    assert r.returncode == 0 and r.stdout.startswith("threads 1\n"), r.stderr
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert (s.steps, s.recorded_steps) == (3, 3) and s.layer("0").calls == 3
+
+
+def test_a_script_that_never_imports_torch_still_gets_its_report(work: Path) -> None:
+    (work / "plain.py").write_text('print("no torch here")\n')
+    r = run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "--logdir", "out", "plain.py"], work)
+    assert r.returncode == 0 and r.stdout.startswith("no torch here\n"), r.stderr
+    assert Session.load(work / "out" / "amp_doctor.json").steps == 0
+
+
 def test_the_scripts_own_excepthook_is_called_as_under_python(work: Path) -> None:
     # A crash logger (Sentry, rich) installed by the script. Before: never called.
     (work / "hooked.py").write_text(LOOP + """

@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from amp_doctor._version import __version__
+from amp_doctor.commands.aftertorch import after_torch_import
 from amp_doctor.commands.common import EXIT_USAGE, LAUNCHER_ENV, fail
 from amp_doctor.commands.launch import launch
 from amp_doctor.commands.paths import (
     check_output_file,
+    check_tensorboard_path,
     check_writable,
     default_logdir,
     logdir_option,
@@ -142,6 +144,8 @@ def diagnose(
     explicit = logdir is not None
     logdir = (logdir or default_logdir(target)).absolute()
     check_writable(logdir)
+    if not no_tensorboard:
+        check_tensorboard_path(logdir)
     if nproc_per_node is not None and nproc_per_node > 1:
         forwarded = [*(["--every", str(every)] if every else []),
                      *(["--anomaly"] if anomaly else []),
@@ -187,15 +191,10 @@ def _diagnose(
 ) -> int:
     from amp_doctor import runner
     from amp_doctor.merge import rank_dir, rank_env
-    from amp_doctor.watch import DEFAULT_EVERY, Watch
 
     ranks = rank_env()
     under_launcher = bool(os.environ.get(LAUNCHER_ENV))
     run_dir = rank_dir(logdir, ranks[0]) if ranks else logdir
-    doctor = Watch(None, every=every or DEFAULT_EVERY, logdir=run_dir, anomaly=anomaly,
-                   on_nonfinite=on_nonfinite, max_steps=max_steps, discover=True,
-                   tensorboard=tensorboard, fp32=fp32,
-                   stop_after=stop_after, target_dtype=target_dtype)
     speaks = ranks is None or (ranks[0] == 0 and not under_launcher)
     # TERM=dumb (an Emacs shell, some CI log viewers) shows the line's escapes raw.
     progress = Progress(enabled=speaks and not quiet and console.isatty()
@@ -203,6 +202,23 @@ def _diagnose(
     command = ["python", *(["-m", target.name] if target.kind == "module" else [target.name]),
                *target.args]
     finished: list[int] = []
+    watching: list[Any] = []
+
+    def start() -> None:
+        # Once torch is imported (by the script: what it set before, OMP_NUM_THREADS,
+        # took effect as under python), and before any of its code uses it.
+        from amp_doctor.watch import DEFAULT_EVERY, Watch
+
+        doctor = Watch(None, every=every or DEFAULT_EVERY, logdir=run_dir, anomaly=anomaly,
+                       on_nonfinite=on_nonfinite, max_steps=max_steps, discover=True,
+                       tensorboard=tensorboard, fp32=fp32,
+                       stop_after=stop_after, target_dtype=target_dtype)
+        before = set(threading.enumerate())
+        doctor.start()
+        doctor.add_listener(progress)
+        watching.append(doctor)
+        # Started while the script runs: not the script's threads, never waited for.
+        threads_before.update(set(threading.enumerate()) - before)
 
     def finish(exc: BaseException | None) -> int:
         # A Ctrl-C in the instant before the shield is up only means "interrupted": nothing
@@ -212,7 +228,9 @@ def _diagnose(
                 with sigint_shield(console):
                     progress.unwrap_std_streams()
                     progress.clear()
-                    finished.append(_finish(doctor, exc, command, ranks, speaks, run_dir,
+                    if not watching:  # the script never imported torch
+                        start()
+                    finished.append(_finish(watching[0], exc, command, ranks, speaks, run_dir,
                                             logdir, json_out, report_out, fail_on,
                                             tensorboard, console))
             except KeyboardInterrupt as late:
@@ -225,13 +243,11 @@ def _diagnose(
                      "diagnose it, start amp-doctor with the environment the script sets.")
         finish(None)
 
-    doctor.start()
-    doctor.add_listener(progress)
     progress.wrap_std_streams()
     pid = os.getpid()
     threads_before = set(threading.enumerate())
     try:
-        with _report_before_exec(before_exec):
+        with _report_before_exec(before_exec), after_torch_import(start) as started:
             exc = _run_script(resolved)
     except KeyboardInterrupt as late:  # a second Ctrl-C as the script's own exit unwound
         exc = late
@@ -239,6 +255,12 @@ def _diagnose(
         return _child_exit(exc)
     if finished:  # an exec that failed (OSError): the report is out already
         return runner.exit_code(exc)
+    if started.error is not None:
+        # The watch could not start at the script's `import torch` (which went on): the
+        # script ran unwatched; say why, as a failure to start before it would have.
+        progress.unwrap_std_streams()
+        restore_std_streams(console)
+        raise started.error
     late_interrupt = _join_script_threads(threads_before)
     return finish(exc if exc is not None else late_interrupt)
 

@@ -18,8 +18,8 @@ from amp_doctor.runfiles import JSON_NAME, make_writable_dir
 if TYPE_CHECKING:
     from amp_doctor import runner
 
-__all__ = ["DEFAULT_RUNS_DIR", "check_output_file", "check_writable", "default_logdir",
-           "logdir_option", "note_reused_logdir"]
+__all__ = ["DEFAULT_RUNS_DIR", "check_output_file", "check_tensorboard_path", "check_writable",
+           "default_logdir", "logdir_option", "note_reused_logdir"]
 
 DEFAULT_RUNS_DIR = Path("runs") / "amp-doctor"
 # Parallel runs started in the same second (a sweep) get "-2", "-3", ... suffixes; a
@@ -79,6 +79,17 @@ def check_writable(d: Path, option: str = "--logdir") -> None:
         fail(f"cannot write to {what} {str(d)!r} ({e.strerror or e}); "
              f"pass a writable {'directory' if option == '--logdir' else 'path'} "
              f"with {option}.")
+
+
+def check_tensorboard_path(d: Path) -> None:
+    """Fail before the script runs if TensorBoard cannot write under ``d``: it encodes
+    paths as UTF-8, and a C locale decodes a non-ASCII path to surrogates."""
+    try:
+        str(d).encode("utf-8")
+    except UnicodeEncodeError as e:
+        fail(f"TensorBoard cannot write under {str(d)!r} ({e}); run with a UTF-8 locale "
+             "(LC_ALL=C.UTF-8), pick an ASCII logdir, or turn TensorBoard off "
+             "(--no-tensorboard).")
 
 
 def check_output_file(p: Path, option: str, example: str) -> None:

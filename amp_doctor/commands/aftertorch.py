@@ -1,0 +1,102 @@
+"""Start watching when the user's script imports torch, not before it runs.
+
+A script may set what torch reads at import before it imports torch:
+``os.environ["OMP_NUM_THREADS"] = "1"`` (the intra-op thread count, and with it how a
+float32 sum is split, so its rounding), ``MKL_NUM_THREADS``, ``TORCH_LOGS``. Under
+``python train.py`` those take effect; if ``diagnose`` imported torch first, they would
+not, and the run would differ from the same run without amp-doctor. So ``diagnose``
+imports nothing of torch before the script, and starts its watch right after the
+script's own ``import torch`` has run torch's ``__init__``, before the script's next
+statement: nothing of the script's torch work happens unwatched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+
+__all__ = ["Started", "after_torch_import"]
+
+
+class _TorchImport(importlib.abc.MetaPathFinder):
+    """Finds ``torch`` as the finders after it would, and calls back once its
+    ``__init__`` has run."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+        self._lock = threading.Lock()
+        self.called = False
+        # What the callback raised: not raised into the user's import, which would fail
+        # it after torch's __init__ ran (a second import would run it again, and torch
+        # cannot register its operators twice).
+        self.error: BaseException | None = None
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "torch" or self.called:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        real_exec = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            # An instance attribute over the loader's method, for this one import.
+            del loader.exec_module  # type: ignore[attr-defined]
+            real_exec(module)
+            self.call()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+    def call(self) -> None:
+        with self._lock:
+            if self.called:
+                return
+            self.called = True
+        try:
+            self._callback()
+        except BaseException as e:  # kept for the caller: see self.error
+            self.error = e
+
+
+class Started:
+    """What :func:`after_torch_import` did: whether the callback ran, what it raised."""
+
+    def __init__(self, hook: _TorchImport | None) -> None:
+        self._hook = hook
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._hook.error if self._hook is not None else None
+
+
+@contextlib.contextmanager
+def after_torch_import(callback: Callable[[], None]) -> Iterator[Started]:
+    """While the block runs, call ``callback`` once torch is imported: at once if it is
+    already (amp-doctor run in-process, a sitecustomize that imports it), raising what it
+    raises; else inside the script's import, keeping what it raises in the ``error`` of
+    the :class:`Started` yielded (the script runs on, unwatched)."""
+    if "torch" in sys.modules:
+        callback()
+        yield Started(None)
+        return
+    hook = _TorchImport(callback)
+    sys.meta_path.insert(0, hook)
+    try:
+        yield Started(hook)
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(hook)
