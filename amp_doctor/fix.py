@@ -182,6 +182,15 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
     if base.ok:
         result.notes.append("The baseline has no error finding: nothing to fix.")
         return result
+    if not base.errors:
+        # Healthy AMP, and a script that fails for its own reasons (missing eval data, a
+        # metric gate): no float32 layer changes that, so no search.
+        why = f": {bs.run.error}" if bs.run.error else ""
+        result.notes.append(
+            f"The baseline has no AMP error finding, but the script itself failed (exit code "
+            f"{base.exit_code}{why}). Float32 layers cannot fix that: fix the script, and "
+            "run `amp-doctor fix` again if AMP errors remain.")
+        return result
     again, _ = _trial((), "baseline, repeated", run)
     if log:
         log(again)
@@ -382,7 +391,7 @@ def render_fix(r: FixResult) -> str:
         out.append("")
         out.extend("    " + line if line else "" for line in
                    snippet(r.best.fp32, r.device_type, r.models).splitlines())
-    elif not r.baseline.ok and r.baseline.errors != ("no_report",) and r.baseline.steps > 0:
+    elif r.baseline.errors and r.baseline.errors != ("no_report",) and r.baseline.steps > 0:
         budget = " within the trial budget (--trials)" if r.budget_exhausted else ""
         out.append(f"No set of float32 layers removed every error{budget}. Next things to try:")
         out.append("  - bfloat16 autocast (`torch.autocast(device_type, dtype=torch.bfloat16)`): "

@@ -138,6 +138,31 @@ def test_fix_cli_on_the_overflow_sample(tmp_path: Path) -> None:
     assert result["baseline"]["errors"] and result["trials"][-1]["ok"]
 
 
+def test_fix_on_a_healthy_script_that_fails_on_its_own_says_so_and_searches_nothing(
+        tmp_path: Path) -> None:
+    # Before: any non-zero exit was taken for an AMP error: a search over every layer,
+    # "No set of float32 layers removed every error" with bfloat16 advice, and the
+    # script's own error was never shown.
+    script = tmp_path / "evals.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "scaler = torch.amp.GradScaler('cpu')\n"
+        "for _ in range(3):\n"
+        "    with torch.autocast('cpu', dtype=torch.float16):\n"
+        "        loss = model(torch.randn(4, 8)).float().pow(2).mean()\n"
+        "    opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()\n"
+        "raise FileNotFoundError('val.csv: evaluation data missing')\n")
+    proc = subprocess.run([console_script(), "fix", str(script)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert ("The baseline has no AMP error finding, but the script itself failed (exit code 1: "
+            "FileNotFoundError: val.csv: evaluation data missing)") in proc.stdout
+    assert "No set of float32 layers" not in proc.stdout
+    assert proc.stderr.count("amp-doctor fix: float32 [") == 1  # the baseline alone
+
+
 def test_compare_cli_reads_two_saved_runs(tmp_path: Path) -> None:
     before = _run("fp16_activation_overflow", "SensorRegressor", steps=4)
     after = _run("fp16_activation_overflow", "SensorRegressor", fp32=("proj",), steps=4)
