@@ -78,6 +78,15 @@ def test_patterns_are_globs_over_report_names_and_ancestors_win() -> None:
     assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
 
 
+def test_an_exact_name_with_glob_characters_matches_itself() -> None:
+    # A model found in a list is named enc[0]; as a glob, "[0]" is a character class, so
+    # the name the report printed matched nothing.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    islands = Fp32Islands(["enc[0]"])
+    assert islands.attach("enc[0]", model) == ["enc[0]"]
+    islands.remove()
+
+
 def test_an_unmatched_pattern_is_a_one_line_error_with_near_names() -> None:
     s = _sample("fp16_activation_overflow")
     model = s.SensorRegressor()

@@ -119,7 +119,8 @@ class Fp32Islands:
         for qual, mod in model.named_modules():
             name = layer_name(prefix, qual, mod)
             self.names.append(name)
-            pats = [p for p in self.patterns if fnmatch.fnmatchcase(name, p)]
+            # The exact name first: a printed name may hold glob characters (enc[0]).
+            pats = [p for p in self.patterns if p == name or fnmatch.fnmatchcase(name, p)]
             if not pats:
                 continue
             for p in pats:
