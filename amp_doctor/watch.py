@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -295,6 +296,8 @@ class Watch:
             self._set_recording()
         except BaseException:
             self._teardown()
+            if self._tb is not None:
+                self._tb.close()
             raise
         _LIVE.add(self)
         return self
@@ -842,12 +845,33 @@ class Watch:
         return out + self._folder.lowp_events(d for m in metas for d in m.param_dtypes)
 
     def _write_outputs(self, session: Session) -> None:
+        """The JSON report, then TensorBoard's last parts; what TensorBoard could not
+        write is one warning (its writer thread's traceback was held back)."""
         from amp_doctor.sinks.jsonfile import write_json
 
         assert self.logdir is not None
-        write_json(session, self.logdir / JSON_NAME)
-        if self._tb is not None:
-            self._tb.finish(session)
+        deleted = not self.logdir.is_dir()
+        if deleted:  # by the script (shutil.rmtree("runs") to clear old TensorBoard logs)
+            _make_logdir(self.logdir)
+        try:
+            write_json(session, self.logdir / JSON_NAME)
+        finally:
+            parts: list[warnings.WarningMessage] = []
+            if self._tb is not None:
+                with warnings.catch_warnings(record=True) as parts:
+                    warnings.simplefilter("always")
+                    self._tb.finish(session)
+            if deleted:
+                warnings.warn(f"amp-doctor: {self.logdir} was deleted while the run was on "
+                              "(by the script?): its TensorBoard events are lost; the "
+                              "reports are written there again.", RuntimeWarning, stacklevel=3)
+            elif self._tb is not None and self._tb.error:
+                warnings.warn(f"amp-doctor: TensorBoard could not write its events in "
+                              f"{self.logdir} ({self._tb.error}); check free space.",
+                              RuntimeWarning, stacklevel=3)
+            else:  # the parts that failed on their own
+                for w in parts:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def watch(model: Models, **kwargs: Any) -> Watch:

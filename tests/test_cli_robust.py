@@ -205,6 +205,51 @@ def test_what_the_script_sets_before_importing_torch_takes_effect(work: Path) ->
     assert (s.steps, s.recorded_steps) == (3, 3) and s.layer("0").calls == 3
 
 
+def test_a_logdir_the_script_deletes_is_said_in_one_line_and_the_reports_still_written(
+        work: Path) -> None:
+    # shutil.rmtree("runs") to clear old TensorBoard logs, while amp-doctor's are in there.
+    # Before: "could not write the logs ... check free space and permissions", and no
+    # report. (TensorBoard's writer thread is left out here: its re-opening of the event
+    # file races with rmtree, as a SummaryWriter of the script's own would; its errors
+    # are kept off the output, test_tensorboard.py.)
+    (work / "cleans.py").write_text(LOOP + """
+import shutil
+shutil.rmtree("out")
+for _ in range(3):
+    step()
+""")
+    r = run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "--every", "1", "--logdir", "out",
+             "cleans.py"], work)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "Exception in thread" not in r.stderr, r.stderr
+    assert "was deleted while the run was on (by the script?): its TensorBoard events are " \
+        "lost; the reports are written there again." in r.stderr
+    assert r.stderr.count("amp-doctor: ") >= 1 and "TensorBoard output was not" not in r.stderr
+    assert Session.load(work / "out" / "amp_doctor.json").steps == 6
+
+
+def test_stop_after_in_a_training_thread_ends_it_without_a_traceback(work: Path) -> None:
+    # Before: amp-doctor's StopRun traceback, as "Exception in thread", in the output.
+    (work / "threaded_stop.py").write_text(LOOP.replace("for _ in range(3):\n    step()", "")
+                                           + """
+import threading
+def train():
+    for _ in range(50):
+        step()
+    print("thread done", flush=True)
+t = threading.Thread(target=train)
+t.start()
+t.join()
+print("main done", flush=True)
+""")
+    r = run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "--stop-after", "3", "--logdir", "out",
+             "threaded_stop.py"], work)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "StopRun" not in r.stderr, r.stderr
+    assert r.stdout.startswith("main done\n")
+    assert Session.load(work / "out" / "amp_doctor.json").steps == 3
+
+
 def test_a_script_that_never_imports_torch_still_gets_its_report(work: Path) -> None:
     (work / "plain.py").write_text('print("no torch here")\n')
     r = run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "--logdir", "out", "plain.py"], work)

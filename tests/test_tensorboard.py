@@ -11,9 +11,11 @@ import io
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -515,6 +517,20 @@ def test_finish_is_idempotent_and_survives_a_failing_part(
     acc = _load(tmp_path / "b")
     assert acc.Images("heatmap/headroom") and acc.Scalars("scaler/scale")  # the rest written
     assert not acc.Tags()["tensors"] or "findings/text_summary" not in acc.Tags()["tensors"]
+
+
+def test_a_writer_thread_error_is_kept_not_printed_and_the_hook_is_restored(
+        run: tuple[Path, Session], tmp_path: Path) -> None:
+    # The folder deleted under the writer (the script's shutil.rmtree): its thread's
+    # FileNotFoundError was a traceback in the middle of the user's output.
+    _, s = run
+    before = threading.excepthook
+    sink = TensorBoardSink(tmp_path / "gone", top_k=4)
+    assert threading.excepthook is not before
+    shutil.rmtree(tmp_path / "gone")
+    sink.finish(s)
+    assert sink.error is not None and "FileNotFoundError" in sink.error
+    assert threading.excepthook is before
 
 
 # -- the real dashboard path ---------------------------------------------------------------

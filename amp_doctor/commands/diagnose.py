@@ -13,6 +13,7 @@ import os
 import shlex
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -246,22 +247,23 @@ def _diagnose(
     progress.wrap_std_streams()
     pid = os.getpid()
     threads_before = set(threading.enumerate())
-    try:
-        with _report_before_exec(before_exec), after_torch_import(start) as started:
-            exc = _run_script(resolved)
-    except KeyboardInterrupt as late:  # a second Ctrl-C as the script's own exit unwound
-        exc = late
-    if os.getpid() != pid:
-        return _child_exit(exc)
-    if finished:  # an exec that failed (OSError): the report is out already
-        return runner.exit_code(exc)
-    if started.error is not None:
-        # The watch could not start at the script's `import torch` (which went on): the
-        # script ran unwatched; say why, as a failure to start before it would have.
-        progress.unwrap_std_streams()
-        restore_std_streams(console)
-        raise started.error
-    late_interrupt = _join_script_threads(threads_before)
+    with _stop_quietly_in_threads():  # through the wait for the script's threads
+        try:
+            with _report_before_exec(before_exec), after_torch_import(start) as started:
+                exc = _run_script(resolved)
+        except KeyboardInterrupt as late:  # a second Ctrl-C as the script's exit unwound
+            exc = late
+        if os.getpid() != pid:
+            return _child_exit(exc)
+        if finished:  # an exec that failed (OSError): the report is out already
+            return runner.exit_code(exc)
+        if started.error is not None:
+            # The watch could not start at the script's `import torch` (which went on):
+            # the script ran unwatched; say why, as a failure to start before it would.
+            progress.unwrap_std_streams()
+            restore_std_streams(console)
+            raise started.error
+        late_interrupt = _join_script_threads(threads_before)
     return finish(exc if exc is not None else late_interrupt)
 
 
@@ -290,6 +292,26 @@ def _report_before_exec(before: Callable[[str], None]) -> Iterator[None]:
     finally:
         for name, orig in saved.items():
             setattr(os, name, orig)
+
+
+@contextlib.contextmanager
+def _stop_quietly_in_threads() -> Iterator[None]:
+    """--stop-after reached in a thread the script trains in: that thread ends, as the
+    main thread's run would, without amp-doctor's StopRun traceback in the output."""
+    from amp_doctor.errors import StopRun
+
+    prev = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not isinstance(args.exc_value, StopRun):
+            prev(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        if threading.excepthook is hook:
+            threading.excepthook = prev
 
 
 def _join_script_threads(before: set[threading.Thread]) -> KeyboardInterrupt | None:
@@ -362,7 +384,12 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
                                 world_size=ranks[1] if ranks else None)
     doctor.set_run_meta(**meta)
     try:
-        session = doctor.close()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                session = doctor.close()
+            finally:
+                _echo_own_warnings(said, console)
     except OSError as e:
         console.echo(f"amp-doctor: error: could not write the logs in {run_dir} ({e}); "
                      "check free space and permissions.")
@@ -390,6 +417,17 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
             console.echo(f"amp-doctor: error: {e}")
             return EXIT_USAGE
     return code
+
+
+def _echo_own_warnings(said: list[warnings.WarningMessage], console: Console) -> None:
+    """amp-doctor's warnings from closing the watch (TensorBoard could not write) as one
+    line each, like its other messages; anything else as python would show it."""
+    for w in said:
+        text = str(w.message)
+        if text.startswith("amp-doctor:"):
+            console.echo(text)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _salvage(doctor: Any, run_dir: Path, console: Console, meta: dict[str, Any]) -> Session:

@@ -81,7 +81,8 @@ def publish(session: Session, logdir: Path, json_out: Path | None, report_out: P
         write_or_warn(lambda: write_json(session, json_out), json_out, console)
     print_user_exit(exc, console)
     _print_report(text, text_file, console)
-    console.echo(f"amp-doctor: JSON report: {logdir / JSON_NAME}")
+    if (logdir / JSON_NAME).is_file():  # not when the disk was full, say
+        console.echo(f"amp-doctor: JSON report: {logdir / JSON_NAME}")
     if tensorboard:
         console.echo(view_hint(logdir))
     if code == 0 and severity_reached(session, fail_on):

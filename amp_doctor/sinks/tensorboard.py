@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -366,8 +367,16 @@ class TensorBoardSink:
         self._skips = 0
         self._backoffs = 0
         self._finished = False
+        # Why the event file could not be written (a full disk, the folder deleted by the
+        # script): its writer thread's error, said once at the end instead of a traceback
+        # in the middle of the user's output.
+        self.error: str | None = None
+        before = set(threading.enumerate())
         self._writer: SummaryWriter | None = SummaryWriter(
             log_dir=str(self.logdir), flush_secs=flush_secs, max_queue=MAX_QUEUE)
+        self._threads = set(threading.enumerate()) - before
+        self._prev_hook = threading.excepthook
+        threading.excepthook = self._thread_error
         self._writer.add_custom_scalars(LAYOUT)
 
     # -- live ------------------------------------------------------------------------
@@ -553,14 +562,26 @@ class TensorBoardSink:
                           + "; ".join(failed), RuntimeWarning, stacklevel=2)
 
     def close(self) -> None:
-        """Flush and close the event file (idempotent). ``finish`` calls it."""
+        """Flush and close the event file (idempotent). ``finish`` calls it. A write that
+        fails is kept in :attr:`error`, not raised."""
         w, self._writer = self._writer, None
         self._finished = True
         if w is not None:
             try:
-                w.flush()
-            finally:
-                w.close()
+                try:
+                    w.flush()
+                finally:
+                    w.close()
+            except Exception as e:  # noqa: BLE001 - said by the caller, from self.error
+                self.error = self.error or f"{type(e).__name__}: {e}"
+        if threading.excepthook == self._thread_error:
+            threading.excepthook = self._prev_hook
+
+    def _thread_error(self, args: threading.ExceptHookArgs) -> None:
+        if args.thread in self._threads and args.exc_value is not None:
+            self.error = self.error or f"{args.exc_type.__name__}: {args.exc_value}"
+            return
+        self._prev_hook(args)
 
     def _session_format(self, session: Session) -> FormatLimits:
         if session.amp.dtype:
