@@ -536,3 +536,24 @@ for i in range(40):
     for line in ticks:
         visible = re.split(r"\r|\x1b\[2K", line)[-1]
         assert visible.startswith("tick "), repr(line)
+
+
+def test_a_watch_that_fails_to_start_at_the_scripts_import_leaves_the_import_whole(
+        tmp_path: Path) -> None:
+    # The watch starts inside the script's `import torch`. Raised there, the import would
+    # fail after torch's __init__ ran, and the next import would run it again (torch
+    # cannot register its operators twice): the error is kept for after the script.
+    code = """
+from amp_doctor.commands.aftertorch import after_torch_import
+def start():
+    raise RuntimeError("could not start")
+with after_torch_import(start) as started:
+    import torch
+    import torch.nn
+    print(torch.ones(2).sum().item())
+print(repr(started.error))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "2.0\nRuntimeError('could not start')\n"
