@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["AmpDoctorError", "NonFiniteError", "ReportFormatError", "StopRun", "UsageError"]
+__all__ = ["AmpDoctorError", "NonFiniteError", "ReportFormatError", "StopRun", "UsageError",
+           "tensorboard_path_error"]
 
 
 class AmpDoctorError(Exception):
@@ -36,3 +37,13 @@ class StopRun(BaseException):
     def __init__(self, steps: int) -> None:
         super().__init__(f"amp-doctor stopped the run after {steps} steps (--stop-after)")
         self.steps = steps
+
+
+def tensorboard_path_error(logdir: object, cause: Exception) -> UsageError:
+    """TensorBoard encodes paths as UTF-8; a C locale decodes a non-ASCII path to
+    surrogates, which it cannot encode back. Said before the script runs by the CLI, and
+    by ``watch()`` when its writer is made."""
+    return UsageError(
+        f"TensorBoard cannot write under {str(logdir)!r} ({cause}); run with a UTF-8 locale "
+        "(LC_ALL=C.UTF-8), pick an ASCII logdir, or turn TensorBoard off (--no-tensorboard, "
+        "watch(tensorboard=False)).")

@@ -37,7 +37,7 @@ from amp_doctor._version import __version__
 from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.devicework import as_own_work, iter_tensors, own_ops
 from amp_doctor.dtypes import FormatLimits, dtype_name, judged_format, limits, parse_dtype
-from amp_doctor.errors import AmpDoctorError, UsageError
+from amp_doctor.errors import AmpDoctorError, UsageError, tensorboard_path_error
 from amp_doctor.hooks.compiled import dynamo_compiled_something
 from amp_doctor.hooks.discovery import (
     GlobalDiscovery,
@@ -285,13 +285,7 @@ class Watch:
                 try:
                     self._tb = TensorBoardSink(self.logdir, top_k=self.top_k)
                 except UnicodeError as e:
-                    # TensorBoard encodes paths as UTF-8; a C locale decodes a non-ASCII
-                    # path to surrogates, which it cannot encode back.
-                    raise UsageError(
-                        f"TensorBoard cannot write under {str(self.logdir)!r} ({e}); run "
-                        "with a UTF-8 locale (LC_ALL=C.UTF-8), pick an ASCII logdir, or "
-                        "turn TensorBoard off (--no-tensorboard, "
-                        "watch(tensorboard=False)).") from None
+                    raise tensorboard_path_error(self.logdir, e) from None
                 self._listeners.append(self._tb.on_step)
             self._set_recording()
         except BaseException:

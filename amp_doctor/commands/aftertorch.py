@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
-__all__ = ["Started", "after_torch_import"]
+__all__ = ["after_torch_import"]
 
 
 class _TorchImport(importlib.abc.MetaPathFinder):
@@ -72,31 +72,22 @@ class _TorchImport(importlib.abc.MetaPathFinder):
             self.error = e
 
 
-class Started:
-    """What :func:`after_torch_import` did: whether the callback ran, what it raised."""
-
-    def __init__(self, hook: _TorchImport | None) -> None:
-        self._hook = hook
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._hook.error if self._hook is not None else None
-
-
 @contextlib.contextmanager
-def after_torch_import(callback: Callable[[], None]) -> Iterator[Started]:
+def after_torch_import(callback: Callable[[], None]) -> Iterator[_TorchImport]:
     """While the block runs, call ``callback`` once torch is imported: at once if it is
     already (amp-doctor run in-process, a sitecustomize that imports it), raising what it
     raises; else inside the script's import, keeping what it raises in the ``error`` of
-    the :class:`Started` yielded (the script runs on, unwatched)."""
+    what is yielded (the script runs on, unwatched)."""
     if "torch" in sys.modules:
+        done = _TorchImport(callback)
+        done.called = True
         callback()
-        yield Started(None)
+        yield done
         return
     hook = _TorchImport(callback)
     sys.meta_path.insert(0, hook)
     try:
-        yield Started(hook)
+        yield hook
     finally:
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(hook)

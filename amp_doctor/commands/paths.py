@@ -13,6 +13,7 @@ import click
 
 from amp_doctor.commands.common import fail
 from amp_doctor.commands.terminal import Console
+from amp_doctor.errors import tensorboard_path_error
 from amp_doctor.runfiles import JSON_NAME, make_writable_dir
 
 if TYPE_CHECKING:
@@ -87,9 +88,7 @@ def check_tensorboard_path(d: Path) -> None:
     try:
         str(d).encode("utf-8")
     except UnicodeEncodeError as e:
-        fail(f"TensorBoard cannot write under {str(d)!r} ({e}); run with a UTF-8 locale "
-             "(LC_ALL=C.UTF-8), pick an ASCII logdir, or turn TensorBoard off "
-             "(--no-tensorboard).")
+        fail(str(tensorboard_path_error(d, e)))
 
 
 def check_output_file(p: Path, option: str, example: str) -> None:

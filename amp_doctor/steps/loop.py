@@ -93,8 +93,10 @@ class LoopSignals:
             [t.detach().reshape(()) for t in losses])
         bad = (x * 0).ne(0)
         bad = bad if len(losses) == 1 else bad.any()
-        # The step's loss, for a loop without scaler.scale (which notes it unscaled).
-        self._flags.setdefault(PLAIN_LOSS_KEY, x.float() if len(losses) == 1 else x[0].float())
+        # The step's loss, for a loop without scaler.scale (which notes it unscaled): the
+        # first backward's, with no op for the later ones.
+        if PLAIN_LOSS_KEY not in self._flags:
+            self._flags[PLAIN_LOSS_KEY] = (x if len(losses) == 1 else x[0]).float()
         scaled = self._flags.get("scaled_grads_bad")
         if scaled is not None:
             # A loss made of gradients that overflowed under the loss scale (a gradient
