@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["AmpDoctorError", "NonFiniteError", "ReportFormatError", "StopRun", "UsageError",
-           "tensorboard_path_error"]
+__all__ = ["AmpDoctorError", "NonFiniteError", "ReportFormatError", "StopRun", "Terminated",
+           "UsageError", "tensorboard_path_error"]
 
 
 class AmpDoctorError(Exception):
@@ -25,6 +25,19 @@ class ReportFormatError(AmpDoctorError, ValueError):
     caller adds the file name. A ``ValueError`` too, so code that skips unreadable
     files (the rank merge) keeps working.
     """
+
+
+class Terminated(BaseException):
+    """The process was sent SIGTERM (a scheduler's time limit, ``kill``, ``docker stop``)
+    while ``amp-doctor diagnose`` ran the script: raised in the main thread so that the
+    run unwinds (the script's ``finally`` blocks run) and the report is written, as for
+    Ctrl-C. A ``BaseException`` that is not a ``KeyboardInterrupt``: the script's own
+    ``except KeyboardInterrupt`` does not take it for a Ctrl-C.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
 
 
 class StopRun(BaseException):

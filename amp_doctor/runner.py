@@ -31,6 +31,7 @@ import traceback
 from types import CodeType, ModuleType, TracebackType
 from typing import Any, TextIO
 
+from amp_doctor.errors import Terminated
 from amp_doctor.targets import (
     ModuleNotFound,
     ResolvedTarget,
@@ -170,8 +171,9 @@ def exit_code(exc: BaseException | None) -> int:
 
     ``SystemExit(None)`` -> 0, ``SystemExit(n)`` -> n, any other ``SystemExit`` payload
     -> 1 (python also prints it: see :func:`system_exit_message`), ``KeyboardInterrupt``
-    -> 130, anything else -> 1. Pass the result to ``sys.exit``, which applies the same
-    truncation to 8 bits that python's own exit would.
+    -> 130, :class:`~amp_doctor.errors.Terminated` -> 128 + its signal (what a shell shows
+    for a process the signal killed), anything else -> 1. Pass the result to
+    ``sys.exit``, which applies the same truncation to 8 bits that python's own exit would.
     """
     if exc is None:
         return 0
@@ -184,6 +186,8 @@ def exit_code(exc: BaseException | None) -> int:
         return 1
     if isinstance(exc, KeyboardInterrupt):
         return _SIGINT_EXIT
+    if isinstance(exc, Terminated):
+        return 128 + exc.signum
     return 1
 
 
@@ -223,6 +227,8 @@ def report_exit(exc: BaseException | None, file: TextIO | None = None) -> int:
         message = system_exit_message(exc)
         if message is not None:
             stream.write(message + "\n")
+    elif isinstance(exc, Terminated):
+        pass  # python, killed by the signal, prints nothing; amp-doctor says it once
     elif exc is not None and stream is sys.stderr and sys.excepthook is not sys.__excepthook__:
         # The script installed its own hook (a crash logger, Sentry, rich): python would
         # call it, with the user's frames.

@@ -185,6 +185,50 @@ def test_ctrl_c_writes_the_report_and_exits_130(work: Path) -> None:
     assert s.run.outcome == "interrupted" and s.steps >= 3 and s.recorded_steps >= 3
 
 
+def test_sigterm_writes_the_report_and_exits_143(work: Path) -> None:
+    # What a scheduler's time limit, `kill` or `docker stop` sends: python would die at
+    # once, with nothing written; the run unwinds instead, as for Ctrl-C.
+    proc = subprocess.Popen(
+        [AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "train_tiny.py", "--wait"],
+        cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    s = _report(work)
+    assert s.run.outcome == "interrupted" and s.run.error == "SIGTERM (signal 15)"
+    assert s.run.exit_code == 143 and s.steps >= 3 and s.recorded_steps >= 3
+    assert "amp-doctor: the script was stopped by SIGTERM" in err
+    assert "Traceback" not in err and "Terminated" not in err
+    assert (work / "out" / "report.txt").read_text().startswith("amp-doctor")
+
+
+def test_a_scripts_own_sigterm_handler_is_kept(work: Path) -> None:
+    (work / "own_term.py").write_text("""
+import os, signal, sys
+import torch
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(7))
+m = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for i in range(3):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(torch.randn(2, 4)).float().pow(2).mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+os.kill(os.getpid(), signal.SIGTERM)
+print("not reached")
+""")
+    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "own_term.py"], work)
+    assert r.returncode == 7 and "not reached" not in r.stdout, r.stderr
+    s = _report(work)
+    assert s.run.outcome == "exit" and s.steps == 3
+    assert "SIGTERM" not in r.stderr
+
+
 def test_two_models_are_each_watched_with_prefixes(work: Path, cli: Cli) -> None:
     r = cli(["diagnose", "--every", "1", "--logdir", "out", "gan.py"])
     assert r.returncode == 0, r.stderr

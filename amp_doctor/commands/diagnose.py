@@ -33,8 +33,14 @@ from amp_doctor.commands.paths import (
     note_reused_logdir,
 )
 from amp_doctor.commands.publish import print_user_exit, publish, render_report, write_or_warn
-from amp_doctor.commands.terminal import Console, Progress, restore_std_streams, sigint_shield
-from amp_doctor.errors import AmpDoctorError
+from amp_doctor.commands.terminal import (
+    Console,
+    Progress,
+    restore_std_streams,
+    sigint_shield,
+    sigterm_unwinds,
+)
+from amp_doctor.errors import AmpDoctorError, Terminated
 from amp_doctor.runfiles import JSON_NAME, TEXT_NAME
 
 if TYPE_CHECKING:
@@ -249,7 +255,8 @@ def _diagnose(
     threads_before = set(threading.enumerate())
     with _stop_quietly_in_threads():  # through the wait for the script's threads
         try:
-            with _report_before_exec(before_exec), after_torch_import(start) as started:
+            with (_report_before_exec(before_exec), sigterm_unwinds(),
+                  after_torch_import(start) as started):
                 exc = _run_script(resolved)
         except KeyboardInterrupt as late:  # a second Ctrl-C as the script's exit unwound
             exc = late
@@ -373,6 +380,11 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
     error = None
     if isinstance(exc, KeyboardInterrupt):
         outcome = "interrupted"
+    elif isinstance(exc, Terminated):
+        outcome = "interrupted"
+        error = f"SIGTERM (signal {exc.signum})"
+        console.echo("amp-doctor: the script was stopped by SIGTERM; the report holds what "
+                     "ran before it.")
     elif isinstance(exc, SystemExit):
         # sys.exit(0) / sys.exit(None), as in `sys.exit(main())`, is a normal end.
         outcome = "exit" if code != 0 else "completed"

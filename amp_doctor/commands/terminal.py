@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from amp_doctor.steps.listeners import StepRows
 
 __all__ = ["Console", "GuardedStream", "Progress", "restore_std_streams", "sigint_shield",
+           "sigterm_unwinds",
            "usable"]
 
 # Redraw the live status line at most this often.
@@ -208,6 +209,7 @@ def sigint_shield(console: Console) -> Iterator[None]:
     A second Ctrl-C used to land in the middle of ``close()`` and lose everything
     ("Aborted!", exit 1). The run is over by then; the writing takes a moment. The
     previous handler is restored afterwards. Only the main thread may set handlers.
+    A SIGTERM (a scheduler sends it again before its SIGKILL) is ignored meanwhile too.
     """
     noted = False
 
@@ -220,11 +222,13 @@ def sigint_shield(console: Console) -> Iterator[None]:
                               "it is written.\n")
 
     previous: Any = None
+    previous_term: Any = None
     installed = False
     if threading.current_thread() is threading.main_thread():
         try:
             previous = signal.signal(signal.SIGINT, ignore)
             installed = True
+            previous_term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         except (ValueError, OSError):
             pass
     try:
@@ -234,3 +238,35 @@ def sigint_shield(console: Console) -> Iterator[None]:
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(signal.SIGINT, previous if previous is not None
                               else signal.default_int_handler)
+            if previous_term is not None:
+                with contextlib.suppress(ValueError, OSError, TypeError):
+                    signal.signal(signal.SIGTERM, previous_term)
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While the script runs, SIGTERM raises :class:`~amp_doctor.errors.Terminated` in
+    the main thread instead of killing the process at once: the run unwinds and the
+    report holds what ran, as for Ctrl-C (a scheduler's time limit is a SIGTERM).
+
+    Only where SIGTERM has its default action: a handler the environment installed is
+    left alone, and one the script installs replaces this one (and is kept).
+    """
+    from amp_doctor.errors import Terminated
+
+    def unwind(signum: int, frame: Any) -> None:
+        del frame
+        raise Terminated(signum)
+
+    installed = False
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGTERM, unwind)
+            installed = True
+    try:
+        yield
+    finally:
+        if installed and signal.getsignal(signal.SIGTERM) is unwind:
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
