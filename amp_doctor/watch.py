@@ -23,7 +23,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ from amp_doctor.hooks.discovery import (
 from amp_doctor.hooks.patching import Subscription, subscribe
 from amp_doctor.hooks.probes import COMPILED_NOTE, Probes
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
-from amp_doctor.runfiles import JSON_NAME, make_writable_dir
+from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir
 from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
 from amp_doctor.steps.loop import LoopSignals
 from amp_doctor.steps.monitor import AmpMonitor, LoopCallbacks
@@ -213,6 +213,8 @@ class Watch:
         self._discovery: GlobalDiscovery | None = None
         self._anomaly: Any = None
         self._tb: Any = None
+        # Set while this run holds its logdir (runfiles.claim_run_dir).
+        self._release_logdir: Callable[[], None] | None = None
         self._run_meta: dict[str, Any] = {}
         self._started_flag = False
         self._compiled_names: set[str] = set()
@@ -279,6 +281,7 @@ class Watch:
                 self._anomaly.start()
             if self.logdir is not None:
                 _make_logdir(self.logdir)
+                self._release_logdir = claim_run_dir(self.logdir)
             if self.logdir is not None and self._opts.tensorboard:
                 from amp_doctor.sinks.tensorboard import TensorBoardSink
 
@@ -292,6 +295,7 @@ class Watch:
             self._teardown()
             if self._tb is not None:
                 self._tb.close()
+            self._let_go_of_logdir()
             raise
         _LIVE.add(self)
         return self
@@ -347,10 +351,18 @@ class Watch:
             self._teardown()
             # Leave no reference to the user's tensors behind.
             self._loop.release()
-        self.session_ = self._build_session()
-        if self.logdir is not None:
-            self._write_outputs(self.session_)
+        try:
+            self.session_ = self._build_session()
+            if self.logdir is not None:
+                self._write_outputs(self.session_)
+        finally:
+            self._let_go_of_logdir()
         return self.session_
+
+    def _let_go_of_logdir(self) -> None:
+        release, self._release_logdir = self._release_logdir, None
+        if release is not None:
+            release()
 
     def _attach_wrappers(self, given: nn.Module) -> None:
         """A model compiled before watch(): say so, and never toggle its sublayer hooks.

@@ -328,6 +328,30 @@ if os.environ.get("REEXECED") != "1":
     assert Session.load(work / "out" / "amp_doctor.json").steps == 3
 
 
+def test_a_second_run_into_a_busy_logdir_is_refused_before_its_script_runs(
+        work: Path) -> None:
+    first = subprocess.Popen(
+        [AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "train_tiny.py", "--wait"],
+        cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "ready"
+        r = run([AMP_DOCTOR, "diagnose", "--logdir", "out", "train_tiny.py"], work)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"another amp-doctor run (process {first.pid}) is writing into" in r.stderr
+        assert "pass another --logdir" in r.stderr
+        assert "trained" not in r.stdout  # the script never started
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 130, err
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.run.outcome == "interrupted" and s.steps >= 3  # the first run's, whole
+    assert not (work / "out" / ".amp-doctor.lock").exists()
+    r = run([AMP_DOCTOR, "diagnose", "--logdir", "out", "train_tiny.py"], work)
+    assert r.returncode == 0, r.stderr  # free again
+
+
 def test_ctrl_c_during_the_report_writing_is_ignored(work: Path) -> None:
     # The script's own thread plays the user: one Ctrl-C to stop training, then Ctrl-C
     # again and again until the JSON report is on disk, so that some land while the

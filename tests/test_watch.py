@@ -6,7 +6,12 @@ import copy
 import dataclasses
 import gc
 import math
+import os
+import socket
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +20,8 @@ from torch import nn
 
 import amp_doctor
 from amp_doctor import Session
+from amp_doctor.errors import UsageError
+from amp_doctor.runfiles import LOCK_NAME
 from amp_doctor.steps.scaler import patches_installed
 from tests.helpers import MLP, train
 
@@ -225,6 +232,34 @@ def test_everything_removed_on_exit_and_on_exception() -> None:
     assert d.session.run.outcome == "interrupted"
     assert (torch.amp.GradScaler.step, torch.amp.GradScaler.update, nnu.clip_grad_norm_,
             torch.autograd.backward) == originals
+
+
+def test_one_run_at_a_time_in_a_logdir(tmp_path: Path) -> None:
+    # Two runs writing into one logdir mixed their TensorBoard events and overwrote each
+    # other's reports without a word; the second is now refused, and the logdir is free
+    # again once the first ends, also by an exception or Ctrl-C.
+    lock = tmp_path / LOCK_NAME
+    first = amp_doctor.watch(MLP(), every=1, logdir=tmp_path, tensorboard=False)
+    assert lock.read_text().split()[0] == str(os.getpid())
+    with pytest.raises(UsageError, match=r"another amp-doctor run \(in this "
+                       r"process\) is writing into .*pass another logdir"):
+        amp_doctor.watch(MLP(), every=1, logdir=tmp_path, tensorboard=False)
+    assert lock.exists()  # the refused watch took nothing away from the first
+    first.close()
+    assert not lock.exists()
+    for ending in (RuntimeError("boom"), KeyboardInterrupt()):
+        with pytest.raises(type(ending)):
+            with amp_doctor.watch(MLP(), every=1, logdir=tmp_path, tensorboard=False):
+                assert lock.exists()
+                raise ending
+        assert not lock.exists()
+    # A lock left by a run that was killed (kill -9) is taken over.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(f"{dead.pid} {socket.gethostname()}\n")
+    with amp_doctor.watch(MLP(), every=1, logdir=tmp_path, tensorboard=False):
+        assert lock.read_text().split()[0] == str(os.getpid())
+    assert not lock.exists()
 
 
 def test_plain_handle_with_close() -> None:

@@ -40,8 +40,8 @@ from amp_doctor.commands.terminal import (
     sigint_shield,
     sigterm_unwinds,
 )
-from amp_doctor.errors import AmpDoctorError, Terminated
-from amp_doctor.runfiles import JSON_NAME, TEXT_NAME
+from amp_doctor.errors import AmpDoctorError, Terminated, UsageError
+from amp_doctor.runfiles import JSON_NAME, TEXT_NAME, check_run_dir_free, claim_run_dir
 
 if TYPE_CHECKING:
     from amp_doctor import runner
@@ -153,6 +153,11 @@ def diagnose(
     check_writable(logdir)
     if not no_tensorboard:
         check_tensorboard_path(logdir)
+    if not os.environ.get(LAUNCHER_ENV):  # under the launcher, it holds the logdir
+        try:
+            check_run_dir_free(logdir)
+        except UsageError as e:
+            fail(str(e))
     if nproc_per_node is not None and nproc_per_node > 1:
         forwarded = [*(["--every", str(every)] if every else []),
                      *(["--anomaly"] if anomaly else []),
@@ -162,8 +167,15 @@ def diagnose(
                      *(["--stop-after", str(stop_after)] if stop_after else []),
                      *(["--target-dtype", target_dtype] if target_dtype else []),
                      *(["--no-tensorboard"] if no_tensorboard else [])]
-        sys.exit(launch(nproc_per_node, target, logdir, forwarded, json_out, report_out,
-                        fail_on, not no_tensorboard))
+        try:
+            release = claim_run_dir(logdir, "--logdir")  # for every rank, and the merge
+        except UsageError as e:
+            fail(str(e))
+        try:
+            sys.exit(launch(nproc_per_node, target, logdir, forwarded, json_out, report_out,
+                            fail_on, not no_tensorboard))
+        finally:
+            release()
     console = Console()
     try:
         if explicit and not os.environ.get(LAUNCHER_ENV):
