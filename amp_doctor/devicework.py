@@ -152,7 +152,11 @@ class _OwnOps:
     - a ``__torch_function__`` tensor subclass or function mode of the user's (one
       that logs, counts or refuses ops), which would see amp-doctor's ops and, for a
       subclass, make its statistics instances of itself (:func:`_torch_function_off`);
-    - the user's ``__torch_dispatch__`` modes (:func:`pop_dispatch_modes`).
+    - the user's ``__torch_dispatch__`` modes (:func:`pop_dispatch_modes`);
+    - ``torch.inference_mode``, under which a buffer amp-doctor makes (a step's staging
+      buffer, made at the first tensor filed: a teacher's, or a validation's) would be an
+      inference tensor, which no later in-place write outside inference mode may touch
+      (a RuntimeError in the user's next training forward).
 
     Per thread: a user's thread running the model meanwhile must not have its ops
     taken for ours. On CUDA the backward pass runs on an autograd thread, and
@@ -194,6 +198,10 @@ class _OwnOps:
             cpu = torch.device("cpu")
             cpu.__enter__()
             _own.cpu_default = cpu
+        if torch.is_inference_mode_enabled():
+            normal = torch.inference_mode(False)
+            normal.__enter__()
+            _own.normal = normal
         if torch._C._len_torch_dispatch_stack():
             # A mode of the user's (FlopCounterMode, a logging or counting one) would see
             # amp-doctor's ops as the user's: a watched run's FLOP count would include the
@@ -210,6 +218,10 @@ class _OwnOps:
         if modes:
             push_dispatch_modes(modes)
         _own.user_modes = None
+        normal = getattr(_own, "normal", None)
+        if normal is not None:
+            _own.normal = None
+            normal.__exit__(None, None, None)
         cpu = getattr(_own, "cpu_default", None)
         if cpu is not None:
             _own.cpu_default = None

@@ -727,6 +727,72 @@ def test_validation_of_the_trained_model_under_no_grad_is_still_inference() -> N
     assert first.calls == 3  # the three training calls, not the validation ones
 
 
+def test_a_teacher_under_inference_mode_first_in_the_step_leaves_the_run_whole() -> None:
+    # A teacher run under inference_mode (its output cloned for the loss) first in each
+    # step: from the second step on it is a companion, whose call files the step's first
+    # tensor. Before: the staging buffer made then was an inference tensor, and the
+    # student's forward, filing into it, raised "Inplace update to inference tensor
+    # outside InferenceMode" inside the user's step.
+    def run(watch: bool) -> tuple[list[float], amp_doctor.Watch | None]:
+        torch.manual_seed(0)
+        teacher = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+        student = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        doctor = (amp_doctor.watch({"student": student, "teacher": teacher}, every=1,
+                                   tensorboard=False) if watch else None)
+        losses = []
+        try:
+            for _ in range(4):
+                x = torch.randn(16, 8)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    with torch.inference_mode():
+                        t = teacher(x)
+                    loss = (student(x).float() - t.float().clone()).pow(2).mean()
+                losses.append(loss.item())
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        finally:
+            if doctor is not None:
+                doctor.close()
+        return losses, doctor
+
+    losses, doctor = run(True)
+    assert [str(v) for v in losses] == [str(v) for v in run(False)[0]]
+    assert doctor is not None and doctor.session.steps == 4
+    teacher2 = next(layer for layer in doctor.session.layers if layer.name == "teacher.2")
+    assert teacher2.recorded_steps == 3  # from the second step on (see _companion)
+
+
+def test_a_sanity_check_of_two_models_under_inference_mode_is_not_a_step() -> None:
+    # Lightning validates every model under inference_mode before training (its sanity
+    # check): before, the first model's call was taken for a teacher's run first in the
+    # very first iteration, and its values (here overflowing float16) filed into step 0.
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    disc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
+    with amp_doctor.watch({"gen": gen, "disc": disc}, every=1, tensorboard=False) as doctor:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.float16):
+            disc(gen(torch.full((4, 8), 1e5)))  # the sanity check, on a huge batch
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                d_loss = disc(gen(torch.randn(4, 8)).detach()).float().mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            with torch.autocast("cpu", dtype=torch.float16):
+                g_loss = -disc(gen(torch.randn(4, 8))).float().mean()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+    s = doctor.session
+    assert [f.kind for f in s.findings if f.severity != "info"] == []
+    gen0 = next(layer for layer in s.layers if layer.name == "gen.0")
+    assert gen0.calls == 6  # two a training step, none from the sanity check
+
+
 @pytest.mark.parametrize("scaled", [False, True])
 def test_gradients_that_all_flush_to_zero_are_an_error(scaled: bool) -> None:
     # A tiny loss weight in float16: the loss's gradient flushes to zero on its way back,

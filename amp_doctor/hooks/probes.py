@@ -344,15 +344,18 @@ class Probes:
         teacher, a frozen reference model, whose outputs feed the training step's loss.
         Its forward is the step's work, recorded and checked as the trained model's is
         (a teacher's float16 overflow poisons the student's loss). Validation of a
-        trained model, and anything before the first training forward (a Lightning
-        sanity check of one model), is inference."""
+        trained model, and a Lightning sanity check before the first training forward
+        (of one model, or of several under inference_mode), is inference."""
         root = self._root_of(id(module))
         if root in self._roots_trained or torch._C._current_graph_task_id() != -1:
             return False
         # Before any model trained: a teacher run first in the very first iteration (its
-        # student not called yet), but not a single model's validation.
-        return bool(self._roots_trained) or any(
-            r not in self._roots_called for r in self._roots if r != root)
+        # student not called yet), but not a single model's validation, nor Lightning's
+        # sanity check of several, which runs under inference_mode (a teacher's output
+        # made there cannot feed the loss's backward without a clone).
+        return bool(self._roots_trained) or (
+            not torch.is_inference_mode_enabled()
+            and any(r not in self._roots_called for r in self._roots if r != root))
 
     def in_companion_call(self) -> bool:
         """The outermost watched call running is a companion's (see :meth:`_companion`)."""
