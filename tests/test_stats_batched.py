@@ -143,6 +143,8 @@ def test_every_way_of_reducing_a_pass_gives_the_raw_figures() -> None:
             x[i % n] = 0
             ts.append(x.to([torch.float16, torch.float32, torch.bfloat16][i % 3]))
         ts[1][2] = 1e-40  # float32 subnormal: non-zero, in code 0
+        ts[3] = ts[3].double()
+        ts[3][1] = 1e-300  # below float32's range: 0 in the stage, yet not a zero
         ts[2][0] = math.nan
         ts[4][1] = -math.inf
         b = S.Batch()

@@ -524,6 +524,9 @@ class Batch:
         self._hists: list[torch.Tensor] = []  # [rows, _HIST_COLS] int16 per pass
         self._nonzeros: list[torch.Tensor] = []  # [rows] float32 per counted pass
         self._counted: list[int] = []  # the rows _nonzeros covers, in order
+        # Non-zeros counted at add, from the tensor's own sample (not exact in the stage).
+        self._own_counts = _Column()
+        self._own_counted: list[int] = []
 
     def __len__(self) -> int:
         return len(self.numel)
@@ -563,8 +566,13 @@ class Batch:
             self._mins.append(mn)
             self._maxs.append(mx)
             self._exact_rows.append(len(self.numel))
-        if x.dtype is not torch.float16:
-            self._to_count.append(len(self._lengths))
+        if x.dtype in _STAGED_EXACT:
+            if x.dtype is not torch.float16:
+                self._to_count.append(len(self._lengths))
+        else:
+            # float64: a value below float32's range is 0 in the stage, yet not a zero.
+            self._own_counts.append(torch.count_nonzero(sample))
+            self._own_counted.append(len(self.numel))
         # float64 beyond float32's range becomes inf here, which is what a cast to
         # any low-precision format would do too.
         stage[self._used : self._used + k].copy_(sample)
@@ -724,9 +732,12 @@ class Batch:
             where = upload(self._counted, dev)
             nonzeros = torch.cat(self._nonzeros).to(f64) + rows[:, NANS].index_select(0, where)
             rows[:, ZEROS].index_copy_(0, where, nonzeros)
+        if self._own_counted:
+            rows[:, ZEROS].index_copy_(0, upload(self._own_counted, dev),
+                                       self._own_counts.stacked().to(f64))
         self._hists, self._extremes, self._nonzeros = [], [], []
-        self._mins, self._maxs = _Column(), _Column()
-        self._exact_rows, self._counted = [], []
+        self._mins, self._maxs, self._own_counts = _Column(), _Column(), _Column()
+        self._exact_rows, self._counted, self._own_counted = [], [], []
         return out
 
 
