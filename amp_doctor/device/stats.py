@@ -342,19 +342,26 @@ def stage_size(filed_bytes: int) -> int:
     return min(STAGE_LIMIT, max(SAMPLE_LIMIT, share))
 
 
+def _nonzero_ones(magnitudes: torch.Tensor) -> torch.Tensor:
+    """1 for each non-zero of ``magnitudes`` (float32, sign cleared), else 0, as int32: a
+    new tensor of their size. Read from the bit pattern, which is 0 for a zero only: a
+    NaN (``sign`` gives 0 there), a signalling one too, counts."""
+    return magnitudes.view(torch.int32).clamp(max=1)
+
+
 def _count_lines(lines: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i]`` = the non-zeros of line ``i`` of magnitudes ``lines`` (a NaN not
-    counted), through a temporary of at most :data:`_SIGN_CHUNK` values."""
+    """``out[i]`` (int32) = the non-zeros of line ``i`` of magnitudes ``lines``, through
+    a temporary of at most :data:`_SIGN_CHUNK` values."""
     step = max(1, _SIGN_CHUNK // lines.shape[1])
     for c in range(0, lines.shape[0], step):
         m = min(step, lines.shape[0] - c)
-        torch.nansum(torch.sign(lines.narrow(0, c, m)), 1, out=out.narrow(0, c, m))
+        torch.sum(_nonzero_ones(lines.narrow(0, c, m)), 1, out=out.narrow(0, c, m))
 
 
 def _count_rows(values: torch.Tensor, lengths: list[int], needed: list[int],
                 out: torch.Tensor) -> None:
-    """``out[j]`` = the non-zeros of row ``needed[j]`` of the staged magnitudes (a NaN
-    not counted): a few ops per run of consecutive needed rows of one length."""
+    """``out[j]`` = the non-zeros of row ``needed[j]`` of the staged magnitudes: a few ops
+    per run of consecutive needed rows of one length."""
     starts = list(itertools.accumulate(lengths, initial=0))
     j = 0
     while j < len(needed):
@@ -375,7 +382,7 @@ class _Reduction:
         raise NotImplementedError
 
     def count(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[i]`` = the non-zeros of row ``i`` of the magnitudes (a NaN not counted)."""
+        """``out[i]`` = the non-zeros of row ``i`` of the staged magnitudes."""
         raise NotImplementedError
 
 
@@ -408,9 +415,10 @@ class _ByUnits(_Reduction):
         if self.lens is None:
             _count_lines(lines, out)
             return
-        per_line = torch.empty(self.lines, dtype=torch.float32, device=values.device)
+        per_line = torch.empty(self.lines, dtype=torch.int32, device=values.device)
         _count_lines(lines, per_line)
-        out.copy_(torch.segment_reduce(per_line, "sum", lengths=self.lens, unsafe=True))
+        out.copy_(torch.segment_reduce(per_line.float(), "sum", lengths=self.lens,
+                                       unsafe=True))
 
     def offset(self, codes: torch.Tensor) -> None:
         offsets = _row_offsets(codes.device).narrow(0, 0, self.rows)
@@ -466,8 +474,8 @@ class _BySegments(_Reduction):
         out[1].copy_(torch.segment_reduce(values, "max", lengths=self.lens, unsafe=True))
 
     def count(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        signs = torch.sign(values).nan_to_num_(0.0)
-        out.copy_(torch.segment_reduce(signs, "sum", lengths=self.lens, unsafe=True))
+        ones = _nonzero_ones(values).float()
+        out.copy_(torch.segment_reduce(ones, "sum", lengths=self.lens, unsafe=True))
 
     def offset(self, codes: torch.Tensor) -> None:
         # The buffer lives for this pass only, so that it is not part of the step's
@@ -522,7 +530,7 @@ class Batch:
         self._to_count: list[int] = []
         self._extremes: list[torch.Tensor] = []  # [2, rows] float32 per pass: min, max
         self._hists: list[torch.Tensor] = []  # [rows, _HIST_COLS] int16 per pass
-        self._nonzeros: list[torch.Tensor] = []  # [rows] float32 per counted pass
+        self._nonzeros: list[torch.Tensor] = []  # [rows] int32 per counted pass
         self._counted: list[int] = []  # the rows _nonzeros covers, in order
         # Non-zeros counted at add, from the tensor's own sample (not exact in the stage).
         self._own_counts = _Column()
@@ -658,7 +666,7 @@ class Batch:
         needed = self._to_count
         if needed and (len(needed) == rows or isinstance(way, _BySegments)):
             needed = list(range(rows))  # a float16 row's count is exact too
-        nonzeros = torch.empty(len(needed), dtype=torch.float32, device=dev)
+        nonzeros = torch.empty(len(needed), dtype=torch.int32, device=dev)
         if len(needed) == rows:
             way.count(values, nonzeros)
         elif needed:
@@ -728,10 +736,8 @@ class Batch:
         torch.sub(upload(self.sampled, dev), h[:, _H_CODE0], out=rows[:, ZEROS])
         if self._counted:
             # ... and the exact count where code 0 may hold non-zeros (not float16).
-            # sign(NaN) is NaN, which the counts left out: the histogram counts NaNs.
-            where = upload(self._counted, dev)
-            nonzeros = torch.cat(self._nonzeros).to(f64) + rows[:, NANS].index_select(0, where)
-            rows[:, ZEROS].index_copy_(0, where, nonzeros)
+            rows[:, ZEROS].index_copy_(0, upload(self._counted, dev),
+                                       torch.cat(self._nonzeros).to(f64))
         if self._own_counted:
             rows[:, ZEROS].index_copy_(0, upload(self._own_counted, dev),
                                        self._own_counts.stacked().to(f64))
