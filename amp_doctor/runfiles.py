@@ -84,7 +84,11 @@ def check_run_dir_free(d: Path, option: str = "--logdir") -> None:
     """Raise :class:`~amp_doctor.errors.UsageError` if a live run holds ``d`` (see
     :func:`claim_run_dir`); before a script runs, so that it fails before training."""
     if str(d.resolve()) in _CLAIMED:
-        raise _busy_error(d, "in this process", option)
+        # A notebook's cell run again while the watch it started last time is open.
+        raise UsageError(
+            f"another watch in this process is writing into {str(d)!r}, and still open: "
+            "close it first (doctor.close(), or `with amp_doctor.watch(...) as doctor:`), "
+            f"or pass another {option}; their reports and TensorBoard events would mix.")
     who = _busy(d / LOCK_NAME)
     if who is not None:
         raise _busy_error(d, who, option)

@@ -241,8 +241,8 @@ def test_one_run_at_a_time_in_a_logdir(tmp_path: Path) -> None:
     lock = tmp_path / LOCK_NAME
     first = amp_doctor.watch(MLP(), every=1, logdir=tmp_path, tensorboard=False)
     assert lock.read_text().split()[0] == str(os.getpid())
-    with pytest.raises(UsageError, match=r"another amp-doctor run \(in this "
-                       r"process\) is writing into .*pass another logdir"):
+    with pytest.raises(UsageError, match=r"another watch in this process is writing into "
+                       r".*still open: close it first \(doctor.close\(\).*pass another logdir"):
         amp_doctor.watch(MLP(), every=1, logdir=tmp_path, tensorboard=False)
     assert lock.exists()  # the refused watch took nothing away from the first
     first.close()
