@@ -352,6 +352,76 @@ def test_a_second_run_into_a_busy_logdir_is_refused_before_its_script_runs(
     assert r.returncode == 0, r.stderr  # free again
 
 
+TRAIN = """
+import os, signal, sys, threading, time
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def step():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+def term():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+"""
+
+
+@pytest.mark.parametrize("case", ["before_torch", "swallowed", "thread_wait", "pool",
+                                  "workers"])
+def test_sigterm_in_every_phase_of_a_run(work: Path, case: str) -> None:
+    # Review 33: each of these crashed the run, printed amp-doctor's tracebacks, wrote no
+    # report, or reported a completed run or an amp-doctor bug.
+    scripts = {
+        # Before the watch is on: python's own death, nothing to report yet.
+        "before_torch": "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n"
+                        "import time\ntime.sleep(5)\nprint('not reached')\n",
+        # The script's bare except swallows it: still reported, still the end.
+        "swallowed": TRAIN + "for i in range(3):\n    step()\ntry:\n    term()\n"
+                             "except:\n    pass\nstep()\n",
+        # While diagnose waits for the script's training thread, as python would.
+        "thread_wait": TRAIN + "def train():\n    for i in range(3):\n        step()\n"
+                               "    term()\n    print('not reached')\n"
+                               "threading.Thread(target=train).start()\n",
+        # Pool ends its workers with SIGTERM: they die as under python, silently.
+        "pool": TRAIN + "import multiprocessing as mp\ndef sq(x):\n    return x * x\n"
+                        "if __name__ == '__main__':\n    for i in range(3):\n        step()\n"
+                        "    with mp.get_context('fork').Pool(2) as p:\n"
+                        "        print(sum(p.map(sq, range(8))))\n"
+                        "        p.map_async(time.sleep, [3, 3])\n"
+                        "        time.sleep(0.5)  # both busy when the pool ends\n",
+        # A scheduler signals the whole job: DataLoader workers die of it too, and
+        # torch's SIGCHLD handler raises while the main process unwinds.
+        "workers": TRAIN + "data = torch.utils.data.DataLoader(torch.randn(4000, 8), "
+                           "batch_size=4, num_workers=2)\n"
+                           "for i, x in enumerate(data):\n    step()\n"
+                           "    if i == 3:\n        os.killpg(os.getpgid(0), signal.SIGTERM)\n"
+                           "        time.sleep(5)\n",
+    }
+    (work / "t.py").write_text(scripts[case])
+    r = subprocess.run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "t.py"],
+                       cwd=work, capture_output=True, text=True, timeout=120,
+                       start_new_session=True)  # killpg: the run's own group only
+    assert "not reached" not in r.stdout
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
+    if case == "before_torch":
+        assert r.returncode == -signal.SIGTERM and r.stderr == ""
+        assert not (work / "out" / "amp_doctor.json").exists()
+        return
+    if case == "pool":
+        assert r.returncode == 0 and r.stdout == "140\n", r.stderr
+        assert Session.load(work / "out" / "amp_doctor.json").run.outcome == "completed"
+        return
+    assert r.returncode == -signal.SIGTERM, r.stderr
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.run.outcome == "interrupted" and s.run.error == "SIGTERM (signal 15)"
+    assert s.steps >= 3 and s.run.exit_code == 143
+    assert "amp-doctor: the script was stopped by SIGTERM" in r.stderr
+    assert not (work / "out" / ".amp-doctor.lock").exists()
+
+
 def test_ctrl_c_during_the_report_writing_is_ignored(work: Path) -> None:
     # The script's own thread plays the user: one Ctrl-C to stop training, then Ctrl-C
     # again and again until the JSON report is on disk, so that some land while the

@@ -36,6 +36,7 @@ from amp_doctor.commands.publish import print_user_exit, publish, render_report,
 from amp_doctor.commands.terminal import (
     Console,
     Progress,
+    die_by_signal,
     restore_std_streams,
     sigint_shield,
     sigterm_unwinds,
@@ -180,11 +181,13 @@ def diagnose(
     try:
         if explicit and not os.environ.get(LAUNCHER_ENV):
             note_reused_logdir(logdir, console)
-        code = _diagnose(resolved, target, logdir, every, anomaly, json_out, report_out,
-                         fail_on, max_steps, quiet, not no_tensorboard, console, fp32,
-                         stop_after, target_dtype, on_nonfinite)
+        code, signum = _diagnose(resolved, target, logdir, every, anomaly, json_out,
+                                 report_out, fail_on, max_steps, quiet, not no_tensorboard,
+                                 console, fp32, stop_after, target_dtype, on_nonfinite)
     finally:
         console.close()
+    if signum is not None:
+        die_by_signal(signum)  # the report is out: end as python would have
     sys.exit(code)
 
 
@@ -207,7 +210,9 @@ def _diagnose(
     quiet: bool, tensorboard: bool, console: Console, fp32: tuple[str, ...] = (),
     stop_after: int | None = None, target_dtype: str | None = None,
     on_nonfinite: str = "record",
-) -> int:
+) -> tuple[int, int | None]:
+    """The exit code, and the signal that ended the script (then the process must end by
+    it, once every file is written: :func:`die_by_signal`)."""
     from amp_doctor import runner
     from amp_doctor.merge import rank_dir, rank_env
 
@@ -265,25 +270,35 @@ def _diagnose(
     progress.wrap_std_streams()
     pid = os.getpid()
     threads_before = set(threading.enumerate())
-    with _stop_quietly_in_threads():  # through the wait for the script's threads
+    # Through the wait for the script's threads:
+    with _stop_quietly_in_threads(), sigterm_unwinds() as term:
+
+        def start_watching() -> None:
+            start()
+            term.arm()  # once the watch is on: see SigtermUnwinds.arm
+
         try:
-            with (_report_before_exec(before_exec), sigterm_unwinds(),
-                  after_torch_import(start) as started):
+            with _report_before_exec(before_exec), after_torch_import(start_watching) as started:
                 exc = _run_script(resolved)
-        except KeyboardInterrupt as late:  # a second Ctrl-C as the script's exit unwound
-            exc = late
+        except (KeyboardInterrupt, Terminated) as again:  # as the script's exit unwound
+            exc = again
         if os.getpid() != pid:
-            return _child_exit(exc)
+            return _child_exit(exc), None
         if finished:  # an exec that failed (OSError): the report is out already
-            return runner.exit_code(exc)
+            return runner.exit_code(exc), None
         if started.error is not None:
             # The watch could not start at the script's `import torch` (which went on):
             # the script ran unwatched; say why, as a failure to start before it would.
             progress.unwrap_std_streams()
             restore_std_streams(console)
             raise started.error
-        late_interrupt = _join_script_threads(threads_before)
-    return finish(exc if exc is not None else late_interrupt)
+        # Under python, a SIGTERM ends the process, its other threads with it.
+        late = _join_script_threads(threads_before) if term.received is None else None
+    if term.received is not None and not isinstance(exc, Terminated):
+        # The script swallowed it (a bare except), or an error it caused replaced it as
+        # it unwound (DataLoader workers the same signal ended): python would have died.
+        exc = Terminated(term.received)
+    return finish(exc if exc is not None else late), term.received
 
 
 @contextlib.contextmanager
@@ -333,12 +348,13 @@ def _stop_quietly_in_threads() -> Iterator[None]:
             threading.excepthook = prev
 
 
-def _join_script_threads(before: set[threading.Thread]) -> KeyboardInterrupt | None:
+def _join_script_threads(before: set[threading.Thread]) -> BaseException | None:
     """Python runs a script's non-daemon threads to their end before it exits (a server
     or GUI app whose training thread outlives the main code): so does diagnose, before it
     closes the watch, for the threads the script started (not ``before``). A thread pool's
     workers are left out: python stops them at exit (an atexit hook) before it waits, and
-    they would wait for work forever. A Ctrl-C ends the wait, as it does under python."""
+    they would wait for work forever. A Ctrl-C or a SIGTERM ends the wait, as it does
+    under python."""
     from concurrent.futures import thread as pool_threads
 
     try:
@@ -346,7 +362,7 @@ def _join_script_threads(before: set[threading.Thread]) -> KeyboardInterrupt | N
             if (t not in before and not t.daemon and t is not threading.current_thread()
                     and getattr(t, "_target", None) is not pool_threads._worker):
                 t.join()
-    except KeyboardInterrupt as e:
+    except (KeyboardInterrupt, Terminated) as e:
         return e
     return None
 

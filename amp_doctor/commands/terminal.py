@@ -14,14 +14,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 if TYPE_CHECKING:
     from amp_doctor.records import StepRecord
     from amp_doctor.steps.listeners import StepRows
 
-__all__ = ["Console", "GuardedStream", "Progress", "restore_std_streams", "sigint_shield",
-           "sigterm_unwinds",
+__all__ = ["Console", "GuardedStream", "Progress", "SigtermUnwinds", "die_by_signal",
+           "restore_std_streams", "sigint_shield", "sigterm_unwinds",
            "usable"]
 
 # Redraw the live status line at most this often.
@@ -243,30 +243,75 @@ def sigint_shield(console: Console) -> Iterator[None]:
                     signal.signal(signal.SIGTERM, previous_term)
 
 
+class SigtermUnwinds:
+    """See :func:`sigterm_unwinds`."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None  # the signal, once it came (if it ever does)
+        self._pid = os.getpid()
+        self._armed = False
+
+    def arm(self) -> None:
+        """From now on, SIGTERM raises :class:`~amp_doctor.errors.Terminated` in the main
+        thread. Called once the watch has started: before, python's own death by the
+        signal is what the user would get (there is nothing to report yet, and an
+        exception inside ``import torch`` would leave torch half-imported)."""
+        if self._armed or threading.current_thread() is not threading.main_thread():
+            return
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._unwind)
+                self._armed = True
+
+    def disarm(self) -> None:
+        if self._armed and signal.getsignal(signal.SIGTERM) == self._unwind:
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self._armed = False
+
+    def _unwind(self, signum: int, frame: Any) -> None:
+        del frame
+        from amp_doctor.errors import Terminated
+
+        if os.getpid() != self._pid:
+            # A forked child (a multiprocessing worker, which Pool ends with SIGTERM):
+            # the default action, as under python.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        first = self.received is None
+        self.received = signum
+        if first:  # a second one while the script unwinds changes nothing
+            raise Terminated(signum)
+
+
 @contextlib.contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """While the script runs, SIGTERM raises :class:`~amp_doctor.errors.Terminated` in
-    the main thread instead of killing the process at once: the run unwinds and the
-    report holds what ran, as for Ctrl-C (a scheduler's time limit is a SIGTERM).
+def sigterm_unwinds() -> Iterator[SigtermUnwinds]:
+    """While the block runs, once armed (:meth:`SigtermUnwinds.arm`), SIGTERM raises
+    :class:`~amp_doctor.errors.Terminated` in the main thread instead of killing the
+    process at once: the run unwinds and the report holds what ran, as for Ctrl-C (a
+    scheduler's time limit is a SIGTERM); ``received`` says it came, even if the
+    script swallowed the exception. Then :func:`die_by_signal` ends the process as the
+    signal would have.
 
     Only where SIGTERM has its default action: a handler the environment installed is
     left alone, and one the script installs replaces this one (and is kept).
     """
-    from amp_doctor.errors import Terminated
-
-    def unwind(signum: int, frame: Any) -> None:
-        del frame
-        raise Terminated(signum)
-
-    installed = False
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
-        with contextlib.suppress(ValueError, OSError):
-            signal.signal(signal.SIGTERM, unwind)
-            installed = True
+    term = SigtermUnwinds()
     try:
-        yield
+        yield term
     finally:
-        if installed and signal.getsignal(signal.SIGTERM) is unwind:
-            with contextlib.suppress(ValueError, OSError, TypeError):
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        term.disarm()
+
+
+def die_by_signal(signum: int) -> NoReturn:
+    """End the process by ``signum``'s default action, as python would have ended on it
+    (a scheduler sees the signal; a shell shows 128 + ``signum``), once the report is
+    written: the script's other threads stop with it, as they would have."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stream.flush()  # type: ignore[union-attr]
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    os._exit(128 + signum)

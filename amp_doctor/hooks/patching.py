@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import sys
 import threading
 import warnings
@@ -129,6 +130,8 @@ class _ApiHub:
                 try:
                     getattr(sub, method)(*args)
                 except Exception as e:  # never let amp-doctor break a training run
+                    if _raised_by_a_signal_handler(e):
+                        raise  # the process's, not amp-doctor's (see the function)
                     _internal_error(sub, method, e)
 
     @contextlib.contextmanager
@@ -427,6 +430,26 @@ def _flow_hook(scaler_id: int, grad: torch.Tensor) -> None:
 
 _HUB = _ApiHub()
 _REPORTED: set[tuple[int, str]] = set()
+
+
+def _raised_by_a_signal_handler(exc: BaseException) -> bool:
+    """``exc`` came from a Python signal handler that ran while amp-doctor's code did
+    (torch's DataLoader raises from its SIGCHLD handler when a worker dies, on the SIGTERM
+    a scheduler sends the whole job): the user's run must end on it as it would
+    without amp-doctor, not have it taken for amp-doctor's bug and go on."""
+    codes = set()
+    for sig in signal.valid_signals():
+        with contextlib.suppress(ValueError, OSError, RuntimeError):
+            handler = signal.getsignal(sig)
+            code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+            if code is not None:
+                codes.add(code)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _internal_error(sub: Any, method: str, exc: Exception) -> None:
