@@ -4,6 +4,7 @@ check that it takes files, and the claim of one run on it while it writes there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -38,6 +39,9 @@ LOCK_NAME = ".amp-doctor.lock"
 # stale one (its holder writes the line right after creating the file).
 _LOCK_BIRTH_S = 5.0
 _CLAIMED: set[str] = set()  # run folders this process holds, resolved
+# Of those, the ones claimed for a watch this process starts later, which takes the claim
+# over (the CLI claims before the script runs; the watch starts at its `import torch`).
+_HANDED: set[str] = set()
 
 
 def _holder(lock: Path) -> tuple[int, str] | None:
@@ -94,33 +98,42 @@ def check_run_dir_free(d: Path, option: str = "--logdir") -> None:
         raise _busy_error(d, who, option)
 
 
-def claim_run_dir(d: Path, option: str = "logdir") -> Callable[[], None]:
+def claim_run_dir(d: Path, option: str = "logdir", *,
+                  for_a_watch: bool = False) -> Callable[[], None]:
     """Claim the existing folder ``d`` for this run until the returned function is
     called: a lock file naming this process, taken over if its process has ended (a
     run killed with ``kill -9``). Raises :class:`~amp_doctor.errors.UsageError` if a
     live run, in this process or another, holds it.
 
-    The release removes the file only in the process that claimed it: a forked child
-    (a DataLoader worker) leaves the parent's claim alone.
+    ``for_a_watch``: the claim is for a watch this process starts later, whose own
+    claim of ``d`` takes this one over (and its release frees it): no second run can
+    slip in between. The release removes the file only in the process that claimed
+    it: a forked child (a DataLoader worker) leaves the parent's claim alone.
     """
     key = str(d.resolve())
     lock = d / LOCK_NAME
-    check_run_dir_free(d, option)
     me = (os.getpid(), socket.gethostname())
+    if key in _HANDED and not for_a_watch:
+        _HANDED.discard(key)  # the watch it was claimed for
+        return functools.partial(_release, key, lock, me)
+    check_run_dir_free(d, option)
     if not _create_lock(lock, me):
         who = _busy(lock)
         raise _busy_error(d, who or "a run starting now", option)
     _CLAIMED.add(key)
+    if for_a_watch:
+        _HANDED.add(key)
+    return functools.partial(_release, key, lock, me)
 
-    def release() -> None:
-        if os.getpid() != me[0]:
-            return
-        _CLAIMED.discard(key)
-        if _holder(lock) == me:
-            with contextlib.suppress(OSError):
-                lock.unlink()
 
-    return release
+def _release(key: str, lock: Path, me: tuple[int, str]) -> None:
+    if os.getpid() != me[0]:
+        return
+    _CLAIMED.discard(key)
+    _HANDED.discard(key)
+    if _holder(lock) == me:
+        with contextlib.suppress(OSError):
+            lock.unlink()
 
 
 def _create_lock(lock: Path, me: tuple[int, str]) -> bool:

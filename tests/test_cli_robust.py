@@ -352,6 +352,24 @@ def test_a_second_run_into_a_busy_logdir_is_refused_before_its_script_runs(
     assert r.returncode == 0, r.stderr  # free again
 
 
+def test_two_runs_started_together_into_one_logdir_one_runs_the_other_fails_first(
+        work: Path) -> None:
+    # Review 33: the claim was made at the script's `import torch`, after the CLI's check:
+    # both passed the check, and the second trained to its end unwatched, then failed.
+    cmd = [AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "train_tiny.py",
+           "--steps", "3"]
+    procs = [subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], outs
+    out, err = outs[[p.returncode for p in procs].index(2)]
+    assert "trained" not in out and "another amp-doctor run" in err
+    assert "pass another --logdir" in err and err.count("\n") == 1, err
+    assert Session.load(work / "out" / "amp_doctor.json").steps == 3
+    assert not (work / "out" / ".amp-doctor.lock").exists()
+
+
 TRAIN = """
 import os, signal, sys, threading, time
 import torch

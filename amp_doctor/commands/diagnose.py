@@ -213,12 +213,42 @@ def _diagnose(
 ) -> tuple[int, int | None]:
     """The exit code, and the signal that ended the script (then the process must end by
     it, once every file is written: :func:`die_by_signal`)."""
-    from amp_doctor import runner
     from amp_doctor.merge import rank_dir, rank_env
 
     ranks = rank_env()
     under_launcher = bool(os.environ.get(LAUNCHER_ENV))
     run_dir = rank_dir(logdir, ranks[0]) if ranks else logdir
+    # Claimed now, before the script runs, for the watch that starts at its `import torch`:
+    # a second run started at the same moment fails here, not after its training. (Ranks
+    # claim their own folders as their watches start.)
+    with _claimed_for_the_watch(logdir) if ranks is None else contextlib.nullcontext():
+        return _diagnose_watched(resolved, target, logdir, run_dir, ranks, under_launcher,
+                                 every, anomaly, json_out, report_out, fail_on, max_steps,
+                                 quiet, tensorboard, console, fp32, stop_after, target_dtype,
+                                 on_nonfinite)
+
+
+@contextlib.contextmanager
+def _claimed_for_the_watch(logdir: Path) -> Iterator[None]:
+    try:
+        release = claim_run_dir(logdir, "--logdir", for_a_watch=True)
+    except UsageError as e:
+        fail(str(e))
+    try:
+        yield
+    finally:
+        release()
+
+
+def _diagnose_watched(
+    resolved: Any, target: runner.Target, logdir: Path, run_dir: Path,
+    ranks: tuple[int, int] | None, under_launcher: bool, every: int | None, anomaly: bool,
+    json_out: Path | None, report_out: Path | None, fail_on: str, max_steps: int | None,
+    quiet: bool, tensorboard: bool, console: Console, fp32: tuple[str, ...],
+    stop_after: int | None, target_dtype: str | None, on_nonfinite: str,
+) -> tuple[int, int | None]:
+    from amp_doctor import runner
+
     speaks = ranks is None or (ranks[0] == 0 and not under_launcher)
     # TERM=dumb (an Emacs shell, some CI log viewers) shows the line's escapes raw.
     progress = Progress(enabled=speaks and not quiet and console.isatty()
