@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,56 @@ def test_only_rank_1_overflows_and_the_merged_report_says_so(work: Path) -> None
     # DDP all-reduces the inf into both ranks' gradients: both skip, one timeline.
     assert merged.scaler is not None and merged.scaler.skipped_steps == [0, 1, 2]
     assert "activation_overflow" in r.stderr and "[rank 1]" in r.stderr
+
+
+def test_sigterm_to_the_launcher_ends_every_rank_and_merges_their_reports(work: Path) -> None:
+    # Review 33: a SIGTERM (a scheduler's) ended the launcher at once, and left torchrun
+    # and both ranks running as orphans, with no merged report and a stale logdir lock.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    ready = work / "ready"
+    proc = subprocess.Popen(
+        [AMP_DOCTOR, "diagnose", "--every", "1", "--no-tensorboard", "--logdir", "out",
+         "--nproc-per-node", "2", "ddp_train.py", "--wait-file", str(ready)],
+        cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 180
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), proc.communicate(timeout=10)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    for k in (0, 1):
+        s = Session.load(work / "out" / f"rank{k}" / "amp_doctor.json")
+        assert s.run.outcome == "interrupted" and s.run.error == "SIGTERM (signal 15)"
+        assert s.steps == 3
+    merged = Session.load(work / "out" / "amp_doctor.json")
+    assert merged.run.world_size == 2 and merged.run.exit_code == 143
+    assert not list((work / "out").rglob(".amp-doctor.lock"))
+    time.sleep(1)
+    script = str(work / "ddp_train.py")
+    left = [p for p in Path("/proc").glob("[0-9]*")
+            if script.encode() in _cmdline(p) or b"ddp_train.py" in _cmdline(p)
+            and str(work).encode() in _cwd(p)]
+    assert left == []  # no rank, no torchrun, left running
+
+
+def _cmdline(p: Path) -> bytes:
+    try:
+        return (p / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _cwd(p: Path) -> bytes:
+    try:
+        return os.readlink(p / "cwd").encode()
+    except OSError:
+        return b""
 
 
 @pytest.mark.slow

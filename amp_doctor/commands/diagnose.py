@@ -173,10 +173,13 @@ def diagnose(
         except UsageError as e:
             fail(str(e))
         try:
-            sys.exit(launch(nproc_per_node, target, logdir, forwarded, json_out, report_out,
-                            fail_on, not no_tensorboard))
+            code, signum = launch(nproc_per_node, target, logdir, forwarded, json_out,
+                                  report_out, fail_on, not no_tensorboard)
         finally:
             release()
+        if signum is not None:
+            die_by_signal(signum)  # the merged report is out: end as python would have
+        sys.exit(code)
     console = Console()
     try:
         if explicit and not os.environ.get(LAUNCHER_ENV):

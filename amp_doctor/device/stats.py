@@ -226,9 +226,12 @@ def _equal_runs(lengths: list[int]) -> list[tuple[int, int]]:
 _RUN_OPS_NS = 12_000
 _SEGMENTS_FIXED_NS = 60_000
 _SEGMENTS_NS_PER_VALUE = 7.0
-# A non-zero count reads the sign of the values into a temporary of at most this
-# many values (a sample's size): a pass adds no stage-sized transient.
+# A non-zero count reads the values into a temporary of at most this many values (a
+# sample's size), but by segments (many short rows of many lengths), one of the pass's size.
 _SIGN_CHUNK = SAMPLE_LIMIT
+# Rows to count in more than this many separate runs are counted with every other row of
+# the pass instead: two ops per run cost more than one sweep over the stage.
+_COUNT_FRAGMENTS_MAX = 8
 # Rows whose lengths share a divisor at least this long are reduced as lines of that
 # length (_ByUnits); shorter lines cost more per value than segment_reduce.
 _UNIT_MIN = 32
@@ -356,6 +359,11 @@ def _count_lines(lines: torch.Tensor, out: torch.Tensor) -> None:
     for c in range(0, lines.shape[0], step):
         m = min(step, lines.shape[0] - c)
         torch.sum(_nonzero_ones(lines.narrow(0, c, m)), 1, out=out.narrow(0, c, m))
+
+
+def _fragments(rows: list[int]) -> int:
+    """How many runs of consecutive numbers ``rows`` (sorted) is made of."""
+    return 1 + sum(1 for a, b in zip(rows, rows[1:], strict=False) if b != a + 1)
 
 
 def _count_rows(values: torch.Tensor, lengths: list[int], needed: list[int],
@@ -664,8 +672,11 @@ class Batch:
         way.extremes(values, extremes)
         values.abs_()
         needed = self._to_count
-        if needed and (len(needed) == rows or isinstance(way, _BySegments)):
-            needed = list(range(rows))  # a float16 row's count is exact too
+        if needed and (len(needed) == rows or isinstance(way, _BySegments)
+                       or _fragments(needed) > _COUNT_FRAGMENTS_MAX):
+            # Every row, in a few ops (autocast's float32 rows, LayerNorm's and softmax's,
+            # come between float16 ones): a float16 row's count is exact too.
+            needed = list(range(rows))
         nonzeros = torch.empty(len(needed), dtype=torch.int32, device=dev)
         if len(needed) == rows:
             way.count(values, nonzeros)
