@@ -68,10 +68,10 @@ def test_a_batch_over_several_passes_equals_one_tensor_at_a_time() -> None:
     torch.testing.assert_close(hs.matrix, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
 
 
-def test_both_ways_of_reducing_rows_and_a_released_stage_give_the_same_rows() -> None:
-    # 60 tiny rows of alternating lengths make a pass of many short runs (segment
-    # reductions, summed row-start steps), the long ones passes of few runs (a few ops
-    # per run, a run of equal rows through a 2-D view); release() mid-step counts what is staged and
+def test_both_ways_of_offsetting_rows_and_a_released_stage_give_the_same_rows() -> None:
+    # 60 tiny rows of alternating lengths make a pass of many short runs (summed
+    # row-start steps), the long ones passes of few runs (one add per run, a run of
+    # equal rows through a 2-D view); release() mid-step counts what is staged and
     # frees the stage, as before an optimizer step.
     ts = ([torch.full((5 + i % 2,), float(i) - 30.0) for i in range(60)] + _tensors()
           + [torch.randn(5000) * i for i in range(4)])
@@ -82,8 +82,8 @@ def test_both_ways_of_reducing_rows_and_a_released_stage_give_the_same_rows() ->
             b.release()
             assert b._stage is None
     rows = S.host_rows(b.finish(), b.numel, b.sampled)
-    assert 60 * S._RUN_OPS_NS > S._SEGMENTS_FIXED_NS + 330 * S._SEGMENTS_NS_PER_VALUE
-    assert 3 * S._RUN_OPS_NS < S._SEGMENTS_FIXED_NS + 3 * S.SAMPLE_LIMIT * S._SEGMENTS_NS_PER_VALUE
+    assert 60 * S._ROW_OP_NS > S._STEPS_FIXED_NS + 300 * S._STEPS_NS_PER_VALUE
+    assert 3 * S._ROW_OP_NS < S._STEPS_FIXED_NS + 3 * S.SAMPLE_LIMIT * S._STEPS_NS_PER_VALUE
     torch.testing.assert_close(rows, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
     _assert_raw_figures(rows, ts)
 
@@ -126,43 +126,30 @@ def test_filing_many_at_once_equals_filing_one_at_a_time() -> None:
                                equal_nan=True)
 
 
-def test_every_way_of_reducing_a_pass_gives_the_raw_figures() -> None:
-    # Rows whose lengths share a long divisor are lines of it (a transformer's: 4096,
-    # 8192, 16384), combined into rows where a row is several lines; equal rows are
-    # one line each; few runs of odd lengths go run by run; many go by segments.
-    # Mixed formats: only the rows that are not float16 have their zeros counted.
+def test_passes_of_mixed_lengths_and_formats_give_the_raw_figures() -> None:
+    # Lengths sharing a divisor (a transformer's), runs of equal rows, many short rows of
+    # two lengths; float16, float32 and bfloat16 rows in turn, a float32 subnormal, a
+    # float64 value below float32's range, a signalling NaN: each row's extremes, zeros
+    # and NaNs against the tensor's own.
     g = torch.Generator().manual_seed(11)
-    dev = torch.device("cpu")
-    cases = {
-        S._ByUnits: [64, 128, 64, 192, 64] * 3,
-        S._ByRuns: [300, 300, 7, 7, 7, 301],
-        S._BySegments: [5, 6] * 40,
-    }
-    for way, lengths in cases.items():
-        assert type(S._reduction(lengths, dev)) is way
+    for lengths in ([64, 128, 64, 192, 64] * 3, [300, 300, 7, 7, 7, 301], [5, 6] * 40):
         ts = []
         for i, n in enumerate(lengths):
             x = torch.randn(n, generator=g) * 10.0 ** (i % 7 - 3)
             x[i % n] = 0
             ts.append(x.to([torch.float16, torch.float32, torch.bfloat16][i % 3]))
         ts[1][2] = 1e-40  # float32 subnormal: non-zero, in code 0
-        ts[3] = ts[3].double()
-        ts[4].view(torch.int32)[0] = 0x7F800001  # a signalling NaN (float32): not a zero
-        ts[3][1] = 1e-300  # below float32's range: 0 in the stage, yet not a zero
         ts[2][0] = math.nan
+        ts[3] = ts[3].double()
+        ts[3][1] = 1e-300  # below float32's range: 0 in the stage, yet not a zero
         ts[4][1] = -math.inf
+        ts[4].view(torch.int32)[0] = 0x7F800001  # a signalling NaN (float32): not a zero
         b = S.Batch()
         for t in ts:
             b.add(t)
         rows = S.host_rows(b.finish(), b.numel, b.sampled)
         _assert_raw_figures(rows, ts)
         torch.testing.assert_close(rows, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
-    equal = [torch.randn(256, generator=g) for _ in range(8)]
-    assert type(S._reduction([256] * 8, dev)) is S._ByUnits
-    b = S.Batch()
-    for t in equal:
-        b.add(t)
-    _assert_raw_figures(S.host_rows(b.finish(), b.numel, b.sampled), equal)
 
 
 def test_many_tiny_tensors_need_more_than_one_pass_of_rows() -> None:

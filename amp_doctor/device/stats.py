@@ -13,20 +13,15 @@ host by :func:`decode`. That is why a layer that ran in float32 gets its
 what-if figures at no extra cost.
 
 Bounded cost per tensor, batched across tensors. A hook pays for
-:meth:`Batch.add`: one copy of the tensor, or of a bounded sample of it, into a
-float32 staging buffer; a tensor the stage holds only in part (a sample, or a
-float64 tensor, rounded) also pays for its exact min and max over the whole
-tensor (one ``aminmax`` pass with no temporary). Everything else is batched:
-one pass over the staging buffer reads the staged rows' min and max, counts the
-non-zeros of the rows that need a count (not float16), and turns the values
-into histogram codes (the exponent and top mantissa bit of the float32 bit
-pattern of ``|x|``, offset by the row) counted by one histogram. The pass's ops
-run on 2-D views of the stage: lines of a length every row's length divides (a
-transformer's rows share one), or runs of equal rows, or ``segment_reduce``
-over many short rows of many lengths: a few ops per pass, however many rows
-(:meth:`Batch.finish` packs the step's rows with a handful more). So the
-extremes, and whether any NaN, Inf or overflowing value is present, are exact;
-histogram and counts come from an evenly strided sample of at most
+:meth:`Batch.add`: the exact min and max over the whole tensor (one ``aminmax``
+pass with no temporary), a copy of a bounded sample into a staging buffer and,
+unless the tensor is float16, the sample's non-zero count. Everything else is
+batched: one pass over the staging buffer turns the staged values of many
+tensors into histogram codes (sign, exponent and top mantissa bit of the
+float32 bit pattern, offset by the row) and counts them with one histogram,
+and the step's rows are packed by a handful of ops (:meth:`Batch.finish`). So
+the extremes, and whether any NaN, Inf or overflowing value is present, are
+exact; histogram and counts come from an evenly strided sample of at most
 :data:`SAMPLE_LIMIT` elements, scaled to the whole tensor (fractions of larger
 tensors are estimates, standard error below 0.4 percentage points). The stride
 is a prime that divides none of the tensor's dimensions, so the sample walks
@@ -40,10 +35,8 @@ quiet; a hand-made signalling NaN would be counted as an inf.
 
 Why per-tensor ops cost what they do: on small tensors (most layers of most
 models) a torch op costs a few microseconds of dispatch whatever its size, so
-the work per tensor is cut to the copy above; the per-element work (extremes,
-counts, codes, histogram) runs once per pass over up to :data:`STAGE_LIMIT`
-values. Once copied, a row's values are the stage's: an in-place op of the
-user's after the layer (``ReLU(inplace=True)``) cannot change them.
+the work per tensor is cut to the ops above; the per-element work (codes,
+histogram) runs once per pass over up to :data:`STAGE_LIMIT` values.
 
 Why not ``torch._foreach_*`` reductions: ``_foreach_norm(ord=inf)`` gives only
 |x|max, but min and max must be exact and signed; ``_foreach_max`` of the tensors
@@ -51,9 +44,10 @@ and of their negations gives both, but the negation copies every tensor. On the
 CPU (``benchmarks/bench_foreach.py``, one thread) neither pays: for 500-2,000
 tensors of 256 values they are within 0.7-1.2x of per-tensor ``aminmax``, and for
 200 tensors of 65,536 values 2.4-9x slower. And a hook may not keep the tensor
-until a later batched call: an in-place op after the layer would change what it
-summarises. The stage is that batch, made by one copy per tensor (one ``cat`` for
-the parameters' gradients, which are in hand all at once: :meth:`Batch.add_many`).
+until a later batched call: an in-place op after the layer (``ReLU(inplace=True)``)
+would change what it summarises. Only the parameters' gradients are in hand all at
+once (:meth:`Batch.add_many`): the small ones are copied into the stage by one
+``cat`` and reduced there by ``segment_reduce``, three ops for many tensors.
 """
 
 from __future__ import annotations
@@ -160,13 +154,13 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
     return _flat(x)[:: sample_stride(n, tuple(x.shape))]
 
 
-# Codes of the batched histogram: the float32 bit pattern of |x| shifted right by 22
-# keeps the 8-bit exponent and the top mantissa bit, which tells a quiet NaN (set)
-# from an inf (clear) in exponent 255, and zero and the smallest subnormals (clear)
-# from the rest of exponent 0. A pass takes |x| in place (the values are not needed
-# once its extremes are read), so codes are in [0, 512). Each row's codes are offset
-# by ``row * CODES_PER_ROW`` so that one histogram counts a whole pass.
-CODES_PER_ROW = 2 * N_EXP_BINS
+# Codes of the batched histogram: the float32 bit pattern shifted right by 22 (an
+# arithmetic shift, so the sign stays) keeps the sign, the 8-bit exponent and the top
+# mantissa bit, which tells a quiet NaN (set) from an inf (clear) in exponent 255.
+# Each row's codes are offset by ``_CODE_BIAS + row * CODES_PER_ROW`` so that one
+# histogram counts a whole pass; the sign is folded away after counting.
+CODES_PER_ROW = 4 * N_EXP_BINS
+_CODE_BIAS = 2 * N_EXP_BINS  # codes are in [-512, 512)
 _CODE_SHIFT = 22
 # Values staged per device before one batched pass (float32: 256 KB). Every
 # tensor's sample fits (SAMPLE_LIMIT), so a pass holds at least one row.
@@ -181,7 +175,7 @@ STAGE_SHARE = 1 / 16
 # while a small model's stage stays at one sample (its peak memory is the constraint).
 STAGE_HEAD_START = 1 / 4
 # Rows per pass: bounds the pass's transient histogram (CODES_PER_ROW int64
-# counts per row, 2 MB at 512 rows) and keeps every code exact in float32 for
+# counts per row, 4 MB at 512 rows) and keeps every code exact in float32 for
 # ``histc`` (< 2**24).
 ROWS_PER_PASS = 512
 # A pass's folded histogram row: the N_EXP_BINS exponent bins, then NaNs and the
@@ -197,19 +191,18 @@ _HIST_COLS = N_EXP_BINS + 2
 def _fold_index(device: torch.device) -> torch.Tensor:
     """The column of a pass's folded row for each of a row's CODES_PER_ROW counts."""
     code = torch.arange(CODES_PER_ROW, device="cpu")  # not the user's default device
-    exp, top_bit = code // 2, code % 2
+    within = code % (2 * N_EXP_BINS)  # the sign folded away
+    exp, top_bit = within // 2, within % 2
     col = exp.clone()
     col[(exp == N_EXP_BINS - 1) & (top_bit == 1)] = _H_NANS
     col[(exp == 0) & (top_bit == 0)] = _H_CODE0
     return col.to(device)
-
-
 @functools.cache
 def _row_offsets(device: torch.device) -> torch.Tensor:
     """``[ROWS_PER_PASS, 1]`` int32: each row's code offset, as a column to add to a 2-D
     view of several rows' codes."""
     r = torch.arange(ROWS_PER_PASS, dtype=torch.int32, device="cpu")
-    return (r * CODES_PER_ROW).unsqueeze(1).to(device)
+    return (_CODE_BIAS + r * CODES_PER_ROW).unsqueeze(1).to(device)
 
 
 def _equal_runs(lengths: list[int]) -> list[tuple[int, int]]:
@@ -217,28 +210,17 @@ def _equal_runs(lengths: list[int]) -> list[tuple[int, int]]:
     return [(k, len(list(g))) for k, g in itertools.groupby(lengths)]
 
 
-# A pass reduces its rows (min, max, non-zeros; then each row's code offset) either
-# per run of equal rows, a few ops on a 2-D view of each run, or for every row at once
-# by ``segment_reduce`` and the summed row-start steps (a zeroed buffer, a cumsum and
-# an add), whose cost is per value: about 3 ns for each of min and max, against 0.1 ns
-# for a run's ``amin``. Costs tuned on the benchmark models' passes (one CPU thread;
-# on CUDA both are a few launches): runs win below about 40 runs in a full stage.
-_RUN_OPS_NS = 12_000
-_SEGMENTS_FIXED_NS = 60_000
-_SEGMENTS_NS_PER_VALUE = 7.0
-# A non-zero count reads the values into a temporary of at most this many values (a
-# sample's size), but by segments (many short rows of many lengths), one of the pass's size.
-_SIGN_CHUNK = SAMPLE_LIMIT
-# Rows to count in more than this many separate runs are counted with every other row of
-# the pass instead: two ops per run cost more than one sweep over the stage.
-_COUNT_FRAGMENTS_MAX = 8
-# Rows whose lengths share a divisor at least this long are reduced as lines of that
-# length (_ByUnits); shorter lines cost more per value than segment_reduce.
-_UNIT_MIN = 32
+# Offsetting a pass's rows: one in-place add per run of equal rows, or the summed row-start
+# steps (a zeroed buffer, a cumsum and an add over every staged value). Costs in
+# place, on a stage gone cold in the cache, tuned on the benchmark models' passes
+# (one CPU thread; on CUDA both are a few launches): the per-row adds win below
+# about 30 rows of a full stage.
+_ROW_OP_NS = 3_000
+_STEPS_FIXED_NS = 55_000
+_STEPS_NS_PER_VALUE = 0.5
 
 
-# Formats whose every value is exact in the float32 stage: a whole-sampled tensor of
-# these is summarised from the stage alone (its extremes and non-zeros read there).
+# Formats whose every value is exact in the float32 stage (see Batch.add_many).
 _STAGED_EXACT = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -345,177 +327,18 @@ def stage_size(filed_bytes: int) -> int:
     return min(STAGE_LIMIT, max(SAMPLE_LIMIT, share))
 
 
-def _nonzero_ones(magnitudes: torch.Tensor) -> torch.Tensor:
-    """1 for each non-zero of ``magnitudes`` (float32, sign cleared), else 0, as int32: a
-    new tensor of their size. Read from the bit pattern, which is 0 for a zero only: a
-    NaN (``sign`` gives 0 there), a signalling one too, counts."""
-    return magnitudes.view(torch.int32).clamp(max=1)
-
-
-def _count_lines(lines: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i]`` (int32) = the non-zeros of line ``i`` of magnitudes ``lines``, through
-    a temporary of at most :data:`_SIGN_CHUNK` values."""
-    step = max(1, _SIGN_CHUNK // lines.shape[1])
-    for c in range(0, lines.shape[0], step):
-        m = min(step, lines.shape[0] - c)
-        torch.sum(_nonzero_ones(lines.narrow(0, c, m)), 1, out=out.narrow(0, c, m))
-
-
-def _fragments(rows: list[int]) -> int:
-    """How many runs of consecutive numbers ``rows`` (sorted) is made of."""
-    return 1 + sum(1 for a, b in zip(rows, rows[1:], strict=False) if b != a + 1)
-
-
-def _count_rows(values: torch.Tensor, lengths: list[int], needed: list[int],
-                out: torch.Tensor) -> None:
-    """``out[j]`` = the non-zeros of row ``needed[j]`` of the staged magnitudes: a few ops
-    per run of consecutive needed rows of one length."""
-    starts = list(itertools.accumulate(lengths, initial=0))
-    j = 0
-    while j < len(needed):
-        i, k, n = needed[j], lengths[needed[j]], 1
-        while j + n < len(needed) and needed[j + n] == i + n and lengths[i + n] == k:
-            n += 1
-        _count_lines(values.narrow(0, starts[i], n * k).view(n, k), out.narrow(0, j, n))
-        j += n
-
-
-class _Reduction:
-    """One way a pass reads its rows' extremes and offsets its codes by row."""
-
-    def extremes(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def offset(self, codes: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def count(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[i]`` = the non-zeros of row ``i`` of the staged magnitudes."""
-        raise NotImplementedError
-
-
-class _ByUnits(_Reduction):
-    """Rows whose lengths share a divisor ``unit``: every op runs on one 2-D view of
-    ``unit``-long lines (a transformer's rows: a handful of ops a pass, however many
-    rows), and lines are combined into rows by ``segment_reduce`` over a few values
-    each."""
-
-    def __init__(self, lengths: list[int], unit: int, dev: torch.device) -> None:
-        self.unit = unit
-        self.rows = len(lengths)
-        self.lines = sum(lengths) // unit
-        per_row = [k // unit for k in lengths]
-        self.lens = None if self.lines == self.rows else upload(per_row, dev)
-
-    def extremes(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        lines = values.view(-1, self.unit)
-        if self.lens is None:
-            torch.amin(lines, 1, out=out[0])
-            torch.amax(lines, 1, out=out[1])
-            return
-        # unsafe: the lengths are right by construction, and the check reads them
-        # back to the host (a sync on CUDA).
-        out[0].copy_(torch.segment_reduce(lines.amin(1), "min", lengths=self.lens, unsafe=True))
-        out[1].copy_(torch.segment_reduce(lines.amax(1), "max", lengths=self.lens, unsafe=True))
-
-    def count(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        lines = values.view(-1, self.unit)
-        if self.lens is None:
-            _count_lines(lines, out)
-            return
-        per_line = torch.empty(self.lines, dtype=torch.int32, device=values.device)
-        _count_lines(lines, per_line)
-        out.copy_(torch.segment_reduce(per_line.float(), "sum", lengths=self.lens,
-                                       unsafe=True))
-
-    def offset(self, codes: torch.Tensor) -> None:
-        offsets = _row_offsets(codes.device).narrow(0, 0, self.rows)
-        if self.lens is not None:
-            offsets = torch.repeat_interleave(offsets, self.lens, dim=0, output_size=self.lines)
-        codes.view(-1, self.unit).add_(offsets)
-
-
-class _ByRuns(_Reduction):
-    """Few runs of rows of one length: a few ops per run, on a 2-D view of it."""
-
-    def __init__(self, runs: list[tuple[int, int]]) -> None:
-        self.spans: list[tuple[int, int, int]] = []  # (first value, first row, rows)
-        start = r = 0
-        for k, n in runs:
-            self.spans.append((start, r, n))
-            start += k * n
-            r += n
-        self.runs = runs
-
-    def _views(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        return [(r, t.narrow(0, start, k * n).view(n, k))
-                for (start, r, n), (k, _) in zip(self.spans, self.runs, strict=True)]
-
-    def extremes(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        for r, lines in self._views(values):
-            n = lines.shape[0]
-            torch.amin(lines, 1, out=out[0].narrow(0, r, n))
-            torch.amax(lines, 1, out=out[1].narrow(0, r, n))
-
-    def count(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        for r, lines in self._views(values):
-            _count_lines(lines, out.narrow(0, r, lines.shape[0]))
-
-    def offset(self, codes: torch.Tensor) -> None:
-        for r, lines in self._views(codes):
-            if r or lines.shape[0] > 1:  # the first row's offset is 0
-                lines.add_(_row_offsets(codes.device).narrow(0, r, lines.shape[0]))
-
-
-class _BySegments(_Reduction):
-    """Many short rows of many lengths (a layer's weight and bias gradients, in turn):
-    ``segment_reduce`` over every value, and a step of CODES_PER_ROW at every row
-    start, summed, for the codes' offsets."""
-
-    def __init__(self, lengths: list[int], dev: torch.device) -> None:
-        self.lengths = lengths
-        self.lens = upload(lengths, dev)
-
-    def extremes(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        # unsafe: see _ByUnits.
-        out[0].copy_(torch.segment_reduce(values, "min", lengths=self.lens, unsafe=True))
-        out[1].copy_(torch.segment_reduce(values, "max", lengths=self.lens, unsafe=True))
-
-    def count(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        ones = _nonzero_ones(values).float()
-        out.copy_(torch.segment_reduce(ones, "sum", lengths=self.lens, unsafe=True))
-
-    def offset(self, codes: torch.Tensor) -> None:
-        # The buffer lives for this pass only, so that it is not part of the step's
-        # peak memory while the model's activations are.
-        steps = torch.zeros(codes.numel(), dtype=torch.int32, device=codes.device)
-        starts = list(itertools.accumulate(self.lengths[:-1]))
-        steps.index_fill_(0, upload(starts, codes.device), CODES_PER_ROW)
-        codes += steps.cumsum_(0)
-
-
-def _reduction(lengths: list[int], dev: torch.device) -> _Reduction:
-    unit = functools.reduce(math.gcd, lengths)
-    if unit >= _UNIT_MIN:
-        return _ByUnits(lengths, unit, dev)
-    runs = _equal_runs(lengths)
-    if len(runs) * _RUN_OPS_NS <= _SEGMENTS_FIXED_NS + sum(lengths) * _SEGMENTS_NS_PER_VALUE:
-        return _ByRuns(runs)
-    return _BySegments(lengths, dev)
-
-
 class Batch:
     """The summaries of one device's tensors in one step, made with batched ops.
 
-    Per tensor, :meth:`add` pays one small op: a copy of the tensor, or of a bounded
-    sample of it, into a float32 staging buffer (a bfloat16 or float16 value is exact
-    in float32). A tensor the stage holds only in part (a sample, or float64 rounded)
-    pays one more: the exact min and max over the whole tensor (one ``aminmax`` pass,
-    no temporary). Whenever the stage is full, and at :meth:`finish`, one pass of a
-    few ops per run of equal rows reads every staged row's min, max and non-zero
-    count, turns the values into histogram codes offset by their row, and counts
-    them all at once. Memory is bounded by the stage and about 0.5 KB per row,
-    whatever the tensors' sizes; no tensor outlives its ``add`` call.
+    Per tensor, :meth:`add` pays two or three small ops: the exact min and max
+    over the whole tensor (one ``aminmax`` pass, no temporary), a copy of a
+    bounded sample into a float32 staging buffer (a bfloat16 or float16 value is
+    exact in float32) and, unless the tensor is float16, the sample's non-zero
+    count. Whenever the stage is full, and at :meth:`finish`, one pass of a few
+    ops turns every staged value of many rows into a histogram code offset by its
+    row and counts them all at once. Memory is bounded by the stage and about
+    0.5 KB per row, whatever the tensors' sizes; no tensor outlives its ``add``
+    call.
     """
 
     def __init__(self, device_path: bool | None = None, head_start_bytes: int = 0) -> None:
@@ -524,25 +347,15 @@ class Batch:
         self._head_start = head_start_bytes
         self.numel: list[int] = []
         self.sampled: list[int] = []
-        # The whole-tensor extremes of the rows whose stage copy is not the tensor.
-        self._exact_rows: list[int] = []
         self._mins = _Column()
         self._maxs = _Column()
+        self._nonzeros = _Column()
+        self._counted: list[int] = []  # the rows that have a _nonzeros entry, in order
         self._stage: torch.Tensor | None = None
         self._used = 0
         self._filed_bytes = 0  # of every tensor filed in this batch, for the stage's size
         self._lengths: list[int] = []  # sample lengths of the rows in the stage
-        # The stage's rows that are not float16 (their place in the stage): their zeros
-        # need a count of their own. A float16 value is never a float32 subnormal, so
-        # its zeros are exactly its code-0 count in the histogram.
-        self._to_count: list[int] = []
-        self._extremes: list[torch.Tensor] = []  # [2, rows] float32 per pass: min, max
         self._hists: list[torch.Tensor] = []  # [rows, _HIST_COLS] int16 per pass
-        self._nonzeros: list[torch.Tensor] = []  # [rows] int32 per counted pass
-        self._counted: list[int] = []  # the rows _nonzeros covers, in order
-        # Non-zeros counted at add, from the tensor's own sample (not exact in the stage).
-        self._own_counts = _Column()
-        self._own_counted: list[int] = []
 
     def __len__(self) -> int:
         return len(self.numel)
@@ -566,51 +379,49 @@ class Batch:
 
     def _add(self, x: torch.Tensor) -> int:
         x = x.detach()
-        n = x.numel()
         sample = _sample(x)
         k = sample.numel()
-        self._filed_bytes += n * x.element_size()
+        self._filed_bytes += x.numel() * x.element_size()
         stage = self._stage
         if stage is None or (self._used + k > stage.numel()
                              or len(self._lengths) >= ROWS_PER_PASS):
             with own_ops:  # the pass and a new stage make tensors: the default device
                 self._make_room(x.device)
-            stage = self._stage
-            assert stage is not None
-        if k < n or x.dtype not in _STAGED_EXACT:
-            mn, mx = torch.aminmax(x)
-            self._mins.append(mn)
-            self._maxs.append(mx)
-            self._exact_rows.append(len(self.numel))
-        if x.dtype in _STAGED_EXACT:
-            if x.dtype is not torch.float16:
-                self._to_count.append(len(self._lengths))
-        else:
-            # float64: a value below float32's range is 0 in the stage, yet not a zero.
-            self._own_counts.append(torch.count_nonzero(sample))
-            self._own_counted.append(len(self.numel))
+        mn, mx = torch.aminmax(x)
+        self._mins.append(mn)
+        self._maxs.append(mx)
+        if x.dtype is not torch.float16:
+            # A float16 value is never a float32 subnormal, so its zeros are exactly
+            # its code-0 count in the histogram; other formats need a count of their own.
+            self._nonzeros.append(torch.count_nonzero(sample))
+            self._counted.append(len(self.numel))
         # float64 beyond float32's range becomes inf here, which is what a cast to
         # any low-precision format would do too.
-        stage[self._used : self._used + k].copy_(sample)
+        assert self._stage is not None
+        self._stage[self._used : self._used + k].copy_(sample)
         self._used += k
         self._lengths.append(k)
-        self.numel.append(n)
+        self.numel.append(x.numel())
         self.sampled.append(k)
         return len(self.numel) - 1
 
     def add_many(self, xs: list[torch.Tensor]) -> int:
         """File every tensor of ``xs`` (as :meth:`add` takes them), in order, on consecutive
         rows; returns the first. For tensors the caller holds all at once (the parameters'
-        gradients): runs of whole-sampled tensors (at most :data:`SAMPLE_LIMIT` values,
-        float16, bfloat16 or float32) are copied into the stage by one ``cat`` per pass,
-        where :meth:`add` pays one copy per tensor. Others are filed by :meth:`add`.
+        gradients): a small one is filed with no op of its own.
+
+        Runs of whole-sampled tensors (at most :data:`SAMPLE_LIMIT` values, float16,
+        bfloat16 or float32: exact in the float32 stage) are copied into the stage by one
+        ``cat`` per pass and reduced there per row by ``segment_reduce``: their exact min,
+        max and non-zero count from three ops, where :meth:`add` pays three per tensor.
+        Others are filed by :meth:`add`.
         """
         first = len(self.numel)
         run: list[torch.Tensor] = []
         with own_ops:
             for x in xs:
                 if x.numel() <= SAMPLE_LIMIT and x.dtype in _STAGED_EXACT:
-                    run.append(x.detach())
+                    run.append(_flat(x.detach()))
                     continue
                 self._file_run(run)
                 run = []
@@ -618,28 +429,37 @@ class Batch:
             self._file_run(run)
         return first
 
-    def _file_run(self, whole: list[torch.Tensor]) -> None:
-        """File whole-sampled tensors, as many per ``cat`` as the stage takes."""
+    def _file_run(self, flats: list[torch.Tensor]) -> None:
+        """File whole-sampled 1-D tensors, as many per ``cat`` as the stage takes."""
         i = 0
-        while i < len(whole):
+        while i < len(flats):
+            dev = flats[i].device
             stage = self._stage
-            if stage is None or (self._used + whole[i].numel() > stage.numel()
+            if stage is None or (self._used + flats[i].numel() > stage.numel()
                                  or len(self._lengths) >= ROWS_PER_PASS):
-                self._make_room(whole[i].device)
+                self._make_room(dev)
                 stage = self._stage
                 assert stage is not None
             room = stage.numel() - self._used
             rows_left = ROWS_PER_PASS - len(self._lengths)
             j, total = i, 0
-            lengths: list[int] = []
-            while j < len(whole) and j - i < rows_left and total + whole[j].numel() <= room:
-                lengths.append(whole[j].numel())
-                total += lengths[-1]
-                if whole[j].dtype is not torch.float16:
-                    self._to_count.append(len(self._lengths) + j - i)
-                self._filed_bytes += lengths[-1] * whole[j].element_size()
+            while j < len(flats) and j - i < rows_left and total + flats[j].numel() <= room:
+                total += flats[j].numel()
                 j += 1
-            torch.cat([_flat(x) for x in whole[i:j]], out=stage.narrow(0, self._used, total))
+            part = flats[i:j]
+            lengths = [f.numel() for f in part]
+            seg = stage.narrow(0, self._used, total)
+            torch.cat(part, out=seg)
+            lens = upload(lengths, dev)
+            rows = len(self.numel)
+            # unsafe: the lengths are right by construction, and the check reads them
+            # back to the host (a sync on CUDA).
+            self._mins.extend(torch.segment_reduce(seg, "min", lengths=lens, unsafe=True))
+            self._maxs.extend(torch.segment_reduce(seg, "max", lengths=lens, unsafe=True))
+            self._nonzeros.extend(torch.segment_reduce(seg.ne(0).to(torch.float32), "sum",
+                                                       lengths=lens, unsafe=True))
+            self._counted.extend(range(rows, rows + len(part)))
+            self._filed_bytes += sum(f.numel() * f.element_size() for f in part)
             self._used += total
             self._lengths.extend(lengths)
             self.numel.extend(lengths)
@@ -662,30 +482,35 @@ class Batch:
             return
         assert self._stage is not None
         dev = self._stage.device
-        lengths, used = self._lengths, self._used
-        values = self._stage[:used]
-        extremes = torch.empty(2, rows, dtype=torch.float32, device=dev)
-        # The staged values are not needed beyond this pass: after their extremes are
-        # read, their magnitudes, then their codes are made in place (fresh stage-sized
-        # temporaries would each be a new mmap, page-faulted on first touch).
-        way = _reduction(lengths, dev)
-        way.extremes(values, extremes)
-        values.abs_()
-        needed = self._to_count
-        if needed and (len(needed) == rows or isinstance(way, _BySegments)
-                       or _fragments(needed) > _COUNT_FRAGMENTS_MAX):
-            # Every row, in a few ops (autocast's float32 rows, LayerNorm's and softmax's,
-            # come between float16 ones): a float16 row's count is exact too.
-            needed = list(range(rows))
-        nonzeros = torch.empty(len(needed), dtype=torch.int32, device=dev)
-        if len(needed) == rows:
-            way.count(values, nonzeros)
-        elif needed:
-            _count_rows(values, lengths, needed, nonzeros)
-        codes = values.view(torch.int32)
+        # The staged values are not needed once coded: code them in place (fresh
+        # 256 KB temporaries would each be a new mmap, page-faulted on first touch),
+        # in as few sweeps as possible: the stage has gone cold in the cache since.
+        codes = self._stage[: self._used].view(torch.int32)
         codes >>= _CODE_SHIFT
-        way.offset(codes)
-        h = exp_histogram(values.view(torch.int32), CODES_PER_ROW * rows, self._device_path)
+        runs = _equal_runs(self._lengths)
+        if len(runs) * _ROW_OP_NS <= _STEPS_FIXED_NS + self._used * _STEPS_NS_PER_VALUE:
+            # Few runs of rows of one length (a model's blocks repeat their shapes): one
+            # in-place add per run, a row's offset per line of a 2-D view; no buffer.
+            start = r = 0
+            for k, n in runs:
+                span = codes.narrow(0, start, k * n)
+                if n == 1:
+                    span.add_(_CODE_BIAS + r * CODES_PER_ROW)
+                else:
+                    span.view(n, k).add_(_row_offsets(dev).narrow(0, r, n))
+                start += k * n
+                r += n
+        else:
+            # Many short rows: a step of CODES_PER_ROW at every row start, summed.
+            # The buffer lives for this pass only, so that it is not part of the
+            # step's peak memory while the model's activations are.
+            steps = torch.zeros(self._used, dtype=torch.int32, device=dev)
+            steps[0] = _CODE_BIAS
+            starts = list(itertools.accumulate(self._lengths[:-1]))
+            steps.index_fill_(0, upload(starts, dev), CODES_PER_ROW)
+            codes += steps.cumsum_(0)
+            del steps  # before the histogram's own transient
+        h = exp_histogram(codes, CODES_PER_ROW * rows, self._device_path)
         # Folded now, while small (these live until finish, through the backward),
         # with one index_add (a few ops, however many rows: a pass may hold only one):
         # per row the exponent bins, then the two counts that need the top mantissa
@@ -694,14 +519,8 @@ class Batch:
         folded = torch.zeros(rows, _HIST_COLS, dtype=h.dtype, device=dev)
         folded.index_add_(1, _fold_index(dev), h.view(rows, CODES_PER_ROW))
         self._hists.append(folded.to(torch.int16))
-        self._extremes.append(extremes)
-        if needed:
-            self._nonzeros.append(nonzeros)
-            first = len(self.numel) - rows
-            self._counted.extend(first + i for i in needed)
         self._used = 0
         self._lengths = []
-        self._to_count = []
 
     def release(self) -> None:
         """Count what is staged and free the stage; a later :meth:`add` makes a new one.
@@ -731,30 +550,23 @@ class Batch:
         if not r:
             return out
         rows = out[:r]
-        extremes = torch.cat(self._extremes, 1) if len(self._extremes) > 1 else self._extremes[0]
-        rows[:, MIN : MAX + 1].copy_(extremes.t())
-        if self._exact_rows:
-            where = upload(self._exact_rows, dev)
-            rows[:, MIN].index_copy_(0, where, self._mins.stacked().to(f64))
-            rows[:, MAX].index_copy_(0, where, self._maxs.stacked().to(f64))
+        rows[:, MIN].copy_(self._mins.stacked())
+        rows[:, MAX].copy_(self._maxs.stacked())
         h = torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]
         rows[:, HIST:].copy_(h[:, :N_EXP_BINS])
         rows[:, NANS].copy_(h[:, _H_NANS])
         rows[:, HIST + N_EXP_BINS - 1] += rows[:, NANS]
         rows[:, HIST] += h[:, _H_CODE0]
         # Non-zeros: every sampled value but code 0 (zero, or |x| < 2**-127; exact for
-        # float16, see _to_count) ...
+        # float16, see add()) ...
         torch.sub(upload(self.sampled, dev), h[:, _H_CODE0], out=rows[:, ZEROS])
         if self._counted:
             # ... and the exact count where code 0 may hold non-zeros (not float16).
             rows[:, ZEROS].index_copy_(0, upload(self._counted, dev),
-                                       torch.cat(self._nonzeros).to(f64))
-        if self._own_counted:
-            rows[:, ZEROS].index_copy_(0, upload(self._own_counted, dev),
-                                       self._own_counts.stacked().to(f64))
-        self._hists, self._extremes, self._nonzeros = [], [], []
-        self._mins, self._maxs, self._own_counts = _Column(), _Column(), _Column()
-        self._exact_rows, self._counted, self._own_counted = [], [], []
+                                       self._nonzeros.stacked().to(f64))
+        self._hists = []
+        self._mins, self._maxs, self._nonzeros = _Column(), _Column(), _Column()
+        self._counted = []
         return out
 
 
