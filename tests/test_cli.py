@@ -167,20 +167,25 @@ def test_exit_codes_and_report_on_every_path(request: pytest.FixtureRequest, wor
         assert "amp_doctor" not in r.stderr.split("Traceback")[1].split("ValueError")[0]
 
 
-def test_ctrl_c_writes_the_report_and_exits_130(work: Path) -> None:
+def _signal_a_waiting_run(work: Path, sig: int) -> tuple[int, str]:
+    """``sig`` to a diagnose run once its script has trained 3 steps; (exit status, stderr)."""
     proc = subprocess.Popen(
         [AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "train_tiny.py", "--wait"],
         cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.strip() == "ready"
-        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130, err
+    return proc.returncode, err
+
+
+def test_ctrl_c_writes_the_report_and_exits_130(work: Path) -> None:
+    code, err = _signal_a_waiting_run(work, signal.SIGINT)
+    assert code == 130, err
     s = _report(work)
     assert s.run.outcome == "interrupted" and s.steps >= 3 and s.recorded_steps >= 3
 
@@ -189,18 +194,8 @@ def test_sigterm_writes_the_report_then_dies_by_it(work: Path) -> None:
     # What a scheduler's time limit, `kill` or `docker stop` sends: python would die at
     # once, with nothing written; the run unwinds instead, as for Ctrl-C, and once the
     # report is written the process ends by the signal, as python's would have.
-    proc = subprocess.Popen(
-        [AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "train_tiny.py", "--wait"],
-        cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == -signal.SIGTERM, err
+    code, err = _signal_a_waiting_run(work, signal.SIGTERM)
+    assert code == -signal.SIGTERM, err
     s = _report(work)
     assert s.run.outcome == "interrupted" and s.run.error == "SIGTERM (signal 15)"
     assert s.run.exit_code == 143 and s.steps >= 3 and s.recorded_steps >= 3
