@@ -154,11 +154,6 @@ def diagnose(
     check_writable(logdir)
     if not no_tensorboard:
         check_tensorboard_path(logdir)
-    if not os.environ.get(LAUNCHER_ENV):  # under the launcher, it holds the logdir
-        try:
-            check_run_dir_free(logdir)
-        except UsageError as e:
-            fail(str(e))
     if nproc_per_node is not None and nproc_per_node > 1:
         forwarded = [*(["--every", str(every)] if every else []),
                      *(["--anomaly"] if anomaly else []),
@@ -168,10 +163,7 @@ def diagnose(
                      *(["--stop-after", str(stop_after)] if stop_after else []),
                      *(["--target-dtype", target_dtype] if target_dtype else []),
                      *(["--no-tensorboard"] if no_tensorboard else [])]
-        try:
-            release = claim_run_dir(logdir, "--logdir")  # for every rank, and the merge
-        except UsageError as e:
-            fail(str(e))
+        release = _claim_logdir(logdir)  # for every rank, and the merge
         try:
             code, signum = launch(nproc_per_node, target, logdir, forwarded, json_out,
                                   report_out, fail_on, not no_tensorboard)
@@ -180,18 +172,44 @@ def diagnose(
         if signum is not None:
             die_by_signal(signum)  # the merged report is out: end as python would have
         sys.exit(code)
-    console = Console()
+    # Claimed now, before the script runs, for the watch that starts at its `import torch`:
+    # a second run started at the same moment fails here, not after its training.
+    from amp_doctor.merge import rank_env
+
+    claimed: Callable[[], None] | None = None
+    if rank_env() is None:
+        claimed = _claim_logdir(logdir, for_a_watch=True)
+    elif not os.environ.get(LAUNCHER_ENV):  # under the launcher, it holds the logdir
+        # A rank claims its own folder as its watch starts; the merge writes here.
+        try:
+            check_run_dir_free(logdir)
+        except UsageError as e:
+            fail(str(e))
     try:
-        if explicit and not os.environ.get(LAUNCHER_ENV):
-            note_reused_logdir(logdir, console)
-        code, signum = _diagnose(resolved, target, logdir, every, anomaly, json_out,
-                                 report_out, fail_on, max_steps, quiet, not no_tensorboard,
-                                 console, fp32, stop_after, target_dtype, on_nonfinite)
+        console = Console()
+        try:
+            if explicit and not os.environ.get(LAUNCHER_ENV):
+                note_reused_logdir(logdir, console)
+            code, signum = _diagnose(resolved, target, logdir, every, anomaly, json_out,
+                                     report_out, fail_on, max_steps, quiet,
+                                     not no_tensorboard, console, fp32, stop_after,
+                                     target_dtype, on_nonfinite)
+        finally:
+            console.close()
     finally:
-        console.close()
+        if claimed is not None:
+            claimed()
     if signum is not None:
         die_by_signal(signum)  # the report is out: end as python would have
     sys.exit(code)
+
+
+def _claim_logdir(logdir: Path, *, for_a_watch: bool = False) -> Callable[[], None]:
+    """``runfiles.claim_run_dir``, its refusal as the CLI's one-line error."""
+    try:
+        return claim_run_dir(logdir, "--logdir", for_a_watch=for_a_watch)
+    except UsageError as e:
+        fail(str(e))
 
 
 def _fail_unknown_option(given: str) -> NoReturn:
@@ -216,42 +234,12 @@ def _diagnose(
 ) -> tuple[int, int | None]:
     """The exit code, and the signal that ended the script (then the process must end by
     it, once every file is written: :func:`die_by_signal`)."""
+    from amp_doctor import runner
     from amp_doctor.merge import rank_dir, rank_env
 
     ranks = rank_env()
     under_launcher = bool(os.environ.get(LAUNCHER_ENV))
     run_dir = rank_dir(logdir, ranks[0]) if ranks else logdir
-    # Claimed now, before the script runs, for the watch that starts at its `import torch`:
-    # a second run started at the same moment fails here, not after its training. (Ranks
-    # claim their own folders as their watches start.)
-    with _claimed_for_the_watch(logdir) if ranks is None else contextlib.nullcontext():
-        return _diagnose_watched(resolved, target, logdir, run_dir, ranks, under_launcher,
-                                 every, anomaly, json_out, report_out, fail_on, max_steps,
-                                 quiet, tensorboard, console, fp32, stop_after, target_dtype,
-                                 on_nonfinite)
-
-
-@contextlib.contextmanager
-def _claimed_for_the_watch(logdir: Path) -> Iterator[None]:
-    try:
-        release = claim_run_dir(logdir, "--logdir", for_a_watch=True)
-    except UsageError as e:
-        fail(str(e))
-    try:
-        yield
-    finally:
-        release()
-
-
-def _diagnose_watched(
-    resolved: Any, target: runner.Target, logdir: Path, run_dir: Path,
-    ranks: tuple[int, int] | None, under_launcher: bool, every: int | None, anomaly: bool,
-    json_out: Path | None, report_out: Path | None, fail_on: str, max_steps: int | None,
-    quiet: bool, tensorboard: bool, console: Console, fp32: tuple[str, ...],
-    stop_after: int | None, target_dtype: str | None, on_nonfinite: str,
-) -> tuple[int, int | None]:
-    from amp_doctor import runner
-
     speaks = ranks is None or (ranks[0] == 0 and not under_launcher)
     # TERM=dumb (an Emacs shell, some CI log viewers) shows the line's escapes raw.
     progress = Progress(enabled=speaks and not quiet and console.isatty()

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from amp_doctor.commands.common import EXIT_INTERRUPTED, LAUNCHER_ENV, fail
 from amp_doctor.commands.publish import publish
-from amp_doctor.commands.terminal import Console, sigint_shield
+from amp_doctor.commands.terminal import (
+    Console,
+    give_back_sigterm,
+    sigint_shield,
+    take_sigterm,
+)
 
 if TYPE_CHECKING:
     from amp_doctor import runner
@@ -76,15 +79,9 @@ def _sigterm_passed_on(proc: Any) -> Iterator[list[int]]:
         with contextlib.suppress(OSError):
             proc.send_signal(signum)
 
-    installed = False
-    if threading.current_thread() is threading.main_thread():
-        with contextlib.suppress(ValueError, OSError, TypeError):
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, pass_on)
-                installed = True
+    taken = take_sigterm(pass_on)
     try:
         yield received
     finally:
-        if installed:
-            with contextlib.suppress(ValueError, OSError, TypeError):
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if taken:
+            give_back_sigterm(pass_on)

@@ -16,12 +16,15 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from amp_doctor.errors import Terminated
+
 if TYPE_CHECKING:
     from amp_doctor.records import StepRecord
     from amp_doctor.steps.listeners import StepRows
 
 __all__ = ["Console", "GuardedStream", "Progress", "SigtermUnwinds", "die_by_signal",
-           "restore_std_streams", "sigint_shield", "sigterm_unwinds",
+           "give_back_sigterm", "restore_std_streams", "sigint_shield", "sigterm_unwinds",
+           "take_sigterm",
            "usable"]
 
 # Redraw the live status line at most this often.
@@ -243,6 +246,27 @@ def sigint_shield(console: Console) -> Iterator[None]:
                     signal.signal(signal.SIGTERM, previous_term)
 
 
+def take_sigterm(handler: Any) -> bool:
+    """Make ``handler`` SIGTERM's, if SIGTERM has its default action and this is the main
+    thread (only it may set handlers): a handler the environment installed is left alone.
+    Whether it was taken."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    with contextlib.suppress(ValueError, OSError, TypeError):
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, handler)
+            return True
+    return False
+
+
+def give_back_sigterm(handler: Any) -> None:
+    """Undo :func:`take_sigterm`, unless the script has made another handler SIGTERM's
+    meanwhile (it is kept)."""
+    if signal.getsignal(signal.SIGTERM) == handler:
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class SigtermUnwinds:
     """See :func:`sigterm_unwinds`."""
 
@@ -256,23 +280,16 @@ class SigtermUnwinds:
         thread. Called once the watch has started: before, python's own death by the
         signal is what the user would get (there is nothing to report yet, and an
         exception inside ``import torch`` would leave torch half-imported)."""
-        if self._armed or threading.current_thread() is not threading.main_thread():
-            return
-        with contextlib.suppress(ValueError, OSError, TypeError):
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, self._unwind)
-                self._armed = True
+        if not self._armed:
+            self._armed = take_sigterm(self._unwind)
 
     def disarm(self) -> None:
-        if self._armed and signal.getsignal(signal.SIGTERM) == self._unwind:
-            with contextlib.suppress(ValueError, OSError, TypeError):
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self._armed:
+            give_back_sigterm(self._unwind)
         self._armed = False
 
     def _unwind(self, signum: int, frame: Any) -> None:
         del frame
-        from amp_doctor.errors import Terminated
-
         if os.getpid() != self._pid:
             # A forked child (a multiprocessing worker, which Pool ends with SIGTERM):
             # the default action, as under python.
