@@ -8,8 +8,10 @@ this process (``cli`` fixture): seconds of start-up and torch import saved per r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import stat
@@ -183,11 +185,36 @@ def _signal_a_waiting_run(work: Path, sig: int) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def test_ctrl_c_writes_the_report_and_exits_130(work: Path) -> None:
+def test_ctrl_c_writes_the_report_then_dies_by_sigint(work: Path) -> None:
+    # As python does after an uncaught KeyboardInterrupt (a shell shows 130).
     code, err = _signal_a_waiting_run(work, signal.SIGINT)
-    assert code == 130, err
+    assert code == -signal.SIGINT, err
     s = _report(work)
     assert s.run.outcome == "interrupted" and s.steps >= 3 and s.recorded_steps >= 3
+    assert s.run.exit_code == 130
+    assert (work / "out" / "report.txt").read_text().startswith("amp-doctor")
+
+
+def test_ctrl_c_stops_a_shell_loop_of_runs(work: Path) -> None:
+    # A sweep: `for lr in ...; do amp-doctor diagnose ...; done`. Ctrl-C reaches the whole
+    # foreground group; bash stops the loop only if its command died by SIGINT. An exit
+    # status of 130 (what amp-doctor gave before) made it start the next run.
+    loop = (f"for i in 1 2; do {shlex.quote(AMP_DOCTOR)} diagnose --every 1 --logdir out$i "
+            "train_tiny.py --wait; echo next $i; done")
+    shell = subprocess.Popen(["bash", "-c", loop], cwd=work, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert shell.stdout is not None
+        assert shell.stdout.readline().strip() == "ready"
+        os.killpg(shell.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        out, err = shell.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+    assert "next" not in out and shell.returncode == -signal.SIGINT, err
+    assert not (work / "out2").exists()
+    s = Session.load(work / "out1" / "amp_doctor.json")
+    assert s.run.outcome == "interrupted" and s.steps >= 3
 
 
 def test_sigterm_writes_the_report_then_dies_by_it(work: Path) -> None:

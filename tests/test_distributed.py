@@ -58,9 +58,12 @@ def test_only_rank_1_overflows_and_the_merged_report_says_so(work: Path) -> None
     assert "activation_overflow" in r.stderr and "[rank 1]" in r.stderr
 
 
-def test_sigterm_to_the_launcher_ends_every_rank_and_merges_their_reports(work: Path) -> None:
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_a_signal_to_the_launcher_ends_every_rank_and_merges_their_reports(
+        work: Path, how: str) -> None:
     # Review 33: a SIGTERM (a scheduler's) ended the launcher at once, and left torchrun
     # and both ranks running as orphans, with no merged report and a stale logdir lock.
+    # A Ctrl-C reaches the whole foreground group: the launcher, torchrun and the ranks.
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     ready = work / "ready"
@@ -68,23 +71,28 @@ def test_sigterm_to_the_launcher_ends_every_rank_and_merges_their_reports(work: 
         [AMP_DOCTOR, "diagnose", "--every", "1", "--no-tensorboard", "--logdir", "out",
          "--nproc-per-node", "2", "ddp_train.py", "--wait-file", str(ready)],
         cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+        env={**env, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+        start_new_session=True)
+    sig = signal.SIGTERM if how == "sigterm" else signal.SIGINT
     try:
         deadline = time.monotonic() + 180
         while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert ready.exists(), proc.communicate(timeout=10)
-        proc.send_signal(signal.SIGTERM)
+        if how == "sigterm":
+            proc.send_signal(sig)
+        else:
+            os.killpg(proc.pid, sig)  # what the terminal does on Ctrl-C
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    assert proc.returncode == -sig, err[-3000:]
     for k in (0, 1):
         s = Session.load(work / "out" / f"rank{k}" / "amp_doctor.json")
-        assert s.run.outcome == "interrupted" and s.run.error == "SIGTERM (signal 15)"
-        assert s.steps == 3
+        assert s.run.outcome == "interrupted" and s.steps == 3
+        assert s.run.error == ("SIGTERM (signal 15)" if how == "sigterm" else None)
     merged = Session.load(work / "out" / "amp_doctor.json")
-    assert merged.run.world_size == 2 and merged.run.exit_code == 143
+    assert merged.run.world_size == 2 and merged.run.exit_code == 128 + sig
     assert not list((work / "out").rglob(".amp-doctor.lock"))
     time.sleep(1)
     script = str(work / "ddp_train.py")

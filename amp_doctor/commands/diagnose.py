@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import shlex
+import signal
 import sys
 import threading
 import warnings
@@ -247,6 +248,7 @@ def _diagnose(
     command = ["python", *(["-m", target.name] if target.kind == "module" else [target.name]),
                *target.args]
     finished: list[int] = []
+    ended: list[BaseException | None] = []  # how the run ended, as its report says
     watching: list[Any] = []
 
     def start() -> None:
@@ -278,6 +280,7 @@ def _diagnose(
                     finished.append(_finish(watching[0], exc, command, ranks, speaks, run_dir,
                                             logdir, json_out, report_out, fail_on,
                                             tensorboard, console))
+                    ended.append(exc)
             except KeyboardInterrupt as late:
                 exc = exc if exc is not None else late
         return finished[0]
@@ -319,7 +322,20 @@ def _diagnose(
         # The script swallowed it (a bare except), or an error it caused replaced it as
         # it unwound (DataLoader workers the same signal ended): python would have died.
         exc = Terminated(term.received)
-    return finish(exc if exc is not None else late), term.received
+    code = finish(exc if exc is not None else late)
+    if term.received is not None:
+        return code, term.received
+    return code, _signal_of(ended[0])
+
+
+def _signal_of(exc: BaseException | None) -> int | None:
+    """The signal a run that ended with ``exc`` must end by: SIGINT for a Ctrl-C the script
+    did not catch. Python dies by it there, not by ``exit(130)``: a shell script that
+    loops over runs (a sweep) stops at a Ctrl-C only when its command died by SIGINT, and
+    goes on to the next run when it exited 130."""
+    if isinstance(exc, KeyboardInterrupt) and os.name == "posix":
+        return signal.SIGINT
+    return None
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,8 +35,9 @@ def launch(nproc: int, target: runner.Target, logdir: Path, forwarded: list[str]
     """Run every rank under amp-doctor with PyTorch's own launcher, then merge the ranks.
 
     The exit code, and the signal that ended the run (SIGTERM: passed on to torchrun,
-    which ends the ranks with it; each writes its report; the caller ends by it once the
-    merged one is out, see :func:`~amp_doctor.commands.terminal.die_by_signal`)."""
+    which ends the ranks with it; SIGINT: a Ctrl-C, which the ranks have too; each rank
+    writes its report; the caller ends by the signal once the merged one is out, see
+    :func:`~amp_doctor.commands.terminal.die_by_signal`)."""
     import subprocess
 
     from amp_doctor.merge import merge_run_dir
@@ -51,6 +53,8 @@ def launch(nproc: int, target: runner.Target, logdir: Path, forwarded: list[str]
             rc = proc.wait()
         except KeyboardInterrupt:  # torchrun, in the same process group, has it too
             rc = EXIT_INTERRUPTED
+            if os.name == "posix":
+                received.append(signal.SIGINT)
             with contextlib.suppress(KeyboardInterrupt):
                 proc.wait()
     console = Console()
