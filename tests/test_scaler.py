@@ -904,3 +904,55 @@ def test_a_high_init_scale_calibrating_down_is_not_a_collapse() -> None:
     info = next(f for f in s.findings_of("scaler_backoff") if f.severity == "info")
     assert "13 while calibrating at the start (steps 0-12, scale 4294967296 -> 524288)" \
         in info.message
+
+
+def test_lone_backoffs_where_the_scale_settles_are_info_and_a_falling_scale_warns() -> None:
+    # growth_interval 3: growth at step 2 (65536 -> 131072); step 3 undoes it (a probe);
+    # step 5 halves the scale it grew from (65536 -> 32768: where a settled scale
+    # oscillates, within SETTLED_RANGE of 131072); growth at 8; step 9 a probe; step 11
+    # halves again (32768 -> 16384), 8x below 131072: the scale is falling.
+    torch.manual_seed(0)
+    model = Net()
+    scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        seen = loop(model, 13, blowup=[3, 5, 9, 11], scaler=scaler)
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.growth_steps == [2, 8]
+    assert seen["skipped"] == s.scaler.backoff_steps == [3, 5, 9, 11]
+    info = [f for f in s.findings_of("scaler_backoff") if f.severity == "info"]
+    warn = [f for f in s.findings_of("scaler_backoff") if f.severity == "warning"]
+    assert len(info) == 1 and info[0].steps == [3, 5, 9]
+    assert "2 right after a growth, each undoing it (steps 3, 9)" in info[0].message
+    assert "1 alone, at the top of the scale's range" in info[0].message
+    assert info[0].data["edges"] == 1 and info[0].data["probes"] == 2
+    assert len(warn) == 1 and warn[0].steps == [11]
+    assert "the scale fell from 32768 to 16384" in warn[0].message
+
+
+def test_a_healthy_run_at_its_settled_scale_has_no_backoff_warning() -> None:
+    # Small gradients: the scale grows to 2**20 and then oscillates between 2**18 and
+    # 2**20, backing off now and then a few steps after a growth, not only right after.
+    # Before, those lone backoffs were a warning advising float32 layers or bfloat16.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(m.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=20)
+    with amp_doctor.watch(m, tensorboard=False) as doctor:
+        for _ in range(400):
+            x, y = torch.randn(64, 32), torch.randint(0, 8, (64,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(m(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None
+    backoffs = s.scaler.backoff_steps
+    assert len(backoffs) >= 8 and backoffs[0] > 20
+    scales = [e.scale_after for e in s.scaler.events if e.kind == "backoff"]
+    assert min(scales) >= 2.0 ** 17  # it never fell far: the gradients are small
+    assert [f for f in s.findings if f.severity != "info"] == []
+    info = next(f for f in s.findings_of("scaler_backoff"))
+    assert info.data["edges"] >= 1 and info.steps == backoffs[:50]
+    assert "alone, at the top of the scale's range" in info.message

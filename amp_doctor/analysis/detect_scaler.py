@@ -24,6 +24,7 @@ from amp_doctor.analysis.thresholds import (
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INIT_SCALE,
     SCALE_COLLAPSE_MIN,
+    SETTLED_RANGE,
     STUCK_INTERVALS,
 )
 from amp_doctor.dtypes import FORMAT_MAX
@@ -57,7 +58,13 @@ def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[Scale
       the scale above :data:`CALIBRATED_MIN` (from a higher ``init_scale``), and
       leaves the scale >= 1;
     * probe: the scale grew, the next step overflowed, and one backoff put the
-      scale back where it was before the growth.
+      scale back where it was before the growth;
+    * edge: one backoff from a scale at or above where the last growth started, to
+      within :data:`SETTLED_RANGE` of the highest scale the run grew to: the scale has
+      found the top of its range and oscillates there (grown from S to 2S, it backs off
+      to S or S/2 and grows again), one skipped step at a time. A scale that keeps
+      falling backs off from below that, or out of that range, and is a finding; one
+      that backs off too often is a collapse (:data:`BACKOFF_SHARE_COLLAPSE`).
     """
     g = groups[i]
     if any(e.forward_origin or e.loss_nonfinite for e in g):
@@ -78,6 +85,9 @@ def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[Scale
         return "calibration"
     if len(g) == 1 and prev and not (after < prev[-1].scale_before):
         return "probe"
+    if (len(g) == 1 and prev and g[0].scale_before >= prev[-1].scale_before
+            and after * SETTLED_RANGE >= max(x.scale_after for x in prev)):
+        return "edge"
     return None
 
 
@@ -280,6 +290,7 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
         culprits = _culprits_of([e for _, g in normal for e in g])
         cal = [g for why, g in normal if why == "calibration"]
         probes = [g for why, g in normal if why == "probe"]
+        edges = [g for why, g in normal if why == "edge"]
         parts = []
         if cal:
             g, n = cal[0], sum(len(c) for c in cal)
@@ -290,6 +301,10 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
         if probes:
             parts.append(f"{len(probes)} right after a growth, each undoing it (steps "
                          f"{F.steps_list([g[0].step for g in probes])})")
+        if edges:
+            parts.append(f"{len(edges)} alone, at the top of the scale's range, where it "
+                         "settles between growths (steps "
+                         f"{F.steps_list([g[0].step for g in edges])})")
         yield Finding(
             kind="scaler_backoff", severity="info",
             module=culprits[0] if culprits else None, op=None, step=steps[0],
@@ -302,7 +317,7 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
                     "`torch.amp.GradScaler(device_type, init_scale=...)`."),
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "calibration": sum(len(g) for g in cal),
-                  "probes": len(probes)},
+                  "probes": len(probes), "edges": len(edges)},
         )
     # Collapse: below 1, or too many backoffs after calibration, or long runs of them.
     final = sc.scale[-1][1] if sc.scale else None

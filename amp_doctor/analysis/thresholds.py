@@ -16,6 +16,7 @@ __all__ = [
     "SCALE_COLLAPSE_MIN",
     "BACKOFF_SHARE_COLLAPSE",
     "BACKOFF_RUN_COLLAPSE",
+    "SETTLED_RANGE",
     "CALIBRATION_START",
     "CALIBRATED_MIN",
     "CALIBRATION_STEPS",
@@ -57,6 +58,10 @@ CALIBRATION_START = 3
 # is: a high init_scale (Megatron-LM's 2**32) halves many times before it fits. It is
 # where the default 2**16 ends after BACKOFF_RUN_COLLAPSE halvings.
 CALIBRATED_MIN = 2.0 ** 16 / 2 ** BACKOFF_RUN_COLLAPSE
+# A scale that has found its level oscillates: grown from S to 2S, a lone backoff takes
+# it to S or S/2, and it grows again. A lone backoff that leaves it within this factor
+# of the highest scale the run grew to is that oscillation; lower is a falling scale.
+SETTLED_RANGE = 4.0
 # Backoffs in the first steps are not counted in the share of backoffs below.
 CALIBRATION_STEPS = 20
 # No growth across this many growth intervals means the scale is stuck.
