@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import inspect
 import math
 import os
 import socket
 import subprocess
 import sys
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -214,7 +216,7 @@ def test_everything_removed_on_exit_and_on_exception() -> None:
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
     originals = (torch.amp.GradScaler.step, torch.amp.GradScaler.update, nnu.clip_grad_norm_,
-                 torch.autograd.backward)
+                 torch.autograd.backward, warnings.warn)
     model = MLP()
     with amp_doctor.watch(model, every=1):
         assert _hooks_of(model) > 0 and patches_installed()
@@ -231,7 +233,41 @@ def test_everything_removed_on_exit_and_on_exception() -> None:
             raise KeyboardInterrupt
     assert d.session.run.outcome == "interrupted"
     assert (torch.amp.GradScaler.step, torch.amp.GradScaler.update, nnu.clip_grad_norm_,
-            torch.autograd.backward) == originals
+            torch.autograd.backward, warnings.warn) == originals
+
+
+def test_a_warning_from_a_patched_function_names_the_users_line() -> None:
+    # The scaler skips the first optimizer step (calibration from 2**40), so the scheduler
+    # stepped before the optimizer ever did: torch warns, with stacklevel=2, at the line
+    # that called scheduler.step(). Under a watch it named amp-doctor's patching.py: the
+    # wrapper around LRScheduler.step was the frame it counted.
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(100 * torch.randn(8, 16)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+            sched.step()
+            # Any stacklevel names what it names without amp-doctor.
+            here = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+            warnings.warn("zero", UserWarning, stacklevel=0)
+            warnings.warn("one", UserWarning, stacklevel=1)
+            warnings.warn("deep", UserWarning, stacklevel=10_000)
+    assert doctor.session.scaler is not None and doctor.session.scaler.skipped_steps == [0]
+    sched_w = [w for w in said if "lr_scheduler.step()" in str(w.message)]
+    assert len(sched_w) == 1
+    assert (sched_w[0].filename, sched_w[0].lineno) == (__file__, line)
+    by = {str(w.message): w for w in said}
+    assert (by["zero"].filename, by["zero"].lineno) == (__file__, here)
+    assert (by["one"].filename, by["one"].lineno) == (__file__, here + 1)
+    assert by["deep"].filename == "sys"  # python's own name for beyond the stack
 
 
 def test_one_run_at_a_time_in_a_logdir(tmp_path: Path) -> None:

@@ -18,7 +18,13 @@ What is patched, and why at that level:
   and ``clip_grad_value_`` look up at call time, so a clip is seen even when
   the user's code imported the function before the watch started;
 * ``LRScheduler.step`` (and subclasses that override it) and
-  ``torch.autograd.backward`` (which ``Tensor.backward`` calls).
+  ``torch.autograd.backward`` (which ``Tensor.backward`` calls);
+* ``warnings.warn``, so that a warning raised inside a patched function keeps the
+  location it has without amp-doctor: a wrapper is one more frame between the user's
+  call and the function, and a ``stacklevel=2`` warning (the scheduler's "Detected
+  call of `lr_scheduler.step()` before `optimizer.step()`", which every run whose
+  GradScaler skips its first step gets) named ``patching.py`` instead of the user's
+  line. Wrapper frames are left out of the count (:func:`_warn_past_wrappers`).
 
 Every wrapper forwards only its outermost call (:meth:`_ApiHub.outermost`): a
 subclass method calling ``super()``, ``clip_grad_norm`` calling
@@ -36,6 +42,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from types import CodeType
 from typing import Any, Protocol
 
 import torch
@@ -54,6 +61,9 @@ __all__ = ["ApiSubscriber", "Subscription", "subscribe", "patches_installed",
            "in_scaler_step", "in_scaled_backward", "scaled_backwards"]
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update", "load_state_dict")
+
+# The code of every wrapper the hub installs: frames a warning's stacklevel steps over.
+_WRAPPER_CODES: set[CodeType] = set()
 
 
 class ApiSubscriber(Protocol):
@@ -163,10 +173,14 @@ class _ApiHub:
             self.scaled_backward = True
 
     # -- installation ------------------------------------------------------
-    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any], *,
+               wrapper: bool = True) -> None:
         had = name in vars(owner)
         orig = vars(owner)[name] if had else getattr(owner, name)
-        setattr(owner, name, make(orig))
+        made = make(orig)
+        if wrapper:
+            _WRAPPER_CODES.add(made.__code__)
+        setattr(owner, name, made)
 
         def restore() -> None:
             if had:
@@ -211,6 +225,7 @@ class _ApiHub:
         self._patch(torch.autograd, "backward", self._wrap_backward)
         self._patch(torch.autograd, "grad", self._wrap_grad)
         self._patch(torch.jit, "script", _wrap_jit_script)
+        self._patch(warnings, "warn", _warn_past_wrappers, wrapper=False)
 
     def _uninstall(self) -> None:
         while self._restore:
@@ -407,6 +422,32 @@ class _ApiHub:
                 return result
 
         return grad
+
+
+def _warn_past_wrappers(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """``warnings.warn`` whose ``stacklevel`` counts no frame of the hub's wrappers: the
+    warning names the line it names without amp-doctor (its filters, its once-per-location
+    registry and its module with it). Global state is not touched per call, so threads
+    warning at once are safe; only warnings raised through ``warnings.warn`` itself are
+    seen (not one a module bound with ``from warnings import warn`` before the watch)."""
+
+    @functools.wraps(orig)
+    def warn(message: Any, category: Any = None, stacklevel: int = 1, source: Any = None,
+             **kwargs: Any) -> None:
+        if not isinstance(stacklevel, int):
+            return orig(message, category, stacklevel, source, **kwargs)  # its own error
+        level = max(stacklevel, 1)  # python names the caller for any stacklevel below 1
+        try:
+            frame = sys._getframe(level)  # what `orig` would name, seen from here
+            while frame.f_code in _WRAPPER_CODES and frame.f_back is not None:
+                frame = frame.f_back
+                level += 1
+        except ValueError:  # beyond the stack: `orig` says so as it would have
+            level = stacklevel
+        # One more for this frame, which `orig` sees between it and the caller.
+        return orig(message, category, level + 1, source, **kwargs)
+
+    return warn
 
 
 def _wrap_jit_script(orig: Callable[..., Any]) -> Callable[..., Any]:
