@@ -440,6 +440,52 @@ def test_sigterm_in_every_phase_of_a_run(work: Path, case: str) -> None:
     assert not (work / "out" / ".amp-doctor.lock").exists()
 
 
+@pytest.mark.parametrize("when", ["torch_init", "watch_start"])
+def test_ctrl_c_while_the_script_imports_torch(work: Path, when: str) -> None:
+    # A Ctrl-C in the first seconds, while `import torch` runs (1-3 s). In torch's own
+    # __init__, it left torch half-imported, and amp-doctor imported it again to write the
+    # report: "partially initialized module 'torch'", "generic_type: cannot initialize
+    # type ... already defined" or an abort, with amp-doctor's traceback and no report.
+    # While the watch started (right after torch's __init__), it was kept as a start error
+    # and the script trained on, unwatched. Now python's own KeyboardInterrupt at the
+    # script's `import torch`, a report saying so, and death by SIGINT.
+    wait_for = {"torch_init": "torch._C", "watch_start": "amp_doctor.watch"}[when]
+    (work / "t.py").write_text(f"""
+import os, signal, sys, threading, time
+def user():  # plays the user at the terminal
+    while {wait_for!r} not in sys.modules:
+        time.sleep(0.0002)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=user, daemon=True).start()
+import torch
+print("not reached")
+""")
+    r = subprocess.run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "t.py"],
+                       cwd=work, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGINT, r.stderr
+    assert "not reached" not in r.stdout
+    assert 'File "t.py", line 8, in <module>\n    import torch\n' in r.stderr.replace(
+        str(work / "t.py"), "t.py"), r.stderr
+    assert "\nKeyboardInterrupt\n" in r.stderr
+    assert "amp_doctor" not in r.stderr.split("KeyboardInterrupt")[0]  # the user's frames
+    assert "Error" not in r.stderr and "internal error" not in r.stderr, r.stderr
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.run.outcome == "interrupted" and s.run.exit_code == 130 and s.steps == 0
+    if when == "torch_init":
+        assert "the script's `import torch` did not finish (KeyboardInterrupt), so nothing " \
+               "was watched" in r.stderr
+    else:  # watched: the report is the watch's own
+        assert s.run.torch_version.startswith(torch_version_prefix())
+        assert (work / "out" / "report.txt").read_text().startswith("amp-doctor")
+    assert not (work / "out" / ".amp-doctor.lock").exists()
+
+
+def torch_version_prefix() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
+
+
 def test_ctrl_c_during_the_report_writing_is_ignored(work: Path) -> None:
     # The script's own thread plays the user: one Ctrl-C to stop training, then Ctrl-C
     # again and again until the JSON report is on disk, so that some land while the

@@ -185,6 +185,11 @@ ADVICE: dict[str, str] = {
         "Fix the error that stopped the script (see the outcome above), then run again: "
         "amp-doctor judges training steps, and none finished."
     ),
+    "run_ended_early_interrupted": (
+        "The run was stopped (Ctrl-C or SIGTERM) before a training step finished: let it "
+        "train at least one step (`--stop-after N` ends it cleanly after N steps), then "
+        "amp-doctor has steps to judge."
+    ),
 }
 
 # The same advice for a run that already trains in bfloat16: never "use bfloat16".

@@ -286,7 +286,8 @@ def run_findings(session: Session) -> Iterable[Finding]:
                      + f") before its first training step finished; "
                      f"{session.recorded_steps} partial step(s) recorded. There is nothing "
                      "to judge AMP by yet."),
-            advice=ADVICE["run_ended_early"],
+            advice=ADVICE["run_ended_early_interrupted" if session.run.outcome == "interrupted"
+                          else "run_ended_early"],
         )
 
 

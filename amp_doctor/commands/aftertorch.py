@@ -8,6 +8,12 @@ not, and the run would differ from the same run without amp-doctor. So ``diagnos
 imports nothing of torch before the script, and starts its watch right after the
 script's own ``import torch`` has run torch's ``__init__``, before the script's next
 statement: nothing of the script's torch work happens unwatched.
+
+A Ctrl-C in that moment is held until the watch has started, then raised into the
+script's ``import torch``, as python would have raised it there: the report covers the
+run. One during torch's own ``__init__`` leaves torch half-imported, and a second
+import of it would fail (torch cannot register its operators twice): the finder says
+so (``import_failed``), and nothing imports torch again.
 """
 
 from __future__ import annotations
@@ -15,10 +21,13 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.machinery
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
+
+from amp_doctor.commands.terminal import hold_sigint
 
 __all__ = ["after_torch_import"]
 
@@ -35,6 +44,11 @@ class _TorchImport(importlib.abc.MetaPathFinder):
         # it after torch's __init__ ran (a second import would run it again, and torch
         # cannot register its operators twice).
         self.error: BaseException | None = None
+        # What the script's import of torch itself raised (a Ctrl-C in its __init__):
+        # torch is half-imported and must not be imported again in this process.
+        self.import_failed: BaseException | None = None
+        # torch, once its __init__ has run.
+        self.module: ModuleType | None = None
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
@@ -55,7 +69,12 @@ class _TorchImport(importlib.abc.MetaPathFinder):
         def exec_module(module: ModuleType) -> None:
             # An instance attribute over the loader's method, for this one import.
             del loader.exec_module  # type: ignore[attr-defined]
-            real_exec(module)
+            try:
+                real_exec(module)
+            except BaseException as e:
+                self.import_failed = e
+                raise
+            self.module = module
             self.call()
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
@@ -66,10 +85,22 @@ class _TorchImport(importlib.abc.MetaPathFinder):
             if self.called:
                 return
             self.called = True
-        try:
-            self._callback()
-        except BaseException as e:  # kept for the caller: see self.error
-            self.error = e
+        with hold_sigint() as held:
+            try:
+                self._callback()
+            except BaseException as e:  # kept for the caller: see self.error
+                self.error = e
+        if held:
+            # Now that the watch is on: into the script's import, through its own handler.
+            # The import machinery then takes torch out of sys.modules: see keep_torch.
+            signal.raise_signal(signal.SIGINT)
+
+    def keep_torch(self) -> None:
+        """Put torch back in ``sys.modules`` if an exception raised into the script's import
+        after torch's ``__init__`` had run (the held Ctrl-C) took it out: amp-doctor's own
+        imports of torch, as the run ends, must find it, not run its ``__init__`` again."""
+        if self.module is not None and "torch" not in sys.modules:
+            sys.modules["torch"] = self.module
 
 
 @contextlib.contextmanager

@@ -248,6 +248,7 @@ def _diagnose(
     command = ["python", *(["-m", target.name] if target.kind == "module" else [target.name]),
                *target.args]
     finished: list[int] = []
+    hook: list[Any] = []  # the finder that starts the watch at the script's `import torch`
     ended: list[BaseException | None] = []  # how the run ended, as its report says
     watching: list[Any] = []
 
@@ -275,11 +276,17 @@ def _diagnose(
                 with sigint_shield(console):
                     progress.unwrap_std_streams()
                     progress.clear()
-                    if not watching:  # the script never imported torch
-                        start()
-                    finished.append(_finish(watching[0], exc, command, ranks, speaks, run_dir,
-                                            logdir, json_out, report_out, fail_on,
-                                            tensorboard, console))
+                    failed = hook[0].import_failed if hook else None
+                    if not watching and failed is not None:
+                        finished.append(_finish_unwatched(exc, failed, command, ranks, run_dir,
+                                                          json_out, report_out, fail_on,
+                                                          console))
+                    else:
+                        if not watching:  # the script never imported torch
+                            start()
+                        finished.append(_finish(watching[0], exc, command, ranks, speaks,
+                                                run_dir, logdir, json_out, report_out,
+                                                fail_on, tensorboard, console))
                     ended.append(exc)
             except KeyboardInterrupt as late:
                 exc = exc if exc is not None else late
@@ -303,7 +310,9 @@ def _diagnose(
 
         try:
             with _report_before_exec(before_exec), after_torch_import(start_watching) as started:
+                hook.append(started)
                 exc = _run_script(resolved)
+                started.keep_torch()
         except (KeyboardInterrupt, Terminated) as again:  # as the script's exit unwound
             exc = again
         if os.getpid() != pid:
@@ -441,24 +450,7 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
 
     restore_std_streams(console)
     code = runner.exit_code(exc)
-    outcome = "completed"
-    error = None
-    if isinstance(exc, KeyboardInterrupt):
-        outcome = "interrupted"
-    elif isinstance(exc, Terminated):
-        outcome = "interrupted"
-        error = f"SIGTERM (signal {exc.signum})"
-        console.echo("amp-doctor: the script was stopped by SIGTERM; the report holds what "
-                     "ran before it.")
-    elif isinstance(exc, SystemExit):
-        # sys.exit(0) / sys.exit(None), as in `sys.exit(main())`, is a normal end.
-        outcome = "exit" if code != 0 else "completed"
-    elif exc is not None:
-        outcome = "exception"
-        error = f"{type(exc).__name__}: {exc}"
-    meta: dict[str, Any] = dict(command=command, exit_code=code, outcome=outcome, error=error,
-                                rank=ranks[0] if ranks else None,
-                                world_size=ranks[1] if ranks else None)
+    meta = _run_meta(exc, code, command, ranks, console)
     doctor.set_run_meta(**meta)
     try:
         with warnings.catch_warnings(record=True) as said:
@@ -496,6 +488,66 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
     return code
 
 
+def _run_meta(exc: BaseException | None, code: int, command: list[str],
+              ranks: tuple[int, int] | None, console: Console) -> dict[str, Any]:
+    """How the run ended, for its report (``Watch.set_run_meta``'s fields)."""
+    outcome = "completed"
+    error = None
+    if isinstance(exc, KeyboardInterrupt):
+        outcome = "interrupted"
+    elif isinstance(exc, Terminated):
+        outcome = "interrupted"
+        error = f"SIGTERM (signal {exc.signum})"
+        console.echo("amp-doctor: the script was stopped by SIGTERM; the report holds what "
+                     "ran before it.")
+    elif isinstance(exc, SystemExit):
+        # sys.exit(0) / sys.exit(None), as in `sys.exit(main())`, is a normal end.
+        outcome = "exit" if code != 0 else "completed"
+    elif exc is not None:
+        outcome = "exception"
+        error = f"{type(exc).__name__}: {exc}"
+    return dict(command=command, exit_code=code, outcome=outcome, error=error,
+                rank=ranks[0] if ranks else None, world_size=ranks[1] if ranks else None)
+
+
+def _finish_unwatched(exc: BaseException | None, failed: BaseException, command: list[str],
+                      ranks: tuple[int, int] | None, run_dir: Path, json_out: Path | None,
+                      report_out: Path | None, fail_on: str, console: Console) -> int:
+    """The script's ``import torch`` itself failed (a Ctrl-C while torch imported, a broken
+    install): torch is half-imported, and importing it again would fail, so nothing was
+    watched. The report says how the run ended; no TensorBoard logs. The exit code."""
+    from amp_doctor import runner
+    from amp_doctor.sinks.jsonfile import write_json
+
+    restore_std_streams(console)
+    code = runner.exit_code(exc)
+    meta = _run_meta(exc, code, command, ranks, console)
+    session = _empty_session(meta)
+    write_or_warn(lambda: write_json(session, run_dir / JSON_NAME), run_dir / JSON_NAME,
+                  console)
+    console.echo(f"amp-doctor: the script's `import torch` did not finish "
+                 f"({type(failed).__name__}), so nothing was watched; the report only says "
+                 "how the run ended.")
+    return publish(session, run_dir, json_out, report_out, fail_on, False, code, console,
+                   exc=exc)
+
+
+def _empty_session(meta: dict[str, Any], steps: int = 0, recorded: int = 0,
+                   every: int = 0) -> Session:
+    """A report with no recorded data that still says how the run ended."""
+    from amp_doctor.records import AmpConfig, RunInfo, Session
+
+    torch_version = str(getattr(sys.modules.get("torch"), "__version__", "?"))
+    return Session(
+        version=__version__, amp=AmpConfig(device_type=None, dtype=None, scaler=False),
+        steps=steps, recorded_steps=recorded, layers=[], scaler=None, history=[], events=[],
+        findings=[],
+        run=RunInfo(torch_version=torch_version, started="", duration_s=0.0, every=every,
+                    models=[], command=meta.get("command"), exit_code=meta.get("exit_code"),
+                    outcome=meta["outcome"], error=meta["error"], rank=meta["rank"],
+                    world_size=meta["world_size"]))
+
+
 def _echo_own_warnings(said: list[warnings.WarningMessage], console: Console) -> None:
     """amp-doctor's warnings from closing the watch (TensorBoard could not write) as one
     line each, like its other messages; anything else as python would show it."""
@@ -509,24 +561,15 @@ def _echo_own_warnings(said: list[warnings.WarningMessage], console: Console) ->
 
 def _salvage(doctor: Any, run_dir: Path, console: Console, meta: dict[str, Any]) -> Session:
     """The session as far as it can be built after ``close()`` failed, written to disk."""
-    from amp_doctor.records import AmpConfig, RunInfo, Session
     from amp_doctor.sinks.jsonfile import write_json
 
     try:
         session: Session = doctor.session
     except Exception:
         # Not even a snapshot: an empty report that still says how the run ended.
-        torch_version = str(getattr(sys.modules.get("torch"), "__version__", "?"))
-        session = Session(
-            version=__version__, amp=AmpConfig(device_type=None, dtype=None, scaler=False),
-            steps=int(getattr(doctor, "step_index", 0)),
-            recorded_steps=int(getattr(doctor, "recorded", 0)), layers=[], scaler=None,
-            history=[], events=[], findings=[],
-            run=RunInfo(torch_version=torch_version, started="", duration_s=0.0,
-                        every=int(getattr(doctor, "every", 0)), models=[],
-                        command=meta.get("command"), exit_code=meta.get("exit_code"),
-                        outcome=meta["outcome"], error=meta["error"], rank=meta["rank"],
-                        world_size=meta["world_size"]))
+        session = _empty_session(meta, int(getattr(doctor, "step_index", 0)),
+                                 int(getattr(doctor, "recorded", 0)),
+                                 int(getattr(doctor, "every", 0)))
     write_or_warn(lambda: write_json(session, run_dir / JSON_NAME), run_dir / JSON_NAME,
                   console)
     return session

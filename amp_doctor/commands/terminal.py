@@ -23,9 +23,8 @@ if TYPE_CHECKING:
     from amp_doctor.steps.listeners import StepRows
 
 __all__ = ["Console", "GuardedStream", "Progress", "SigtermUnwinds", "die_by_signal",
-           "give_back_sigterm", "restore_std_streams", "sigint_shield", "sigterm_unwinds",
-           "take_sigterm",
-           "usable"]
+           "give_back_sigterm", "hold_sigint", "restore_std_streams", "sigint_shield",
+           "sigterm_unwinds", "take_sigterm", "usable"]
 
 # Redraw the live status line at most this often.
 STATUS_INTERVAL_S = 0.5
@@ -319,6 +318,31 @@ def sigterm_unwinds() -> Iterator[SigtermUnwinds]:
         yield term
     finally:
         term.disarm()
+
+
+@contextlib.contextmanager
+def hold_sigint() -> Iterator[list[int]]:
+    """While the block runs, a Ctrl-C is held instead of raised inside it; the yielded list
+    says whether one came. For work that must not be cut in half (the watch starting
+    inside the script's ``import torch``): the caller delivers it afterwards with
+    ``signal.raise_signal``, which runs the script's own handler at once, as the Ctrl-C
+    would have. Only the main thread can hold it, and only a handler set from Python is
+    swapped (one set from C is left alone)."""
+    came: list[int] = []
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is None):
+        yield came
+        return
+
+    def hold(signum: int, frame: Any) -> None:
+        del frame
+        came.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def die_by_signal(signum: int) -> NoReturn:
