@@ -884,18 +884,9 @@ def test_a_high_init_scale_calibrating_down_is_not_a_collapse() -> None:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
                       nn.Linear(64, 4))
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 32, growth_interval=20)
-    g = torch.Generator().manual_seed(0)
     with amp_doctor.watch(m, tensorboard=False) as doctor:
-        for _ in range(60):
-            x, y = torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = nn.functional.cross_entropy(m(x), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        _train_classifier(m, scaler, 60, 32, torch.Generator().manual_seed(0))
     s = doctor.session
     assert s.scaler is not None and s.scaler.backoff_steps[:13] == list(range(13))
     assert scaler.get_scale() > 2.0 ** 16
@@ -935,17 +926,9 @@ def test_a_healthy_run_at_its_settled_scale_has_no_backoff_warning() -> None:
     # Before, those lone backoffs were a warning advising float32 layers or bfloat16.
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
-    opt = torch.optim.AdamW(m.parameters(), 1e-3)
     scaler = torch.amp.GradScaler("cpu", growth_interval=20)
     with amp_doctor.watch(m, tensorboard=False) as doctor:
-        for _ in range(400):
-            x, y = torch.randn(64, 32), torch.randint(0, 8, (64,))
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = nn.functional.cross_entropy(m(x), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        _train_classifier(m, scaler, 400, 64)
     s = doctor.session
     assert s.scaler is not None
     backoffs = s.scaler.backoff_steps
@@ -956,3 +939,19 @@ def test_a_healthy_run_at_its_settled_scale_has_no_backoff_warning() -> None:
     info = next(f for f in s.findings_of("scaler_backoff"))
     assert info.data["edges"] >= 1 and info.steps == backoffs[:50]
     assert "alone, at the top of the scale's range" in info.message
+
+
+def _train_classifier(m: nn.Sequential, scaler: torch.amp.GradScaler, steps: int, batch: int,
+                      g: torch.Generator | None = None) -> None:
+    """AdamW on random inputs and labels, float16 with ``scaler``: a healthy run."""
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    n_in, n_out = m[0].in_features, m[-1].out_features
+    for _ in range(steps):
+        x = torch.randn(batch, n_in, generator=g)
+        y = torch.randint(0, n_out, (batch,), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(m(x), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
