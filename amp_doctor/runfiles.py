@@ -13,6 +13,11 @@ from pathlib import Path
 
 from amp_doctor.errors import UsageError
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock(2); the named process's liveness decides
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["JSON_NAME", "LOCK_NAME", "TEXT_NAME", "check_run_dir_free", "claim_run_dir",
            "make_writable_dir"]
 
@@ -33,7 +38,12 @@ def make_writable_dir(d: Path) -> None:
 
 
 # Held in a run folder while a run writes there: two runs into one folder would mix
-# their TensorBoard events and overwrite each other's reports without a word.
+# their TensorBoard events and overwrite each other's reports without a word. The file
+# names the run (for the error) and, where the file system has locks, carries an
+# exclusive flock(2) for as long as the run holds the folder: the kernel drops it when
+# the process ends however it ends (kill -9, out of memory), so a lock file left behind
+# is known to be stale even when its process id has been reused (a container restarted).
+# Without locks (some network file systems), whether the named process is alive decides.
 LOCK_NAME = ".amp-doctor.lock"
 # A lock file this young with no holder written in it yet is a run starting, not a
 # stale one (its holder writes the line right after creating the file).
@@ -42,28 +52,100 @@ _CLAIMED: set[str] = set()  # run folders this process holds, resolved
 # Of those, the ones claimed for a watch this process starts later, which takes the claim
 # over (the CLI claims before the script runs; the watch starts at its `import torch`).
 _HANDED: set[str] = set()
+# The open, flock-ed lock file of each claim (none where the file system has no locks).
+_FDS: dict[str, int] = {}
 
 
-def _holder(lock: Path) -> tuple[int, str] | None:
-    """(pid, host) written in ``lock``; None for none or garbled."""
+def _boot_id() -> str:
+    """This kernel's boot id: processes that share it share their flock(2) locks, also
+    from other containers (whose host names differ); "-" where there is none."""
     try:
-        pid, host = lock.read_text().split()[:2]
-        return int(pid), host
-    except (OSError, ValueError):
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or "-"
+    except OSError:
+        return "-"
+
+
+def _me() -> tuple[int, str, str]:
+    return os.getpid(), socket.gethostname(), _boot_id()
+
+
+def _holder(lock: Path) -> tuple[int, str, str] | None:
+    """(pid, host, boot id) written in ``lock`` (boot id "-" if not written); None for
+    none or garbled."""
+    try:
+        parts = lock.read_text().split()
+        return int(parts[0]), parts[1], (parts[2] if len(parts) > 2 else "-")
+    except (OSError, ValueError, IndexError):
         return None
+
+
+def _try_flock(fd: int, exclusive: bool) -> bool | None:
+    """Take flock(2) on ``fd`` without waiting: True taken, False another open file holds
+    it, None this file system (or platform) has no such locks."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # ENOLCK, EOPNOTSUPP, EINVAL: no locks here
+        return None
+
+
+def _flocked(lock: Path) -> bool | None:
+    """Whether a live run holds ``lock``'s flock; None if that cannot be told (no locks
+    on this file system, or the file cannot be opened)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        got = _try_flock(fd, exclusive=False)
+    finally:
+        os.close(fd)  # also drops the shared lock just taken
+    return None if got is None else not got
+
+
+def _describe(holder: tuple[int, str, str] | None) -> str:
+    if holder is None:
+        return "a run starting now"
+    pid, host, _ = holder
+    return f"process {pid}" if host == socket.gethostname() else f"process {pid} on {host}"
 
 
 def _busy(lock: Path) -> str | None:
     """Who holds the lock (for the error), or None if nobody does (no file, or a stale
     one: its process has ended)."""
+    locked = _flocked(lock)
+    holder = _holder(lock)
+    if locked:
+        return _describe(holder)
+    if locked is False and _flock_tells(holder):
+        return None  # nobody holds its flock, and its run would: stale
+    return _busy_by_pid(lock, holder)
+
+
+def _flock_tells(holder: tuple[int, str, str] | None) -> bool:
+    """Whether the flock on a lock file naming ``holder`` says if its run is alive: it was
+    written by a run on this kernel (the same boot id: this machine, any container on
+    it), which holds the flock while it runs. A lock written without a boot id (another
+    platform, an older amp-doctor) or on another machine (a network file system need
+    not share locks) is judged by its process id."""
+    return holder is None or holder[2] != "-" and holder[2] == _boot_id()
+
+
+def _busy_by_pid(lock: Path, holder: tuple[int, str, str] | None) -> str | None:
+    """:func:`_busy` where locks cannot tell: by whether the named process is alive."""
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return None
-    holder = _holder(lock)
     if holder is None:
         return "a run starting now" if age < _LOCK_BIRTH_S else None
-    pid, host = holder
+    pid, host, _ = holder
     if host != socket.gethostname():
         return f"process {pid} on {host}"
     if pid == os.getpid():
@@ -101,9 +183,10 @@ def check_run_dir_free(d: Path, option: str = "--logdir") -> None:
 def claim_run_dir(d: Path, option: str = "logdir", *,
                   for_a_watch: bool = False) -> Callable[[], None]:
     """Claim the existing folder ``d`` for this run until the returned function is
-    called: a lock file naming this process, taken over if its process has ended (a
-    run killed with ``kill -9``). Raises :class:`~amp_doctor.errors.UsageError` if a
-    live run, in this process or another, holds it.
+    called: a lock file naming this process, held with flock(2) where the file system
+    has locks, taken over if its run has ended (a run killed with ``kill -9``). Raises
+    :class:`~amp_doctor.errors.UsageError` if a live run, in this process or another,
+    holds it.
 
     ``for_a_watch``: the claim is for a watch this process starts later, whose own
     claim of ``d`` takes this one over (and its release frees it): no second run can
@@ -112,21 +195,24 @@ def claim_run_dir(d: Path, option: str = "logdir", *,
     """
     key = str(d.resolve())
     lock = d / LOCK_NAME
-    me = (os.getpid(), socket.gethostname())
+    me = _me()
     if key in _HANDED and not for_a_watch:
         _HANDED.discard(key)  # the watch it was claimed for
         return functools.partial(_release, key, lock, me)
     check_run_dir_free(d, option)
-    if not _create_lock(lock, me):
+    fd = _take_lock(lock, me)
+    if fd is None:
         who = _busy(lock)
         raise _busy_error(d, who or "a run starting now", option)
+    if fd >= 0:
+        _FDS[key] = fd
     _CLAIMED.add(key)
     if for_a_watch:
         _HANDED.add(key)
     return functools.partial(_release, key, lock, me)
 
 
-def _release(key: str, lock: Path, me: tuple[int, str]) -> None:
+def _release(key: str, lock: Path, me: tuple[int, str, str]) -> None:
     if os.getpid() != me[0]:
         return
     _CLAIMED.discard(key)
@@ -134,21 +220,57 @@ def _release(key: str, lock: Path, me: tuple[int, str]) -> None:
     if _holder(lock) == me:
         with contextlib.suppress(OSError):
             lock.unlink()
+    fd = _FDS.pop(key, None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # drops the flock
 
 
-def _create_lock(lock: Path, me: tuple[int, str]) -> bool:
-    """Create ``lock`` naming ``me``, taking a stale one over; False if a live run holds it
-    (or wins the race for a stale one)."""
+def _take_lock(lock: Path, me: tuple[int, str, str]) -> int | None:
+    """Take ``lock`` for ``me``, a stale one over: its open file descriptor, holding the
+    flock (-1 where the file system has no locks), or None if a live run holds it (or
+    wins the race for it)."""
+    for _ in range(3):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        got = _try_flock(fd, exclusive=True)
+        if got is None:
+            os.close(fd)
+            return -1 if _create_by_pid(lock, me) else None
+        if not got:
+            os.close(fd)
+            return None
+        try:
+            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if not current:  # released and removed since it was opened: try the new file
+            os.close(fd)
+            continue
+        holder = _holder(lock)
+        if not _flock_tells(holder) and _busy_by_pid(lock, holder) is not None:
+            # A live run the flock cannot speak for (another machine's, on a file system
+            # that does not share locks; an older amp-doctor's).
+            os.close(fd)
+            return None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{me[0]} {me[1]} {me[2]}\n".encode())
+        return fd
+    return None
+
+
+def _create_by_pid(lock: Path, me: tuple[int, str, str]) -> bool:
+    """Create ``lock`` naming ``me`` where there are no locks, taking a stale one over;
+    False if a live run holds it (or wins the race for a stale one)."""
     for _ in range(2):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            if _busy(lock) is not None:
+            if _busy_by_pid(lock, _holder(lock)) is not None:
                 return False
             with contextlib.suppress(FileNotFoundError):
                 lock.unlink()  # stale: its process has ended
             continue
         with os.fdopen(fd, "w") as f:
-            f.write(f"{me[0]} {me[1]}\n")
+            f.write(f"{me[0]} {me[1]} {me[2]}\n")
         return True
     return False

@@ -298,6 +298,55 @@ def test_one_run_at_a_time_in_a_logdir(tmp_path: Path) -> None:
     assert not lock.exists()
 
 
+def _boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+@pytest.mark.skipif(not Path("/proc/sys/kernel/random/boot_id").exists(),
+                    reason="Linux: boot ids and flock")
+def test_a_lock_is_judged_by_its_flock_not_its_process_id(tmp_path: Path) -> None:
+    # A run killed with kill -9 (out of memory, a container stopped) leaves its lock. Its
+    # process id may be reused by then (a restarted container numbers its processes from
+    # 1 again), and a new container has another host name: both used to refuse the logdir
+    # until the file was removed by hand. A run holds a flock on its lock while it runs,
+    # which the kernel drops when it ends: no flock, stale, on this machine.
+    lock = tmp_path / LOCK_NAME
+    here, boot = socket.gethostname(), _boot_id()
+
+    def takes(text: str) -> bool:
+        lock.write_text(text)
+        try:
+            with amp_doctor.watch(MLP(), every=1, logdir=tmp_path, tensorboard=False):
+                assert lock.read_text().split() == [str(os.getpid()), here, boot]
+        except UsageError as e:
+            assert "another amp-doctor run (process" in str(e)
+            return False
+        assert not lock.exists()
+        return True
+
+    alive = os.getppid()  # a live process that is no amp-doctor run
+    assert takes(f"{alive} {here} {boot}\n")  # a reused process id: taken over
+    assert takes(f"7 0123456789ab {boot}\n")  # another container on this machine
+    # What a flock cannot speak for is judged by its process id, as before.
+    assert not takes(f"{alive} {here}\n")  # an older amp-doctor's lock: alive
+    assert not takes(f"{alive} other-machine 00000000-0000-0000-0000-000000000000\n")
+    # A live run holds the flock: refused, whatever the file says.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        lock.write_text(f"{holder.pid} {here} {boot}\n")
+        with pytest.raises(UsageError, match=f"another amp-doctor run \\(process {holder.pid}\\)"):
+            amp_doctor.watch(MLP(), every=1, logdir=tmp_path, tensorboard=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert takes(f"{holder.pid} {here} {boot}\n")  # its flock went with it
+
+
 def test_plain_handle_with_close() -> None:
     model = MLP()
     doctor = amp_doctor.watch(model, every=1)
