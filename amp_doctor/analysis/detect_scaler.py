@@ -24,7 +24,7 @@ from amp_doctor.analysis.thresholds import (
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INIT_SCALE,
     SCALE_COLLAPSE_MIN,
-    SETTLED_RANGE,
+    SETTLING_BACKOFFS,
     STUCK_INTERVALS,
 )
 from amp_doctor.dtypes import FORMAT_MAX
@@ -50,21 +50,21 @@ def _culprits_of(group: list[ScalerEvent]) -> list[str]:
 
 
 def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[ScalerEvent],
-                    last_step: int) -> str | None:
+                    last_step: int, floor: float) -> str | None:
     """Why a group of backoffs is GradScaler working as designed, or None.
 
     * calibration: the scale starts high (2**16) and halves in the first steps
       until the gradients fit: a run starting at once that ends, short or leaving
       the scale above :data:`CALIBRATED_MIN` (from a higher ``init_scale``), and
       leaves the scale >= 1;
-    * probe: the scale grew, the next step overflowed, and one backoff put the
-      scale back where it was before the growth;
-    * edge: one backoff from a scale at or above where the last growth started, to
-      within :data:`SETTLED_RANGE` of the highest scale the run grew to: the scale has
-      found the top of its range and oscillates there (grown from S to 2S, it backs off
-      to S or S/2 and grows again), one skipped step at a time. A scale that keeps
-      falling backs off from below that, or out of that range, and is a finding; one
-      that backs off too often is a collapse (:data:`BACKOFF_SHARE_COLLAPSE`).
+    * probe: the scale grew, a later step overflowed, and one backoff put the scale
+      back where it was before the growth;
+    * settling: at most :data:`SETTLING_BACKOFFS` in a row that leave the scale at or
+      above ``floor``: a noisy batch, or the scale oscillating at the level the
+      gradients allow (grown from S to 2S, it backs off to S or S/2 and grows again),
+      one or two skipped steps at a time, also in a run too short for a growth.
+      Longer runs of backoffs, a scale fallen below ``floor`` and backoffs in too many
+      steps (:data:`BACKOFF_SHARE_COLLAPSE`) are findings.
     """
     g = groups[i]
     if any(e.forward_origin or e.loss_nonfinite for e in g):
@@ -79,16 +79,22 @@ def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[Scale
         return "calibration"
     if (i == 1 and not prev and len(g) == 1 and g[0].step < CALIBRATION_STEPS
             and after > CALIBRATED_MIN
-            and _normal_backoff(0, groups, growths, last_step) == "calibration"):
+            and _normal_backoff(0, groups, growths, last_step, floor) == "calibration"):
         # One more halving soon after, before the scale ever grew: the scale the
         # calibration stopped at was just too high for a later batch.
         return "calibration"
     if len(g) == 1 and prev and not (after < prev[-1].scale_before):
         return "probe"
-    if (len(g) == 1 and prev and g[0].scale_before >= prev[-1].scale_before
-            and after * SETTLED_RANGE >= max(x.scale_after for x in prev)):
-        return "edge"
+    if len(g) <= SETTLING_BACKOFFS and after >= floor:
+        return "settling"
     return None
+
+
+def _settled_floor(session: Session) -> float:
+    """The lowest scale a settling episode may leave (see :func:`_normal_backoff`)."""
+    init = (session.scaler.init_scale if session.scaler is not None else None) \
+        or DEFAULT_INIT_SCALE
+    return min(CALIBRATED_MIN, init / 2)
 
 
 def _skips_per_optimizer(session: Session, steps: list[int]) -> str:
@@ -219,13 +225,34 @@ def _scaler_events(session: Session) -> tuple[list[ScalerEvent], list[ScalerEven
             sorted((e for e in sc.events if e.kind == "growth"), key=lambda e: e.step))
 
 
+def _classified(session: Session, backoffs: list[ScalerEvent], growths: list[ScalerEvent]
+                ) -> list[tuple[str | None, list[ScalerEvent]]]:
+    """The backoff episodes in order, each with why it is GradScaler working as designed
+    (:func:`_normal_backoff`), or None for a finding. Settling episodes that a finding
+    follows with no growth in between are part of its fall (a scale halving now and then
+    and never growing back, until it is low): they are the finding's too."""
+    groups = F.consecutive_runs(backoffs)
+    floor = _settled_floor(session)
+    out = [(_normal_backoff(i, groups, growths, session.steps - 1, floor), g)
+           for i, g in enumerate(groups)]
+    grown = {e.step for e in growths}
+    for i in range(len(out) - 1, 0, -1):
+        if out[i][0] is not None:
+            continue
+        j = i - 1
+        while (j >= 0 and out[j][0] == "settling"
+               and not any(out[j][1][-1].step < s < out[j + 1][1][0].step for s in grown)):
+            out[j] = (None, out[j][1])
+            j -= 1
+    return out
+
+
 def normal_backoff_steps(session: Session) -> set[int]:
     """Steps whose backoff was GradScaler working as designed (calibration, a probe):
     a scaled gradient overflowing there is the scaler's business, not a finding's."""
     backoffs, growths = _scaler_events(session)
-    groups = F.consecutive_runs(backoffs)
-    return {e.step for i, g in enumerate(groups)
-            if _normal_backoff(i, groups, growths, session.steps - 1) is not None for e in g}
+    return {e.step for why, g in _classified(session, backoffs, growths) if why is not None
+            for e in g}
 
 
 def scaler_findings(session: Session) -> Iterable[Finding]:
@@ -235,6 +262,8 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
     backoffs, growths = _scaler_events(session)
     groups = F.consecutive_runs(backoffs)
     last_step = session.steps - 1
+    floor = _settled_floor(session)
+    classified = _classified(session, backoffs, growths)
     origins = _origins_by_step(session)
     normal: list[tuple[str, list[ScalerEvent]]] = []
     # Episodes with the same culprits are one finding: a recurring overflow
@@ -242,8 +271,7 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
     by_culprits: dict[tuple[str, ...], list[list[ScalerEvent]]] = {}
     known = _backoff_origins(session, backoffs, origins)
     with_params = {lay.name for lay in session.layers if lay.param_dtypes}
-    for i, g in enumerate(groups):
-        why = _normal_backoff(i, groups, growths, last_step)
+    for why, g in classified:
         if why is not None:
             normal.append((why, g))
             continue
@@ -263,10 +291,14 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
             head = (f"GradScaler backed off {len(evs)}x at {span}: the scale fell from "
                     f"{_scale(first.scale_before)} to {_scale(last.scale_after)}")
         else:
+            # Not first-to-last: the scale may have grown back between the episodes.
+            lowest = min((e.scale_after for e in evs if not math.isnan(e.scale_after)),
+                         default=math.nan)
             head = (f"GradScaler backed off {len(evs)}x in {len(episodes)} separate episodes "
-                    f"(steps {F.steps_list(steps)}): the scale went from "
-                    f"{_scale(first.scale_before)} before step {first.step} to "
-                    f"{_scale(last.scale_after)} after step {last.step}")
+                    f"(steps {F.steps_list(steps)}): the scale fell as low as "
+                    f"{_scale(lowest)} (from {_scale(first.scale_before)} before step "
+                    f"{first.step}), and was {_scale(sc.scale[-1][1] if sc.scale else None)} "
+                    "at the end")
         origin = _origin_of(evs, origins)
         top_lead, n_lead = _top_lead(evs, with_params)
         yield Finding(
@@ -290,7 +322,7 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
         culprits = _culprits_of([e for _, g in normal for e in g])
         cal = [g for why, g in normal if why == "calibration"]
         probes = [g for why, g in normal if why == "probe"]
-        edges = [g for why, g in normal if why == "edge"]
+        settling = [g for why, g in normal if why == "settling"]
         parts = []
         if cal:
             g, n = cal[0], sum(len(c) for c in cal)
@@ -299,12 +331,14 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
             parts.append(f"{n} while calibrating at the start (steps {spans}, scale "
                          f"{_scale(g[0].scale_before)} -> {_scale(cal[-1][-1].scale_after)})")
         if probes:
-            parts.append(f"{len(probes)} right after a growth, each undoing it (steps "
+            parts.append(f"{len(probes)} each undoing the growth before it (steps "
                          f"{F.steps_list([g[0].step for g in probes])})")
-        if edges:
-            parts.append(f"{len(edges)} alone, at the top of the scale's range, where it "
-                         "settles between growths (steps "
-                         f"{F.steps_list([g[0].step for g in edges])})")
+        if settling:
+            n = sum(len(g) for g in settling)
+            parts.append(f"{n} in {len(settling)} short episode(s) of at most "
+                         f"{SETTLING_BACKOFFS} that left the scale at or above {_scale(floor)}, "
+                         "settling where the gradients fit (steps "
+                         f"{F.steps_list([e.step for g in settling for e in g])})")
         yield Finding(
             kind="scaler_backoff", severity="info",
             module=culprits[0] if culprits else None, op=None, step=steps[0],
@@ -317,7 +351,7 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
                     "`torch.amp.GradScaler(device_type, init_scale=...)`."),
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "calibration": sum(len(g) for g in cal),
-                  "probes": len(probes), "edges": len(edges)},
+                  "probes": len(probes), "settling": sum(len(g) for g in settling)},
         )
     # Collapse: below 1, or too many backoffs after calibration, or long runs of them.
     final = sc.scale[-1][1] if sc.scale else None

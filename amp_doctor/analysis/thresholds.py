@@ -16,7 +16,7 @@ __all__ = [
     "SCALE_COLLAPSE_MIN",
     "BACKOFF_SHARE_COLLAPSE",
     "BACKOFF_RUN_COLLAPSE",
-    "SETTLED_RANGE",
+    "SETTLING_BACKOFFS",
     "CALIBRATION_START",
     "CALIBRATED_MIN",
     "CALIBRATION_STEPS",
@@ -58,10 +58,13 @@ CALIBRATION_START = 3
 # is: a high init_scale (Megatron-LM's 2**32) halves many times before it fits. It is
 # where the default 2**16 ends after BACKOFF_RUN_COLLAPSE halvings.
 CALIBRATED_MIN = 2.0 ** 16 / 2 ** BACKOFF_RUN_COLLAPSE
-# A scale that has found its level oscillates: grown from S to 2S, a lone backoff takes
-# it to S or S/2, and it grows again. A lone backoff that leaves it within this factor
-# of the highest scale the run grew to is that oscillation; lower is a falling scale.
-SETTLED_RANGE = 4.0
+# GradScaler finds the largest scale the gradients allow by backing off: an episode of at
+# most this many backoffs in a row that leaves the scale high (at or above
+# CALIBRATED_MIN, or half the run's init_scale if that is lower) is the scale settling,
+# after a noisy batch or a growth, not a problem. Values that needed more halvings in a
+# row were far beyond float16's range; a scale that low leaves small gradients to
+# underflow.
+SETTLING_BACKOFFS = 2
 # Backoffs in the first steps are not counted in the share of backoffs below.
 CALIBRATION_STEPS = 20
 # No growth across this many growth intervals means the scale is stuck.
