@@ -920,6 +920,13 @@ def test_short_backoff_episodes_at_a_high_scale_are_info_and_a_falling_scale_war
     assert "1 each undoing the growth before it (steps 3)" in info.message
     assert ("3 in 2 short episode(s) of at most 2 that left the scale at or above 2048, "
             "settling where the gradients fit (steps 5, 9, 10)") in info.message
+    # A lone backoff in a run shorter than the default growth_interval (2000), so with no
+    # growth before it: the one most runs of a few hundred steps see.
+    model = Net()
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        loop(model, 20, blowup=[10], scaler=torch.amp.GradScaler("cpu"))
+    assert [(f.severity, f.steps) for f in doctor.session.findings_of("scaler_backoff")] == [
+        ("info", [10])]
     # Halvings that take the scale below 2048 (half the init_scale here) are a falling
     # scale, small gradients start to underflow there: one warning, with the halving
     # before it that the scale never grew back from.
