@@ -853,3 +853,31 @@ def test_a_nan_loss_on_an_unrecorded_step_proposes_anomaly_mode_only_when_off(
     assert f.step == 6 and "where it appeared is unknown (record every step with `every=1`" \
         in f.message
     assert ("or use anomaly mode" in f.message) is not anomaly
+
+
+def test_a_container_that_passes_its_last_layers_output_on_repeats_no_finding() -> None:
+    # Review 34: float16 without a GradScaler, a loss of ~1e-7 (small regression targets):
+    # the last Linear's gradients underflow, and the Sequential around it, whose output
+    # and output gradient are that Linear's own tensors, got the same warning again (a
+    # LightningModule around it a third): the counts --fail-on and compare read doubled.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    w = torch.randn(16) * 1e-3
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for _ in range(200):
+            x = torch.randn(128, 16)
+            y = (x @ w + 2e-4 * torch.randn(128))[:, None]
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ((model(x) - y.half()) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    root = next(lay for lay in s.layers if lay.type == "Sequential")
+    assert root.passthrough
+    flagged = {f.module for f in s.findings if f.kind in ("missing_scaler",
+                                                          "gradient_underflow")}
+    assert "4" in flagged and root.name not in flagged
+    assert all(s.layer(m).type != "Sequential" for m in flagged if m is not None)

@@ -158,6 +158,10 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             advice=ADVICE["activation_overflow"],
             data={"overflow_frac": lay.overflow_frac, "what_if": True},
         )
+    if lay.passthrough:
+        # Its output and output gradient are a child's tensors: the child's findings say it
+        # (a Sequential, or the LightningModule around it, repeated its last layer's).
+        return
     if lay.ran_low_precision and lay.underflow_frac > ACT_UNDERFLOW_WARN:
         yield Finding(
             kind="activation_underflow", severity="warning", module=lay.name, op=None,
