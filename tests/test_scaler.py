@@ -977,3 +977,21 @@ def _train_classifier(m: nn.Sequential, scaler: torch.amp.GradScaler, steps: int
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+
+
+def test_a_scale_that_underflowed_to_zero_reads_zero() -> None:
+    # Review 34: a scale halved below float32's smallest subnormal is 0.0, which the
+    # backoff events recorded as NaN (`x or nan`), so the messages said "-> ?" beside a
+    # "final scale 0".
+    torch.manual_seed(0)
+    model = Net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** -148)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        seen = loop(model, 5, blowup=[1, 2, 3], scaler=scaler)
+    assert seen["scales"][-1] == 0.0
+    s = doctor.session
+    assert s.scaler is not None
+    afters = [e.scale_after for e in s.scaler.events if e.kind == "backoff"]
+    assert afters[-2:] == [0.0, 0.0]
+    text = " ".join(f.message for f in s.findings)
+    assert "?" not in text and "fell to 0 " in text

@@ -288,8 +288,8 @@ class ScaleTimeline:
                     self.points = _thin(tl)
         if out.skipped:
             self._skip(step, out.skipped_optimizers)
-        before = out.scale_before or math.nan
-        after = out.scale_after or math.nan
+        before = _nan(out.scale_before)  # not `or`: a scale that underflowed to 0 is 0
+        after = _nan(out.scale_after)
         if out.backoff:
             self._event(step, "backoff", before, after, culprits=culprits,
                         forward_origin=forward_origin, loss_nonfinite=loss_nonfinite)
