@@ -16,6 +16,7 @@ from amp_doctor.analysis.thresholds import (
     ACT_UNDERFLOW_WARN,
     F16_SMALLEST_NORMAL,
     GRAD_FLUSHED_WARN,
+    GRAD_RELEVANT_BITS,
     GRAD_UNDERFLOW_WARN,
     GRAD_ZEROS_SAID,
     HEADROOM_WARN_BITS,
@@ -72,7 +73,7 @@ def layer_findings(session: Session) -> Iterable[Finding]:
     # Gradients that underflowed in one layer reach the layers before it as
     # exact zeros: those layers are flushed, not merely subnormal.
     under = [lay for lay in session.layers if lay.recorded_steps and
-             (grad_underflow(lay) or 0.0) > GRAD_UNDERFLOW_WARN]
+             (_grad_underflow_that_counts(lay) or 0.0) > GRAD_UNDERFLOW_WARN]
 
     def same_output(a: LayerSummary, b: LayerSummary) -> bool:
         # A container returning its last child's output is credited the same tensor.
@@ -171,7 +172,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             advice=ADVICE["activation_underflow"],
             data={"underflow_frac": lay.underflow_frac, "dtype": fmt},
         )
-    gu = grad_underflow(lay)
+    gu = _grad_underflow_that_counts(lay)
     flushed = (source is not None and source is not lay and lay.order < source.order
                and lay.ran_low_precision and bool(lay.param_dtypes)
                and (lay.grad_zero_frac or 0.0) > GRAD_FLUSHED_WARN)
@@ -263,6 +264,31 @@ def _grad_under_unscaled(lay: LayerSummary) -> float | None:
     vals = [v for v in (lay.grad_underflow_frac_unscaled if lay.ran_low_precision else None,
                         lay.param_grad_underflow_frac_unscaled) if v is not None]
     return max(vals) if vals else None
+
+
+# float16's subnormals, 2**-24 <= |x| < 2**-14, in the float32-exponent bins.
+_F16_SUBNORMAL_BINS = range(-24 + _F32_BIAS, -14 + _F32_BIAS)
+
+
+def _grad_underflow_that_counts(lay: LayerSummary) -> float | None:
+    """:func:`grad_underflow`, with the output gradient's subnormals that lie more than
+    :data:`GRAD_RELEVANT_BITS` below its largest value left out (they change no sum they
+    are in); a parameter gradient's count as they are."""
+    gu = grad_underflow(lay)
+    hist, top = lay.grad_exp_hist, lay.grad_absmax
+    if gu is None or not hist or not top or not math.isfinite(top) or \
+            lay.grad_underflow_frac is None:
+        return gu
+    lowest = math.floor(math.log2(top)) + _F32_BIAS - GRAD_RELEVANT_BITS
+    total = sum(hist)
+    counted = sum(hist[b] for b in _F16_SUBNORMAL_BINS if b >= lowest)
+    # The mean share over the recorded steps, scaled down by what is left out of it.
+    share = lay.grad_underflow_frac * (counted / max(
+        sum(hist[b] for b in _F16_SUBNORMAL_BINS), 1e-300)) if total else 0.0
+    if not lay.ran_low_precision and lay.param_grad_underflow_frac is not None:
+        return grad_underflow(lay)  # a float32 layer is judged by its parameters' gradient
+    params = lay.param_grad_underflow_frac
+    return max(share, params) if params is not None else share
 
 
 def grad_underflow(lay: LayerSummary) -> float | None:

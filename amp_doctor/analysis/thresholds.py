@@ -10,6 +10,7 @@ __all__ = [
     "OVERFLOW_FRAC_ERROR",
     "HEADROOM_WARN_BITS",
     "ACT_UNDERFLOW_WARN",
+    "GRAD_RELEVANT_BITS",
     "GRAD_UNDERFLOW_WARN",
     "GRAD_FLUSHED_WARN",
     "GRAD_ZEROS_SAID",
@@ -40,6 +41,13 @@ HEADROOM_WARN_BITS = 1.0
 ACT_UNDERFLOW_WARN = 0.05
 # Share of a layer's gradient values that flush to zero in the low-precision format.
 GRAD_UNDERFLOW_WARN = 0.10
+# An output gradient's float16 subnormals count toward its underflow only within this
+# many bits of its largest value: backward sums each element into products with the
+# others (a matmul), and a value 2**-24 below the largest term of a float32 sum is below
+# its resolution. A confident classifier's wrong-class logit gradients (p < 1e-7) are
+# such values: flushing every one of them changes nothing the optimizer sees. A
+# parameter's gradient is the update of its own element and always counts.
+GRAD_RELEVANT_BITS = 24
 # Share of exact zeros in the output gradient of a layer that runs before (in
 # forward order) one whose gradients underflow: they arrived flushed to zero.
 GRAD_FLUSHED_WARN = 0.90
