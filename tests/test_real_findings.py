@@ -919,3 +919,45 @@ def test_a_confident_classifiers_negligible_subnormal_gradients_are_no_finding()
     for lay in subnormal:  # ... far below each tensor's largest gradient
         assert lay.grad_absmax is not None and lay.grad_absmax >= 2.0 ** 9
     assert [f for f in s.findings if f.severity != "info"] == []
+
+
+def test_a_nan_made_in_a_parents_own_code_points_to_it_and_to_anomaly_mode() -> None:
+    # Review 34 (HIGH): attention logits overflowing float16 in the attention module's own
+    # code (q @ k^T without 1/sqrt(d)) first show in the output of its next child, o: the
+    # report named o and advised float32 for it, which does not help. Only outputs are
+    # watched, so the message now says where else the op can be, and how to name it.
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            att = (self.q(x) @ self.k(x).transpose(-2, -1)) * 1e4  # overflows float16
+            return self.o(att.softmax(-1))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.head = Attn(), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attn(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(10 * torch.randn(2, 4, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert not math.isfinite(loss.item())
+    f = doctor.session.findings_of("nonfinite_loss")[0]
+    assert f.module == "attn.o"
+    assert ("Its input is not checked: if it was non-finite already, the op that made it is "
+            "in attn's own forward code before attn.o") in f.message
+    assert "`--anomaly`" in f.message

@@ -199,6 +199,15 @@ def _nonfinite_loss(a: MessageArgs) -> str:
     if e.module:
         where = (f"It first appeared in {e.module}'s output, the first watched layer to go "
                  f"non-finite (seen on recorded step {d.get('recorded_at')})")
+        if not d.get("anomaly"):
+            # Only outputs are watched: an op in the parent's own code between its children
+            # (attention's q @ k^T without the 1/sqrt(d) scale) shows first in the next
+            # child's output (review 34).
+            parent = (f"{e.module.rsplit('.', 1)[0]}'s" if "." in e.module else "the model's")
+            where += (f". Its input is not checked: if it was non-finite already, the op "
+                      f"that made it is in {parent} own forward code before {e.module} "
+                      "(a matmul, a softmax, a division); anomaly mode (`--anomaly`, or "
+                      "`watch(..., anomaly=True)`) names the op and its line")
     elif d.get("input_bad"):
         where = (f"The batch given to the model already held NaN/inf on recorded step "
                  f"{d.get('recorded_at')}: it came from the data, not from a layer")
