@@ -961,3 +961,50 @@ def test_a_nan_made_in_a_parents_own_code_points_to_it_and_to_anomaly_mode() -> 
     assert ("Its input is not checked: if it was non-finite already, the op that made it is "
             "in attn's own forward code before attn.o") in f.message
     assert "`--anomaly`" in f.message
+
+
+def test_a_run_that_diverged_before_it_overflowed_is_told_so() -> None:
+    # Review 34 (HIGH): a learning rate that keeps rising (a warmup that never stops)
+    # makes the loss and the weights grow until float16 overflows; the report named the
+    # overflowing layer and advised float32 or bfloat16 for it, which only delays the NaN
+    # (the same run goes NaN in float32). The loss climb before the overflow now says so.
+    torch.manual_seed(0)
+    d = 32
+    w = torch.randn(d, 1) / d ** 0.5
+    model = nn.Sequential(nn.Linear(d, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                          nn.Linear(128, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for it in range(450):
+            for group in opt.param_groups:
+                group["lr"] = 0.02 * (1 + it / 20)
+            x = torch.randn(64, d)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), torch.sin(3 * x @ w) + x @ w)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [f.kind for f in errors] == ["activation_overflow"]
+    d_ = errors[0].data["diverged"]
+    assert d_["high"] > 10 * d_["low"] and d_["low_step"] < d_["high_step"]
+    assert "the run was diverging, and the overflow may be its end" in errors[0].message
+    assert errors[0].advice.startswith("The loss climbed before any overflow: lower the "
+                                       "learning rate")
+    # A run whose loss only fell is not told so.
+    assert not [f for f in analyze_healthy_overflow().findings if "diverged" in f.data]
+
+
+def analyze_healthy_overflow() -> Session:
+    """An overflow from the first step (weights too large), the loss never climbing."""
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        model.fc1.weight.mul_(3000.0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        train(model, steps=5)
+    assert [f.kind for f in doctor.session.findings if f.severity == "error"]
+    return doctor.session

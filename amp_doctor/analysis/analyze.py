@@ -10,6 +10,7 @@ The stage is split by concern; a newcomer reads it in this order:
 * :mod:`~amp_doctor.analysis.corrupted`: a non-finite step whose update corrupted the
   weights (no GradScaler), named from that step's layers;
 * :mod:`~amp_doctor.analysis.folding`: one error per root cause;
+* :mod:`~amp_doctor.analysis.divergence`: a run that diverged before it overflowed;
 * :mod:`~amp_doctor.analysis.advice`: the fix for each kind;
 * :mod:`~amp_doctor.analysis.thresholds`: the named thresholds;
 * :mod:`~amp_doctor.analysis.risk`: "worst first" for the layers.
@@ -27,6 +28,7 @@ from amp_doctor.analysis.corrupted import fold_corrupted_weights
 from amp_doctor.analysis.detect_events import event_findings
 from amp_doctor.analysis.detect_layers import autocast_findings, layer_findings, run_findings
 from amp_doctor.analysis.detect_scaler import scaler_findings
+from amp_doctor.analysis.divergence import note_divergence
 from amp_doctor.analysis.folding import cap_per_kind, fold_early_end, fold_follow_ons
 from amp_doctor.analysis.risk import risk_order
 from amp_doctor.analysis.thresholds import (
@@ -100,6 +102,7 @@ def analyze(session: Session) -> list[Finding]:
         out.extend(detect(session))
     out = fold_corrupted_weights(session, out)
     out = fold_follow_ons(session, out)
+    out = note_divergence(session, out)
     out = fold_early_end(out)
     if session.amp.dtype == "bfloat16":
         # A float16 layer's finding in a run that also trains in bfloat16 keeps its

@@ -10,6 +10,7 @@ __all__ = [
     "OVERFLOW_FRAC_ERROR",
     "HEADROOM_WARN_BITS",
     "ACT_UNDERFLOW_WARN",
+    "DIVERGED_LOSS_RISE",
     "GRAD_RELEVANT_BITS",
     "GRAD_UNDERFLOW_WARN",
     "GRAD_FLUSHED_WARN",
@@ -41,6 +42,10 @@ HEADROOM_WARN_BITS = 1.0
 ACT_UNDERFLOW_WARN = 0.05
 # Share of a layer's gradient values that flush to zero in the low-precision format.
 GRAD_UNDERFLOW_WARN = 0.10
+# The recorded loss rising more than this many times above its running minimum before
+# its first non-finite value is a run diverging (a learning rate too high): its overflow
+# is the divergence's end, not its cause (see analysis.divergence).
+DIVERGED_LOSS_RISE = 10.0
 # An output gradient's float16 subnormals count toward its underflow only within this
 # many bits of its largest value: backward sums each element into products with the
 # others (a matmul), and a value 2**-24 below the largest term of a float32 sum is below
