@@ -1008,3 +1008,53 @@ def analyze_healthy_overflow() -> Session:
         train(model, steps=5)
     assert [f.kind for f in doctor.session.findings if f.severity == "error"]
     return doctor.session
+
+
+def test_anomaly_mode_gives_one_error_for_an_op_in_a_parents_own_code() -> None:
+    # Review 34 (MEDIUM): an attention module's own q @ k^T overflowed; anomaly mode named
+    # the op in `attn`, and the NaN loss, first seen in the output of its child `attn.o`,
+    # was an error of its own (listed first): two or three errors for one cause.
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.o(((self.q(x) @ self.k(x).transpose(-2, -1)) * 1e4).softmax(-1))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.head = Attn(), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attn(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, anomaly=True, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(10 * torch.randn(2, 4, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert [(f.kind, f.module, f.op) for f in errors(s)] == [
+        ("nonfinite_forward", "attn", "aten.mul")]
+    loss_f = s.findings_of("nonfinite_loss")[0]
+    assert loss_f.severity == "info" and loss_f.data["follow_on_of"] == "attn"
+    assert "the loss was NaN/inf in 3 of the 3 steps checked" in errors(s)[0].message
+    # One op of one module that overflowed where a mask hid it, and later made NaN that
+    # reached the output: one error, at its first step.
+    hidden = _finding("activation_overflow", "attn", "aten.bmm", step=941, hidden=True)
+    later = _finding("nonfinite_forward", "attn", "aten.bmm", step=974)
+    other = _finding("nonfinite_forward", "mlp", "aten.div", step=980)
+    out = fold_follow_ons(s, [later, hidden, other])
+    assert [(f.kind, f.severity) for f in out] == [("nonfinite_forward", "info"),
+                                                    ("activation_overflow", "error"),
+                                                    ("nonfinite_forward", "error")]
+    assert "The same op again later: nonfinite_forward at step 974." in out[1].message

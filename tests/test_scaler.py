@@ -995,3 +995,31 @@ def test_a_scale_that_underflowed_to_zero_reads_zero() -> None:
     assert afters[-2:] == [0.0, 0.0]
     text = " ".join(f.message for f in s.findings)
     assert "?" not in text and "fell to 0 " in text
+
+
+def test_a_settling_backoff_before_a_failed_forward_pass_stays_info() -> None:
+    # A lone backoff at step 5 (gradients just past the scale) and, hundreds of steps
+    # later with the default growth_interval, a NaN loss: the NaN is no fall of the scale,
+    # and the early backoff is not made part of it (review 34's attention run got a
+    # warning for its steps 6-7 that way).
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for i in range(12):
+            model.amp.factor = 1e30 if i == 5 else 1.0
+            x = torch.randn(8, 16, generator=g)
+            if i == 10:
+                x[0, 0] = math.nan  # the batch itself is bad
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(8).long())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.backoff_steps == [5, 10]
+    early = [f for f in s.findings_of("scaler_backoff") if 5 in f.steps]
+    assert len(early) == 1 and early[0].severity == "info" and early[0].steps == [5]

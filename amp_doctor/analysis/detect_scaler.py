@@ -230,15 +230,17 @@ def _classified(session: Session, backoffs: list[ScalerEvent], growths: list[Sca
     """The backoff episodes in order, each with why it is GradScaler working as designed
     (:func:`_normal_backoff`), or None for a finding. Settling episodes that a finding
     follows with no growth in between are part of its fall (a scale halving now and then
-    and never growing back, until it is low): they are the finding's too."""
+    and never growing back, until it is low): they are the finding's too. Not before an
+    episode of a failed forward pass (a NaN loss): that is no fall of the scale."""
     groups = F.consecutive_runs(backoffs)
     floor = _settled_floor(session)
     out = [(_normal_backoff(i, groups, growths, session.steps - 1, floor), g)
            for i, g in enumerate(groups)]
     grown = {e.step for e in growths}
     for i in range(len(out) - 1, 0, -1):
-        if out[i][0] is not None:
-            continue
+        if out[i][0] is not None or any(e.forward_origin or e.loss_nonfinite
+                                        for e in out[i][1]):
+            continue  # settled, or a forward pass that failed: no fall of the scale
         j = i - 1
         while (j >= 0 and out[j][0] == "settling"
                and not any(out[j][1][-1].step < s < out[j + 1][1][0].step for s in grown)):

@@ -63,6 +63,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
       made inf/NaN (anomaly mode's first forward op, or the batch) is that origin's
       consequence: the backward of a non-finite value is non-finite.
     """
+    out = _one_error_per_op(out)
     lay_by = {lay.name: lay for lay in session.layers}
     origin_layers = sorted((lay for lay in session.layers if lay.overflow_origin_steps > 0),
                            key=lambda x: x.order)
@@ -71,10 +72,17 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
               and id(f) not in backward_of]
 
     def root_for_module(module: str | None) -> Finding | None:
+        if module is None:
+            return None
         for f in errors:
-            if module is not None and f.module == module:
+            if f.module == module:
                 return f
-        return None
+        # An op anomaly mode found in a module's own code (attention's q @ k^T) shows
+        # first in the output of a child called after it (attention's output projection):
+        # the loss and the scaler name that child, the op names its parent.
+        ancestors = [f for f in errors if f.op is not None and f.module
+                     and module.startswith(f.module + ".")]
+        return max(ancestors, key=lambda f: len(f.module or "")) if ancestors else None
 
     carried: dict[int, list[str]] = {}
     consequences: dict[int, list[str]] = {}
@@ -155,6 +163,37 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             if cons:
                 extra += (" " if extra else "") + "Consequences: " + "; ".join(cons) + "."
             f = _with(f, extra=extra, also_affected=names, consequences=cons)
+        result.append(f)
+    return result
+
+
+def _one_error_per_op(out: list[Finding]) -> list[Finding]:
+    """Anomaly mode's forward errors for one op of one module are one cause: an op that
+    overflowed where a mask hid it (``activation_overflow`` with an op) and later made
+    NaN/inf that reached the output (``nonfinite_forward``). The first keeps the error;
+    the others are info beside it, and it says when the op did it again."""
+    first: dict[tuple[str, str], Finding] = {}
+    again: dict[int, list[Finding]] = {}
+    for f in sorted((f for f in out if f.severity == "error" and f.op is not None
+                     and f.module and f.kind in ("activation_overflow", "nonfinite_forward")),
+                    key=lambda f: f.step if f.step is not None else 0):
+        key = (f.module or "", f.op or "")
+        if key in first:
+            again.setdefault(id(first[key]), []).append(f)
+        else:
+            first[key] = f
+    if not again:
+        return out
+    later = {id(f) for fs in again.values() for f in fs}
+    result = []
+    for f in out:
+        if id(f) in again:
+            fs = again[id(f)]
+            said = "; ".join(f"{g.kind} at step {g.step}" for g in fs)
+            f = _with(f, extra=f"The same op again later: {said}.",
+                      same_op_later=[g.kind for g in fs])
+        elif id(f) in later:
+            f = _with(f, "info", follow_on_of=f.module)
         result.append(f)
     return result
 
