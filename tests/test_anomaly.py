@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import math
+import types
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -378,3 +381,38 @@ def test_a_default_dtype_of_the_users_does_not_break_anomaly_mode(
     s = doctor.session
     assert [e.data for e in s.events if e.kind == "internal_error"] == []
     assert (s.steps, s.recorded_steps) == (3, 3)
+
+
+def test_eps_underflow_message_gives_each_inputs_range() -> None:
+    # Review 34 (LOW): anomaly mode's finding said the division ran "from finite float32
+    # inputs (min -1.97, max 2.25)": the output's dtype, and one range pooled over both
+    # inputs, which hid the denominator that was exactly 0 (1e-8 vanishes in float16).
+    mod = _sample("eps_underflow.py")
+    torch.manual_seed(0)
+    model = mod.DeadUnitNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = mod.make_batch(torch.device("cpu"), 64)
+    with amp_doctor.watch(model, every=1, anomaly=True, tensorboard=False) as doctor:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    f = next(f for f in doctor.session.findings
+             if f.kind == "nonfinite_forward" and f.op == "aten.div")
+    ranges = f.data["input_ranges"]
+    # The numerator's range, then the denominator's, whose dead channels are exactly 0 (the
+    # vanished eps: sqrt(0 + 0)); pooled, the 0 was hidden inside [-0.386, 1.97].
+    assert len(ranges) == 2 and ranges[0][0] < 0 and ranges[1][0] == 0.0
+    assert "from finite inputs ([-0.386, 1.97]; [0, 0.506])" in f.message
+    assert "float32 inputs" not in f.message
+
+
+def _sample(script: str) -> types.ModuleType:
+    path = Path(__file__).resolve().parent.parent / "sample_models" / script
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -283,9 +283,19 @@ def _nonfinite_unlocated(a: MessageArgs) -> str:
 
 # -- where NaN/Inf began (anomaly mode, or the recorded batch) --------------------------------
 
+# An op's inputs whose ranges a message lists one by one, at most.
+_RANGES_SAID = 4
+
+
 def _op_range(d: dict[str, object]) -> str:
     if d.get("input_absmax") is None:
         return ""
+    ranges = d.get("input_ranges")
+    if isinstance(ranges, list) and len(ranges) > 1:
+        # Several inputs: each its own range (a float16 denominator of exactly 0 beside a
+        # float32 numerator), and no dtype: the one recorded is the op's output's.
+        said = "; ".join(f"[{_num(lo)}, {_num(hi)}]" for lo, hi in ranges[:_RANGES_SAID])
+        return f" from finite inputs ({said}{'; ...' if len(ranges) > _RANGES_SAID else ''})"
     return (f" from finite {d.get('dtype')} inputs (min {_num(d.get('input_min'))}, "
             f"max {_num(d.get('input_max'))}, absmax {_num(d.get('input_absmax'))})")
 

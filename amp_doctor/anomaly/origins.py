@@ -171,6 +171,8 @@ def _event_for(e: OpEntry, o: torch.Tensor, x: torch.Tensor, call: torch.Tensor)
     if len(x):
         lo, hi = float(x[:, 0].min()), float(x[:, 1].max())
         data.update(input_min=lo, input_max=hi, input_absmax=max(abs(lo), abs(hi)))
+        if len(x) > 1:  # each input's own range: x / 0 hides a zero denominator otherwise
+            data["input_ranges"] = [[float(a), float(b)] for a, b in x[:, :2].tolist()]
     if e.kind == "input":
         kind = "nonfinite_input"
         data["output_min"], data["output_max"] = float(o[:, 0].min()), float(o[:, 1].max())
