@@ -926,37 +926,9 @@ def test_a_nan_made_in_a_parents_own_code_points_to_it_and_to_anomaly_mode() -> 
     # code (q @ k^T without 1/sqrt(d)) first show in the output of its next child, o: the
     # report named o and advised float32 for it, which does not help. Only outputs are
     # watched, so the message now says where else the op can be, and how to name it.
-    class Attn(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(4, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            att = (self.q(x) @ self.k(x).transpose(-2, -1)) * 1e4  # overflows float16
-            return self.o(att.softmax(-1))
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attn, self.head = Attn(), nn.Linear(8, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.attn(x))
-
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu")
-    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
-        for _ in range(3):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(10 * torch.randn(2, 4, 8)).float().pow(2).mean()
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    assert not math.isfinite(loss.item())
-    f = doctor.session.findings_of("nonfinite_loss")[0]
+    s, loss = _attention_overflowing_in_its_own_code(anomaly=False)
+    assert not math.isfinite(loss)
+    f = s.findings_of("nonfinite_loss")[0]
     assert f.module == "attn.o"
     assert ("Its input is not checked: if it was non-finite already, the op that made it is "
             "in attn's own forward code before attn.o") in f.message
@@ -1014,35 +986,7 @@ def test_anomaly_mode_gives_one_error_for_an_op_in_a_parents_own_code() -> None:
     # Review 34 (MEDIUM): an attention module's own q @ k^T overflowed; anomaly mode named
     # the op in `attn`, and the NaN loss, first seen in the output of its child `attn.o`,
     # was an error of its own (listed first): two or three errors for one cause.
-    class Attn(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(4, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.o(((self.q(x) @ self.k(x).transpose(-2, -1)) * 1e4).softmax(-1))
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attn, self.head = Attn(), nn.Linear(8, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.attn(x))
-
-    torch.manual_seed(0)
-    model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu")
-    with amp_doctor.watch(model, every=1, anomaly=True, tensorboard=False) as doctor:
-        for _ in range(3):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(10 * torch.randn(2, 4, 8)).float().pow(2).mean()
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    s = doctor.session
+    s, _ = _attention_overflowing_in_its_own_code(anomaly=True)
     assert [(f.kind, f.module, f.op) for f in errors(s)] == [
         ("nonfinite_forward", "attn", "aten.mul")]
     loss_f = s.findings_of("nonfinite_loss")[0]
@@ -1058,3 +1002,42 @@ def test_anomaly_mode_gives_one_error_for_an_op_in_a_parents_own_code() -> None:
                                                     ("activation_overflow", "error"),
                                                     ("nonfinite_forward", "error")]
     assert "The same op again later: nonfinite_forward at step 974." in out[1].message
+
+
+class _Attn(nn.Module):
+    """Attention whose own q @ k^T (in its forward, between its children) overflows
+    float16: the NaN shows first in the output of its child ``o``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        att = (self.q(x) @ self.k(x).transpose(-2, -1)) * 1e4  # overflows float16
+        return self.o(att.softmax(-1))
+
+
+class _AttnNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = _Attn(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x))
+
+
+def _attention_overflowing_in_its_own_code(anomaly: bool) -> tuple[Session, float]:
+    """3 float16 steps of :class:`_AttnNet` with a GradScaler: the session, the last loss."""
+    torch.manual_seed(0)
+    model = _AttnNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, anomaly=anomaly, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(10 * torch.randn(2, 4, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session, loss.item()
