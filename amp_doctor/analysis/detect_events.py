@@ -7,12 +7,19 @@ Each kind has a default severity here; its message comes from
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from amp_doctor.analysis.advice import event_advice, unlocated_advice
+from amp_doctor.analysis.detect_layers import largest_finite, low_format
 from amp_doctor.analysis.detect_scaler import normal_backoff_steps
 from amp_doctor.analysis.messages import event_message
-from amp_doctor.analysis.thresholds import LOWP_UNCHANGED_WARN, SCALED_GRAD_OVERFLOW_INFO_STEPS
+from amp_doctor.analysis.thresholds import (
+    LOWP_UNCHANGED_WARN,
+    MADE_INF_HEADROOM_BITS,
+    SCALED_GRAD_OVERFLOW_INFO_STEPS,
+)
+from amp_doctor.dtypes import FORMAT_MAX, judged_format
 from amp_doctor.records import Event, Finding, Session, Severity
 
 __all__ = ["EVENT_SEVERITY", "event_findings"]
@@ -86,6 +93,10 @@ def event_findings(session: Session) -> Iterable[Finding]:
             continue
         n = max(len(es), int(first.data.get("occurrences") or 0))
         steps = [e.step for e in es]
+        if kind == "nonfinite_loss" and module is not None and _overflowed_itself(
+                session, module):
+            # The message need not say that its input may have been bad already.
+            first = dataclasses.replace(first, data={**first.data, "made_here": True})
         yield Finding(
             kind=kind, severity=_severity(session, kind, es, n), module=module, op=op,
             step=first.step,
@@ -94,3 +105,14 @@ def event_findings(session: Session) -> Iterable[Finding]:
             frame=first.frame, count=n, steps=steps[:MAX_STEPS_KEPT],
             data={k: v for k, v in first.data.items() if k not in ("message", "advice")},
         )
+
+
+def _overflowed_itself(session: Session, module: str) -> bool:
+    """Whether the layer's own finite outputs came near its format's max: it overflowed
+    by itself, not only passed on a non-finite input."""
+    lay = next((x for x in session.layers if x.name == module), None)
+    if lay is None or not lay.ran_low_precision:
+        return False
+    big = largest_finite(lay)
+    fmax = FORMAT_MAX.get(judged_format(lay.output_dtypes, low_format(session)))
+    return big is not None and fmax is not None and big * 2.0 ** MADE_INF_HEADROOM_BITS > fmax

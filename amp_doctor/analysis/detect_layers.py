@@ -27,7 +27,7 @@ from amp_doctor.dtypes import FORMAT_MAX, judged_format
 from amp_doctor.records import Finding, LayerSummary, Session
 
 __all__ = ["layer_findings", "run_findings", "autocast_findings", "low_format",
-           "grad_underflow"]
+           "grad_underflow", "largest_finite"]
 
 
 def _scale(x: float | None) -> str:

@@ -199,7 +199,7 @@ def _nonfinite_loss(a: MessageArgs) -> str:
     if e.module:
         where = (f"It first appeared in {e.module}'s output, the first watched layer to go "
                  f"non-finite (seen on recorded step {d.get('recorded_at')})")
-        if not d.get("anomaly"):
+        if not d.get("anomaly") and not d.get("made_here"):
             # Only outputs are watched: an op in the parent's own code between its children
             # (attention's q @ k^T without the 1/sqrt(d) scale) shows first in the next
             # child's output (review 34).
