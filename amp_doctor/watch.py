@@ -115,6 +115,8 @@ class _Boundaries:
 
     # An automatic boundary waits for the next forward of the step's first model.
     pending: bool = False
+    # The loop's iterations the step it ends held (see FirstCycle.iterations).
+    pending_iterations: int = 1
     # Another model trains after the boundary in the same iteration: boundaries wait.
     defer: bool = False
     # An automatic boundary just happened and no training work followed yet.
@@ -337,7 +339,7 @@ class Watch:
         try:
             if pending:
                 self._close_step(partial=False)
-                self.step_index += 1
+                self.step_index += self._bounds.pending_iterations
             elif implicit_last:
                 # A loop without optimizer or scaler: its last step ends with the run.
                 self._bounds.implicit = True
@@ -648,8 +650,9 @@ class Watch:
         self._buffer = (StepBuffer(self.step_index, self._filed_last)
                         if self._probes.recording else None)
 
-    def _auto_boundary(self) -> None:
-        """A step boundary seen in the loop (``scaler.update``, ``optimizer.step``).
+    def _auto_boundary(self, iterations: int = 1) -> None:
+        """A step boundary seen in the loop (``scaler.update``, ``optimizer.step``),
+        ending a step that held ``iterations`` of the loop's iterations.
 
         Once the loop showed that another model trains after it in the same
         iteration (two models, two GradScalers), it takes effect at the next
@@ -659,14 +662,15 @@ class Watch:
         if self.closed:
             return
         if not self._bounds.defer and not self._others_yet_to_train():
-            self._boundary()
+            self._boundary(iterations)
             self._bounds.idle = True
             return
         if self._bounds.pending:
             # Two boundaries and no forward of the step's first model in between
             # (a loop that calls submodules directly): the first one ends its step now.
-            self._boundary()
+            self._boundary(self._bounds.pending_iterations)
         self._bounds.pending = True
+        self._bounds.pending_iterations = iterations
         self._bounds.idle = True
 
     def _others_yet_to_train(self) -> bool:
@@ -685,10 +689,10 @@ class Watch:
         if not self._bounds.pending:
             return False
         self._bounds.pending = False
-        self._boundary()
+        self._boundary(self._bounds.pending_iterations)
         return True
 
-    def _boundary(self) -> None:
+    def _boundary(self, iterations: int = 1) -> None:
         if self.closed:
             return
         try:
@@ -696,7 +700,7 @@ class Watch:
         finally:
             # The next step starts even if the last one could not be folded (an
             # internal error, reported by the patch hub): its hooks get a new buffer.
-            self.step_index += 1
+            self.step_index += iterations
             self._set_recording()
             self._loop.new_step()
             self._bounds.idle = False

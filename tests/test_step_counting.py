@@ -338,6 +338,51 @@ def test_a_second_model_that_no_optimizer_holds_is_not_waited_for() -> None:
     assert (doctor.session.steps, doctor.session.recorded_steps) == (3, 3)
 
 
+@pytest.mark.parametrize("scaled", [True, False])
+def test_an_optimizer_that_starts_late_costs_no_steps(scaled: bool) -> None:
+    # Gradual unfreezing: the head's optimizer steps from the first iteration, the
+    # body's from iteration 30. The first step waited for the body's optimizer for
+    # FIRST_CYCLE_MAX_STEPS (16) updates and then ended, as one step: before, every
+    # later step number was 15 lower than the loop's (a backoff at iteration 20 was
+    # "step 5", and 40 iterations were 25 steps).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    body = torch.optim.SGD(model[0].parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu") if scaled else None
+    g = torch.Generator().manual_seed(0)
+    after: list[int] = []
+    with amp_doctor.watch(model, every=10, tensorboard=False) as doctor:
+        for it in range(40):
+            x, y = _batch(g)
+            if it == 20:
+                x = x * 1e5  # float16 overflows: the scaler backs off at iteration 20
+            with torch.autocast("cpu", dtype=torch.float16 if scaled else torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            head.zero_grad()
+            body.zero_grad()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(head)
+                if it >= 30:
+                    scaler.step(body)
+                scaler.update()
+            else:
+                loss.backward()
+                head.step()
+                if it >= 30:
+                    body.step()
+            after.append(doctor.step_index)
+    # Iterations 0-15 are the first step; from then on a step is an iteration.
+    assert after == [0] * 15 + list(range(16, 41))
+    s = doctor.session
+    assert s.steps == 40
+    assert [r.step for r in s.history] == [0, 20, 30]
+    if scaled:
+        assert s.scaler is not None and s.scaler.backoff_steps == [20]
+        assert [f.step for f in s.findings_of("scaler_backoff")] == [20]
+
+
 def test_a_new_gradscaler_for_the_same_optimizer_takes_over() -> None:
     torch.manual_seed(0)
     model = MLP()

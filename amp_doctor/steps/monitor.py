@@ -45,8 +45,10 @@ Params = list[torch.Tensor]
 class LoopCallbacks:
     """What the watch wants to hear about the loop, as it happens."""
 
-    # A training step ended (the primary scaler's update, or the primary optimizer's step).
-    boundary: Callable[[], None]
+    # A training step ended (the primary scaler's update, or the primary optimizer's
+    # step); it held this many of the loop's iterations (more only in a first step that
+    # waited in vain for another optimizer, see FIRST_CYCLE_MAX_STEPS).
+    boundary: Callable[[int], None]
     # The optimizer's gradients are final; the scale they still carry (None: unscaled).
     param_grads: Callable[[Params, float | None], None]
     # GradScaler skipped the optimizer step of these parameters.
@@ -195,9 +197,9 @@ class AmpMonitor:
         if self._closing is not None:
             if self._closing_stepped and st.relevant:
                 self._closing_stepped = False
-                self._cb.boundary()
+                self._cb.boundary(1)
         elif primary:
-            self._cb.boundary()
+            self._cb.boundary(1)
 
     def on_scaler_load(self, scaler: GradScaler, state: Any) -> None:
         """``GradScaler.load_state_dict``: a resumed run continues from the loaded scale."""
@@ -259,8 +261,10 @@ class AmpMonitor:
                 return
             self._cycle = None
             reg.primary_opt = id(optimizer)
+            self._cb.boundary(cycle.iterations)
+            return
         if id(optimizer) == reg.primary_opt:
-            self._cb.boundary()
+            self._cb.boundary(1)
 
     def _plain_beside_scaler(self, optimizer: Optimizer) -> None:
         """A plain ``optimizer.step()`` in a run whose steps a GradScaler ends: a model
@@ -271,7 +275,7 @@ class AmpMonitor:
             self._cycle.stepped(optimizer)
             self._settle_cycle()
         elif self._closing == id(optimizer):
-            self._cb.boundary()
+            self._cb.boundary(1)
 
     def _settle_cycle(self) -> bool:
         """After an update in the first step: does the step go on (another optimizer is
@@ -285,7 +289,7 @@ class AmpMonitor:
         self._cycle = None
         if cycle.waited:
             self._closing = cycle.last
-            self._cb.boundary()
+            self._cb.boundary(cycle.iterations)
             return True
         return False
 

@@ -27,6 +27,9 @@ __all__ = ["AmpRegistry", "FirstCycle", "optimizer_params", "optimizer_stage", "
 
 # The first step waits at most this many optimizer steps for the other models'
 # optimizers (a GAN whose generator starts training late must not make step 0 endless).
+# When it gives up, the waited-for optimizer does not step every iteration (a body
+# unfrozen later in fine-tuning): the step it lumped counts as as many iterations as
+# the closing optimizer stepped in it, so that later steps are the loop's iterations.
 FIRST_CYCLE_MAX_STEPS = 16
 
 
@@ -205,12 +208,16 @@ class FirstCycle:
         self._stepped: set[int] = set()
         self._holders: set[int] | None = None
         self._steps = 0
+        self._counts: dict[int, int] = {}  # optimizer steps, per optimizer
         # The optimizer that stepped last, and whether the first step ever waited.
         self.last: int | None = None
         self.waited = False
+        # The wait ended at FIRST_CYCLE_MAX_STEPS, the awaited optimizer still unseen.
+        self.gave_up = False
 
     def stepped(self, optimizer: Any) -> None:
         self._steps += 1
+        self._counts[id(optimizer)] = self._counts.get(id(optimizer), 0) + 1
         self._stepped.add(id(optimizer))
         self._covered.update(id(p) for p in optimizer_params(optimizer))
         self.last = id(optimizer)
@@ -218,7 +225,10 @@ class FirstCycle:
     def waiting(self) -> bool:
         """Does the first step go on after the updates so far (another optimizer is due)?"""
         untrained = self._params - self._covered
-        if not untrained or self._steps >= FIRST_CYCLE_MAX_STEPS:
+        if not untrained:
+            return False
+        if self._steps >= FIRST_CYCLE_MAX_STEPS:
+            self.gave_up = self.waited
             return False
         if self._holders is None:
             self._holders = _holders_of(untrained, self._candidates)
@@ -226,6 +236,14 @@ class FirstCycle:
             self.waited = True
             return True
         return False
+
+    @property
+    def iterations(self) -> int:
+        """The loop's iterations the first step holds: 1, unless the wait gave up; then
+        one per step of the optimizer that ends each iteration from now on."""
+        if not self.gave_up or self.last is None:
+            return 1
+        return self._counts.get(self.last, 1)
 
 
 def _holders_of(param_ids: set[int], candidates: Callable[[Any], bool]) -> set[int]:
