@@ -178,6 +178,8 @@ class ScalerTimeline:
     growth_factor: float | None = None
     backoff_factor: float | None = None
     enabled: bool = True
+    # The optimizers this scaler steps ("Adam#0, SGD#1"), as the report names them.
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,9 @@ class Session:
     events: list[Event]
     findings: list[Finding]
     run: RunInfo
+    # Further enabled GradScalers of the watched models (a GAN with one per network):
+    # ``scaler`` is the first seen, whose updates end the steps.
+    other_scalers: list[ScalerTimeline] = field(default_factory=list)
 
     def to_json(self) -> str:
         # Compact separators: indentation was ~40% of the bytes of a large report.

@@ -726,7 +726,7 @@ class Watch:
         with own_ops:
             mon = self._monitor
             outcome = mon.take_outcome() if mon is not None else None
-            skipped = bool(outcome and outcome.skipped)
+            skipped = bool(outcome and outcome.skipped) or (mon is not None and mon.other_skipped())
             culprits = self._pending_culprits or []
             loss_bad, self._pending_loss_bad = self._pending_loss_bad, None
             self._pending_culprits = None
@@ -828,6 +828,7 @@ class Watch:
             version=__version__, amp=amp, steps=self.step_index, recorded_steps=self.recorded,
             layers=layers, scaler=timeline, history=list(self._folder.history.records),
             events=events, findings=[], run=run,
+            other_scalers=mon.other_timelines() if mon is not None else [],
         )
         return Session(**{**draft.__dict__, "findings": analyze(draft)})
 

@@ -338,6 +338,58 @@ def test_a_second_model_that_no_optimizer_holds_is_not_waited_for() -> None:
     assert (doctor.session.steps, doctor.session.recorded_steps) == (3, 3)
 
 
+@pytest.mark.parametrize("updates", ["together", "each"])
+def test_a_second_gradscaler_is_followed_too(updates: str) -> None:
+    # A GAN with a GradScaler per network. At iteration 6 the generator's scaled loss
+    # overflows float16: its scaler skips opt_g and halves its scale. Before, only the
+    # first scaler seen (the discriminator's) was followed: "0 backoffs; 0 skipped" and
+    # no finding. "together": both update()s after both steps (the primary's ends the
+    # step first); "each": each update() right after its own step.
+    torch.manual_seed(0)
+    gen, disc = MLP(16, 32, 4), MLP(4, 32, 1)
+    og, od = torch.optim.Adam(gen.parameters(), 1e-3), torch.optim.Adam(disc.parameters(), 1e-3)
+    sg, sd = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch({"gen": gen, "disc": disc}, every=5, tensorboard=False) as doctor:
+        for it in range(10):
+            z, real = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            od.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                fake = gen(z)
+                ld = disc(real).float().mean() - disc(fake.detach()).float().mean()
+            sd.scale(ld).backward()
+            sd.step(od)
+            if updates == "each":
+                sd.update()
+            og.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                lg = disc(fake).float().mean() * (1e30 if it == 6 else 1.0)
+            sg.scale(lg).backward()
+            sg.step(og)
+            if updates == "together":
+                sd.update()
+            sg.update()
+    # Plain torch's word: the discriminator's scaler settles once at iteration 0, the
+    # generator's backs off at iteration 6 only.
+    assert sd.get_scale() == 32768.0 and sg.get_scale() == 32768.0
+    s = doctor.session
+    assert s.steps == 10
+    assert s.scaler is not None and s.scaler.backoff_steps == [0]
+    [other] = s.other_scalers
+    assert {s.scaler.name, other.name} == {"Adam#0", "Adam#1"}
+    assert (other.backoff_steps, other.skipped_steps) == ([6], [6])
+    assert other.skipped_by_optimizer == {other.name: [6]}
+    assert other.scale[-1][1] == 32768.0
+    [f] = [f for f in s.findings_of("scaler_backoff") if f.data.get("scaler")]
+    assert f.step == 6 and f.message.startswith(f"The GradScaler of {other.name} backed off 1x")
+    assert f.data["scaler"] == other.name and f.data["culprits"]  # step 6's inf gradients
+    text = doctor.report()
+    assert f"Scaler of {s.scaler.name}: scale 65536 -> 32768; 1 backoffs (steps 0)" in text
+    assert f"Scaler of {other.name}: scale 65536 -> 32768; 1 backoffs (steps 6)" in text
+    # The JSON report keeps it, and reads back.
+    assert amp_doctor.Session.from_json(s.to_json()).other_scalers == s.other_scalers
+
+
 @pytest.mark.parametrize("scaled", [True, False])
 def test_an_optimizer_that_starts_late_costs_no_steps(scaled: bool) -> None:
     # Gradual unfreezing: the head's optimizer steps from the first iteration, the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import replace
 
 from amp_doctor import format as F
 from amp_doctor.analysis.advice import ADVICE
@@ -258,6 +259,19 @@ def normal_backoff_steps(session: Session) -> set[int]:
 
 
 def scaler_findings(session: Session) -> Iterable[Finding]:
+    """The first scaler's findings, then each other scaler's (a GAN with one per network),
+    judged alike on its own timeline; their messages name the optimizers it steps."""
+    yield from _one_scaler_findings(session)
+    for other in session.other_scalers:
+        view = replace(session, scaler=other, other_scalers=[])
+        whose = f"The GradScaler of {other.name or 'another optimizer'}"
+        for f in _one_scaler_findings(view):
+            msg = (f.message.replace("GradScaler", whose, 1)
+                   if f.message.startswith("GradScaler ") else f"{whose}: {f.message}")
+            yield replace(f, message=msg, data={**f.data, "scaler": other.name})
+
+
+def _one_scaler_findings(session: Session) -> Iterable[Finding]:
     sc = session.scaler
     if sc is None or not sc.enabled:
         return

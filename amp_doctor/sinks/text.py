@@ -18,7 +18,7 @@ from tabulate import tabulate
 
 from amp_doctor import format as F
 from amp_doctor.analysis.risk import risk_order
-from amp_doctor.records import SEVERITIES, Finding, LayerSummary, Session
+from amp_doctor.records import SEVERITIES, Finding, LayerSummary, ScalerTimeline, Session
 
 __all__ = [
     "render_text",
@@ -144,11 +144,18 @@ def _scaler_line(s: Session) -> str | None:
         return None
     if not sc.enabled:
         return "Scaler: GradScaler present but disabled (enabled=False)."
+    # With several scalers, each line says whose it is (the optimizers it steps).
+    several = bool(s.other_scalers)
+    return "\n".join(_one_scaler_line(f"Scaler of {t.name}" if several and t.name
+                                       else "Scaler", t) for t in [sc, *s.other_scalers])
+
+
+def _one_scaler_line(label: str, sc: ScalerTimeline) -> str:
     first = sc.init_scale if sc.init_scale is not None else (sc.scale[0][1] if sc.scale else None)
     last = sc.scale[-1][1] if sc.scale else sc.init_scale
     bo = sc.backoff_steps
     shown = ", ".join(str(x) for x in bo[:8]) + ("..." if len(bo) > 8 else "")
-    return (f"Scaler: scale {F.scale(first)} -> {F.scale(last)}; {len(bo)} backoffs"
+    return (f"{label}: scale {F.scale(first)} -> {F.scale(last)}; {len(bo)} backoffs"
             + (f" (steps {shown})" if bo else "") + f"; {len(sc.growth_steps)} growths; "
             f"{len(sc.skipped_steps)} skipped optimizer steps.")
 
@@ -230,7 +237,7 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
         out.append("Findings: none. AMP looks healthy in the recorded steps.")
     sl = _scaler_line(s)
     if sl:
-        out.extend(["", _wrap(sl, 0)])
+        out.extend(["", *(_wrap(line, 0) for line in sl.split("\n"))])
     if s.layers:
         out.extend(["", _wrap(_TABLE_KEY, 0), ""])
         out.append(layer_table(s, max_layers))

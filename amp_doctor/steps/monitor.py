@@ -16,7 +16,7 @@ through :meth:`AmpMonitor.end_step`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -64,6 +64,19 @@ class LoopCallbacks:
     root_params: Callable[[], list[Params]]
 
 
+@dataclass
+class _OtherScaler:
+    """A relevant, enabled scaler other than the primary, with its own timeline."""
+
+    mirror: ScalerMirror
+    timeline: ScaleTimeline = field(default_factory=ScaleTimeline)
+    outcome: StepOutcome = field(default_factory=StepOutcome)
+    # It stepped an optimizer since its last update(): its outcome is not complete.
+    stepped: bool = False
+    # The step its optimizer stepped in, ended before its update() came.
+    open_step: int | None = None
+
+
 class AmpMonitor:
     """Turns AMP API calls into step boundaries, a scale timeline and misuse events."""
 
@@ -81,6 +94,10 @@ class AmpMonitor:
         self.registry = AmpRegistry(owns_param, scaler, optimizers)
         self._misuse = MisuseChecks(self.registry, step_of, autocast_dtype)
         self._timeline = ScaleTimeline()
+        # The other relevant, enabled scalers (a GAN with one per network), by id of
+        # their mirrors; and what end_step was told of the step that ended last.
+        self._others: dict[int, _OtherScaler] = {}
+        self._ended: tuple[int, bool, list[str], str | None, bool | None] | None = None
         # Set by the watch once its loop calls ``doctor.step()`` itself.
         self.manual_steps = False
         self._outcome = StepOutcome()
@@ -160,6 +177,8 @@ class AmpMonitor:
                 st.flags[name] = torch.stack([f.to(dev) for f in infs]).sum()
             return
         st.flags[name] = not stepped
+        if relevant and not self.registry.is_primary(scaler):
+            self._other(st).stepped = True
         if not stepped:
             st.skipped[id(optimizer)] = name
             if relevant:
@@ -177,8 +196,14 @@ class AmpMonitor:
             before, after = st.update(step, new_scale)
             if st.deferred_full:
                 self._resolve(st)
+            out = other = None
             if primary:
                 out = self._outcome
+                self._misuse.note_update(step, set(st.skipped), before, after)
+            elif st.relevant:
+                other = self._other(st)
+                out = other.outcome
+            if out is not None:
                 if out.scale_before is None:
                     out.scale_before = before
                 out.scale_after = after
@@ -187,7 +212,8 @@ class AmpMonitor:
                     out.skipped_optimizers.extend(st.skipped.values())
                 elif new_scale is None and after is not None and after != before:
                     out.growth = True
-                self._misuse.note_update(step, set(st.skipped), before, after)
+            if other is not None:
+                self._other_updated(other)
         st.end_update()
         self._misuse.forget_backwards()
         if self.manual_steps:
@@ -337,12 +363,52 @@ class AmpMonitor:
         if st is not None:
             st.correct(real_scale, tracker)
 
+    def other_skipped(self) -> bool:
+        """Another scaler skipped an optimizer step in the step now ending (its update()
+        may still be to come): the step's gradients were not finite, as for a skip of
+        the primary."""
+        return any(o.outcome.skipped or (o.stepped and o.mirror.skipped)
+                   for o in self._others.values())
+
+    def _other(self, st: ScalerMirror) -> _OtherScaler:
+        other = self._others.get(id(st))
+        if other is None:
+            other = self._others[id(st)] = _OtherScaler(st)
+        return other
+
+    def _other_updated(self, other: _OtherScaler) -> None:
+        """Another scaler's ``update()`` after the step its optimizer stepped in ended (the
+        primary's update came first and ended it): the outcome is that step's."""
+        other.stepped = False
+        ended = self._ended
+        if other.open_step is None or ended is None or ended[0] != other.open_step:
+            return
+        self._close_other(other, *ended)
+        other.open_step = None
+
+    def _close_other(self, other: _OtherScaler, step: int, recorded: bool,
+                     culprits: list[str], forward_origin: str | None,
+                     loss_nonfinite: bool | None) -> None:
+        out, other.outcome = other.outcome, StepOutcome()
+        other.timeline.end_step(step, out, recorded=recorded,
+                                culprits=culprits if out.skipped else [],
+                                forward_origin=forward_origin, loss_nonfinite=loss_nonfinite)
+
     def end_step(self, step: int, outcome: StepOutcome, *, recorded: bool,
                  culprits: list[str], forward_origin: str | None,
                  loss_nonfinite: bool | None) -> None:
-        """The watch ended ``step``: its outcome joins the scale timeline."""
+        """The watch ended ``step``: its outcome joins the scale timeline, and each other
+        scaler's joins its own, or at its ``update()`` if that is still to come. The
+        step's culprits are every skip's: its gradients are flagged whichever scaler
+        skipped."""
         self._timeline.end_step(step, outcome, recorded=recorded, culprits=culprits,
                                 forward_origin=forward_origin, loss_nonfinite=loss_nonfinite)
+        self._ended = (step, recorded, culprits, forward_origin, loss_nonfinite)
+        for other in self._others.values():
+            if other.stepped:
+                other.open_step = step
+            else:
+                self._close_other(other, *self._ended)
 
     def rename_layers(self, mapping: dict[str, str]) -> None:
         self._timeline.rename_layers(mapping)
@@ -354,12 +420,32 @@ class AmpMonitor:
 
     def _resolve(self, st: ScalerMirror) -> None:
         replayed = st.resolve()
-        if replayed and self.registry.primary() is st:
+        if not replayed:
+            return
+        if self.registry.primary() is st:
             self._timeline.add_replayed(replayed)
+        elif id(st) in self._others:
+            self._others[id(st)].timeline.add_replayed(replayed)
 
     def timeline(self) -> ScalerTimeline | None:
         st = self.registry.primary()
         if st is None:
             return None
         self._resolve(st)
-        return self._timeline.freeze(st)
+        return replace(self._timeline.freeze(st), name=self._name_of(st))
+
+    def _name_of(self, st: ScalerMirror) -> str:
+        return ", ".join(sorted(self.registry.opt_name_of(i) for i in st.opt_ids))
+
+    def other_timelines(self) -> list[ScalerTimeline]:
+        """The other relevant, enabled scalers' timelines, named after the optimizers they
+        step, in the order they were first seen."""
+        out = []
+        primary = self.registry.primary()
+        for other in self._others.values():
+            st = other.mirror
+            if st is primary or not st.enabled:
+                continue  # became the primary (a replacement scaler), or disabled
+            self._resolve(st)
+            out.append(replace(other.timeline.freeze(st), name=self._name_of(st)))
+        return out

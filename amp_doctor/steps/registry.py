@@ -173,6 +173,10 @@ class AmpRegistry:
         explicit = self._explicit_opts
         return FirstCycle(roots, lambda opt: not explicit or id(opt) in explicit)
 
+    def opt_name_of(self, key: int) -> str:
+        """The name given to the optimizer of id ``key`` (see :meth:`opt_name`)."""
+        return self._opt_names.get(key, "an optimizer")
+
     def opt_name(self, opt: Any) -> str:
         self.relevant(opt)
         return self._opt_names[id(opt)]
