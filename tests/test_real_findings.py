@@ -580,6 +580,30 @@ def test_an_overflow_inside_activation_checkpointing_is_blamed_on_its_layer(
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpointed_model_found_by_diagnose_is_recorded_from_its_first_step(
+        reentrant: bool) -> None:
+    # Under `diagnose` a model is found during its first call, after its own pre-hook
+    # would have run: a reentrant checkpoint's first pass (no_grad) in that call was
+    # taken for inference, so its layers missed step 0 and came last in the layer
+    # order, and a later NaN was blamed on the first layer after the checkpoint that
+    # passed it on (review 35: `lnf` instead of `blocks.1.fc`).
+    from amp_doctor.watch import Watch
+
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant)
+    w = Watch(None, every=1, discover=True, tensorboard=False).start()
+    try:
+        train(model, steps=3, lr=0.01)
+    finally:
+        s = w.close()
+    calls = {layer.name: layer.calls for layer in s.layers}
+    assert calls["blk.1"] == calls["out"] == 3
+    assert "blk.1" in s.history[0].layers
+    errors = [(f.kind, f.module) for f in s.findings if f.severity == "error"]
+    assert errors == [("activation_overflow", "blk.1")]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
 def test_anomaly_mode_names_the_op_inside_activation_checkpointing(reentrant: bool) -> None:
     # The reentrant first pass runs under no_grad inside the training forward, and its
     # recompute runs inside CheckpointFunctionBackward: both are blk.1's forward, so the

@@ -365,9 +365,18 @@ class Probes:
     def note_root_call(self, model: nn.Module) -> None:
         """``model``'s forward is running, though its hooks were not called (discovery
         found it during the call)."""
-        self._calls.training = torch.is_grad_enabled()
-        if self._calls.training:
+        calls = self._calls
+        calls.training = torch.is_grad_enabled()
+        if calls.training:
             self._roots_trained.add(id(model))
+        name = self._names.get(id(model))
+        if calls.depth == 0 and name is not None:
+            # As its pre-hook would have: its layers are inside a training call (a
+            # reentrant checkpoint's first pass runs them under no_grad), until its
+            # post-hook, which runs at the end of this very call, closes it.
+            calls.depth = 1
+            calls.stack.append(name)
+            self._roots_called.add(id(model))
 
     def root_id(self, module: nn.Module) -> int:
         """The ``id()`` of the watched model ``module`` belongs to (itself for a root)."""
