@@ -603,6 +603,41 @@ def test_a_checkpointed_model_found_by_diagnose_is_recorded_from_its_first_step(
     assert errors == [("activation_overflow", "blk.1")]
 
 
+class _CheckpointedMLP(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Linear(16, 32)
+        self.blk = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.mode == "none":
+            return self.out(self.blk(h))
+        return self.out(checkpoint(self.blk, h, use_reentrant=self.mode == "reentrant"))
+
+
+def test_gradients_inside_a_reentrant_checkpoint_are_recorded() -> None:
+    # A reentrant checkpoint's first pass runs under no_grad: its outputs have no
+    # gradient, which exists only on the outputs recomputed inside backward. Before,
+    # those were skipped, so no output gradient of a checkpointed layer was ever
+    # recorded (gradient_underflow missed them; review 35). Every mode now records the
+    # same figures as the model without checkpointing.
+    fields = ("calls", "grad_absmax", "grad_underflow_frac", "param_grad_underflow_frac")
+    seen = {}
+    for mode in ("none", "reentrant", "nonreentrant"):
+        torch.manual_seed(0)
+        model = _CheckpointedMLP(mode)
+        with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+            train(model, steps=3, lr=0.01)
+        seen[mode] = {lay.name: tuple(getattr(lay, k) for k in fields)
+                      for lay in doctor.session.layers}
+    assert seen["reentrant"] == seen["nonreentrant"] == seen["none"]
+    assert seen["reentrant"]["blk.0"][0] == 3
+    assert all(seen["reentrant"][n][1] > 0 for n in ("blk.0", "blk.1", "blk.2", "blk.3"))
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_anomaly_mode_names_the_op_inside_activation_checkpointing(reentrant: bool) -> None:
     # The reentrant first pass runs under no_grad inside the training forward, and its

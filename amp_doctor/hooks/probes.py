@@ -593,8 +593,10 @@ class Probes:
         # of a forward already recorded, which would double the layer's calls. A
         # reentrant checkpoint's first pass runs under no_grad inside the training
         # forward: recorded, as it is the only pass of those layers outside backward.
-        if (not self.recording or not (calls.training or torch.is_grad_enabled())
-                or torch._C._current_graph_task_id() != -1):
+        if not self.recording or not (calls.training or torch.is_grad_enabled()):
+            return
+        if torch._C._current_graph_task_id() != -1:
+            self._recomputed(name, output)
             return
         meta = self.layers[name]
         if meta.order < 0:
@@ -634,6 +636,27 @@ class Probes:
                 owners.append(name)
                 meta.passthrough_calls += 1
             buf.assign(name, "act", idx)
+
+    def _recomputed(self, name: str, output: Any) -> None:
+        """A forward run again inside backward (activation checkpointing): its outputs
+        were recorded in the first pass, so only their gradients are hooked here. A
+        reentrant checkpoint's first pass runs under no_grad, and its outputs' gradients
+        exist only on these recomputed tensors; a non-reentrant one's flow through the
+        first pass's, and its recomputed outputs get none (their hooks never run)."""
+        buf = self._buffer()
+        if buf is None or buf.closed:
+            return
+        for t in _first_tensors(output):
+            if (not t.is_floating_point() or not t.requires_grad or t.numel() == 0
+                    or unsummarizable(t) is not None):
+                continue
+            entry = self._seen.get(t)
+            if entry is None:
+                owners = [name]
+                self._seen[t] = (-1, owners, t._version)  # row -1: no activation filed
+                self._hook_grad(t, owners, buf)
+            elif name not in entry[1]:
+                entry[1].append(name)  # a container passing its sublayer's output on
 
     def _on_grad(self, owners: list[str], buf: StepBuffer, grad: torch.Tensor) -> None:
         if buf.closed or grad is None or not grad.is_floating_point():
