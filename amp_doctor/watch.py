@@ -484,10 +484,15 @@ class Watch:
 
     def _wants(self, module: nn.Module) -> bool:
         """A module the loop calls is a new root model (discovery)."""
-        return (self._probes is not None and not self.closed
-                and not self._probes.watches(module)
-                and not is_parametrization(module)
-                and next(module.parameters(), None) is not None)
+        probes = self._probes
+        if (probes is None or self.closed or probes.watches(module)
+                or is_parametrization(module) or next(module.parameters(), None) is None):
+            return False
+        # Once training ran, a module first called without grad is inference of a model
+        # that is not trained (a deep copy checked after training, an EMA copy, a
+        # reloaded checkpoint): adopting it would rename every layer of the trained one
+        # ("model.enc.fc2"). It is found if it ever runs a forward with grad.
+        return torch.is_grad_enabled() or self.step_index == 0 or not probes.trained_any()
 
     def _found(self, module: nn.Module, name: str | None, args: tuple[Any, ...] | None) -> None:
         self.add_model(module, name)

@@ -721,6 +721,29 @@ def test_anomaly_mode_beside_vmap_of_grad_still_names_the_nan_batch() -> None:
     assert errors == [("nonfinite_input", [4])]
 
 
+def test_a_copy_evaluated_after_training_is_no_second_model() -> None:
+    # A deep copy of the trained model, checked under no_grad after training (ordinary
+    # "does the copy/reload match" code), was adopted as a second model: every layer of
+    # the trained one was renamed "model.fc1", and --fp32 with the name the report
+    # printed matched nothing during training (review 35). A copy that trains is a model.
+    from amp_doctor.watch import Watch
+
+    torch.manual_seed(0)
+    w = Watch(None, every=1, discover=True, tensorboard=False).start()
+    try:
+        model = MLP()
+        train(model, steps=2)
+        clone = copy.deepcopy(model)
+        with torch.no_grad():
+            clone(torch.randn(4, 16))
+    finally:
+        s = w.close()
+    assert len(s.run.models) == 1
+    assert {"fc1", "act", "fc2"} <= {lay.name for lay in s.layers}
+    assert all(lay.calls == 2 for lay in s.layers)
+    assert s.steps == 2
+
+
 def test_spectral_norm_layers_are_part_of_the_discovered_model() -> None:
     # ParametrizationList calls itself while spectral_norm() registers it, before the
     # model exists: discovery must not take it for a model of its own.

@@ -423,6 +423,10 @@ class Probes:
                     del self._sub_handles[mid]
         self.armed = self._want_armed
 
+    def trained_any(self) -> bool:
+        """A watched model ran a training forward (with grad)."""
+        return bool(self._roots_trained)
+
     def watches(self, module: nn.Module) -> bool:
         return id(module) in self._names
 
