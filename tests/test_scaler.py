@@ -231,6 +231,51 @@ def test_backoff_names_culprits_in_backward_order(every: int) -> None:
     assert "steps 4-6" in text and "fc2" in text
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32))
+        self.cls = nn.Linear(32, 4)
+        self.reg = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.cls(h), self.reg(h)
+
+
+@pytest.mark.parametrize("every", [1, 100])
+def test_culprits_of_two_backward_calls_start_where_the_non_finite_came_in(every: int) -> None:
+    # Two losses, two backward calls (retain_graph=True); at step 2 the regression target
+    # is inf. The first backward's gradients are finite everywhere and reach trunk.2
+    # first; the second brings the inf in through reg. Before, culprits were ordered by
+    # any gradient's first arrival: "trunk.2 ... is where they appeared" (review 35).
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=every, tensorboard=False) as doctor:
+        for step in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            t = torch.randn(8, 1, generator=g) * (math.inf if step == 2 else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits, pred = model(x)
+                l1 = nn.functional.cross_entropy(logits.float(), y)
+                l2 = nn.functional.mse_loss(pred.float(), t)
+            opt.zero_grad()
+            scaler.scale(l1).backward(retain_graph=True)
+            scaler.scale(l2).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.backoff_steps == [2]
+    (ev,) = [e for e in s.scaler.events if e.kind == "backoff"]
+    assert ev.culprits.index("reg") < ev.culprits.index("trunk.2")
+    assert "cls" not in ev.culprits  # its gradients stayed finite
+    (f,) = s.findings_of("scaler_backoff")
+    assert f.module == "reg"
+
+
 def test_early_layer_parameter_gradient_overflow_is_the_only_culprit() -> None:
     """fc1's weight gradient overflows float16 (huge inputs, tiny weights); every
     output gradient stays finite, so fc1 alone is named."""

@@ -8,7 +8,7 @@ the host, once per *recorded* step (see :meth:`StepBuffer.flush`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -178,7 +178,8 @@ def unpack_host(host: torch.Tensor, buf: StepBuffer) -> HostCopy:
     if groups:
         merge_rows(block[:n_rows], groups, out=block[n_rows : n_rows + len(groups)])
     return HostCopy(buf.step, block[:n_rows], scalars, row_of, list(buf.backward_order),
-                    block[: n_rows + len(groups)])
+                    block[: n_rows + len(groups)],
+                    {layer: idx for (layer, fld), idx in buf.assigned.items() if fld == "grad"})
 
 
 def merged_count(assigned: dict[tuple[str, str], list[int]]) -> int:
@@ -216,6 +217,9 @@ class HostCopy:
     row_of: dict[tuple[str, str], int]
     backward_order: list[str]
     block: torch.Tensor  # ``matrix`` followed by the merged rows, in one tensor
+    # Each layer's output-gradient rows of ``matrix``, in arrival order (rows are
+    # numbered as tensors were filed: a lower row came earlier in the step).
+    grad_rows: dict[str, list[int]] = field(default_factory=dict)
 
     def merged(self, layer: str, fld: str) -> torch.Tensor | None:
         """One summary row for a layer's field, merging repeated calls (accumulation)."""

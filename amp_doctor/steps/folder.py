@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from amp_doctor.device.recorder import HistSums, HostCopy
+from amp_doctor.device.stats import MAX, MIN
 from amp_doctor.devicework import count_sync
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, FormatLimits
 from amp_doctor.records import Event, LayerSummary, StepRecord
@@ -152,16 +153,27 @@ class StepFolder:
         return min(bad, key=lambda n: metas[n].order) if bad else None
 
     def _culprits(self, hs: HostCopy, layers: StepTable) -> list[str]:
+        """The step's layers with non-finite gradients, in the order the non-finite ones
+        arrived: by each layer's first non-finite output-gradient row (with two
+        backward calls, a layer whose first, finite gradient came early is not first),
+        then by first arrival of any gradient (the parameter gradients only)."""
         bad = layers.where((layers.column(GRAD, NONFINITE) > 0)
                            | (layers.column(PG, NONFINITE) > 0))
         seen: dict[str, int] = {}
         for i, n in enumerate(hs.backward_order):
             seen.setdefault(n, i)
+        first_bad: dict[str, int] = {}
+        for n in bad:
+            idx = hs.grad_rows.get(n)
+            if idx:
+                ext = hs.matrix[idx][:, MIN:MAX + 1]
+                hit = (~ext.isfinite()).any(1).nonzero()
+                if len(hit):
+                    first_bad[n] = idx[int(hit[0, 0])]
         metas = self._layers()
-        big = len(hs.backward_order) + 1
-        return sorted(
-            bad, key=lambda n: (seen.get(n, big), -metas[n].order if n in metas else 0)
-        )
+        big = len(hs.backward_order) + len(hs.matrix) + 1
+        return sorted(bad, key=lambda n: (first_bad.get(n, big), seen.get(n, big),
+                                          -metas[n].order if n in metas else 0))
 
     def rename(self, mapping: dict[str, str]) -> None:
         """Layers were renamed (a second model prefixes the first's names)."""
