@@ -603,6 +603,42 @@ def test_a_checkpointed_model_found_by_diagnose_is_recorded_from_its_first_step(
     assert errors == [("activation_overflow", "blk.1")]
 
 
+def _outlier_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(8, 16, generator=g)
+    if i == 2:
+        x[0, 3] = 1e5  # an un-normalised outlier: finite in float32, beyond float16's max
+    return x, torch.randint(0, 4, (8,), generator=g)
+
+
+def test_an_input_beyond_float16s_max_is_blamed_on_the_data() -> None:
+    # autocast casts the float32 batch to float16 for the first Linear: 1e5 becomes inf
+    # before any arithmetic. Before, the report said "not values growing past the max,
+    # but an op in it that made inf/NaN (log(0), x/0, exp)" and advised anomaly mode and
+    # epsilons (review 35); raise mode said "from finite float16 inputs" of a float32 one.
+    from amp_doctor.errors import NonFiniteError
+
+    torch.manual_seed(0)
+    model = MLP()
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        train(model, steps=4, lr=0.01, batch=_outlier_batch)
+    s = doctor.session
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert (f.kind, f.module, f.step) == ("activation_overflow", "fc1", 2)
+    assert "the batch given to MLP held values up to 1.00e+05 (first at step 2), beyond " \
+           "float16's max 65504" in f.message
+    assert f.advice.startswith("Normalise or clip the data") and f.data["input_absmax"] == 1e5
+    (loss,) = s.findings_of("nonfinite_loss")
+    assert "Its input is not checked" not in loss.message
+    torch.manual_seed(0)
+    model = MLP()
+    with pytest.raises(NonFiniteError, match=r"aten\._to_copy in module 'fc1' produced \+inf "
+                       r"at step 2 .*: it cast values up to 1\.00e\+05 to float16, beyond its "
+                       r"max 65504\. Fix: For aten\._to_copy in fc1: the values it cast"):
+        with amp_doctor.watch(model, on_nonfinite="raise", tensorboard=False):
+            train(model, steps=4, lr=0.01, batch=_outlier_batch)
+
+
 class _CheckpointedMLP(nn.Module):
     def __init__(self, mode: str) -> None:
         super().__init__()

@@ -29,6 +29,11 @@ ADVICE: dict[str, str] = {
         "enabled=False)` and `.float()` inputs: for log(softmax) use `torch.log_softmax`, for "
         "divisions add an epsilon float16 can hold (>= 1e-5) or clamp the denominator."
     ),
+    "input_beyond_format": (
+        "Normalise or clip the data before the model (a value beyond the format's max is "
+        "inf once autocast casts it), or run the first layer in float32 with "
+        "`with torch.autocast(device_type, enabled=False): out = layer(x.float())`."
+    ),
     "activation_headroom": (
         "Values are within 2x of the format's max: rescale the input (normalise it), "
         "or run this layer in float32 with `torch.autocast(device_type, enabled=False)`."
@@ -243,6 +248,10 @@ OP_ADVICE: dict[str, str] = {
                 "`with torch.autocast(device_type, enabled=False):`",
     "aten.exp": "subtract the max before exp (or use `torch.softmax`/`logsumexp`), or compute "
                 "it in float32",
+    # autocast's cast of a float32 input: the values were beyond the format before it.
+    "aten._to_copy": "the values it cast were beyond the format's max already: normalise or "
+                     "clip them where they are made (the data, if this is the model's first "
+                     "layer)",
 }
 
 

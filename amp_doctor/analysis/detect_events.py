@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from amp_doctor.analysis.advice import event_advice, unlocated_advice
-from amp_doctor.analysis.detect_layers import largest_finite, low_format
+from amp_doctor.analysis.detect_layers import input_cast, largest_finite, low_format
 from amp_doctor.analysis.detect_scaler import normal_backoff_steps
 from amp_doctor.analysis.messages import event_message
 from amp_doctor.analysis.thresholds import (
@@ -108,11 +108,14 @@ def event_findings(session: Session) -> Iterable[Finding]:
 
 
 def _overflowed_itself(session: Session, module: str) -> bool:
-    """Whether the layer's own finite outputs came near its format's max: it overflowed
-    by itself, not only passed on a non-finite input."""
+    """Whether the layer's own finite outputs came near its format's max, or its input
+    held finite values beyond it (autocast's cast made the inf): it overflowed by
+    itself, not only passed on a non-finite input."""
     lay = next((x for x in session.layers if x.name == module), None)
     if lay is None or not lay.ran_low_precision:
         return False
+    if input_cast(session, lay) is not None:
+        return True
     big = largest_finite(lay)
     fmax = FORMAT_MAX.get(judged_format(lay.output_dtypes, low_format(session)))
     return big is not None and fmax is not None and big * 2.0 ** MADE_INF_HEADROOM_BITS > fmax

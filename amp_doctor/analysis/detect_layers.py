@@ -24,9 +24,9 @@ from amp_doctor.analysis.thresholds import (
     OVERFLOW_FRAC_ERROR,
 )
 from amp_doctor.dtypes import FORMAT_MAX, judged_format
-from amp_doctor.records import Finding, LayerSummary, Session
+from amp_doctor.records import Event, Finding, LayerSummary, Session
 
-__all__ = ["layer_findings", "run_findings", "autocast_findings", "low_format",
+__all__ = ["layer_findings", "run_findings", "autocast_findings", "low_format", "input_cast",
            "grad_underflow", "largest_finite"]
 
 
@@ -56,6 +56,13 @@ def _inf_made_by_an_op(lay: LayerSummary, fmt: str) -> float | None:
     if big is None or fmax is None or not math.isinf(lay.absmax):
         return None
     return big if big * 2.0 ** MADE_INF_HEADROOM_BITS <= fmax else None
+
+
+def input_cast(session: Session, lay: LayerSummary) -> Event | None:
+    """The run's note that the batch held finite values beyond the format's max in a
+    step whose first layer to go non-finite was ``lay`` (see ``StepFolder``)."""
+    return next((e for e in session.events if e.kind == "input_beyond_format"
+                 and e.data.get("first_bad_layer") == lay.name), None)
 
 
 def low_format(session: Session) -> str:
@@ -113,6 +120,23 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                      "made inf/NaN, or its weights diverged."),
             advice=ADVICE_BF16["activation_overflow"],
             data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
+        )
+    elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR and (
+            cast := input_cast(session, lay)) is not None:
+        d = cast.data
+        yield Finding(
+            kind="activation_overflow", severity="error", module=lay.name, op=None,
+            step=cast.step,
+            message=(f"{lay.name} ({lay.type}) output went non-finite (inf/NaN) in "
+                     f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps "
+                     f"({F.pct(lay.overflow_frac)} of values in the worst step): the batch "
+                     f"given to {cast.module} held values up to {F.num(d.get('absmax'))} "
+                     f"(first at step {cast.step}), beyond {d.get('dtype')}'s max "
+                     f"{float(d.get('max') or 0):g}, and autocast's cast of them to "
+                     f"{d.get('dtype')} is inf before {lay.name} computes anything."),
+            advice=ADVICE["input_beyond_format"],
+            data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt,
+                  "input_absmax": d.get("absmax")},
         )
     elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR and (
             made := _inf_made_by_an_op(lay, fmt)) is not None:

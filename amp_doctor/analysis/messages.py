@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from amp_doctor import format as F
+from amp_doctor.dtypes import FORMAT_MAX
 from amp_doctor.records import Event
 
 __all__ = ["MESSAGES", "MessageArgs", "event_message", "message_for", "nonfinite_what"]
@@ -300,6 +301,21 @@ def _op_range(d: dict[str, object]) -> str:
             f"max {_num(d.get('input_max'))}, absmax {_num(d.get('input_absmax'))})")
 
 
+# Ops that only convert: an inf they make from finite inputs is a value beyond the
+# target format's max (autocast casting a float32 input to float16).
+CAST_OPS = ("aten._to_copy", "aten.copy_")
+
+
+def cast_overflow(op: str | None, d: dict[str, object]) -> str | None:
+    """"cast values up to X to float16, beyond its max 65504", when ``op`` converted
+    finite values beyond its output format's max; else None."""
+    top, dtype = d.get("input_absmax"), d.get("dtype")
+    limit = FORMAT_MAX.get(dtype) if isinstance(dtype, str) else None
+    if op not in CAST_OPS or not isinstance(top, (int, float)) or limit is None or top <= limit:
+        return None
+    return f"cast values up to {_num(top)} to {dtype}, beyond its max {limit:g}"
+
+
 def _num(x: object) -> str:
     return F.num(x if isinstance(x, (int, float)) else None)
 
@@ -350,5 +366,10 @@ def _hidden_overflow(a: MessageArgs) -> str | None:
 def _nonfinite_forward(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
     tail = f" {e.module}'s output stayed finite." if d.get("module_output_finite") else ""
+    cast = cast_overflow(e.op, d)
+    if cast is not None:
+        return (f"{e.op} {_where(e)} was the first op to produce {nonfinite_what(d)}: it "
+                f"{cast}, {_op_steps(a)}. Those values were beyond the format before any "
+                f"layer's arithmetic: every op after it only passed them on.{tail}")
     return (f"{e.op} {_where(e)} was the first op to produce {nonfinite_what(d)}"
             f"{_op_range(d)}, {_op_steps(a)}; every op after it only passed it on.{tail}")

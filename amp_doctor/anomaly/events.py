@@ -68,6 +68,7 @@ class EventLog:
 def one_line(ev: Event) -> str:
     """The ``NonFiniteError`` message: where, what, and analysis's fix for it."""
     from amp_doctor.analysis.analyze import event_advice  # analysis sits above anomaly in the flow
+    from amp_doctor.analysis.messages import cast_overflow
 
     d = ev.data
     where = f"module {ev.module!r}" if ev.module else "code outside the watched model"
@@ -78,6 +79,8 @@ def one_line(ev: Event) -> str:
     elif ev.kind == "nonfinite_backward":
         head = (f"{ev.op} in the backward of {d.get('forward_op')} ({d.get('node')}, {where}) "
                 f"produced {what} from finite inputs at step {ev.step}{at}")
+    elif (cast := cast_overflow(ev.op, d)) is not None:
+        head = f"{ev.op} in {where} produced {what} at step {ev.step}{at}: it {cast}"
     else:
         head = (f"{ev.op} in {where} produced {what} from finite {d.get('dtype')} inputs at "
                 f"step {ev.step}{at}")

@@ -13,21 +13,29 @@ Listeners (the sinks) receive ``(StepRecord, StepRows)``, see
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from amp_doctor.device.recorder import HistSums, HostCopy
-from amp_doctor.device.stats import MAX, MIN
 from amp_doctor.devicework import count_sync
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, FormatLimits
 from amp_doctor.records import Event, LayerSummary, StepRecord
 from amp_doctor.steps.aggregates import LayerAggregates
 from amp_doctor.steps.history import History
 from amp_doctor.steps.listeners import StepListener, StepRows
-from amp_doctor.steps.loop import PLAIN_LOSS_KEY
-from amp_doctor.steps.table import ACT, GRAD, NONFINITE, PG, StepTable, decode_step
+from amp_doctor.steps.loop import INPUT_ABSMAX, PLAIN_LOSS_KEY
+from amp_doctor.steps.table import (
+    ACT,
+    GRAD,
+    NONFINITE,
+    PG,
+    StepTable,
+    decode_step,
+    first_nonfinite,
+)
 
 __all__ = ["StepRows", "StepListener", "FoldedStep", "StepFolder", "skip_culprits",
            "GRAD_SCALE_KEY"]
@@ -107,6 +115,8 @@ class StepFolder:
             origin = None
             if check_input:
                 self._note_bad_input(step, hs.scalars, input_module or self._model_label())
+        elif origin is not None:
+            self._note_input_beyond(step, hs.scalars, (formats or {}).get(origin, fmt), origin)
         if origin is not None:
             self.aggregates.note_origin(origin)
         loss_bad: bool | None = None
@@ -124,6 +134,24 @@ class StepFolder:
                          layers=layers)
         self.history.add(rec)
         return FoldedStep(rec, origin, culprits, loss_bad)
+
+    def _note_input_beyond(self, step: int, scalars: dict[str, float], fmt: FormatLimits,
+                           origin: str) -> None:
+        """A layer went non-finite in a step whose batch held finite values beyond the
+        format's max: autocast's cast of them is inf (once per run, with a count)."""
+        given = [(v, k[len(INPUT_ABSMAX):]) for k, v in scalars.items()
+                 if k.startswith(INPUT_ABSMAX) and math.isfinite(v) and v > fmt.max]
+        if not given:
+            return
+        top, module = max(given)
+        for e in self._events:
+            if e.kind == "input_beyond_format":
+                e.data["occurrences"] = int(e.data.get("occurrences", 1)) + 1
+                e.data["absmax"] = max(float(e.data["absmax"]), top)
+                return
+        self._events.append(Event(kind="input_beyond_format", step=step, module=module,
+                                  data={"absmax": top, "dtype": fmt.name, "max": fmt.max,
+                                        "first_bad_layer": origin}))
 
     def _note_bad_input(self, step: int, scalars: dict[str, float], module: str) -> None:
         seen = [e for e in self._events
@@ -164,12 +192,9 @@ class StepFolder:
             seen.setdefault(n, i)
         first_bad: dict[str, int] = {}
         for n in bad:
-            idx = hs.grad_rows.get(n)
-            if idx:
-                ext = hs.matrix[idx][:, MIN:MAX + 1]
-                hit = (~ext.isfinite()).any(1).nonzero()
-                if len(hit):
-                    first_bad[n] = idx[int(hit[0, 0])]
+            row = first_nonfinite(hs, hs.grad_rows[n]) if n in hs.grad_rows else None
+            if row is not None:
+                first_bad[n] = row
         metas = self._layers()
         big = len(hs.backward_order) + len(hs.matrix) + 1
         return sorted(bad, key=lambda n: (first_bad.get(n, big), seen.get(n, big),

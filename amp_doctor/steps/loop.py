@@ -16,13 +16,13 @@ from typing import Any
 import torch
 
 from amp_doctor.device.recorder import StepBuffer
-from amp_doctor.device.stats import bad_batch
+from amp_doctor.device.stats import bad_batch, merged_extremes
 from amp_doctor.devicework import iter_tensors, own_ops
 from amp_doctor.dtypes import LOW_PRECISION_DTYPES
 from amp_doctor.hooks.probes import unsummarizable
 from amp_doctor.steps.misuse import reaches_params
 
-__all__ = ["LoopSignals", "UPDATE_SAMPLE", "PLAIN_LOSS_KEY"]
+__all__ = ["LoopSignals", "UPDATE_SAMPLE", "PLAIN_LOSS_KEY", "INPUT_ABSMAX"]
 
 # Pure low-precision training: parameter elements sampled per tensor on a recorded
 # step to see whether the optimizer's update changed them at all.
@@ -30,6 +30,10 @@ UPDATE_SAMPLE = 1024
 # The scalar key of the loss as backward saw it: the step's loss when scaler.scale did
 # not note it (a plain loss.backward()).
 PLAIN_LOSS_KEY = "loss_plain"
+
+
+# The step flag of the largest |value| given to a model: this prefix, then its name.
+INPUT_ABSMAX = "input_absmax:"
 
 
 class LoopSignals:
@@ -142,6 +146,13 @@ class LoopSignals:
             row_nan = ext.isnan().any(1)
             self._or_flag("input_nan", row_nan.any())
             self._or_flag("input_inf", (bad_batch(ext) & ~row_nan).any())
+            # The data's largest |value|: a finite float32 value beyond float16's max is
+            # inf once autocast casts it for the first layer (an un-normalised outlier).
+            # Per model given the batch: a GAN's generator gets noise, its discriminator data.
+            key = INPUT_ABSMAX + module
+            top = merged_extremes(ext).abs().max()
+            prev = self._flags.get(key)
+            self._flags[key] = top if prev is None else torch.maximum(prev, top.to(prev.device))
 
     # -- steps without an optimizer ------------------------------------------------
     def backward_done(self, roots: list[torch.Tensor], owns: Callable[[torch.Tensor], bool],

@@ -28,7 +28,7 @@ from amp_doctor.device.recorder import HIST_FIELDS, HostCopy, StepHists, scale_l
 from amp_doctor.dtypes import FormatLimits
 from amp_doctor.records import LayerStep, TensorStats
 
-__all__ = ["SLOTS", "TS_FIELDS", "KeptLayers", "StepTable", "decode_step"]
+__all__ = ["SLOTS", "TS_FIELDS", "KeptLayers", "StepTable", "decode_step", "first_nonfinite"]
 
 # A layer's tensors in a step, in LayerStep's field order.
 SLOTS = tuple(f.name for f in dataclasses.fields(LayerStep))
@@ -267,3 +267,11 @@ def decode_step(hs: HostCopy, fmt: FormatLimits, grad_scale: float | None,
     table = StepTable(list(names), values.view(len(names), n_slots, len(TS_FIELDS)),
                       present.view(len(names), n_slots))
     return table, [StepHists(hs.block, hist_cells)] if hist_cells else []
+
+
+def first_nonfinite(hs: HostCopy, rows: list[int]) -> int | None:
+    """The first of ``rows`` (rows of the host copy's matrix, in filing order) whose
+    tensor held inf or NaN (a non-finite min or max), or None."""
+    ext = hs.matrix[rows][:, S.MIN:S.MAX + 1]
+    hit = (~ext.isfinite()).any(1).nonzero()
+    return rows[int(hit[0, 0])] if len(hit) else None
