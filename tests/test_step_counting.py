@@ -390,6 +390,54 @@ def test_a_second_gradscaler_is_followed_too(updates: str) -> None:
     assert amp_doctor.Session.from_json(s.to_json()).other_scalers == s.other_scalers
 
 
+def test_the_amp_docs_two_model_example_names_only_layers_of_the_report() -> None:
+    # PyTorch's AMP docs, "multiple models, losses and optimizers", found by discovery
+    # (as under diagnose). model1's first call renamed model0's layers ("0" -> "model0.0")
+    # in the middle of step 0, but the gradient hooks of that step kept the old names:
+    # step 0's culprits named "2", "1", "0" and "Sequential", layers of no report. And a
+    # step where both optimizers skipped said "1 optimizer step(s) were skipped" (review 35).
+    from amp_doctor.watch import Watch
+
+    torch.manual_seed(0)
+    w = Watch(None, every=1, discover=True, tensorboard=False).start()
+    try:
+        model0 = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+        model1 = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+        opt0 = torch.optim.SGD(model0.parameters(), lr=0.01)
+        opt1 = torch.optim.SGD(model1.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")
+        wr = torch.randn(16)
+        for it in range(25):
+            x = torch.randn(32, 16)
+            t = (x @ wr).unsqueeze(-1)
+            t1 = t.clone()
+            if it == 20:
+                t1[0] = math.inf
+            opt0.zero_grad()
+            opt1.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out0, out1 = model0(x), model1(x)
+                loss0 = nn.functional.mse_loss(2 * out0 + 3 * out1, t)
+                loss1 = nn.functional.mse_loss(3 * out0 - 5 * out1, t1)
+            scaler.scale(loss0).backward(retain_graph=True)
+            scaler.scale(loss1).backward()
+            scaler.unscale_(opt0)
+            nn.utils.clip_grad_norm_(model0.parameters(), 1.0)
+            scaler.step(opt0)
+            scaler.step(opt1)
+            scaler.update()
+    finally:
+        s = w.close()
+    names = {lay.name for lay in s.layers}
+    assert s.scaler is not None and 0 in s.scaler.backoff_steps and 20 in s.scaler.backoff_steps
+    for e in s.scaler.events:
+        assert set(e.culprits) <= names, (e.step, e.culprits)
+    assert {"model0.0", "model1.2"} <= set(s.scaler.events[0].culprits)
+    (f,) = [f for f in s.findings_of("scaler_backoff") if f.step == 20]
+    assert "2 optimizer step(s) were skipped (skipped per optimizer: SGD#0 1, SGD#1 1)" \
+        in f.message
+
+
 @pytest.mark.parametrize("scaled", [True, False])
 def test_an_optimizer_that_starts_late_costs_no_steps(scaled: bool) -> None:
     # Gradual unfreezing: the head's optimizer steps from the first iteration, the

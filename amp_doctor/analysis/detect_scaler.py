@@ -98,14 +98,23 @@ def _settled_floor(session: Session) -> float:
     return min(CALIBRATED_MIN, init / 2)
 
 
-def _skips_per_optimizer(session: Session, steps: list[int]) -> str:
+def _skipped_in(session: Session, steps: list[int]) -> dict[str, int]:
+    """Per optimizer, how many of its steps were skipped in ``steps``."""
     sc = session.scaler
-    if sc is None:
-        return ""
     want = set(steps)
-    parts = [f"{name} {len(want.intersection(v))}"
-             for name, v in sc.skipped_by_optimizer.items() if want.intersection(v)]
-    return f" (skipped per optimizer: {', '.join(parts)})" if parts else ""
+    return {name: len(want.intersection(v))
+            for name, v in (sc.skipped_by_optimizer if sc else {}).items()
+            if want.intersection(v)}
+
+
+def _skips_per_optimizer(session: Session, steps: list[int]) -> str:
+    """' and N optimizer step(s) were skipped (skipped per optimizer: ...)': N counts
+    each optimizer's skipped steps (two optimizers skipping in one step are two)."""
+    per = _skipped_in(session, steps)
+    n = sum(per.values()) or len(steps)
+    parts = [f"{name} {k}" for name, k in per.items()]
+    return (f", and {n} optimizer step(s) were skipped"
+            + (f" (skipped per optimizer: {', '.join(parts)})" if parts else ""))
 
 
 # Anomaly-mode origins, in the order they happen within a step.
@@ -323,8 +332,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             module=origin[0] if origin else (top_lead or (culprits[0] if culprits else None)),
             op=None,
             step=first.step,
-            message=(f"{head}, and {len(evs)} optimizer step(s) were skipped"
-                     f"{_skips_per_optimizer(session, steps)}"
+            message=(f"{head}{_skips_per_optimizer(session, steps)}"
                      f"{_culprit_text(culprits, origin, (top_lead, n_lead, len(evs)))}."),
             advice=ADVICE["scaler_backoff"],
             steps=steps[:MAX_STEPS_KEPT],

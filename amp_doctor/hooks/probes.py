@@ -449,6 +449,12 @@ class Probes:
         self._names = {k: mapping.get(v, v) for k, v in self._names.items()}
         self.param_owner = {k: mapping.get(v, v) for k, v in self.param_owner.items()}
         self._calls.stack = [mapping.get(v, v) for v in self._calls.stack]
+        # The step's gradient hooks hold their layers' names (shared lists): gradients
+        # still to come in this step go to the new names, not to layers that no longer are.
+        owner_lists = [owners for _, owners, _ in self._seen.values()]
+        owner_lists += [hook.owners for hook in self._leaf_hooks.values()]
+        for owners in owner_lists:
+            owners[:] = [mapping.get(n, n) for n in owners]
         return mapping
 
     # -- lifecycle -------------------------------------------------------

@@ -48,5 +48,9 @@ class SeenTensors(Generic[_V]):
     def __len__(self) -> int:
         return len(self._map)
 
+    def values(self) -> list[_V]:
+        """The values of the tensors still alive."""
+        return [v for ref, v in self._map.values() if ref() is not None]
+
     def clear(self) -> None:
         self._map.clear()
