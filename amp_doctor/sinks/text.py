@@ -203,7 +203,8 @@ _TABLE_KEY = (
     "Layers, worst first. headroom: bits between the largest |output| and the format's "
     "max (< 0 = overflow). overflow / underflow: share of output values beyond the max / "
     "below the smallest normal (* = what-if for a float32 layer). grad underflow: the same "
-    f"for its gradients, as scaled. {NONFINITE_HEADER}: how many recorded steps had inf or "
+    "for its output gradients, as scaled (a float32 layer: for its weight gradients; - if it "
+    f"has none). {NONFINITE_HEADER}: how many recorded steps had inf or "
     "NaN in the outputs / in the gradients."
 )
 
