@@ -56,6 +56,35 @@ def train(
     return losses
 
 
+def train_gan_two_scalers(gen: nn.Module, disc: nn.Module, iters: int, boost_at: int,
+                          updates: str = "together") -> tuple[float, float]:
+    """A GAN with a GradScaler per network; at ``boost_at`` the generator's scaled loss
+    overflows float16. ``updates``: "together" (both update()s after both steps) or
+    "each" (each right after its own step). Returns the (disc, gen) scales at the end."""
+    og, od = torch.optim.Adam(gen.parameters(), 1e-3), torch.optim.Adam(disc.parameters(), 1e-3)
+    sg, sd = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    for it in range(iters):
+        z, real = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        od.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            fake = gen(z)
+            ld = disc(real).float().mean() - disc(fake.detach()).float().mean()
+        sd.scale(ld).backward()
+        sd.step(od)
+        if updates == "each":
+            sd.update()
+        og.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            lg = disc(fake).float().mean() * (1e30 if it == boost_at else 1.0)
+        sg.scale(lg).backward()
+        sg.step(og)
+        if updates == "together":
+            sd.update()
+        sg.update()
+    return sd.get_scale(), sg.get_scale()
+
+
 def console_script(name: str = "amp-doctor") -> str:
     """The installed console script, found next to the interpreter running the tests.
 

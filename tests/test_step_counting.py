@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import amp_doctor
-from tests.helpers import MLP
+from tests.helpers import MLP, train_gan_two_scalers
 
 HEALTHY = "looks healthy"
 
@@ -347,31 +347,11 @@ def test_a_second_gradscaler_is_followed_too(updates: str) -> None:
     # step first); "each": each update() right after its own step.
     torch.manual_seed(0)
     gen, disc = MLP(16, 32, 4), MLP(4, 32, 1)
-    og, od = torch.optim.Adam(gen.parameters(), 1e-3), torch.optim.Adam(disc.parameters(), 1e-3)
-    sg, sd = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
-    g = torch.Generator().manual_seed(0)
     with amp_doctor.watch({"gen": gen, "disc": disc}, every=5, tensorboard=False) as doctor:
-        for it in range(10):
-            z, real = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            od.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                fake = gen(z)
-                ld = disc(real).float().mean() - disc(fake.detach()).float().mean()
-            sd.scale(ld).backward()
-            sd.step(od)
-            if updates == "each":
-                sd.update()
-            og.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16):
-                lg = disc(fake).float().mean() * (1e30 if it == 6 else 1.0)
-            sg.scale(lg).backward()
-            sg.step(og)
-            if updates == "together":
-                sd.update()
-            sg.update()
+        scales = train_gan_two_scalers(gen, disc, iters=10, boost_at=6, updates=updates)
     # Plain torch's word: the discriminator's scaler settles once at iteration 0, the
     # generator's backs off at iteration 6 only.
-    assert sd.get_scale() == 32768.0 and sg.get_scale() == 32768.0
+    assert scales == (32768.0, 32768.0)
     s = doctor.session
     assert s.steps == 10
     assert s.scaler is not None and s.scaler.backoff_steps == [0]

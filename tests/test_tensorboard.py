@@ -11,6 +11,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +44,7 @@ from amp_doctor.sinks import tb_session as tbv
 from amp_doctor.sinks import tensorboard as tbs
 from amp_doctor.sinks.tensorboard import TensorBoardSink, exp_buckets, exp_counts
 from amp_doctor.sinks.text import risk_order
-from tests.helpers import MLP, train
+from tests.helpers import MLP, train, train_gan_two_scalers
 
 CATEGORIES = ["Culprits (where inf/NaN or overflow started)", "Scaler", "Overflow risk",
               "Underflow", "Gradients"]
@@ -468,6 +470,29 @@ def test_unrecorded_steps_still_reach_the_scaler_charts(tmp_path: Path) -> None:
     assert (4, 1.0) in _scalars(acc, "scaler/backoffs")
     assert (3, 0.0) in _scalars(acc, "scaler/backoffs")
     assert [st for st, _ in _scalars(acc, "overflow/fc1")] == [0, 3, 6]
+
+
+def test_a_second_gradscaler_has_its_own_scaler_charts(tmp_path: Path) -> None:
+    # A GAN with a GradScaler per network: the generator's backs off at step 6. Its
+    # timeline is written at close as scaler/<its optimizer>/..., in the Scaler tab's
+    # charts beside the first scaler's, with no warning about the tag's characters.
+    torch.manual_seed(0)
+    gen, disc = MLP(16, 32, 4), MLP(4, 32, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp_doctor.watch({"gen": gen, "disc": disc}, every=5, logdir=tmp_path) as doctor:
+            train_gan_two_scalers(gen, disc, iters=10, boost_at=6)
+    (other,) = doctor.session.other_scalers
+    prefix = "scaler/" + other.name.replace("#", "_") + "/"
+    acc = _load(tmp_path)
+    assert [v for _, v in _scalars(acc, prefix + "scale")] == [65536.0] * 6 + [32768.0] * 4
+    assert [st for st, v in _scalars(acc, prefix + "backoffs") if v == 1.0] == [6, 7, 8, 9]
+    assert _scalars(acc, prefix + "skipped")[-1] == (9, 1.0)
+    assert _scalars(acc, "scaler/backoffs")[-1] == (9, 1.0)  # the first: step 0's settling
+    charts = [rx for _, rxs in tbv.LAYOUT["Scaler"].values() for rx in rxs]
+    for tag in ("scale", "log2_scale", "skipped", "backoffs"):  # in the first's charts
+        assert [rx for rx in charts if re.match(rx, prefix + tag)] == \
+            [rx for rx in charts if re.match(rx, "scaler/" + tag)]
 
 
 def test_bfloat16_histograms_span_bfloat16(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from amp_doctor import format as F
 from amp_doctor.dtypes import FormatLimits, limits
-from amp_doctor.records import Session, TensorStats
+from amp_doctor.records import ScalerTimeline, Session, TensorStats
 from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
 
 __all__ = ["CULPRIT_GROUPS", "CULPRIT_HEADROOM_TITLE", "LAYOUT", "culprit_headroom",
@@ -81,12 +81,13 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
         "headroom of (scaled) output grads (bits)": [
             "Multiline", [r"^culprits/.*/grad_headroom$"]],
     },
+    # A run's other GradScalers (a GAN with one per network) as scaler/<optimizers>/...
     "Scaler": {
-        "loss scale (after each update)": ["Multiline", [r"^scaler/scale$"]],
+        "loss scale (after each update)": ["Multiline", [r"^scaler/(.+/)?scale$"]],
         "log2 of the loss scale (a collapse is a straight line down)": [
-            "Multiline", [r"^scaler/log2_scale$"]],
-        "skipped optimizer steps (cumulative)": ["Multiline", [r"^scaler/skipped$"]],
-        "scale backoffs (cumulative)": ["Multiline", [r"^scaler/backoffs$"]],
+            "Multiline", [r"^scaler/(.+/)?log2_scale$"]],
+        "skipped optimizer steps (cumulative)": ["Multiline", [r"^scaler/(.+/)?skipped$"]],
+        "scale backoffs (cumulative)": ["Multiline", [r"^scaler/(.+/)?backoffs$"]],
     },
     "Overflow risk": {
         "headroom to the format's max (bits; < 0 = overflow)": ["Multiline", [r"^headroom/"]],
@@ -113,15 +114,17 @@ def _finite(v: float | None) -> bool:
     return v is not None and math.isfinite(v) and v > 0
 
 
-def scaler_series(session: Session, after: int = -1) -> dict[str, list[tuple[int, float]]]:
-    """``scaler/*`` points in step order, for the steps after ``after``.
+def scaler_series(session: Session, after: int = -1, sc: ScalerTimeline | None = None,
+                  prefix: str = "scaler/") -> dict[str, list[tuple[int, float]]]:
+    """``scaler/*`` points in step order, for the steps after ``after``: of the run's first
+    scaler, or of ``sc`` (another one) under ``prefix`` (``scaler/<its optimizers>/``).
 
     The scale after each update is a step function of the timeline (it holds every
     change), so it is written at every step up to :data:`SCALER_FILL_LIMIT` steps.
     ``scaler/skipped`` and ``scaler/backoffs`` are cumulative counts (a rise is an
     event; no thinning can hide one), at the same steps.
     """
-    sc = session.scaler
+    sc = session.scaler if sc is None else sc
     if sc is None or not sc.enabled or not sc.scale:
         return {}
     pts = sorted((int(st), float(v)) for st, v in sc.scale if _finite(v))
@@ -135,8 +138,8 @@ def scaler_series(session: Session, after: int = -1) -> dict[str, list[tuple[int
         steps = sorted(corners | set(sc.skipped_steps) | set(sc.backoff_steps) | {last})
     steps = [st for st in steps if st > after and st >= pts[0][0]]
     out: dict[str, list[tuple[int, float]]] = {
-        "scaler/scale": [], "scaler/log2_scale": [], "scaler/skipped": [],
-        "scaler/backoffs": []}
+        f"{prefix}scale": [], f"{prefix}log2_scale": [], f"{prefix}skipped": [],
+        f"{prefix}backoffs": []}
     skipped, backoffs = sorted(sc.skipped_steps), sorted(sc.backoff_steps)
     i = j = k = 0
     value = pts[0][1]
@@ -148,10 +151,10 @@ def scaler_series(session: Session, after: int = -1) -> dict[str, list[tuple[int
             j += 1
         while k < len(backoffs) and backoffs[k] <= st:
             k += 1
-        out["scaler/scale"].append((st, value))
-        out["scaler/log2_scale"].append((st, math.log2(value)))
-        out["scaler/skipped"].append((st, float(j)))
-        out["scaler/backoffs"].append((st, float(k)))
+        out[f"{prefix}scale"].append((st, value))
+        out[f"{prefix}log2_scale"].append((st, math.log2(value)))
+        out[f"{prefix}skipped"].append((st, float(j)))
+        out[f"{prefix}backoffs"].append((st, float(k)))
     return out if steps else {}
 
 

@@ -101,6 +101,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -600,6 +601,13 @@ class TensorBoardSink:
         for tag, pts in scaler_series(session, after=self._scaler_last).items():
             for step, value in pts:
                 w.add_scalar(tag, value, global_step=step)
+        for other in session.other_scalers:  # not written live: all at once, here
+            # TensorBoard's tag characters: "Adam#1, SGD#2" -> "Adam_1__SGD_2"; the
+            # writer would otherwise rename it with a warning on the user's stderr.
+            prefix = "scaler/" + re.sub(r"[^-\w.]", "_", other.name or "other") + "/"
+            for tag, pts in scaler_series(session, sc=other, prefix=prefix).items():
+                for step, value in pts:
+                    w.add_scalar(tag, value, global_step=step)
 
     def _write_culprits(self, w: SummaryWriter, session: Session) -> None:
         self._fmt = self._fmt or self._session_format(session)
