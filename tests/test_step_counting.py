@@ -360,10 +360,15 @@ def test_a_second_gradscaler_is_followed_too(updates: str) -> None:
     assert (other.backoff_steps, other.skipped_steps) == ([6], [6])
     assert other.skipped_by_optimizer == {other.name: [6]}
     assert other.scale[-1][1] == 32768.0
-    [f] = [f for f in s.findings_of("scaler_backoff") if f.data.get("scaler")]
+    [f] = [f for f in s.findings_of("scaler_backoff") if f.data.get("scaler") == other.name]
     assert f.step == 6 and f.message.startswith(f"The GradScaler of {other.name} backed off 1x")
-    assert f.data["scaler"] == other.name and f.data["culprits"]  # step 6's inf gradients
+    assert f.data["culprits"]  # step 6's inf gradients
+    [first] = [f for f in s.findings_of("scaler_backoff") if f.data["scaler"] != other.name]
+    assert first.message.startswith(f"The GradScaler of {s.scaler.name} backed off 1x")
     text = doctor.report()
+    # Each scaler's finding is shown: the report groups findings by scaler too.
+    assert f.message.split(":")[0] in " ".join(text.split())
+    assert first.message.split(":")[0] in " ".join(text.split())
     assert f"Scaler of {s.scaler.name}: scale 65536 -> 32768; 1 backoffs (steps 0)" in text
     assert f"Scaler of {other.name}: scale 65536 -> 32768; 1 backoffs (steps 6)" in text
     # The JSON report keeps it, and reads back.

@@ -270,14 +270,17 @@ def normal_backoff_steps(session: Session) -> set[int]:
 def scaler_findings(session: Session) -> Iterable[Finding]:
     """The first scaler's findings, then each other scaler's (a GAN with one per network),
     judged alike on its own timeline; their messages name the optimizers it steps."""
-    yield from _one_scaler_findings(session)
-    for other in session.other_scalers:
-        view = replace(session, scaler=other, other_scalers=[])
-        whose = f"The GradScaler of {other.name or 'another optimizer'}"
+    if not session.other_scalers or session.scaler is None:
+        yield from _one_scaler_findings(session)
+        return
+    for i, sc in enumerate([session.scaler, *session.other_scalers]):
+        view = session if i == 0 else replace(session, scaler=sc, other_scalers=[])
+        name = sc.name or ("the first" if i == 0 else f"another ({i})")
+        whose = f"The GradScaler of {name}"
         for f in _one_scaler_findings(view):
             msg = (f.message.replace("GradScaler", whose, 1)
                    if f.message.startswith("GradScaler ") else f"{whose}: {f.message}")
-            yield replace(f, message=msg, data={**f.data, "scaler": other.name})
+            yield replace(f, message=msg, data={**f.data, "scaler": name})
 
 
 def _one_scaler_findings(session: Session) -> Iterable[Finding]:

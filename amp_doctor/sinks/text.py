@@ -83,16 +83,18 @@ class FindingGroup:
 
 def group_findings(findings: list[Finding],
                    layers: list[LayerSummary] | None = None) -> list[FindingGroup]:
-    """Same kind and severity on several layers -> one group, at the first one's place.
+    """Same kind and severity on several layers -> one group, at the first one's place
+    (a second GradScaler's findings apart from the first's).
 
     Findings without a module (run-wide ones) are never merged: each says something
     different. Within a group, layers are worst first by :func:`risk_order` of
     ``layers`` (the layer table's order), else in the analysis order.
     """
     groups: list[list[Finding]] = []
-    index: dict[tuple[str, str], int] = {}
+    index: dict[tuple[str, str, str], int] = {}
     for f in findings:
-        key = (f.kind, f.severity)
+        # Another GradScaler's findings are its own group: a group shows one message.
+        key = (f.kind, f.severity, str(f.data.get("scaler", "")))
         if f.module is None or key not in index:
             if f.module is not None:
                 index[key] = len(groups)
