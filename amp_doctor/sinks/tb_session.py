@@ -10,6 +10,7 @@ numbers only); :mod:`amp_doctor.sinks.tensorboard` writes it.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatm
 __all__ = ["CULPRIT_GROUPS", "CULPRIT_HEADROOM_TITLE", "LAYOUT", "culprit_headroom",
            "headroom_floor", "ORIGIN_KINDS", "SCALER_FILL_LIMIT", "backoff_groups",
            "culprit_layers", "heatmap_grids", "heatmap_images", "heatmap_layers",
-           "heatmap_legend", "origin_cells", "scaler_series"]
+           "heatmap_legend", "origin_cells", "scaler_series", "scaler_tag_prefix",
+           "layout_with_scalers"]
 
 # At the end, the scale is written at every step of runs up to this many steps (a step
 # line); longer runs get the timeline's points plus the step before each change, which
@@ -81,13 +83,12 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
         "headroom of (scaled) output grads (bits)": [
             "Multiline", [r"^culprits/.*/grad_headroom$"]],
     },
-    # A run's other GradScalers (a GAN with one per network) as scaler/<optimizers>/...
     "Scaler": {
-        "loss scale (after each update)": ["Multiline", [r"^scaler/(.+/)?scale$"]],
+        "loss scale (after each update)": ["Multiline", [r"^scaler/scale$"]],
         "log2 of the loss scale (a collapse is a straight line down)": [
-            "Multiline", [r"^scaler/(.+/)?log2_scale$"]],
-        "skipped optimizer steps (cumulative)": ["Multiline", [r"^scaler/(.+/)?skipped$"]],
-        "scale backoffs (cumulative)": ["Multiline", [r"^scaler/(.+/)?backoffs$"]],
+            "Multiline", [r"^scaler/log2_scale$"]],
+        "skipped optimizer steps (cumulative)": ["Multiline", [r"^scaler/skipped$"]],
+        "scale backoffs (cumulative)": ["Multiline", [r"^scaler/backoffs$"]],
     },
     "Overflow risk": {
         "headroom to the format's max (bits; < 0 = overflow)": ["Multiline", [r"^headroom/"]],
@@ -108,6 +109,29 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
         "inf/NaN output grads (count)": ["Multiline", [r"^grad_nonfinite/"]],
     },
 }
+
+
+def scaler_tag_prefix(sc: ScalerTimeline) -> str:
+    """``scaler/<its optimizers>/`` for a run's other GradScaler, in TensorBoard's tag
+    characters ("Adam#1, SGD#2" -> "Adam_1__SGD_2"): the writer would otherwise rename
+    the tag with a warning on the user's stderr."""
+    return "scaler/" + re.sub(r"[^-\w.]", "_", sc.name or "other") + "/"
+
+
+def layout_with_scalers(session: Session) -> dict[str, dict[str, list[Any]]]:
+    """:data:`LAYOUT`, whose Scaler charts are one set per GradScaler when the run had
+    several (a GAN with one per network): one run's lines in a chart share a colour,
+    so two scalers in one chart could not be told apart. Written again at close,
+    when the other scalers are known (TensorBoard reads a run's last layout)."""
+    if not session.other_scalers or session.scaler is None:
+        return LAYOUT
+    charts: dict[str, list[Any]] = {}
+    for i, sc in enumerate([session.scaler, *session.other_scalers]):
+        prefix = "scaler/" if i == 0 else scaler_tag_prefix(sc)
+        for title, (kind, (rx,)) in LAYOUT["Scaler"].items():
+            charts[f"{title}: GradScaler of {sc.name}"] = [
+                kind, ["^" + re.escape(prefix) + rx.removeprefix("^scaler/")]]
+    return {**LAYOUT, "Scaler": charts}
 
 
 def _finite(v: float | None) -> bool:

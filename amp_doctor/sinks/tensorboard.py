@@ -101,7 +101,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -128,7 +127,9 @@ from amp_doctor.sinks.tb_session import (
     culprit_layers,
     heatmap_images,
     heatmap_legend,
+    layout_with_scalers,
     scaler_series,
+    scaler_tag_prefix,
 )
 from amp_doctor.sinks.text import render_markdown, risk_order
 from amp_doctor.steps.listeners import StepRows
@@ -602,12 +603,12 @@ class TensorBoardSink:
             for step, value in pts:
                 w.add_scalar(tag, value, global_step=step)
         for other in session.other_scalers:  # not written live: all at once, here
-            # TensorBoard's tag characters: "Adam#1, SGD#2" -> "Adam_1__SGD_2"; the
-            # writer would otherwise rename it with a warning on the user's stderr.
-            prefix = "scaler/" + re.sub(r"[^-\w.]", "_", other.name or "other") + "/"
+            prefix = scaler_tag_prefix(other)
             for tag, pts in scaler_series(session, sc=other, prefix=prefix).items():
                 for step, value in pts:
                     w.add_scalar(tag, value, global_step=step)
+        if session.other_scalers:
+            w.add_custom_scalars(layout_with_scalers(session))
 
     def _write_culprits(self, w: SummaryWriter, session: Session) -> None:
         self._fmt = self._fmt or self._session_format(session)
