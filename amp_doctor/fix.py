@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -176,11 +177,20 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
                  else "it ran to its end")
         result.notes.append(
             f"The baseline run finished no training step ({ended}): there is nothing to "
-            "search. Make the script train (its output is above), or run `amp-doctor "
-            "diagnose` on it to see why.")
+            "search. Make the script train, or run `amp-doctor diagnose` on it to see "
+            "its output and why.")
         return result
     if base.ok:
-        result.notes.append("The baseline has no error finding: nothing to fix.")
+        warned = [f for f in bs.findings if f.severity == "warning"]
+        if not warned:
+            result.notes.append("The baseline has no error finding: nothing to fix.")
+            return result
+        kinds = sorted({f"{f.kind}" + (f" ({f.module})" if f.module else "") for f in warned})
+        result.notes.append(
+            f"The baseline has no error finding, so no float32 layer is searched for (fix "
+            f"removes errors). It has {len(warned)} warning(s): {', '.join(kinds[:6])}"
+            + (" ..." if len(kinds) > 6 else "") + ". Their fix is not a float32 layer: "
+            f"{warned[0].advice} Run `amp-doctor diagnose` on the script for the whole report.")
         return result
     if not base.errors:
         # Healthy AMP, and a script that fails for its own reasons (missing eval data, a
@@ -281,10 +291,58 @@ def _order_key(s: Session) -> Callable[[str], tuple[int, str]]:
 
 
 # -- running trials --------------------------------------------------------------
+# The working folder is copied for the trials when it holds at most this many bytes
+# (folders below are left out); a larger one is used in place, with a warning.
+SCRATCH_COPY_LIMIT = 256 * 2**20
+SCRATCH_COPY_FILES = 20_000
+_NOT_COPIED = frozenset({".git", ".hg", ".svn", ".venv", "venv", "__pycache__",
+                         "node_modules", ".mypy_cache", ".pytest_cache", ".ruff_cache"})
+
+
+def scratch_copy(src: Path, into: Path) -> Path | None:
+    """A copy of the working folder ``src`` in ``into``, for trials that must not write
+    over the user's files (a checkpoint, a log the script appends to); None when ``src``
+    is too large to copy (more than :data:`SCRATCH_COPY_LIMIT` bytes or
+    :data:`SCRATCH_COPY_FILES` files, version control and virtual envs left out).
+    Symlinks are copied as links: what they point to is read, and written, in place."""
+    total = files = 0
+    for root, dirs, names in os.walk(src):
+        dirs[:] = [d for d in dirs if d not in _NOT_COPIED]
+        for n in names:
+            files += 1
+            try:
+                total += (Path(root) / n).lstat().st_size
+            except OSError:
+                continue
+            if total > SCRATCH_COPY_LIMIT or files > SCRATCH_COPY_FILES:
+                return None
+    dst = into / "cwd"
+    try:
+        shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(*_NOT_COPIED))
+    except (OSError, shutil.Error):
+        shutil.rmtree(dst, ignore_errors=True)
+        return None
+    return dst
+
+
+def in_scratch(script: Sequence[str], src: Path, dst: Path) -> list[str]:
+    """``script`` (a path, then its arguments) pointing into the copy ``dst`` of ``src``
+    when the script lies inside ``src``."""
+    if not script:
+        return list(script)
+    path = Path(script[0]).absolute()
+    try:
+        rel = path.relative_to(src)
+    except ValueError:
+        return list(script)
+    return [str(dst / rel), *script[1:]]
+
+
 def subprocess_runner(script: Sequence[str], module: str | None, max_steps: int,
                       anomaly: bool, workdir: Path, echo: Callable[[str], None],
-                      target_dtype: str | None = None) -> Runner:
-    """Trials as real ``amp-doctor diagnose`` runs of the user's script."""
+                      target_dtype: str | None = None, cwd: Path | None = None) -> Runner:
+    """Trials as real ``amp-doctor diagnose`` runs of the user's script (in ``cwd``, a
+    scratch copy of the user's folder, when given)."""
     counter = [0]
 
     def run(fp32: tuple[str, ...]) -> tuple[Session | None, int]:
@@ -298,7 +356,8 @@ def subprocess_runner(script: Sequence[str], module: str | None, max_steps: int,
                *(["-m", module] if module else []), *script]
         echo("amp-doctor fix: " + " ".join(shlex.quote(c) for c in cmd[1:]))
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "AMP_DOCTOR_FIX_TRIAL": "1"})
+                              text=True, env={**os.environ, "AMP_DOCTOR_FIX_TRIAL": "1"},
+                              cwd=cwd)
         path = logdir / JSON_NAME
         try:
             session = Session.load(path)

@@ -163,6 +163,39 @@ def test_fix_on_a_healthy_script_that_fails_on_its_own_says_so_and_searches_noth
     assert proc.stderr.count("amp-doctor fix: float32 [") == 1  # the baseline alone
 
 
+def test_fix_trials_leave_the_users_files_alone_and_name_the_warnings(tmp_path: Path) -> None:
+    # Each trial is a real run of the script: before, in the user's folder, so a trial
+    # overwrote their checkpoint and appended to their log (review 36). The trials now
+    # run in a copy of the folder. A run whose problems are warnings (here gradients
+    # flushed to zero by a GradScaler started at 1) was "nothing to fix".
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.txt").write_text("16\n")  # read by a relative path
+    (tmp_path / "ckpt.pt").write_bytes(b"the user's 60-step checkpoint")
+    (tmp_path / "train.log").write_text("run 1\n")
+    (tmp_path / "train.py").write_text(
+        "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+        "d = int(open('data/x.txt').read())\n"
+        "model = nn.Sequential(nn.Linear(d, 64), nn.Tanh(), nn.Linear(64, 1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "scaler = torch.amp.GradScaler('cpu', init_scale=1.0, growth_interval=10**6)\n"
+        "for _ in range(3):  # within a trial's --max-steps: it saves and logs\n"
+        "    with torch.autocast('cpu', dtype=torch.float16):\n"
+        "        loss = model(torch.randn(32, d)).float().pow(2).mean() * 1e-6\n"
+        "    opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()\n"
+        "torch.save(model.state_dict(), 'ckpt.pt')\n"
+        "open('train.log', 'a').write('done\\n')\n")
+    proc = subprocess.run([console_script(), "fix", "--max-steps", "4", "train.py"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"the user's 60-step checkpoint"
+    assert (tmp_path / "train.log").read_text() == "run 1\n"
+    assert f"the trials run in a copy of {tmp_path}" in " ".join(proc.stderr.split())
+    out = " ".join(proc.stdout.split())
+    assert "nothing to fix" not in out
+    assert "no float32 layer is searched for (fix removes errors). It has" in out
+    assert "gradient_underflow" in out and "init_scale" in out
+
+
 def test_compare_cli_reads_two_saved_runs(tmp_path: Path) -> None:
     before = _run("fp16_activation_overflow", "SensorRegressor", steps=4)
     after = _run("fp16_activation_overflow", "SensorRegressor", fp32=("proj",), steps=4)

@@ -57,9 +57,24 @@ def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: 
     if json_path is not None:
         check_writable(json_path.absolute().parent)
     workdir = fixing.default_workdir()
+    here = Path.cwd()
+    scratch = fixing.scratch_copy(here, workdir)
+    if scratch is None:
+        click.echo(f"amp-doctor fix: warning: {here} is too large to copy (over "
+                   f"{fixing.SCRATCH_COPY_LIMIT // 2**20} MB or "
+                   f"{fixing.SCRATCH_COPY_FILES} files), so the trials run the script in it: "
+                   "files the script writes there (checkpoints, logs) are written by each "
+                   "trial. Run fix from a smaller folder to keep them.", err=True)
+        trial_script = list(script_and_args)
+    else:
+        click.echo(f"amp-doctor fix: the trials run in a copy of {here} ({scratch}): files "
+                   "the script writes there do not touch yours.", err=True)
+        trial_script = [] if module is not None else fixing.in_scratch(
+            script_and_args[:1], here, scratch)
+        trial_script += list(script_and_args[1:] if module is None else script_and_args)
     run = fixing.subprocess_runner(
-        script_and_args, module, max_steps or fixing.DEFAULT_MAX_STEPS, anomaly, workdir,
-        lambda line: click.echo(line, err=True), target_dtype)
+        trial_script, module, max_steps or fixing.DEFAULT_MAX_STEPS, anomaly, workdir,
+        lambda line: click.echo(line, err=True), target_dtype, cwd=scratch)
 
     def log(t: fixing.Trial) -> None:
         verdict = "ok" if t.ok else f"{len(t.errors)} error(s)"
