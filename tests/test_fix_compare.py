@@ -19,7 +19,7 @@ from amp_doctor.analysis.compare import compare, render
 from amp_doctor.analysis.whatif import FORMATS, _shares, fp8_rows, whatif_findings
 from amp_doctor.fix import find_fix, render_fix, snippet
 from amp_doctor.records import Session
-from tests.helpers import console_script, train
+from tests.helpers import MLP, console_script, train, train_gan_two_scalers
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "sample_models"
@@ -79,6 +79,27 @@ def test_compare_shows_the_fix_resolving_the_errors() -> None:
     data = json.loads(render(c, "json"))
     assert data["b"]["fp32_modules"] == ["proj"]
     assert {d["status"] for d in data["findings"]} >= {"resolved"}
+
+
+def test_compare_follows_a_second_gradscaler() -> None:
+    # A GAN with a GradScaler per network, run with the generator's overflow and without
+    # it. Before, compare read the first scaler alone: "no change", and the generator
+    # scaler's backoff finding merged with the discriminator's (review 36).
+    def run(boost_at: int) -> Session:
+        torch.manual_seed(0)
+        gen, disc = MLP(16, 32, 4), MLP(4, 32, 1)
+        with amp_doctor.watch({"gen": gen, "disc": disc}, every=5, tensorboard=False) as w:
+            train_gan_two_scalers(gen, disc, iters=10, boost_at=boost_at)
+        return w.session
+
+    c = compare(run(6), run(-1), "spike", "none")
+    (other,) = c.a.other_scalers
+    assert c.a.other_scalers[other].startswith("65536 -> 32768 (min 32768); 1 backoffs")
+    assert c.b.other_scalers[other].startswith("65536 -> 65536 (min 65536); 0 backoffs")
+    (gone,) = c.resolved
+    assert gone.kind == "scaler_backoff" and f"GradScaler of {other}" in gone.message
+    assert [d.kind for d in c.unchanged] == ["scaler_backoff"]  # the first's, at step 0
+    assert f"GradScaler of {other}" in render(c)
 
 
 def test_fix_search_with_anomaly_mode_takes_the_op_level_origin() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from tabulate import tabulate
 
 from amp_doctor import format as F
-from amp_doctor.records import SEVERITIES, Finding, Session
+from amp_doctor.records import SEVERITIES, Finding, ScalerTimeline, Session
 
 __all__ = ["Comparison", "FindingDelta", "LayerDelta", "RunSide", "compare", "render"]
 
@@ -82,6 +82,17 @@ class RunSide:
     loss_min: float | None = None
     loss_nonfinite: int = 0
     loss_seen: int = 0
+    # The run's other GradScalers (a GAN with one per network): name -> its summary.
+    other_scalers: dict[str, str] = field(default_factory=dict)
+
+
+def scaler_summary(sc: ScalerTimeline) -> str:
+    """'65536 -> 32768 (min 16384); 24 backoffs / 9 growths; 24 skipped'."""
+    scales = [v for _, v in sc.scale]
+    final, low = (scales[-1], min(scales)) if scales else (None, None)
+    return (f"{F.scale(sc.init_scale)} -> {F.scale(final)} (min {F.scale(low)}); "
+            f"{len(sc.backoff_steps)} backoffs / {len(sc.growth_steps)} growths; "
+            f"{len(sc.skipped_steps)} skipped")
 
 
 @dataclass(frozen=True)
@@ -107,8 +118,12 @@ class Comparison:
         return [d for d in self.findings if d.status == "unchanged"]
 
 
-def _key(f: Finding) -> tuple[str, str | None, str | None]:
-    return (f.kind, f.module, f.op)
+_Key = tuple[str, str | None, str | None, str]
+
+
+def _key(f: Finding) -> _Key:
+    # Another GradScaler's finding is its own: not the first scaler's of the same layer.
+    return (f.kind, f.module, f.op, str(f.data.get("scaler", "")))
 
 
 def _side(label: str, s: Session) -> RunSide:
@@ -138,6 +153,7 @@ def _side(label: str, s: Session) -> RunSide:
         loss_min=min(finite) if finite else None,
         loss_nonfinite=len(losses) - len(finite),
         loss_seen=len(losses),
+        other_scalers={o.name: scaler_summary(o) for o in s.other_scalers if o.enabled},
     )
 
 
@@ -179,8 +195,8 @@ def _layer_deltas(a: Session, b: Session) -> list[LayerDelta]:
 
 def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> Comparison:
     """What changed from run A to run B."""
-    fa: dict[tuple[str, str | None, str | None], Finding] = {}
-    fb: dict[tuple[str, str | None, str | None], Finding] = {}
+    fa: dict[_Key, Finding] = {}
+    fb: dict[_Key, Finding] = {}
     for f in a.findings:
         fa.setdefault(_key(f), f)
     for f in b.findings:
@@ -230,6 +246,8 @@ def _run_rows(c: Comparison) -> list[list[str]]:
             f"{F.num(s.loss_first, 4)} -> {F.num(s.loss_last, 4)} ({F.num(s.loss_min, 4)})"),
         row("non-finite losses", lambda s: f"{s.loss_nonfinite} of {s.loss_seen}"
             if s.loss_seen else "-"),
+        *[row(f"GradScaler of {name}", lambda s, n=name: s.other_scalers.get(n, "-"))
+          for name in dict.fromkeys([*c.a.other_scalers, *c.b.other_scalers])],
     ]
 
 
