@@ -423,6 +423,46 @@ def test_the_amp_docs_two_model_example_names_only_layers_of_the_report() -> Non
         in f.message
 
 
+def test_a_gan_found_mid_step_names_only_layers_of_the_report() -> None:
+    # Discovery finds G at its first call (layers "0".."4"), then D in the same step,
+    # which renames G's layers "G.0".."G.4". The gradient hooks of G's pre-ReLU outputs
+    # outlive those tensors' Python objects (ReLU keeps its own output), and kept the old
+    # names: step 0's backoffs named "2" and "0", layers of no report (review 36).
+    from amp_doctor.watch import Watch
+
+    torch.manual_seed(0)
+    w = Watch(None, every=1, discover=True, tensorboard=False).start()
+    try:
+        G = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 2))
+        D = nn.Sequential(nn.Linear(2, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+        og, od = torch.optim.Adam(G.parameters()), torch.optim.Adam(D.parameters())
+        sg = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+        sd = torch.amp.GradScaler("cpu")
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                fake = G(torch.randn(128, 8))
+                d_loss = (nn.functional.softplus(-D(torch.randn(128, 2))).mean()
+                          + nn.functional.softplus(D(fake.detach())).mean())
+            od.zero_grad()
+            sd.scale(d_loss).backward()
+            sd.step(od)
+            sd.update()
+            with torch.autocast("cpu", dtype=torch.float16):
+                g_loss = nn.functional.softplus(-D(fake)).mean()
+            og.zero_grad()
+            sg.scale(g_loss).backward()
+            sg.step(og)
+            sg.update()
+    finally:
+        s = w.close()
+    names = {lay.name for lay in s.layers}
+    events = [e for sc in (s.scaler, *s.other_scalers) if sc for e in sc.events]
+    assert any(e.step == 0 and "G.0" in e.culprits for e in events)
+    for e in events:
+        assert set(e.culprits) <= names, (e.step, e.culprits)
+
+
 @pytest.mark.parametrize("scaled", [True, False])
 def test_an_optimizer_that_starts_late_costs_no_steps(scaled: bool) -> None:
     # Gradual unfreezing: the head's optimizer steps from the first iteration, the

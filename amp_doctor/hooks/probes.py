@@ -226,6 +226,8 @@ class Probes:
         self._calls = _ForwardCalls()
         # Per step: which summary a tensor got, and which layers own its grad.
         self._seen: SeenTensors[tuple[int, list[str], int]] = SeenTensors()
+        # The owner lists of this step's gradient hooks, renamed with their layers.
+        self._step_owners: list[list[str]] = []
         self.param_owner: dict[int, str] = {}
         self._root_prefix: dict[int, str] = {}
         self._next_order = 0
@@ -449,11 +451,10 @@ class Probes:
         self._names = {k: mapping.get(v, v) for k, v in self._names.items()}
         self.param_owner = {k: mapping.get(v, v) for k, v in self.param_owner.items()}
         self._calls.stack = [mapping.get(v, v) for v in self._calls.stack]
-        # The step's gradient hooks hold their layers' names (shared lists): gradients
-        # still to come in this step go to the new names, not to layers that no longer are.
-        owner_lists = [owners for _, owners, _ in self._seen.values()]
-        owner_lists += [hook.owners for hook in self._leaf_hooks.values()]
-        for owners in owner_lists:
+        # The step's gradient hooks hold their layers' names (shared lists, kept here even
+        # when the tensor object died: its hook still runs in backward): gradients still to
+        # come in this step go to the new names, not to layers that no longer are.
+        for owners in self._step_owners:
             owners[:] = [mapping.get(n, n) for n in owners]
         return mapping
 
@@ -469,6 +470,7 @@ class Probes:
         self._leaf_hooks = WeakIdKeyDictionary()
         self.armed = self._want_armed = False
         self._seen.clear()
+        self._step_owners = []
         self._calls.stack.clear()
         self._calls.depth = 0
 
@@ -489,6 +491,7 @@ class Probes:
 
     def new_step(self) -> None:
         self._seen.clear()
+        self._step_owners = []
         # Gradient hooks of the step that ended: its backward has run. Removing
         # them keeps long-lived tensors (a parameter a module returns) from
         # gathering one hook per step, and no graph kept alive with
@@ -500,6 +503,7 @@ class Probes:
         self._collect_compiled()
 
     def _hook_grad(self, t: torch.Tensor, owners: list[str], buf: StepBuffer) -> None:
+        self._step_owners.append(owners)
         if t.grad_fn is None:
             # A leaf (a parameter a module returns) lives on: one hook on it at a
             # time, retargeted to the latest call, however many calls come
