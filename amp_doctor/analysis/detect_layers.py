@@ -204,8 +204,13 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             (gu is not None and gu > GRAD_UNDERFLOW_WARN) or flushed):
         scaled = session.amp.scaler
         kind = "missing_scaler" if not scaled else "gradient_underflow"
-        big = max((v for v in (lay.grad_absmax, lay.param_grad_absmax)
-                   if v is not None and math.isfinite(v)), default=None)
+        # The figures of the one tensor the share is of: the layer's weight gradient (a
+        # float32 layer's, or the larger share) or its output gradient, never a mix.
+        weight = lay.param_grad_underflow_frac is not None and gu is not None and (
+            not lay.ran_low_precision or lay.param_grad_underflow_frac >= gu)
+        which = "weight" if weight else "output"
+        big_of = lay.param_grad_absmax if weight else lay.grad_absmax
+        big = big_of if big_of is not None and math.isfinite(big_of) else None
         top = max((v for _, v in session.scaler.scale), default=None) if (
             scaled and session.scaler) else None
         if scaled and top is not None and top <= 1.0:
@@ -226,14 +231,13 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         if gu is not None and gu > GRAD_UNDERFLOW_WARN:
             # The share counts float16 subnormals: a value that flushed to zero cannot be
             # told from a true zero (a ReLU's), so the zeros are said apart.
-            zeros = max((v for v in (lay.grad_zero_frac, lay.param_grad_zero_frac)
-                         if v is not None), default=0.0)
-            what = (f"{F.pct(gu)} of its gradient values are float16 subnormals (below the "
-                    f"smallest normal, {F.num(F16_SMALLEST_NORMAL)}), which lose precision"
+            zeros = (lay.param_grad_zero_frac if weight else lay.grad_zero_frac) or 0.0
+            what = (f"{F.pct(gu)} of its {which}-gradient values are float16 subnormals (below "
+                    f"the smallest normal, {F.num(F16_SMALLEST_NORMAL)}), which lose precision"
                     + (f"; another {F.pct(zeros)} are exactly zero (flushed, or zero "
                        "already)" if zeros >= GRAD_ZEROS_SAID else "")
                     + tail
-                    + (f"; its largest |gradient| is {F.num(big)}" if big else ""))
+                    + (f"; its largest |{which} gradient| is {F.num(big)}" if big else ""))
         else:
             assert source is not None
             what = (f"{F.pct(lay.grad_zero_frac)} of its output-gradient values are exactly "
