@@ -21,6 +21,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import amp_doctor
+from amp_doctor.sinks.text import layer_table
 from amp_doctor.watch import Watch
 from tests.helpers import MLP, console_script
 
@@ -119,8 +120,12 @@ def test_compiled_model_boundary_is_recorded(how: str) -> None:
     assert by_name["MLP"].recorded_steps == STEPS
     assert by_name["MLP"].output_dtypes == ["float16"]
     assert by_name["MLP"].absmax > 0
-    # Inner layers ran inside the graph: not recorded as activations.
+    # Inner layers ran inside the graph: not recorded as activations, and the layer
+    # table says so instead of a zero output with infinite headroom (review 36).
     assert "fc1" not in by_name or by_name["fc1"].calls == 0
+    if "fc1" in by_name:
+        row = next(ln for ln in layer_table(session).splitlines() if ln.startswith("fc1 "))
+        assert row.split()[3:7] == ["-", "-", "-", "-"] and "inf" not in row
 
 
 def test_compiled_model_sampled_steps_do_not_recompile() -> None:

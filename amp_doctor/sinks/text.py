@@ -134,7 +134,8 @@ def _group_block(g: FindingGroup) -> str:
         lines.append(_wrap(f"worst: {f.message}", 7))
     if f.frame:
         lines.append(_wrap(f"at {f.frame}", 7))
-    lines.append(_wrap(f"fix: {f.advice}", 7))
+    if f.advice:  # an info finding may have nothing to advise
+        lines.append(_wrap(f"fix: {f.advice}", 7))
     return "\n".join(lines)
 
 
@@ -183,14 +184,17 @@ def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -
             max(lay.grad_nonfinite_steps, lay.param_grad_nonfinite_steps))
         gu = lay.grad_underflow_frac if lay.ran_low_precision else lay.param_grad_underflow_frac
         star = "*" if lay.what_if else ""
-        if _all_nonfinite(lay):
+        over, under = F.pct(lay.overflow_frac) + star, F.pct(lay.underflow_frac) + star
+        if not lay.output_dtypes:
+            # No output of it was seen (inside a compiled graph): only its parameters'
+            # gradients were recorded, not a zero output with infinite headroom.
+            absmax = head = over = under = "-"
+        elif _all_nonfinite(lay):
             absmax, head = "NaN", "NaN"
         else:
             absmax, head = F.num(lay.absmax), F.bits(lay.headroom)
         rows.append([
-            name, lay.type, _dtype_cell(lay), absmax, head,
-            F.pct(lay.overflow_frac) + star, F.pct(lay.underflow_frac) + star, F.pct(gu),
-            nonfinite,
+            name, lay.type, _dtype_cell(lay), absmax, head, over, under, F.pct(gu), nonfinite,
         ])
     headers = ["layer", "type", "in>out", "absmax", "headroom", "overflow", "underflow",
                "grad underflow", NONFINITE_HEADER]
@@ -304,7 +308,7 @@ def _md_group(g: FindingGroup) -> str:
         lines += [_md(f.message), ""]
     if f.frame:
         lines += [f"At `{f.frame}`", ""]
-    lines += [f"**Fix:** {f.advice}", ""]
+    lines += [f"**Fix:** {f.advice}", ""] if f.advice else [""]
     return "\n".join(lines)
 
 
