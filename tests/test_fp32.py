@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import math
+import subprocess
 from pathlib import Path
 from types import ModuleType
 
@@ -15,6 +16,7 @@ from torch import nn
 import amp_doctor
 from amp_doctor.errors import AmpDoctorError
 from amp_doctor.hooks.fp32 import Fp32Islands
+from tests.helpers import console_script
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_models"
 
@@ -76,6 +78,33 @@ def test_patterns_are_globs_over_report_names_and_ancestors_win() -> None:
     assert islands.matched == {"0*": ["0", "0.0", "0.1"], "1": ["1"]}
     islands.remove()
     assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
+
+
+def test_diagnose_says_an_unmatched_pattern_after_the_first_step(tmp_path: Path) -> None:
+    # Under diagnose the models are found as the script runs: a typo in --fp32 was said
+    # only after the whole run had trained without the fix (review 36). It is said once
+    # the first step is recorded; the run goes on, and ends with the error and exit 2.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "scaler = torch.amp.GradScaler('cpu')\n"
+        "for i in range(4):\n"
+        "    with torch.autocast('cpu', dtype=torch.float16):\n"
+        "        loss = model(torch.randn(4, 8)).float().pow(2).mean()\n"
+        "    opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()\n"
+        "    print(f'step {i} done', file=sys.stderr, flush=True)\n")
+    proc = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", "--fp32",
+                           "2x", "--logdir", "ad", str(script)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    err = proc.stderr
+    early = err.index("amp-doctor: warning: --fp32 pattern '2x' matches no layer")
+    assert early < err.index("step 1 done")  # said during the run, after step 0
+    assert "The run goes on without it" in err
+    assert err.rstrip().splitlines()[-1].startswith(
+        "amp-doctor: error: --fp32 pattern '2x' matches no layer (near names: 2")
 
 
 def test_an_exact_name_with_glob_characters_matches_itself() -> None:

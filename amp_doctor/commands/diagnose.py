@@ -264,6 +264,8 @@ def _diagnose(
         before = set(threading.enumerate())
         doctor.start()
         doctor.add_listener(progress)
+        if fp32:
+            doctor.add_listener(_Fp32Early(doctor, progress, console))
         watching.append(doctor)
         # Started while the script runs: not the script's threads, never waited for.
         threads_before.update(set(threading.enumerate()) - before)
@@ -486,6 +488,29 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
             console.echo(f"amp-doctor: error: {e}")
             return EXIT_USAGE
     return code
+
+
+class _Fp32Early:
+    """After the first recorded step, when every model of a training step is known: a
+    --fp32 pattern that matches no layer is said at once, not only after the whole run
+    trained without it (the run goes on: a layer may still appear later, and the end
+    of the run says the error again if it never does)."""
+
+    def __init__(self, doctor: Any, progress: Progress, console: Console) -> None:
+        self._doctor, self._progress, self._console = doctor, progress, console
+        self._done = False
+
+    def __call__(self, rec: Any, hs: Any) -> None:
+        islands = self._doctor.fp32_islands
+        if self._done or islands is None:
+            return
+        self._done = True
+        try:
+            islands.check()
+        except AmpDoctorError as e:
+            self._progress.before_user_write("")
+            self._console.echo(f"amp-doctor: warning: {e} The run goes on without it (Ctrl-C "
+                               "to stop it and fix the pattern).")
 
 
 def _run_meta(exc: BaseException | None, code: int, command: list[str],
