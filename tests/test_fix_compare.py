@@ -211,6 +211,9 @@ def test_fix_trials_leave_the_users_files_alone_and_name_the_warnings(tmp_path: 
     assert (tmp_path / "ckpt.pt").read_bytes() == b"the user's 60-step checkpoint"
     assert (tmp_path / "train.log").read_text() == "run 1\n"
     assert f"the trials run in a copy of {tmp_path}" in " ".join(proc.stderr.split())
+    trials = Path(proc.stderr.split("trial runs are in ")[-1].split()[0])
+    assert (trials / "trial01" / "amp_doctor.json").exists()
+    assert not (trials / "cwd").exists()  # the copy is removed at the end
     out = " ".join(proc.stdout.split())
     assert "nothing to fix" not in out
     assert "no float32 layer is searched for (fix removes errors). It has" in out

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -81,7 +82,11 @@ def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: 
         click.echo(f"amp-doctor fix: float32 [{', '.join(t.fp32) or 'none'}]: {verdict}",
                    err=True)
 
-    result = fixing.find_fix(run, max_trials=trials or fixing.DEFAULT_TRIALS, log=log)
+    try:
+        result = fixing.find_fix(run, max_trials=trials or fixing.DEFAULT_TRIALS, log=log)
+    finally:
+        if scratch is not None:  # the copy of the user's folder; the trials' reports stay
+            shutil.rmtree(scratch, ignore_errors=True)
     result.command = [*(["-m", module] if module else []), *script_and_args]
     click.echo("\n" + fixing.render_fix(result), nl=False)
     click.echo(f"amp-doctor fix: trial runs are in {workdir}", err=True)
