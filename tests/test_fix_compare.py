@@ -71,6 +71,16 @@ def test_compare_shows_the_fix_resolving_the_errors() -> None:
     proj = next(d for d in c.layers if d.name == "proj")
     assert proj.headroom_a == -math.inf and proj.headroom_b is not None
     assert math.isfinite(proj.headroom_b)
+    # Its figures after are a what-if (float32 outputs judged against float16), marked as
+    # the report marks them; its grad underflow is the report's column (review 36).
+    assert (proj.what_if_a, proj.what_if_b) == (False, True)
+    lay_b = after.layer("proj")
+    assert proj.grad_underflow_b == lay_b.param_grad_underflow_frac
+    # A layer that put out nothing but inf/NaN before reads -inf, not "inf" (absmax 0).
+    for d in c.layers:
+        lay_a = before.layer(d.name)
+        if lay_a.nonfinite_steps and lay_a.absmax == 0:
+            assert d.headroom_a == -math.inf
     text = render(c)
     assert text.startswith("From before to after: ")
     assert "error(s) resolved" in text and "proj" in text

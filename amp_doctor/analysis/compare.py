@@ -17,7 +17,7 @@ from typing import Any
 from tabulate import tabulate
 
 from amp_doctor import format as F
-from amp_doctor.records import SEVERITIES, Finding, ScalerTimeline, Session
+from amp_doctor.records import SEVERITIES, Finding, LayerSummary, ScalerTimeline, Session
 
 __all__ = ["Comparison", "FindingDelta", "LayerDelta", "RunSide", "compare", "render"]
 
@@ -57,6 +57,10 @@ class LayerDelta:
     grad_underflow_a: float | None
     grad_underflow_b: float | None
     score: float  # size of the change, for ordering
+    # The side's overflow/underflow figures are a what-if (a float32 layer against the
+    # low-precision format), marked * as in the report.
+    what_if_a: bool = False
+    what_if_b: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,22 +175,40 @@ def _diff(a: float | None, b: float | None, scale: float = 1.0) -> float:
     return abs(b - a) * scale
 
 
+def _headroom(lay: LayerSummary | None) -> float | None:
+    """The layer's headroom as the report reads it: -inf for a layer whose outputs were
+    nothing but inf/NaN (its record's absmax 0 is no measurement), None if none was seen."""
+    if lay is None or not lay.output_dtypes:
+        return None
+    if lay.nonfinite_steps > 0 and (math.isnan(lay.absmax) or lay.absmax == 0):
+        return -math.inf
+    return lay.headroom
+
+
+def _grad_underflow(lay: LayerSummary | None) -> float | None:
+    """The report's 'grad underflow' column: the output gradients' share for a layer that
+    ran in low precision, its weight gradients' for a float32 one."""
+    if lay is None:
+        return None
+    return lay.grad_underflow_frac if lay.ran_low_precision else lay.param_grad_underflow_frac
+
+
 def _layer_deltas(a: Session, b: Session) -> list[LayerDelta]:
     la = {x.name: x for x in a.layers}
     lb = {x.name: x for x in b.layers}
     out = []
     for name in [*la, *(n for n in lb if n not in la)]:
         x, y = la.get(name), lb.get(name)
-        ha, hb = (x.headroom if x else None), (y.headroom if y else None)
+        ha, hb = _headroom(x), _headroom(y)
         oa, ob = (x.overflow_frac if x else None), (y.overflow_frac if y else None)
         ua, ub = (x.underflow_frac if x else None), (y.underflow_frac if y else None)
-        ga = x.grad_underflow_frac if x else None
-        gb = y.grad_underflow_frac if y else None
+        ga, gb = _grad_underflow(x), _grad_underflow(y)
         score = max(_diff(_clip(ha), _clip(hb)), _diff(oa, ob, 100.0), _diff(ua, ub, 100.0),
                     _diff(ga, gb, 100.0) if ga is not None or gb is not None else 0.0)
         if score < MIN_CHANGE:
             continue
-        out.append(LayerDelta(name, ha, hb, oa, ob, ua, ub, ga, gb, score))
+        out.append(LayerDelta(name, ha, hb, oa, ob, ua, ub, ga, gb, score,
+                              bool(x and x.what_if), bool(y and y.what_if)))
     # Largest change first; ties (e.g. appeared/vanished) in model order.
     order = {n: i for i, n in enumerate([*la, *lb])}
     out.sort(key=lambda d: (-d.score, order.get(d.name, 0)))
@@ -280,9 +302,14 @@ def _finding_rows(c: Comparison) -> list[list[str]]:
 
 
 def _layer_rows(c: Comparison) -> list[list[str]]:
+    def star(on: bool) -> str:
+        return "*" if on else ""
+
     return [[d.name, f"{F.num(d.headroom_a, 3)} -> {F.num(d.headroom_b, 3)}",
-             f"{F.pct(d.overflow_a)} -> {F.pct(d.overflow_b)}",
-             f"{F.pct(d.underflow_a)} -> {F.pct(d.underflow_b)}",
+             f"{F.pct(d.overflow_a)}{star(d.what_if_a)} -> {F.pct(d.overflow_b)}"
+             f"{star(d.what_if_b)}",
+             f"{F.pct(d.underflow_a)}{star(d.what_if_a)} -> {F.pct(d.underflow_b)}"
+             f"{star(d.what_if_b)}",
              f"{F.pct(d.grad_underflow_a)} -> {F.pct(d.grad_underflow_b)}"]
             for d in c.layers[:MAX_ROWS]]
 
@@ -320,8 +347,9 @@ def render(c: Comparison, fmt: str = "text") -> str:
         out += [h("Loss scale (after each update)"),
                 tabulate(_scale_rows(c), headers=["step", c.a.label, c.b.label],
                          tablefmt=table, disable_numparse=True), ""]
-    out.append(h("Layers that changed, largest change first (headroom in bits; shares of "
-                 "values beyond max / below smallest normal)"))
+    out.append(h("Layers that changed, largest change first (headroom in bits, -inf: inf/NaN "
+                 "outputs; shares of values beyond max / below smallest normal, * = what-if "
+                 "for a float32 layer; grad underflow as in the report)"))
     if c.layers:
         out.append(tabulate(_layer_rows(c), headers=["layer", "headroom", "overflow",
                                                      "underflow", "grad underflow"],
