@@ -442,9 +442,11 @@ def render_fix(r: FixResult) -> str:
         out.append(f"Cost: {n} layer(s) now run in float32, {mm} of the model's {total} "
                    "matmul/convolution layers.")
         script = " ".join(shlex.quote(c) for c in r.command) or "SCRIPT [ARGS]"
-        out.append("Check it on the full run:  amp-doctor diagnose " + " ".join(
-            f"--fp32 {shlex.quote(x)}" for x in r.best.fp32) + f" {script}")
-        out.append("then compare it with the run before:  amp-doctor compare BEFORE AFTER")
+        forced = " ".join(f"--fp32 {shlex.quote(x)}" for x in r.best.fp32)
+        out.append("Check it on the full run, then compare it with the run before:")
+        out.append(f"  amp-doctor diagnose --logdir runs/before {script}")
+        out.append(f"  amp-doctor diagnose --logdir runs/after {forced} {script}")
+        out.append("  amp-doctor compare runs/before runs/after")
         out.append("")
         out.append("Apply it in code, after building the model:")
         out.append("")

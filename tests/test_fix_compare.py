@@ -164,6 +164,10 @@ def test_fix_cli_on_the_overflow_sample(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "Smallest fix found: keep proj in float32" in proc.stdout
+    # The commands to check it are complete (not "compare BEFORE AFTER"; review 36).
+    sample = SAMPLES / "fp16_activation_overflow.py"
+    assert f"amp-doctor diagnose --logdir runs/after --fp32 proj {sample}" in proc.stdout
+    assert "amp-doctor compare runs/before runs/after" in proc.stdout
     result = json.loads(out.read_text())
     assert result["best"] == ["proj"] and result["deterministic"]
     assert result["baseline"]["errors"] and result["trials"][-1]["ok"]
