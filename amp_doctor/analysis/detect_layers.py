@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from amp_doctor import format as F
 from amp_doctor.analysis.advice import ADVICE, ADVICE_BF16
 from amp_doctor.analysis.thresholds import (
+    ACT_RELEVANT_BITS,
     ACT_UNDERFLOW_WARN,
     F16_SMALLEST_NORMAL,
     GRAD_FLUSHED_WARN,
@@ -187,14 +188,15 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         # Its output and output gradient are a child's tensors: the child's findings say it
         # (a Sequential, or the LightningModule around it, repeated its last layer's).
         return
-    if lay.ran_low_precision and lay.underflow_frac > ACT_UNDERFLOW_WARN:
+    au = _act_underflow_that_counts(lay, fmt)
+    if lay.ran_low_precision and au > ACT_UNDERFLOW_WARN:
         yield Finding(
             kind="activation_underflow", severity="warning", module=lay.name, op=None,
             step=None,
-            message=(f"{lay.name} ({lay.type}): {F.pct(lay.underflow_frac)} of output values "
+            message=(f"{lay.name} ({lay.type}): {F.pct(au)} of output values "
                      f"are below {fmt}'s smallest normal (subnormal or flushed)."),
             advice=ADVICE["activation_underflow"],
-            data={"underflow_frac": lay.underflow_frac, "dtype": fmt},
+            data={"underflow_frac": au, "dtype": fmt},
         )
     gu = _grad_underflow_that_counts(lay)
     flushed = (source is not None and source is not lay and lay.order < source.order
@@ -296,6 +298,19 @@ def _grad_under_unscaled(lay: LayerSummary) -> float | None:
 
 # float16's subnormals, 2**-24 <= |x| < 2**-14, in the float32-exponent bins.
 _F16_SUBNORMAL_BINS = range(-24 + _F32_BIAS, -14 + _F32_BIAS)
+
+
+def _act_underflow_that_counts(lay: LayerSummary, fmt: str) -> float:
+    """The layer's output underflow share, with the float16 subnormals that lie more than
+    :data:`ACT_RELEVANT_BITS` below its largest |value| left out (they move no float16
+    result they feed). Other formats: the share as recorded."""
+    hist, top = lay.act_exp_hist, lay.absmax
+    if fmt != "float16" or not hist or not top or not math.isfinite(top):
+        return lay.underflow_frac
+    lowest = math.floor(math.log2(top)) + _F32_BIAS - ACT_RELEVANT_BITS
+    sub = sum(hist[b] for b in _F16_SUBNORMAL_BINS)
+    counted = sum(hist[b] for b in _F16_SUBNORMAL_BINS if b >= lowest)
+    return lay.underflow_frac * (counted / sub) if sub else lay.underflow_frac
 
 
 def _grad_underflow_that_counts(lay: LayerSummary) -> float | None:

@@ -12,6 +12,7 @@ __all__ = [
     "ACT_UNDERFLOW_WARN",
     "DIVERGED_LOSS_RISE",
     "GRAD_RELEVANT_BITS",
+    "ACT_RELEVANT_BITS",
     "GRAD_UNDERFLOW_WARN",
     "GRAD_FLUSHED_WARN",
     "GRAD_ZEROS_SAID",
@@ -53,6 +54,13 @@ DIVERGED_LOSS_RISE = 10.0
 # such values: flushing every one of them changes nothing the optimizer sees. A
 # parameter's gradient is the update of its own element and always counts.
 GRAD_RELEVANT_BITS = 24
+# A float16 output's subnormals count toward activation underflow only within this many
+# bits of its largest |value|: the next op's result is rounded to float16 (11 significant
+# bits), and a term more than 2**-11 below the largest cannot move it; 5 bits more of
+# margin for sums of many such terms. GELU's negative tail (|x| < 6e-5 beside a max of
+# 20) is such: flushing all of it changed the next layer's output 170x less than float16
+# rounding does. A tensor that is small as a whole keeps every subnormal counted.
+ACT_RELEVANT_BITS = 16
 # Share of exact zeros in the output gradient of a layer that runs before (in
 # forward order) one whose gradients underflow: they arrived flushed to zero.
 GRAD_FLUSHED_WARN = 0.90
