@@ -327,14 +327,15 @@ def scratch_copy(src: Path, into: Path) -> Path | None:
 
 def in_scratch(script: Sequence[str], src: Path, dst: Path) -> list[str]:
     """``script`` (a path, then its arguments) pointing into the copy ``dst`` of ``src``
-    when the script lies inside ``src``."""
+    when the script lies inside ``src``, else by its absolute path (the trials run in
+    ``dst``, where a relative path to it no longer leads)."""
     if not script:
         return list(script)
-    path = Path(script[0]).absolute()
+    path = Path(os.path.abspath(script[0]))
     try:
         rel = path.relative_to(src)
-    except ValueError:
-        return list(script)
+    except ValueError:  # outside the folder: the same script, by a path valid from the copy
+        return [str(path), *script[1:]]
     return [str(dst / rel), *script[1:]]
 
 

@@ -234,6 +234,17 @@ def test_fix_trials_leave_the_users_files_alone_and_name_the_warnings(tmp_path: 
     assert "gradient_underflow" in out and "init_scale" in out
 
 
+def test_a_trial_finds_the_script_from_the_copy_of_the_folder(tmp_path: Path) -> None:
+    from amp_doctor.fix import in_scratch
+
+    src, dst = tmp_path / "work", tmp_path / "copy"
+    assert in_scratch([str(src / "a" / "train.py"), "--x"], src, dst) == [
+        str(dst / "a" / "train.py"), "--x"]
+    # Outside the folder: by its absolute path, which still leads there from the copy.
+    outside = src / ".." / "other" / "train.py"
+    assert in_scratch([str(outside)], src, dst) == [str(tmp_path / "other" / "train.py")]
+
+
 def test_compare_cli_reads_two_saved_runs(tmp_path: Path) -> None:
     before = _run("fp16_activation_overflow", "SensorRegressor", steps=4)
     after = _run("fp16_activation_overflow", "SensorRegressor", fp32=("proj",), steps=4)
