@@ -17,6 +17,7 @@ from typing import Any
 from tabulate import tabulate
 
 from amp_doctor import format as F
+from amp_doctor.analysis.detect_layers import all_nonfinite, shown_grad_underflow
 from amp_doctor.records import SEVERITIES, Finding, LayerSummary, ScalerTimeline, Session
 
 __all__ = ["Comparison", "FindingDelta", "LayerDelta", "RunSide", "compare", "render"]
@@ -180,17 +181,7 @@ def _headroom(lay: LayerSummary | None) -> float | None:
     nothing but inf/NaN (its record's absmax 0 is no measurement), None if none was seen."""
     if lay is None or not lay.output_dtypes:
         return None
-    if lay.nonfinite_steps > 0 and (math.isnan(lay.absmax) or lay.absmax == 0):
-        return -math.inf
-    return lay.headroom
-
-
-def _grad_underflow(lay: LayerSummary | None) -> float | None:
-    """The report's 'grad underflow' column: the output gradients' share for a layer that
-    ran in low precision, its weight gradients' for a float32 one."""
-    if lay is None:
-        return None
-    return lay.grad_underflow_frac if lay.ran_low_precision else lay.param_grad_underflow_frac
+    return -math.inf if all_nonfinite(lay) else lay.headroom
 
 
 def _layer_deltas(a: Session, b: Session) -> list[LayerDelta]:
@@ -202,7 +193,8 @@ def _layer_deltas(a: Session, b: Session) -> list[LayerDelta]:
         ha, hb = _headroom(x), _headroom(y)
         oa, ob = (x.overflow_frac if x else None), (y.overflow_frac if y else None)
         ua, ub = (x.underflow_frac if x else None), (y.underflow_frac if y else None)
-        ga, gb = _grad_underflow(x), _grad_underflow(y)
+        ga = shown_grad_underflow(x) if x else None
+        gb = shown_grad_underflow(y) if y else None
         score = max(_diff(_clip(ha), _clip(hb)), _diff(oa, ob, 100.0), _diff(ua, ub, 100.0),
                     _diff(ga, gb, 100.0) if ga is not None or gb is not None else 0.0)
         if score < MIN_CHANGE:

@@ -28,7 +28,7 @@ from amp_doctor.dtypes import FORMAT_MAX, judged_format
 from amp_doctor.records import Event, Finding, LayerSummary, Session
 
 __all__ = ["layer_findings", "run_findings", "autocast_findings", "low_format", "input_cast",
-           "grad_underflow", "largest_finite"]
+           "grad_underflow", "largest_finite", "all_nonfinite", "shown_grad_underflow"]
 
 
 def _scale(x: float | None) -> str:
@@ -39,6 +39,18 @@ def _scale(x: float | None) -> str:
 # 1..254 holds |x| in [2**(b - 127), 2**(b - 126)); bin 0 zeros, the last bin inf/NaN.
 _HIST_BINS = 256
 _F32_BIAS = 127
+
+
+def all_nonfinite(lay: LayerSummary) -> bool:
+    """Non-finite outputs and no finite non-zero value in any step: its absmax 0 (or NaN)
+    would read as "tiny", but the layer put out nothing but inf/NaN (and zeros)."""
+    return lay.nonfinite_steps > 0 and (math.isnan(lay.absmax) or lay.absmax == 0)
+
+
+def shown_grad_underflow(lay: LayerSummary) -> float | None:
+    """The layer table's 'grad underflow': its output gradients' share when it ran in low
+    precision, its weight gradients' for a float32 layer."""
+    return lay.grad_underflow_frac if lay.ran_low_precision else lay.param_grad_underflow_frac
 
 
 def largest_finite(lay: LayerSummary) -> float | None:

@@ -10,13 +10,13 @@ same advice. The grouping is a rendering choice: the JSON report keeps every fin
 
 from __future__ import annotations
 
-import math
 import textwrap
 from dataclasses import dataclass
 
 from tabulate import tabulate
 
 from amp_doctor import format as F
+from amp_doctor.analysis.detect_layers import all_nonfinite, shown_grad_underflow
 from amp_doctor.analysis.risk import risk_order
 from amp_doctor.records import SEVERITIES, Finding, LayerSummary, ScalerTimeline, Session
 
@@ -169,12 +169,6 @@ def _dtype_cell(lay: LayerSummary) -> str:
     return f"{ins}>{outs}"
 
 
-def _all_nonfinite(lay: LayerSummary) -> bool:
-    # Non-finite outputs and no finite non-zero value in any step: absmax 0 (or NaN)
-    # would read as "tiny", but the layer produced nothing but inf/NaN (and zeros).
-    return lay.nonfinite_steps > 0 and (math.isnan(lay.absmax) or lay.absmax == 0)
-
-
 def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -> str:
     rows = []
     ordered = risk_order([lay for lay in s.layers if lay.recorded_steps])
@@ -182,14 +176,14 @@ def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -
         name = lay.name if len(lay.name) <= 40 else "..." + lay.name[-37:]
         nonfinite = f"{lay.nonfinite_steps}/" + str(
             max(lay.grad_nonfinite_steps, lay.param_grad_nonfinite_steps))
-        gu = lay.grad_underflow_frac if lay.ran_low_precision else lay.param_grad_underflow_frac
+        gu = shown_grad_underflow(lay)
         star = "*" if lay.what_if else ""
         over, under = F.pct(lay.overflow_frac) + star, F.pct(lay.underflow_frac) + star
         if not lay.output_dtypes:
             # No output of it was seen (inside a compiled graph): only its parameters'
             # gradients were recorded, not a zero output with infinite headroom.
             absmax = head = over = under = "-"
-        elif _all_nonfinite(lay):
+        elif all_nonfinite(lay):
             absmax, head = "NaN", "NaN"
         else:
             absmax, head = F.num(lay.absmax), F.bits(lay.headroom)
