@@ -22,6 +22,9 @@ __all__ = [
     "times",
     "steps_list",
     "consecutive_runs",
+    "error_line",
+    "counted",
+    "ERROR_CHARS",
     "AtStep",
     "MISSING",
     "PCT_FLOOR",
@@ -37,6 +40,9 @@ PCT_FLOOR = 0.001
 # Plain numbers outside [SCI_LOW, SCI_HIGH) switch to scientific notation.
 SCI_HIGH = 1e5
 SCI_LOW = 1e-3
+# An exception's message in a report is cut to its first line and this many characters:
+# torch's dispatcher errors run to 8 KB and buried the findings (the traceback has it all).
+ERROR_CHARS = 300
 # Whole loss scales print in full up to here (2**39); beyond, scientific notation.
 WHOLE_MAX = 1e12
 # A list of steps names at most this many.
@@ -150,3 +156,20 @@ def consecutive_runs(items: Iterable[T]) -> list[list[T]]:
         else:
             runs.append([e])
     return runs
+
+
+def error_line(exc: BaseException) -> str:
+    """``"TypeError: first line of the message"``, at most :data:`ERROR_CHARS` of it."""
+    lines = str(exc).strip().splitlines()
+    msg = lines[0] if lines else ""
+    more = len(lines) > 1
+    if len(msg) > ERROR_CHARS:
+        msg, more = msg[:ERROR_CHARS].rstrip(), True
+    if not msg:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {msg}" + (" ... (see the traceback)" if more else "")
+
+
+def counted(n: int, noun: str) -> str:
+    """``"1 backoff"``, ``"2 backoffs"``: a count with its noun in the right number."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -180,6 +180,15 @@ class ScalerTimeline:
     enabled: bool = True
     # The optimizers this scaler steps ("Adam#0, SGD#1"), as the report names them.
     name: str = ""
+    # Where their parameters sit: the layers' common prefix ("g.net"), else the top-level
+    # names ("g, d"); "" when unknown. Shown beside the name when a run has several scalers.
+    stepping: str = ""
+
+    @property
+    def label(self) -> str:
+        """The name with what it steps, "Adam#1 (params of g)", for a reader to tell a
+        run's scalers apart (``name`` stays the key tags and ``compare`` match on)."""
+        return f"{self.name} (params of {self.stepping})" if self.stepping else self.name
 
 
 @dataclass(frozen=True)

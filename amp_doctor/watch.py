@@ -33,6 +33,7 @@ from torch import nn
 from torch.amp.grad_scaler import GradScaler
 from torch.optim import Optimizer
 
+from amp_doctor import format as F
 from amp_doctor._version import __version__
 from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.devicework import as_own_work, iter_tensors, own_ops
@@ -264,6 +265,7 @@ class Watch:
                 autocast_dtype=self._precision.scaler_dtype,
                 scaler=self._opts.scaler,
                 optimizers=self._opts.optimizers,
+                param_layer=self._param_layer,
             )
             self._sub = subscribe(self._monitor)
             if self._opts.discover:
@@ -321,7 +323,8 @@ class Watch:
         outcome = "completed"
         if exc_type is not None:
             outcome = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "exception"
-            self._run_meta.setdefault("error", f"{exc_type.__name__}: {exc}")
+            self._run_meta.setdefault("error", F.error_line(exc) if exc is not None
+                                      else exc_type.__name__)
         self._run_meta.setdefault("outcome", outcome)
         self.close()
 
@@ -589,6 +592,10 @@ class Watch:
                 self._pending_loss_bad = loss_bad
 
     # -- what the loop does (step boundaries without optimizer, losses) -------
+    def _param_layer(self, p: torch.Tensor) -> str | None:
+        """The layer that holds parameter ``p``, by its name now."""
+        return self._probes.param_owner.get(id(p)) if self._probes is not None else None
+
     def _owns(self, p: torch.Tensor) -> bool:
         return self._set.owns(p, self.step_index, self._refresh_layer_params)
 

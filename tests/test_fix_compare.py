@@ -104,7 +104,7 @@ def test_compare_follows_a_second_gradscaler() -> None:
 
     c = compare(run(6), run(-1), "spike", "none")
     (other,) = c.a.other_scalers
-    assert c.a.other_scalers[other].startswith("65536 -> 32768 (min 32768); 1 backoffs")
+    assert c.a.other_scalers[other].startswith("65536 -> 32768 (min 32768); 1 backoff / 0 growths")
     assert c.b.other_scalers[other].startswith("65536 -> 65536 (min 65536); 0 backoffs")
     (gone,) = c.resolved
     assert gone.kind == "scaler_backoff" and f"GradScaler of {other}" in gone.message

@@ -181,15 +181,16 @@ def test_scaled_gradients_stepped_without_unscaling_is_misuse() -> None:
     assert "looks healthy" not in doctor.report()
 
 
-def test_pure_float16_training_with_frozen_weights_is_a_finding() -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pure_low_precision_training_with_frozen_weights_is_a_finding(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    model = MLP().half()
+    model = MLP().to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     before = [p.detach().clone() for p in model.parameters()]
     with amp_doctor.watch(model, every=2, tensorboard=False) as doctor:
         for _ in range(4):
-            x = torch.randn(8, 16, generator=g).half()
+            x = torch.randn(8, 16, generator=g).to(dtype)
             loss = nn.functional.cross_entropy(model(x).float(), torch.zeros(8).long())
             opt.zero_grad()
             loss.backward()
@@ -198,8 +199,13 @@ def test_pure_float16_training_with_frozen_weights_is_a_finding() -> None:
     total = sum(p.numel() for p in model.parameters())
     assert frozen / total > 0.5  # the pathology: most weights never changed
     f = doctor.session.findings_of("lowp_updates_lost")[0]
+    name = str(dtype).removeprefix("torch.")
     assert f.severity == "error" and f.data["frac"] > 0.5
-    assert f.data["dtypes"] == ["float16"] and "did not change" in f.message
+    assert f.data["dtypes"] == [name] and "did not change" in f.message
+    # The fix keeps the weights' own format for autocast: bfloat16 weights were told to
+    # move to float16 with a GradScaler (review 37).
+    assert f"dtype=torch.{name})" in f.advice
+    assert ("GradScaler`" in f.advice) == (dtype == torch.float16)
 
 
 def test_float32_weights_with_autocast_have_no_frozen_weight_finding() -> None:
@@ -671,6 +677,101 @@ def test_gelus_negative_tail_is_no_activation_underflow() -> None:
     with amp_doctor.watch(small, every=1, tensorboard=False) as doctor:
         train(small, steps=3, lr=1e-4)
     assert [f.module for f in doctor.session.findings_of("activation_underflow")][:1] == ["fc1"]
+
+
+def test_data_beyond_the_max_that_comes_out_nan_is_blamed_on_the_data() -> None:
+    # A batch scaled by 1e6 (a unit mix-up) from step 4: autocast's cast makes inf and
+    # fc1's matmul NaN, not values past the max, so no overflow finding read the batch's
+    # range and the report blamed "fc1's output". At step 3 the loss alone blew up (x1e8):
+    # the scaler backed off in the backward pass, with a finite forward, and the backoff
+    # finding said its whole episode (3-6) began in fc1's forward pass (review 37).
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for step in range(8):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            if step in (4, 5, 6):
+                x = x * 1e6
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+                loss = nn.functional.cross_entropy(out.float(), y) * (1e8 if step == 3 else 1)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert torch.isfinite(out).all() == (step not in (4, 5, 6))
+    s = doctor.session
+    fc1 = next(lay for lay in s.layers if lay.name == "fc1")
+    assert fc1.nonfinite_steps == 3 and fc1.overflow_frac == 0  # NaN, not past the max
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert (f.kind, f.module, f.step) == ("input_beyond_format", "fc1", 4)
+    assert "in 3 recorded step(s) that went non-finite (first at step 4); fc1's output was " \
+           "the first to go non-finite in 3 of them" in f.message
+    (b,) = s.findings_of("scaler_backoff")
+    assert b.steps == [3, 4, 5, 6] and b.data["follow_on_of"] == "fc1"
+    assert ("fc1's output went non-finite first, in the forward pass, at step 4 (the "
+            "backoffs before it, from step 3, show no forward origin)") in b.message
+
+
+class _SensorGRU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(4, 16, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x)
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("anomaly", [False, True])
+def test_data_beyond_float16s_max_inside_a_gru_is_blamed_on_the_data(anomaly: bool) -> None:
+    # Raw sensor readings (one column in the 1e4s, an outlier of 1e5) into a GRU under
+    # float16 autocast: its gate matmuls run in float16 inside it (the cast makes inf),
+    # its output stays float32 and finite,
+    # and its gradients go NaN, so the scaler skips and collapses. No layer's output
+    # overflowed, so the report said only "scale collapsed ... fix the culprit layer"
+    # (review 37). Now the data is named, and the scaler's findings are its consequences.
+    torch.manual_seed(0)
+    model = _SensorGRU()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([1.0, 10.0, 1e4, 5.0])
+    skipped = 0
+    with amp_doctor.watch(model, every=1, tensorboard=False, anomaly=anomaly) as doctor:
+        for _ in range(6):
+            x = torch.randn(8, 12, 4, generator=g) * scale
+            x[0, 0, 2] = 1e5  # finite in float32, beyond float16's max
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (model(x).float() - 1).pow(2).mean()
+            opt.zero_grad()
+            before = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+    assert skipped == 6  # plain torch's word: every step's gradients were non-finite
+    s = doctor.session
+    gru = next(lay for lay in s.layers if lay.name == "gru")
+    assert gru.output_dtypes == ["float32"] and gru.nonfinite_steps == 0
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    if anomaly:  # the cast itself, with the user's line; one error, not two
+        assert (f.kind, f.module, f.op, f.step) == ("activation_overflow", "gru",
+                                                    "aten._to_copy", 0)
+        assert "it cast values up to 1.00e+05 to float16, beyond its max 65504" in f.message
+        assert "normalise or clip them where they are made" in f.advice
+    else:
+        assert (f.kind, f.module, f.step) == ("input_beyond_format", "gru", 0)
+        assert f.message.startswith("The batch given to _SensorGRU held values up to 1.00e+05, "
+                                    "beyond float16's max 65504, in 6 recorded step(s) whose "
+                                    "gradients went non-finite")
+        assert f.advice.startswith("Normalise or clip the data")
+    backoff = next(iter(s.findings_of("scaler_backoff")))
+    assert backoff.severity == "info" and backoff.data["follow_on_of"] == "gru"
 
 
 class _CheckpointedMLP(nn.Module):

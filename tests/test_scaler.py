@@ -967,7 +967,7 @@ def test_short_backoff_episodes_at_a_high_scale_are_info_and_a_falling_scale_war
     info = s.findings_of("scaler_backoff")[0]
     assert info.steps == [3, 5, 9, 10] and info.data["probes"] == 1
     assert info.data["settling"] == 3
-    assert "1 each undoing the growth before it (steps 3)" in info.message
+    assert "1 each undoing the growth before it (step 3)" in info.message
     assert ("3 in 2 short episode(s) of at most 2 that left the scale at or above 2048, "
             "settling where the gradients fit (steps 5, 9, 10)") in info.message
     # A lone backoff in a run shorter than the default growth_interval (2000), so with no

@@ -357,20 +357,25 @@ def test_a_second_gradscaler_is_followed_too(updates: str) -> None:
     assert s.scaler is not None and s.scaler.backoff_steps == [0]
     [other] = s.other_scalers
     assert {s.scaler.name, other.name} == {"Adam#0", "Adam#1"}
+    # Each says whose parameters its optimizers step, read while they stepped (the
+    # optimizers are gone by the end of a script run under diagnose).
+    assert (s.scaler.stepping, other.stepping) == ("disc", "gen")
+    assert other.label == f"{other.name} (params of gen)"
     assert (other.backoff_steps, other.skipped_steps) == ([6], [6])
     assert other.skipped_by_optimizer == {other.name: [6]}
     assert other.scale[-1][1] == 32768.0
     [f] = [f for f in s.findings_of("scaler_backoff") if f.data.get("scaler") == other.name]
-    assert f.step == 6 and f.message.startswith(f"The GradScaler of {other.name} backed off 1x")
+    assert f.step == 6 and f.message.startswith(f"The GradScaler of {other.label} backed off 1x")
     assert f.data["culprits"]  # step 6's inf gradients
     [first] = [f for f in s.findings_of("scaler_backoff") if f.data["scaler"] != other.name]
-    assert first.message.startswith(f"The GradScaler of {s.scaler.name} backed off 1x")
+    assert first.message.startswith(f"The GradScaler of {s.scaler.label} backed off 1x")
     text = doctor.report()
     # Each scaler's finding is shown: the report groups findings by scaler too.
     assert f.message.split(":")[0] in " ".join(text.split())
     assert first.message.split(":")[0] in " ".join(text.split())
-    assert f"Scaler of {s.scaler.name}: scale 65536 -> 32768; 1 backoffs (steps 0)" in text
-    assert f"Scaler of {other.name}: scale 65536 -> 32768; 1 backoffs (steps 6)" in text
+    flat = " ".join(text.split())
+    assert f"Scaler of {s.scaler.label}: scale 65536 -> 32768; 1 backoff (step 0)" in flat
+    assert f"Scaler of {other.label}: scale 65536 -> 32768; 1 backoff (step 6)" in flat
     # The JSON report keeps it, and reads back.
     assert amp_doctor.Session.from_json(s.to_json()).other_scalers == s.other_scalers
 
@@ -577,6 +582,35 @@ def test_no_visible_step_boundary_is_said_with_the_fix() -> None:
     f = s.findings_of("no_step_boundary")[0]
     assert f.severity == "warning" and "doctor.step()" in f.advice
     assert HEALTHY not in doctor.report()
+
+
+class _ComplexFilter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.fft.fft(self.lin(x).float()) * self.w).abs()
+
+
+def test_a_run_that_dies_in_its_first_step_is_not_told_to_call_doctor_step() -> None:
+    # GradScaler cannot unscale a complex parameter's gradient: torch raises in the
+    # first scaler.step(). No step ended because the run did; the report said so, and
+    # also warned that no boundary was seen and advised doctor.step() (review 37).
+    model = _ComplexFilter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(NotImplementedError, match="ComplexFloat"):
+        with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(2, 4)).sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+    s = doctor.session
+    assert s.run.outcome == "exception"
+    assert [(f.kind, f.severity) for f in s.findings] == [("run_ended_early", "error")]
+    assert "doctor.step()" not in doctor.report()
 
 
 def test_the_loss_flag_is_exact_for_every_loss_shape_and_value() -> None:

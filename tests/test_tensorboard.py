@@ -497,9 +497,10 @@ def test_a_second_gradscaler_has_its_own_scaler_charts(tmp_path: Path) -> None:
     charts = {ch.title: list(ch.multiline.tag) for ch in cat.chart}
     first = doctor.session.scaler
     assert first is not None
-    assert charts[f"loss scale (after each update): GradScaler of {first.name}"] == [
+    # ... and the network its optimizer steps, as the report says it.
+    assert charts["loss scale (after each update): GradScaler of Adam#0 (params of disc)"] == [
         r"^scaler/scale$"]
-    (rx,) = charts[f"scale backoffs (cumulative): GradScaler of {other.name}"]
+    (rx,) = charts[f"scale backoffs (cumulative): GradScaler of {other.name} (params of gen)"]
     assert re.match(rx, prefix + "backoffs") and not re.match(rx, "scaler/backoffs")
     assert len(charts) == 8
 

@@ -124,3 +124,30 @@ def test_numbers_scales_and_limits() -> None:
     assert F.scale(16.0) == "16" and F.scale(None) == "-"
     assert F.limit(65504.0) == "65504" and F.limit(6.103515625e-05) == "6.10352e-05"
     assert F.bits(-math.inf) == "-inf" and F.bits(8.44) == "8.4" and F.bits(131.2) == "131"
+
+
+def test_a_long_exception_message_is_one_short_line_in_the_report() -> None:
+    # torch's dispatcher errors run to 8 KB (every backend's kernel listed): printed in
+    # the report's header and again in run_ended_early, they pushed the findings off the
+    # terminal (review 37). The report keeps the first line, cut; the traceback has it all.
+    import torch
+    from torch import nn
+
+    import amp_doctor
+
+    model = nn.Linear(4, 4)
+    long = "the kernel is missing for this backend\n" + "\n".join(
+        f"Backend{i}: registered at a/long/path/to/generated/file_{i}.cpp" for i in range(200))
+    with pytest.raises(RuntimeError):
+        with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.randn(2, 4))
+            raise RuntimeError(long)
+    s = doctor.session
+    assert s.run.error == ("RuntimeError: the kernel is missing for this backend ... "
+                           "(see the traceback)")
+    text = doctor.report()
+    assert "Backend1" not in text and len(text) < 4000
+    cut = F.error_line(ValueError("x" * 1000))
+    assert cut == f"ValueError: {'x' * F.ERROR_CHARS} ... (see the traceback)"
+    assert F.error_line(KeyError()) == "KeyError"

@@ -233,6 +233,12 @@ ADVICE_BF16: dict[str, str] = {
         "The backward of this op produced NaN/Inf: run the forward op in float32 with "
         "`torch.autocast(device_type, enabled=False)` or clamp its input."
     ),
+    "lowp_updates_lost": (
+        "Keep float32 master weights: remove `.to(torch.bfloat16)` / `.bfloat16()`, keep the "
+        "model in float32 and run the forward under `torch.autocast(device_type, "
+        "dtype=torch.bfloat16)` (no GradScaler needed); the optimizer then updates the "
+        "float32 weights, where small updates are not rounded away."
+    ),
 }
 
 
@@ -270,6 +276,10 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
     """
     op_fix = OP_ADVICE.get(e.op or "")
     bf16 = dtype == "bfloat16"
+    if e.kind == "lowp_updates_lost":
+        # The weights' own format decides: bfloat16 weights are not told to move to float16.
+        weights = e.data.get("dtypes") or []
+        return (ADVICE_BF16 if weights == ["bfloat16"] else ADVICE)["lowp_updates_lost"]
     if e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix:
         where = f" in {e.module}" if e.module else ""
         f32 = ("" if "autocast" in op_fix else " Or keep the op in float32 with `with "

@@ -96,7 +96,8 @@ def scaler_summary(sc: ScalerTimeline) -> str:
     scales = [v for _, v in sc.scale]
     final, low = (scales[-1], min(scales)) if scales else (None, None)
     return (f"{F.scale(sc.init_scale)} -> {F.scale(final)} (min {F.scale(low)}); "
-            f"{len(sc.backoff_steps)} backoffs / {len(sc.growth_steps)} growths; "
+            f"{F.counted(len(sc.backoff_steps), 'backoff')} / "
+            f"{F.counted(len(sc.growth_steps), 'growth')}; "
             f"{len(sc.skipped_steps)} skipped")
 
 

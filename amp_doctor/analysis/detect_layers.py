@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from amp_doctor import format as F
 from amp_doctor.analysis.advice import ADVICE, ADVICE_BF16
+from amp_doctor.analysis.messages import CAST_OPS
 from amp_doctor.analysis.thresholds import (
     ACT_RELEVANT_BITS,
     ACT_UNDERFLOW_WARN,
@@ -103,8 +104,48 @@ def layer_findings(session: Session) -> Iterable[Finding]:
     leaves = [c for c in under
               if not any(u.order < c.order and same_output(u, c) for u in under)]
     source = max(leaves, key=lambda x: x.order) if leaves else None
+    told: set[str] = set()
     for lay in session.layers:
-        yield from _layer_findings(session, lay, judged_format(lay.output_dtypes, fmt), source)
+        for f in _layer_findings(session, lay, judged_format(lay.output_dtypes, fmt), source):
+            if "input_absmax" in f.data:
+                told.add(lay.name)
+            yield f
+    yield from _input_beyond_format(session, told)
+
+
+def _input_beyond_format(session: Session, told: set[str]) -> Iterable[Finding]:
+    """The batch held values beyond the format's max in steps that went non-finite, and
+    no layer's overflow finding (``told``) said so: the first bad layer's output was NaN
+    rather than past the max, or it stayed finite while the cast happened inside it (a
+    GRU's float16 gate matmuls under a float32 output) and its gradients went NaN."""
+    for e in session.events:
+        if e.kind != "input_beyond_format":
+            continue
+        d, layer = e.data, str(e.data.get("first_bad_layer"))
+        if layer in told or any(x.module == layer and x.op in CAST_OPS for x in session.events):
+            continue  # said by its overflow finding, or by anomaly mode's cast with its line
+        n = int(d.get("occurrences", 1))
+        led = int((d.get("first_bad") or {}).get(layer, n))
+        dtype = d.get("dtype")
+        if d.get("in_output", True):
+            what = (f"that went non-finite (first at step {e.step}); {layer}'s output was the "
+                    f"first to go non-finite in {led} of them")
+            where = ""
+        else:
+            what = (f"whose gradients went non-finite (first at step {e.step}); {layer} was "
+                    f"the first layer with non-finite gradients in {led} of them")
+            where = (f": an op in {layer} ran in {dtype} (an RNN's gates, a matmul) while its "
+                     "output stayed finite")
+        yield Finding(
+            kind="input_beyond_format", severity="error", module=layer, op=None, step=e.step,
+            message=(f"The batch given to {e.module} held values up to "
+                     f"{F.num(d.get('absmax'))}, beyond {dtype}'s max "
+                     f"{float(d.get('max') or 0):g}, in {n} recorded step(s) {what}. "
+                     f"Autocast's cast of such values to {dtype} is inf{where}."),
+            advice=ADVICE["input_beyond_format"],
+            data={"input_absmax": d.get("absmax"), "dtype": dtype,
+                  "occurrences": n, "first_bad_layer": layer},
+        )
 
 
 def _layer_findings(session: Session, lay: LayerSummary, fmt: str,

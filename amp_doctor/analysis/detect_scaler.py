@@ -189,8 +189,14 @@ def _origin_of(evs: list[ScalerEvent], origins: dict[int, tuple[str, str]]
             return origins[e.step]
     for e in evs:
         if e.forward_origin:
-            return (e.forward_origin, f"{e.forward_origin}'s output went non-finite first, "
-                    "in the forward pass")
+            how = (f"{e.forward_origin}'s output went non-finite first, in the forward pass, "
+                   f"at step {e.step}")
+            if e.step > evs[0].step:
+                # An overflow in the backward pass alone (the forward was finite), or a step
+                # not recorded: the earlier backoffs are not said to have begun there.
+                how += (f" (the backoffs before it, from step {evs[0].step}, show no forward "
+                        "origin)")
+            return (e.forward_origin, how)
     return None
 
 
@@ -276,7 +282,7 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
     for i, sc in enumerate([session.scaler, *session.other_scalers]):
         view = session if i == 0 else replace(session, scaler=sc, other_scalers=[])
         name = sc.name or ("the first" if i == 0 else f"another ({i})")
-        whose = f"The GradScaler of {name}"
+        whose = f"The GradScaler of {sc.label or name}"
         for f in _one_scaler_findings(view):
             msg = (f.message.replace("GradScaler", whose, 1)
                    if f.message.startswith("GradScaler ") else f"{whose}: {f.message}")
@@ -358,13 +364,15 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             parts.append(f"{n} while calibrating at the start (steps {spans}, scale "
                          f"{_scale(g[0].scale_before)} -> {_scale(cal[-1][-1].scale_after)})")
         if probes:
-            parts.append(f"{len(probes)} each undoing the growth before it (steps "
+            parts.append(f"{len(probes)} each undoing the growth before it ("
+                         f"{'step' if len(probes) == 1 else 'steps'} "
                          f"{F.steps_list([g[0].step for g in probes])})")
         if settling:
             n = sum(len(g) for g in settling)
             parts.append(f"{n} in {len(settling)} short episode(s) of at most "
                          f"{SETTLING_BACKOFFS} that left the scale at or above {_scale(floor)}, "
-                         "settling where the gradients fit (steps "
+                         "settling where the gradients fit ("
+                         f"{'step' if n == 1 else 'steps'} "
                          f"{F.steps_list([e.step for g in settling for e in g])})")
         yield Finding(
             kind="scaler_backoff", severity="info",

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import replace
 
 from amp_doctor import format as F
+from amp_doctor.analysis.messages import CAST_OPS
 from amp_doctor.analysis.thresholds import MAX_PER_KIND
 from amp_doctor.records import Finding, Session, Severity
 
@@ -30,6 +31,11 @@ EARLY_END_KINDS = ("run_ended_early", "no_step_boundary")
 
 
 def fold_early_end(out: list[Finding]) -> list[Finding]:
+    if any(f.kind == "run_ended_early" for f in out):
+        # No step ended because the run did, not because the loop lacks a boundary: no
+        # advice to call doctor.step() (one that steps another model's optimizer stays).
+        out = [f for f in out if f.kind != "no_step_boundary"
+               or f.data.get("foreign_optimizers")]
     causes = [f for f in out if f.severity == "error" and f.kind not in EARLY_END_KINDS]
     if not causes:
         return out
@@ -45,7 +51,7 @@ def _with(f: Finding, severity: Severity | None = None, extra: str = "",
 
 
 ROOT_KINDS = ("activation_overflow", "nonfinite_input", "nonfinite_forward",
-               "nonfinite_backward")
+               "nonfinite_backward", "input_beyond_format")
 
 
 def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
@@ -89,8 +95,12 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
     kept: list[Finding] = []
     for f in out:
         lay = lay_by.get(f.module or "")
-        if (f.kind == "activation_overflow" and f.severity == "error" and f.op is None
-                and lay is not None and lay.overflow_origin_steps == 0):
+        # A headroom warning on a layer that carried the NaN on is one too: its absmax
+        # was read off the histogram of a NaN-laden output (the top bin's upper edge).
+        if (f.kind == "activation_overflow" and f.op is None and lay is not None
+                and lay.overflow_origin_steps == 0 and (
+                    f.severity == "error"
+                    or (f.severity == "warning" and lay.nonfinite_steps > 0))):
             before = [o for o in origin_layers if o.order < lay.order]
             root = root_for_module(before[-1].name) if before else None
             if root is None:
@@ -120,6 +130,10 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
         elif f.kind == "nonfinite_loss":
             origin = f.data.get("origin")
         root = root_for_module(origin) if isinstance(origin, str) else None
+        if root is None and f.kind in ("scaler_backoff", "scale_collapse", "nonfinite_loss"):
+            # Gradients that went non-finite where the batch's cast did (no forward origin).
+            root = next((e for e in errors if e.module == f.module and (
+                e.kind == "input_beyond_format" or e.op in CAST_OPS)), None)
         if id(f) in backward_of:
             root = backward_of[id(f)]
         if (root is None and loss_root is not None and f is not loss_root

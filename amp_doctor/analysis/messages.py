@@ -356,7 +356,10 @@ def _hidden_overflow(a: MessageArgs) -> str | None:
     e, d = a.event, a.event.data
     if not d.get("hidden"):
         return None
-    return (f"{e.op} {_where(e)} overflowed to {nonfinite_what(d)}{_op_range(d)}, "
+    cast = cast_overflow(e.op, d)
+    made = (f"overflowed to {nonfinite_what(d)}: it {cast}" if cast is not None
+            else f"overflowed to {nonfinite_what(d)}{_op_range(d)}")
+    return (f"{e.op} {_where(e)} {made}, "
             f"{_op_steps(a)}, while {e.module}'s output stayed finite: a later op saturated "
             "it, so module-level stats miss it. The backward of this op is where NaN usually "
             "appears next.")

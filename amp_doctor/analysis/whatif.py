@@ -251,7 +251,7 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
         if bad:
             listed = _listed(
                 f"{r.layer} {r.tensor}s ({r.format}: {F.pct(r.zero_share)} to zero"
-                + (f", amax outran the scale in {r.steps_amax_beyond_scale} steps"
+                + (f", amax outran the scale in {F.counted(r.steps_amax_beyond_scale, 'step')}"
                    if r.steps_amax_beyond_scale else "") + ")" for r in bad)
             msg = (f"FP8 simulation (per-tensor delayed scaling, amax window "
                    f"{FP8_AMAX_WINDOW} recorded steps; not FP8 training): {len(bad)} of "

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from amp_doctor import format as F
 from amp_doctor._version import __version__
 from amp_doctor.commands.aftertorch import after_torch_import
 from amp_doctor.commands.common import EXIT_USAGE, LAUNCHER_ENV, fail
@@ -530,7 +531,7 @@ def _run_meta(exc: BaseException | None, code: int, command: list[str],
         outcome = "exit" if code != 0 else "completed"
     elif exc is not None:
         outcome = "exception"
-        error = f"{type(exc).__name__}: {exc}"
+        error = F.error_line(exc)
     return dict(command=command, exit_code=code, outcome=outcome, error=error,
                 rank=ranks[0] if ranks else None, world_size=ranks[1] if ranks else None)
 

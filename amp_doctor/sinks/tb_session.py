@@ -129,7 +129,7 @@ def layout_with_scalers(session: Session) -> dict[str, dict[str, list[Any]]]:
     for i, sc in enumerate([session.scaler, *session.other_scalers]):
         prefix = "scaler/" if i == 0 else scaler_tag_prefix(sc)
         for title, (kind, (rx,)) in LAYOUT["Scaler"].items():
-            charts[f"{title}: GradScaler of {sc.name}"] = [
+            charts[f"{title}: GradScaler of {sc.label}"] = [
                 kind, ["^" + re.escape(prefix) + rx.removeprefix("^scaler/")]]
     return {**LAYOUT, "Scaler": charts}
 

@@ -149,7 +149,7 @@ def _scaler_line(s: Session) -> str | None:
         return "Scaler: GradScaler present but disabled (enabled=False)."
     # With several scalers, each line says whose it is (the optimizers it steps).
     several = bool(s.other_scalers)
-    return "\n".join(_one_scaler_line(f"Scaler of {t.name}" if several and t.name
+    return "\n".join(_one_scaler_line(f"Scaler of {t.label}" if several and t.name
                                        else "Scaler", t) for t in [sc, *s.other_scalers])
 
 
@@ -158,9 +158,11 @@ def _one_scaler_line(label: str, sc: ScalerTimeline) -> str:
     last = sc.scale[-1][1] if sc.scale else sc.init_scale
     bo = sc.backoff_steps
     shown = ", ".join(str(x) for x in bo[:8]) + ("..." if len(bo) > 8 else "")
-    return (f"{label}: scale {F.scale(first)} -> {F.scale(last)}; {len(bo)} backoffs"
-            + (f" (steps {shown})" if bo else "") + f"; {len(sc.growth_steps)} growths; "
-            f"{len(sc.skipped_steps)} skipped optimizer steps.")
+    return (f"{label}: scale {F.scale(first)} -> {F.scale(last)}; "
+            f"{F.counted(len(bo), 'backoff')}"
+            + (f" ({'step' if len(bo) == 1 else 'steps'} {shown})" if bo else "")
+            + f"; {F.counted(len(sc.growth_steps), 'growth')}; "
+            f"{F.counted(len(sc.skipped_steps), 'skipped optimizer step')}.")
 
 
 def _dtype_cell(lay: LayerSummary) -> str:

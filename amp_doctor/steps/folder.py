@@ -115,8 +115,13 @@ class StepFolder:
             origin = None
             if check_input:
                 self._note_bad_input(step, hs.scalars, input_module or self._model_label())
-        elif origin is not None:
-            self._note_input_beyond(step, hs.scalars, (formats or {}).get(origin, fmt), origin)
+        culprits = self._culprits(hs, layers) if skipped else []
+        if not input_bad and (first_bad := origin or next(iter(culprits), None)):
+            # The batch's cast can make inf where no layer's output shows it: a GRU's
+            # gate matmuls run in float16 inside it, its output stays float32 and finite,
+            # and its gradients go NaN.
+            self._note_input_beyond(step, hs.scalars, (formats or {}).get(first_bad, fmt),
+                                    first_bad, in_output=origin is not None)
         if origin is not None:
             self.aggregates.note_origin(origin)
         loss_bad: bool | None = None
@@ -128,7 +133,6 @@ class StepFolder:
         if "lp_with_grad" in hs.scalars:
             self._lp_counts[0] += hs.scalars["lp_with_grad"]
             self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
-        culprits = self._culprits(hs, layers) if skipped else []
         loss = hs.scalars.get("loss", hs.scalars.get(PLAIN_LOSS_KEY))
         rec = StepRecord(step=step, loss=loss, scale=scale, skipped=skipped,
                          layers=layers)
@@ -136,22 +140,32 @@ class StepFolder:
         return FoldedStep(rec, origin, culprits, loss_bad)
 
     def _note_input_beyond(self, step: int, scalars: dict[str, float], fmt: FormatLimits,
-                           origin: str) -> None:
-        """A layer went non-finite in a step whose batch held finite values beyond the
-        format's max: autocast's cast of them is inf (once per run, with a count)."""
+                           origin: str, in_output: bool) -> None:
+        """A layer's output (``in_output``), or else its gradients, went non-finite first
+        in a step whose batch held finite values beyond the format's max: autocast's cast
+        of them is inf. One event per run; its ``first_bad_layer`` is the layer that came
+        first in most such steps (a calibrating scaler's first backoffs overflow another
+        layer's scaled gradients first)."""
         given = [(v, k[len(INPUT_ABSMAX):]) for k, v in scalars.items()
                  if k.startswith(INPUT_ABSMAX) and math.isfinite(v) and v > fmt.max]
         if not given:
             return
         top, module = max(given)
-        for e in self._events:
-            if e.kind == "input_beyond_format":
-                e.data["occurrences"] = int(e.data.get("occurrences", 1)) + 1
-                e.data["absmax"] = max(float(e.data["absmax"]), top)
-                return
-        self._events.append(Event(kind="input_beyond_format", step=step, module=module,
-                                  data={"absmax": top, "dtype": fmt.name, "max": fmt.max,
-                                        "first_bad_layer": origin}))
+        e = next((e for e in self._events if e.kind == "input_beyond_format"), None)
+        if e is None:
+            e = Event(kind="input_beyond_format", step=step, module=module,
+                      data={"absmax": top, "dtype": fmt.name, "max": fmt.max,
+                            "occurrences": 0, "first_bad": {}, "in_output_layers": []})
+            self._events.append(e)
+        d = e.data
+        d["occurrences"] = int(d["occurrences"]) + 1
+        d["absmax"] = max(float(d["absmax"]), top)
+        d["first_bad"][origin] = d["first_bad"].get(origin, 0) + 1
+        if in_output and origin not in d["in_output_layers"]:
+            d["in_output_layers"].append(origin)
+        # dicts keep insertion order: the earliest layer wins a tie
+        d["first_bad_layer"] = max(d["first_bad"], key=d["first_bad"].get)
+        d["in_output"] = d["first_bad_layer"] in d["in_output_layers"]
 
     def _note_bad_input(self, step: int, scalars: dict[str, float], module: str) -> None:
         seen = [e for e in self._events

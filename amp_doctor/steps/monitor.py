@@ -88,10 +88,16 @@ class AmpMonitor:
         autocast_dtype: Callable[[], torch.dtype | None],
         scaler: GradScaler | None = None,
         optimizers: Iterable[Optimizer] = (),
+        param_layer: Callable[[torch.Tensor], str | None] = lambda p: None,
     ) -> None:
         self._cb = callbacks
+        self._param_layer = param_layer
+        # Per optimizer id: how many parameters it held, and the layers holding them, read
+        # when it steps (it may be gone by the end of the run) and renamed with the layers.
+        self._opt_layers: dict[int, tuple[int, set[str]]] = {}
         self._step_of = step_of
         self.registry = AmpRegistry(owns_param, scaler, optimizers)
+        self.registry.forget_hooks.append(self._forget_opt_layers)
         self._misuse = MisuseChecks(self.registry, step_of, autocast_dtype)
         self._timeline = ScaleTimeline()
         # The other relevant, enabled scalers (a GAN with one per network), by id of
@@ -250,6 +256,10 @@ class AmpMonitor:
             return
         params = optimizer_params(optimizer)
         self._step_params[id(optimizer)] = params
+        known = self._opt_layers.get(id(optimizer))
+        if known is None or known[0] != len(params) or not known[1]:
+            self._opt_layers[id(optimizer)] = (len(params), {
+                n for n in map(self._param_layer, params) if n is not None})
         if not in_scaler_step():
             self._misuse.plain_step(optimizer)
             self._cb.param_grads(params, None)
@@ -410,8 +420,13 @@ class AmpMonitor:
             else:
                 self._close_other(other, *self._ended)
 
+    def _forget_opt_layers(self, key: int) -> None:
+        self._opt_layers.pop(key, None)
+
     def rename_layers(self, mapping: dict[str, str]) -> None:
         self._timeline.rename_layers(mapping)
+        self._opt_layers = {k: (n, {mapping.get(x, x) for x in names})
+                            for k, (n, names) in self._opt_layers.items()}
 
     # -- results ------------------------------------------------------------
     def events(self) -> list[Event]:
@@ -432,10 +447,14 @@ class AmpMonitor:
         if st is None:
             return None
         self._resolve(st)
-        return replace(self._timeline.freeze(st), name=self._name_of(st))
+        return self._named(self._timeline.freeze(st), st)
 
-    def _name_of(self, st: ScalerMirror) -> str:
-        return ", ".join(sorted(self.registry.opt_name_of(i) for i in st.opt_ids))
+    def _named(self, tl: ScalerTimeline, st: ScalerMirror) -> ScalerTimeline:
+        """``tl`` with the names of the optimizers ``st`` steps, and where their
+        parameters sit."""
+        name = ", ".join(sorted(self.registry.opt_name_of(i) for i in st.opt_ids))
+        layers = {n for key in st.opt_ids for n in self._opt_layers.get(key, (0, set()))[1]}
+        return replace(tl, name=name, stepping=_where_layers_sit(layers))
 
     def other_timelines(self) -> list[ScalerTimeline]:
         """The other relevant, enabled scalers' timelines, named after the optimizers they
@@ -447,5 +466,23 @@ class AmpMonitor:
             if st is primary or not st.enabled:
                 continue  # became the primary (a replacement scaler), or disabled
             self._resolve(st)
-            out.append(replace(other.timeline.freeze(st), name=self._name_of(st)))
+            out.append(self._named(other.timeline.freeze(st), st))
         return out
+
+
+def _where_layers_sit(names: Iterable[str]) -> str:
+    """The dotted prefix ``names`` share ("g.net"), else their distinct top-level names
+    ("d, g"; "d, e, g, ..." past three); "" for none."""
+    parts = sorted(n.split(".") for n in set(names))
+    if not parts:
+        return ""
+    common = parts[0]
+    for p in parts[1:]:
+        k = 0
+        while k < min(len(common), len(p)) and common[k] == p[k]:
+            k += 1
+        common = common[:k]
+    if common:
+        return ".".join(common)
+    tops = sorted({p[0] for p in parts})
+    return ", ".join(tops[:3]) + (", ..." if len(tops) > 3 else "")
