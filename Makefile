@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # installs in seconds; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-test test test-all acceptance lint typecheck demo bench clean
+.PHONY: install install-test test test-fast test-all acceptance lint typecheck demo bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,16 +21,28 @@ install: $(BIN)/python
 install-test: $(BIN)/python
 	printf '%s\n' "$(TORCH_SPEC)" | $(BIN)/python -m pip install -q -c /dev/stdin -e ".[test]"
 
-# The fast suite; test-all adds the slow subprocess runs (-m slow) and is what CI runs.
-test:
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not acceptance" tests
+# Test processes (pytest-xdist). Most tests run a script in a subprocess and wait for it,
+# so two workers on two cores take about 60% of the serial time. One torch thread each:
+# the tests' models are tiny, and two workers with two threads each would fight for the
+# cores. TEST_WORKERS=0 runs the tests in this process (for pdb).
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+	-n $(TEST_WORKERS) --dist worksteal
 
-test-all:
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+# Every test: the README's test command, and what CI runs. test-fast leaves out the slow
+# subprocess runs (-m slow) and the acceptance suite, for the edit-test loop.
+test:
+	$(PYTEST) tests
+
+test-fast:
+	$(PYTEST) -m "not slow and not acceptance" tests
+
+# The name earlier READMEs gave the whole suite.
+test-all: test
 
 # Real-style training scripts through the CLI (tests/acceptance; `make test` leaves them out).
 acceptance:
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m acceptance tests/acceptance
+	$(PYTEST) -m acceptance tests/acceptance
 
 lint:
 	$(BIN)/python -m ruff check .

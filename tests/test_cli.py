@@ -32,7 +32,7 @@ from tests.helpers import console_script
 FIX = Path(__file__).parent / "fixtures" / "cli"
 AMP_DOCTOR = console_script()
 # How `amp-doctor ARGS...` is run: None is cli_main(ARGS) in this process (the `cli`
-# fixture). The `python -m amp_doctor` runs are only in `make test-all`: its __main__.py
+# fixture). `make test-fast` leaves out the `python -m amp_doctor` runs: its __main__.py
 # calls the same cli_main, and the gallery's subprocess runs use it too.
 ENTRY_POINTS = [
     pytest.param(None, id="in-process"),
@@ -140,8 +140,8 @@ EXIT_PATHS = [  # (script arguments, exit code, outcome, id)
     # sys.exit(main()) returning 0 is the usual way a script ends.
     (["--exit", "0"], 0, "completed", "exit-0"),
 ]
-# Every path in process; in a subprocess too, where sys.exit(0)'s run (the same SystemExit
-# path as sys.exit(3)) is only in `make test-all`.
+# Every path in process; in a subprocess too, where `make test-fast` leaves out
+# sys.exit(0)'s run (the same SystemExit path as sys.exit(3)).
 EXIT_RUNS = [
     pytest.param(args, code, outcome, in_process, id=f"{name}-{mode}",
                  marks=[pytest.mark.slow] if name == "exit-0" and not in_process else [])

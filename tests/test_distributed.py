@@ -2,7 +2,8 @@
 
 Each run starts three processes that import torch, so the cases share runs: one per
 launcher (`--nproc-per-node`, plain torchrun) with an overflowing rank, and one healthy
-run whose rank 1 fails. `make test` runs the first; the other two are slow (`make test-all`).
+run whose rank 1 fails. `make test-fast` runs the first; the other two are slow (only in
+`make test`).
 """
 
 from __future__ import annotations
