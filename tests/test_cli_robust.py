@@ -517,6 +517,39 @@ while True:
     assert not list(logdir.glob(".*.tmp"))  # atomic writes leave no temp files
 
 
+def test_ctrl_c_after_the_report_is_out_still_ends_the_run_by_sigint(work: Path) -> None:
+    # Ctrl-C pressed again and again until the process is gone: some land after the
+    # report is written and its shield is down, on the way out. They ended the run with
+    # click's "Aborted!" and exit 1 (seen in CI, in the test above), where python ends a
+    # script Ctrl-C'd at its very end by SIGINT. The presses come from another process,
+    # as a terminal's do: a thread of the script's own would wait for the GIL.
+    presser = work / "presser.py"
+    presser.write_text("""
+import os, signal, sys, time
+pid, report = int(sys.argv[1]), sys.argv[2]
+os.kill(pid, signal.SIGINT)
+while not os.path.exists(report):
+    time.sleep(0.001)
+while os.getppid() == pid:  # until the run is gone (then this process is reparented)
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.0002)
+""")
+    late = """
+import subprocess
+subprocess.Popen([sys.executable, "presser.py", str(os.getpid()),
+                  os.path.join(sys.argv[1], "report.txt")])
+while True:
+    step()
+"""
+    (work / "late.py").write_text(LOOP + late)
+    logdir = work / "out"
+    r = run([AMP_DOCTOR, "diagnose", "--every", "1", "--no-tensorboard", "--logdir",
+             str(logdir), "late.py", str(logdir)], work)
+    assert r.returncode == -signal.SIGINT, r.stderr
+    assert "Aborted" not in r.stderr
+    assert Session.load(logdir / "amp_doctor.json").run.outcome == "interrupted"
+
+
 def test_parallel_runs_get_their_own_logdirs(work: Path) -> None:
     # A sweep: `for s in 1 2 3; do amp-doctor diagnose sweep.py $s & done`, default logdir.
     (work / "sweep.py").write_text(LOOP + "print('seed', sys.argv[1])\n")

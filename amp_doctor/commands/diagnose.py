@@ -166,11 +166,18 @@ def diagnose(
                      *(["--target-dtype", target_dtype] if target_dtype else []),
                      *(["--no-tensorboard"] if no_tensorboard else [])]
         release = _claim_logdir(logdir)  # for every rank, and the merge
+        code: int | None = None
+        signum: int | None = None
         try:
-            code, signum = launch(nproc_per_node, target, logdir, forwarded, json_out,
-                                  report_out, fail_on, not no_tensorboard)
-        finally:
-            release()
+            try:
+                code, signum = launch(nproc_per_node, target, logdir, forwarded, json_out,
+                                      report_out, fail_on, not no_tensorboard)
+            finally:
+                release()
+        except KeyboardInterrupt:
+            if code is None:
+                raise
+            signum = signal.SIGINT  # after the merged report is out: see below
         if signum is not None:
             die_by_signal(signum)  # the merged report is out: end as python would have
         sys.exit(code)
@@ -187,20 +194,29 @@ def diagnose(
             check_run_dir_free(logdir)
         except UsageError as e:
             fail(str(e))
+    code = signum = None
     try:
-        console = Console()
         try:
-            if explicit and not os.environ.get(LAUNCHER_ENV):
-                note_reused_logdir(logdir, console)
-            code, signum = _diagnose(resolved, target, logdir, every, anomaly, json_out,
-                                     report_out, fail_on, max_steps, quiet,
-                                     not no_tensorboard, console, fp32, stop_after,
-                                     target_dtype, on_nonfinite)
+            console = Console()
+            try:
+                if explicit and not os.environ.get(LAUNCHER_ENV):
+                    note_reused_logdir(logdir, console)
+                code, signum = _diagnose(resolved, target, logdir, every, anomaly, json_out,
+                                         report_out, fail_on, max_steps, quiet,
+                                         not no_tensorboard, console, fp32, stop_after,
+                                         target_dtype, on_nonfinite)
+            finally:
+                console.close()
         finally:
-            console.close()
-    finally:
-        if claimed is not None:
-            claimed()
+            if claimed is not None:
+                claimed()
+    except KeyboardInterrupt:
+        if code is None:
+            raise
+        # A Ctrl-C after the report is out (a user pressing it again and again while it
+        # was written, the last one after): the run is over, and python ends a script
+        # Ctrl-C'd at its very end by SIGINT, not by click's "Aborted!" and exit 1.
+        signum = signal.SIGINT
     if signum is not None:
         die_by_signal(signum)  # the report is out: end as python would have
     sys.exit(code)

@@ -348,7 +348,10 @@ def hold_sigint() -> Iterator[list[int]]:
 def die_by_signal(signum: int) -> NoReturn:
     """End the process by ``signum``'s default action, as python would have ended on it
     (a scheduler sees the signal; a shell shows 128 + ``signum``), once the report is
-    written: the script's other threads stop with it, as they would have."""
+    written: the script's other threads stop with it, as they would have. A further
+    ``signum`` meanwhile is ignored: it would cut the flush short with an exception."""
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signum, signal.SIG_IGN)
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(AttributeError, OSError, ValueError):
             stream.flush()  # type: ignore[union-attr]
