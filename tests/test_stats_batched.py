@@ -64,7 +64,7 @@ def test_a_batch_over_several_passes_equals_one_tensor_at_a_time() -> None:
     assert idx == list(range(len(ts)))
     hs = buf.flush()
     total = sum(min(t.numel(), S.SAMPLE_LIMIT) for t in ts)
-    assert total > 3 * S.STAGE_LIMIT  # really several passes
+    assert total > 3 * S.STAGE_MIN  # really several passes
     torch.testing.assert_close(hs.matrix, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
 
 
@@ -107,12 +107,16 @@ def test_filing_many_at_once_equals_filing_one_at_a_time() -> None:
         one.add(t)
     many = S.Batch()
     many.add(ts[0])
-    assert many.add_many(ts[1:-5]) == 1
-    for t in ts[-5:]:
-        many.add(t)
-    assert len(ts) > S.ROWS_PER_PASS and many.numel == one.numel and many.sampled == one.sampled
+    rows = many.add_many(ts[1:-5])
+    # Filed by size (each size's rows reduced as the lines of one 2-D view): every
+    # row once, whatever order.
+    assert sorted(rows) == list(range(1, len(ts) - 5))
+    order = [0, *rows, *(many.add(t) for t in ts[-5:])]
+    assert len(ts) > S.ROWS_PER_PASS
+    assert [many.numel[r] for r in order] == one.numel
+    assert [many.sampled[r] for r in order] == one.sampled
     a = S.host_rows(one.finish(), one.numel, one.sampled)
-    b = S.host_rows(many.finish(), many.numel, many.sampled)
+    b = S.host_rows(many.finish(), many.numel, many.sampled)[order]
     torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(b, _one_by_one(ts), rtol=0, atol=0, equal_nan=True)
     assert b[10 + 9, S.ZEROS].item() == 0 and b[10 + 4, S.ZEROS].item() == 7  # exact zeros
@@ -120,10 +124,11 @@ def test_filing_many_at_once_equals_filing_one_at_a_time() -> None:
 
     buf = StepBuffer(0)
     assert buf.add(ts[0]) == 0
-    assert buf.add_many(ts[1:4]) == [1, 2, 3]
+    rows = buf.add_many(ts[1:4])
+    assert sorted(rows) == [1, 2, 3]
     assert buf.add(ts[4]) == 4
-    torch.testing.assert_close(buf.flush().matrix, _one_by_one(ts[:5]), rtol=0, atol=0,
-                               equal_nan=True)
+    torch.testing.assert_close(buf.flush().matrix[[0, *rows, 4]], _one_by_one(ts[:5]),
+                               rtol=0, atol=0, equal_nan=True)
 
 
 def test_passes_of_mixed_lengths_and_formats_give_the_raw_figures() -> None:
@@ -194,14 +199,14 @@ def test_the_device_histogram_path_under_deterministic_algorithms() -> None:
 
 def test_the_stage_is_a_share_of_what_the_step_has_filed() -> None:
     # A fixed 256 KB stage was +18% of a small model's whole peak memory.
-    assert S.stage_size(0) == S.SAMPLE_LIMIT  # always holds one sample
+    assert S.stage_size(0) == S.STAGE_MIN >= 4 * S.SAMPLE_LIMIT  # four samples at least
     assert S.stage_size(10 * 2**20) == S.STAGE_LIMIT
-    mid = int(S.SAMPLE_LIMIT * 2 * 4 / S.STAGE_SHARE)
-    assert S.stage_size(mid) == 2 * S.SAMPLE_LIMIT
+    mid = int(S.STAGE_MIN * 2 * 4 / S.STAGE_SHARE)
+    assert S.stage_size(mid) == 2 * S.STAGE_MIN
     small = S.Batch()
     for _ in range(20):
         small.add(torch.randn(2000, dtype=torch.float16))
-    assert small._stage is not None and small._stage.numel() == S.SAMPLE_LIMIT
+    assert small._stage is not None and small._stage.numel() == S.STAGE_MIN
     big = S.Batch()
     for t in _tensors() * 3:  # 9 MB: the stage grows, a pass at a time, as they are filed
         big.add(t)
@@ -223,14 +228,14 @@ def test_a_recorded_step_starts_its_stage_at_the_size_the_last_one_reached() -> 
     second.add(torch.randn(100))
     stage = second._batches[torch.device("cpu")]._stage
     assert stage is not None and stage.numel() == S.STAGE_LIMIT
-    # A small model's stage stays at one sample: its peak memory is the constraint.
+    # A small model's stage stays at its least size: its peak memory is the constraint.
     small: dict[torch.device, int] = {}
     for step in range(2):
         buf = StepBuffer(step, small)
         for _ in range(20):
             buf.add(torch.randn(2000, dtype=torch.float16))
         stage = buf._batches[torch.device("cpu")]._stage
-        assert stage is not None and stage.numel() == S.SAMPLE_LIMIT
+        assert stage is not None and stage.numel() == S.STAGE_MIN
         buf.flush()
     assert small[torch.device("cpu")] == 20 * 2000 * 2
 

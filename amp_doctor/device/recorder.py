@@ -65,10 +65,10 @@ class StepBuffer:
             while j < len(xs) and xs[j].device == dev:
                 j += 1
             batch = self._batch(dev)
-            batch.add_many(xs[i:j])
-            first = len(self._where)
+            # Global row = this step's rows before the batch's, plus its row in the batch.
+            offset = len(self._where) - len(batch)
+            rows.extend(offset + r for r in batch.add_many(xs[i:j]))
             self._where.extend([dev] * (j - i))
-            rows.extend(range(first, first + j - i))
             i = j
         return rows
 

@@ -23,8 +23,8 @@ and the step's rows are packed by a handful of ops (:meth:`Batch.finish`). So
 the extremes, and whether any NaN, Inf or overflowing value is present, are
 exact; histogram and counts come from an evenly strided sample of at most
 :data:`SAMPLE_LIMIT` elements, scaled to the whole tensor (fractions of larger
-tensors are estimates, standard error below 0.4 percentage points). The stride
-is a prime that divides none of the tensor's dimensions, so the sample walks
+tensors are estimates, standard error below 0.8 percentage points in one step). The
+stride is a prime that divides none of the tensor's dimensions, so the sample walks
 across every dimension instead of aliasing with one (always channel 0, say). A
 hook keeps no reference to the tensor after ``add``; the memory held per step
 is the staging buffer plus about 0.5 KB per summarised tensor.
@@ -68,6 +68,7 @@ __all__ = [
     "merged_extremes",
     "N_EXP_BINS",
     "SAMPLE_LIMIT",
+    "STAGE_MIN",
     "upload",
     "Batch",
     "stage_size",
@@ -90,11 +91,14 @@ HIST = 5
 N_EXP_BINS = 256  # one per float32 biased exponent; bin 0 holds zero and fp32 subnormals
 SUMMARY_LEN = HIST + N_EXP_BINS
 
-# Histogram and counts come from at most this many elements per tensor. The
-# histogram (``bincount``) is serial and the slowest part of a summary; 2**14
-# samples keep it at a few tens of microseconds and a fraction's standard
-# error at or below sqrt(0.25 / 2**14) = 0.4 percentage points.
-SAMPLE_LIMIT = 1 << 14
+# A tensor of more elements than this is summarised from an evenly strided sample of
+# at most this many (its min and max stay exact). A fraction's standard error is then at
+# most sqrt(0.25 / 2**12) = 0.8 percentage points in one step, and a layer's figure is
+# a mean over its recorded steps; the thresholds judged by it are 5-10%. With 2**14 a
+# small model's stage (a sixteenth of the bytes its step files) held one or two samples,
+# and each histogram pass (about ten ops) served a tensor or two: the transformer paid 31
+# passes a recorded step. With 2**12 a pass serves four to eight.
+SAMPLE_LIMIT = 1 << 12
 assert SAMPLE_LIMIT <= torch.iinfo(torch.int16).max  # a pass's counts are int16
 
 _F32_BIAS = 127
@@ -162,17 +166,20 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
 CODES_PER_ROW = 4 * N_EXP_BINS
 _CODE_BIAS = 2 * N_EXP_BINS  # codes are in [-512, 512)
 _CODE_SHIFT = 22
-# Values staged per device before one batched pass (float32: 256 KB). Every
-# tensor's sample fits (SAMPLE_LIMIT), so a pass holds at least one row.
-STAGE_LIMIT = 4 * SAMPLE_LIMIT
+# Values staged per device before one batched pass (float32: 256 KB).
+STAGE_LIMIT = 1 << 16
+# The stage's least size (float32: 64 KB): four samples, so that a small model's pass
+# serves several tensors (a pass is about ten ops, whatever it holds).
+STAGE_MIN = 1 << 14
+assert SAMPLE_LIMIT <= STAGE_MIN <= STAGE_LIMIT  # a pass holds at least one row
 # The stage is at most this fraction of the bytes the step has filed so far (but
-# always holds one sample): on a small model a fixed 256 KB stage was +18% of the
+# at least STAGE_MIN): on a small model a fixed 256 KB stage was +18% of the
 # whole run's peak memory. A smaller stage only means more passes, each a few ops.
 STAGE_SHARE = 1 / 16
 # A recorded step's stage starts as if this share of the bytes the previous recorded
 # step filed were filed already: a large model (a GPT files tens of MB a step) gets
 # its full stage at once instead of about fifty early passes through a growing one,
-# while a small model's stage stays at one sample (its peak memory is the constraint).
+# while a small model's stage stays at STAGE_MIN (its peak memory is the constraint).
 STAGE_HEAD_START = 1 / 4
 # Rows per pass: bounds the pass's transient histogram (CODES_PER_ROW int64
 # counts per row, 4 MB at 512 rows) and keeps every code exact in float32 for
@@ -322,9 +329,9 @@ def upload(values: list[int], device: torch.device) -> torch.Tensor:
 
 def stage_size(filed_bytes: int) -> int:
     """Values of a stage for a step that has filed ``filed_bytes`` so far: a
-    :data:`STAGE_SHARE` of them, between one sample and :data:`STAGE_LIMIT`."""
+    :data:`STAGE_SHARE` of them, between :data:`STAGE_MIN` and :data:`STAGE_LIMIT`."""
     share = int(filed_bytes * STAGE_SHARE) // 4  # float32 values
-    return min(STAGE_LIMIT, max(SAMPLE_LIMIT, share))
+    return min(STAGE_LIMIT, max(STAGE_MIN, share))
 
 
 class Batch:
@@ -405,66 +412,64 @@ class Batch:
         self.sampled.append(k)
         return len(self.numel) - 1
 
-    def add_many(self, xs: list[torch.Tensor]) -> int:
-        """File every tensor of ``xs`` (as :meth:`add` takes them), in order, on consecutive
-        rows; returns the first. For tensors the caller holds all at once (the parameters'
-        gradients): a small one is filed with no op of its own.
+    def add_many(self, xs: list[torch.Tensor]) -> list[int]:
+        """File every tensor of ``xs`` (as :meth:`add` takes them); returns each one's row
+        in this batch, in the order of ``xs``. For tensors the caller holds all at once
+        (the parameters' gradients): a small one is filed with no op of its own.
 
-        Runs of whole-sampled tensors (at most :data:`SAMPLE_LIMIT` values, float16,
-        bfloat16 or float32: exact in the float32 stage) are copied into the stage by one
-        ``cat`` per pass and reduced there per row by ``segment_reduce``: their exact min,
-        max and non-zero count from three ops, where :meth:`add` pays three per tensor.
-        Others are filed by :meth:`add`.
+        Whole-sampled tensors (at most :data:`SAMPLE_LIMIT` values, float16, bfloat16 or
+        float32: exact in the float32 stage) are filed by size, on consecutive rows: the
+        tensors of one size are copied into the stage by one ``cat`` and reduced there
+        as the lines of a 2-D view (``aminmax`` and ``count_nonzero`` along a dim), so
+        their exact min, max and non-zero count cost three ops for all of them, where
+        :meth:`add` pays three per tensor. A model repeats a few parameter shapes (a
+        GPT's 646 are of six sizes). Others are filed by :meth:`add`.
         """
-        first = len(self.numel)
-        run: list[torch.Tensor] = []
+        rows = [0] * len(xs)
+        by_size: dict[int, list[int]] = {}
         with own_ops:
-            for x in xs:
+            for i, x in enumerate(xs):
                 if x.numel() <= SAMPLE_LIMIT and x.dtype in _STAGED_EXACT:
-                    run.append(_flat(x.detach()))
-                    continue
-                self._file_run(run)
-                run = []
-                self._add(x)
-            self._file_run(run)
-        return first
+                    by_size.setdefault(x.numel(), []).append(i)
+                else:
+                    rows[i] = self._add(x)
+            for k, group in by_size.items():
+                first = len(self.numel)
+                self._file_equal([_flat(xs[i].detach()) for i in group], k)
+                for r, i in enumerate(group, start=first):
+                    rows[i] = r
+        return rows
 
-    def _file_run(self, flats: list[torch.Tensor]) -> None:
-        """File whole-sampled 1-D tensors, as many per ``cat`` as the stage takes."""
+    def _file_equal(self, flats: list[torch.Tensor], k: int) -> None:
+        """File whole-sampled 1-D tensors of ``k`` values each, as many per ``cat`` as the
+        stage takes, reduced as the ``[n, k]`` lines of their part of the stage."""
         i = 0
         while i < len(flats):
             dev = flats[i].device
             stage = self._stage
-            if stage is None or (self._used + flats[i].numel() > stage.numel()
+            if stage is None or (self._used + k > stage.numel()
                                  or len(self._lengths) >= ROWS_PER_PASS):
                 self._make_room(dev)
                 stage = self._stage
                 assert stage is not None
-            room = stage.numel() - self._used
-            rows_left = ROWS_PER_PASS - len(self._lengths)
-            j, total = i, 0
-            while j < len(flats) and j - i < rows_left and total + flats[j].numel() <= room:
-                total += flats[j].numel()
-                j += 1
-            part = flats[i:j]
-            lengths = [f.numel() for f in part]
-            seg = stage.narrow(0, self._used, total)
+            n = min(len(flats) - i, (stage.numel() - self._used) // k,
+                    ROWS_PER_PASS - len(self._lengths))
+            part = flats[i : i + n]
+            seg = stage.narrow(0, self._used, n * k)
             torch.cat(part, out=seg)
-            lens = upload(lengths, dev)
+            lines = seg.view(n, k)
+            mn, mx = torch.aminmax(lines, dim=1)
             rows = len(self.numel)
-            # unsafe: the lengths are right by construction, and the check reads them
-            # back to the host (a sync on CUDA).
-            self._mins.extend(torch.segment_reduce(seg, "min", lengths=lens, unsafe=True))
-            self._maxs.extend(torch.segment_reduce(seg, "max", lengths=lens, unsafe=True))
-            self._nonzeros.extend(torch.segment_reduce(seg.ne(0).to(torch.float32), "sum",
-                                                       lengths=lens, unsafe=True))
-            self._counted.extend(range(rows, rows + len(part)))
+            self._mins.extend(mn)
+            self._maxs.extend(mx)
+            self._nonzeros.extend(torch.count_nonzero(lines, dim=1))
+            self._counted.extend(range(rows, rows + n))
             self._filed_bytes += sum(f.numel() * f.element_size() for f in part)
-            self._used += total
-            self._lengths.extend(lengths)
-            self.numel.extend(lengths)
-            self.sampled.extend(lengths)
-            i = j
+            self._used += n * k
+            self._lengths.extend([k] * n)
+            self.numel.extend([k] * n)
+            self.sampled.extend([k] * n)
+            i += n
 
     def _make_room(self, device: torch.device) -> None:
         """Count a full stage, and make a new one if there is none or it is too small."""
