@@ -233,35 +233,37 @@ def decode_step(hs: HostCopy, fmt: FormatLimits, grad_scale: float | None,
     """
     formats = formats or {}
     shift_of = {GRAD_U: scale_log2_of(grad_scale), PG_U: scale_log2_of(param_grad_scale)}
-    names: dict[str, int] = {}
-    cells: list[int] = []
-    rows: list[int] = []
-    shifts: list[int] = []
-    hist_cells: list[tuple[str, int, int]] = []
     n_slots = len(SLOTS)
-    fmts: list[FormatLimits] = []
-    for (name, fld), row in hs.row_of.items():
-        i = names.setdefault(name, len(names))  # forward order of first filing
-        slot, unscaled = _SLOT_OF[fld]
-        own = formats.get(name, fmt)
-        cells.append(i * n_slots + slot)
-        rows.append(row)
-        shifts.append(0)
-        fmts.append(own)
-        if unscaled is not None and shift_of[unscaled]:
-            cells.append(i * n_slots + unscaled)
-            rows.append(row)
-            shifts.append(shift_of[unscaled])
-            fmts.append(own)
-        if fld in HIST_FIELDS:
-            hist_cells.append((name, HIST_FIELDS.index(fld), row))
+    # Comprehensions over the cells, not one loop of appends: a 600-layer step has 2,400.
+    items = list(hs.row_of.items())
+    names: dict[str, int] = {}  # forward order of first filing
+    first = [names.setdefault(name, len(names)) * n_slots for (name, _), _ in items]
+    cells = [at + _SLOT_OF[fld][0] for at, ((_, fld), _) in zip(first, items, strict=True)]
+    rows = [row for _, row in items]
+    shifts = [0] * len(items)
+    # A scaled gradient is decoded once more, as if unscaled.
+    again = [(k, un) for k, ((_, fld), _) in enumerate(items)
+             if (un := _SLOT_OF[fld][1]) is not None and shift_of[un]]
+    cells += [first[k] + un for k, un in again]
+    rows += [rows[k] for k, _ in again]
+    shifts += [shift_of[un] for _, un in again]
+    from_item = list(range(len(items))) + [k for k, _ in again]
+    hist_cells = [(name, HIST_FIELDS.index(fld), row) for (name, fld), row in items
+                  if fld in HIST_FIELDS]
     values = torch.full((len(names) * n_slots, len(TS_FIELDS)), math.nan, dtype=torch.float64)
     present = torch.zeros(len(names) * n_slots, dtype=torch.bool)
-    for f in dict.fromkeys(fmts):
-        pick = [k for k, g in enumerate(fmts) if g == f] if len(formats) else range(len(cells))
-        at = torch.tensor([cells[k] for k in pick], dtype=torch.long)
-        decoded = S.decode_table(hs.block, f, [shifts[k] for k in pick],
-                                 index=[rows[k] for k in pick])
+    # Cells by the format their layer is judged against (keyed by name: hashing a
+    # FormatLimits per cell cost 1.7 ms a GPT step).
+    groups: dict[str, tuple[FormatLimits, list[int]]] = {fmt.name: (fmt, list(range(len(cells))))}
+    if formats:
+        own = [formats.get(name, fmt) for (name, _), _ in items]
+        groups = {}
+        for c, k in enumerate(from_item):
+            groups.setdefault(own[k].name, (own[k], []))[1].append(c)
+    for f, pick in groups.values():
+        at = torch.tensor([cells[c] for c in pick], dtype=torch.long)
+        decoded = S.decode_table(hs.block, f, [shifts[c] for c in pick],
+                                 index=[rows[c] for c in pick])
         values.index_copy_(0, at, decoded[:, _TS_COLUMNS])
         present[at] = True
     table = StepTable(list(names), values.view(len(names), n_slots, len(TS_FIELDS)),
