@@ -16,7 +16,7 @@ from __future__ import annotations
 import click
 
 from amp_doctor._version import __version__
-from amp_doctor.commands.common import fail
+from amp_doctor.commands.common import OWNS_PROCESS, fail
 from amp_doctor.commands.diagnose import diagnose
 from amp_doctor.commands.fixing import fix
 from amp_doctor.commands.saved import compare, report
@@ -37,7 +37,11 @@ for _command in (diagnose, report, fix, compare, view):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The console entry point; ``argv`` None: this process's command line (the process is
+    amp-doctor's: ``diagnose`` then leaves the script's ``__main__``, ``sys.argv`` and
+    ``sys.path`` in place for its ``atexit`` handlers, as python would)."""
     try:
-        cli.main(args=argv, prog_name="amp-doctor", standalone_mode=True)
+        cli.main(args=argv, prog_name="amp-doctor", standalone_mode=True,
+                 obj={OWNS_PROCESS: argv is None})
     except AmpDoctorError as e:
         fail(str(e))

@@ -160,7 +160,11 @@ def consecutive_runs(items: Iterable[T]) -> list[list[T]]:
 
 def error_line(exc: BaseException) -> str:
     """``"TypeError: first line of the message"``, at most :data:`ERROR_CHARS` of it."""
-    lines = str(exc).strip().splitlines()
+    try:
+        text = str(exc)
+    except Exception:  # as the traceback module says it
+        text = "<exception str() failed>"
+    lines = text.strip().splitlines()
     msg = lines[0] if lines else ""
     more = len(lines) > 1
     if len(msg) > ERROR_CHARS:

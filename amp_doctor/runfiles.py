@@ -18,13 +18,42 @@ try:
 except ImportError:  # Windows: no flock(2); the named process's liveness decides
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["JSON_NAME", "LOCK_NAME", "TEXT_NAME", "check_run_dir_free", "claim_run_dir",
-           "make_writable_dir"]
+__all__ = ["JSON_NAME", "LOCK_NAME", "TEXT_NAME", "OWN_TEXT_NAME", "check_run_dir_free",
+           "claim_run_dir", "make_writable_dir", "reused_run_note", "text_report_path"]
 
 # The machine-readable report: Session.to_json(), read back by `report`, `compare`, merges.
 JSON_NAME = "amp_doctor.json"
 # The text report, as printed at the end of a run.
 TEXT_NAME = "report.txt"
+# ... where the folder already holds a report.txt that is not amp-doctor's (a script
+# writing its own results into the folder given as --logdir): that one is kept.
+OWN_TEXT_NAME = "amp_doctor_report.txt"
+# The first line of every text report amp-doctor writes.
+_TEXT_HEAD = "amp-doctor "
+
+
+def reused_run_note(d: Path) -> str | None:
+    """The note for a run started in a folder that already holds one (its reports are
+    replaced, and TensorBoard shows both runs' event files as one run), or None."""
+    if (d / JSON_NAME).exists() or any(d.glob("events.out.tfevents.*")):
+        return (f"amp-doctor: note: {d} already holds a run: its reports will be replaced "
+                "and TensorBoard will show both runs' event files as one run. Give each run "
+                "a folder of its own (the CLI does when --logdir is left out).")
+    return None
+
+
+def text_report_path(d: Path) -> Path:
+    """Where the run's text report goes in ``d``: ``report.txt``, unless a file of that
+    name is there that amp-doctor did not write; then :data:`OWN_TEXT_NAME`."""
+    path = d / TEXT_NAME
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            head = f.read(len(_TEXT_HEAD))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return path
+    except OSError:
+        return path  # unreadable: writing it says why
+    return path if head == _TEXT_HEAD or not head else d / OWN_TEXT_NAME
 
 
 def make_writable_dir(d: Path) -> None:
@@ -200,7 +229,17 @@ def claim_run_dir(d: Path, option: str = "logdir", *,
         _HANDED.discard(key)  # the watch it was claimed for
         return functools.partial(_release, key, lock, me)
     check_run_dir_free(d, option)
-    fd = _take_lock(lock, me)
+    try:
+        fd = _take_lock(lock, me)
+    except OSError as e:
+        # A full disk (creating the file needs no block, writing its line does) or a
+        # quota: a lock naming no one would be left behind, and the run could not write
+        # its report there either.
+        if _holder(lock) is None:
+            with contextlib.suppress(OSError):
+                lock.unlink()
+        raise UsageError(f"cannot write to {option} {str(d)!r} ({e.strerror or e}); free "
+                         "some space there or pick another folder.") from None
     if fd is None:
         who = _busy(lock)
         raise _busy_error(d, who or "a run starting now", option)
@@ -252,8 +291,12 @@ def _take_lock(lock: Path, me: tuple[int, str, str]) -> int | None:
             # that does not share locks; an older amp-doctor's).
             os.close(fd)
             return None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{me[0]} {me[1]} {me[2]}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{me[0]} {me[1]} {me[2]}\n".encode())
+        except OSError:
+            os.close(fd)
+            raise
         return fd
     return None
 

@@ -42,6 +42,7 @@ from amp_doctor.targets import (
 )
 
 __all__ = [
+    "ScriptState",
     "ModuleNotFound",
     "ResolvedTarget",
     "ScriptNotFound",
@@ -94,43 +95,78 @@ def run(resolved: ResolvedTarget) -> None:
     The script's globals outlive the call, as under python, where ``__main__`` lives until
     the interpreter exits: they are released at exit, or when the next :func:`run` starts.
     """
-    main = ModuleType("__main__")
-    namespace = main.__dict__
-    namespace.update(
-        __file__=resolved.file,
-        __cached__=resolved.cached,
-        __loader__=resolved.loader,
-        __spec__=resolved.spec,
-        __package__=resolved.package,
-        # Python gives __main__ the builtins *module* (imported modules get its dict) and
-        # an empty __annotations__; scripts that introspect either expect what python does.
-        __builtins__=builtins,
-        __annotations__={},
-    )
-
-    saved_argv = sys.argv
-    saved_path = sys.path
-    saved_path_entries = list(sys.path)
-    saved_main = sys.modules.get("__main__")
-    saved_mp_main = sys.modules.get("__mp_main__")
-
-    sys.argv = list(resolved.argv)
-    if resolved.path0 is not None:
-        install_path0(resolved.path0)
-    # pickle finds classes defined in the script through sys.modules["__main__"], and a
-    # multiprocessing spawn child re-runs the script under the name "__mp_main__".
-    sys.modules["__main__"] = main
-    sys.modules["__mp_main__"] = main
-    # Taking the previous run's globals over releases them, before this run allocates.
-    _last_main[:] = [main]
+    state = ScriptState(resolved)
+    state.enter()
     try:
-        _exec_main(resolved.code, namespace)
+        state.exec()
     finally:
+        state.leave()
+
+
+class ScriptState:
+    """What python sets up for a script: a fresh ``__main__`` module (also registered as
+    ``__mp_main__``: pickle finds the script's classes through it, and a multiprocessing
+    spawn child re-runs the script under that name), ``sys.argv`` and ``sys.path[0]``.
+
+    :func:`run` puts it in place for the script's code only. The CLI keeps it in place
+    past that, as python does until the process exits: the script's non-daemon threads
+    are waited for while it holds (an async checkpoint thread pickling the script's
+    classes), it is taken back while amp-doctor writes its report (a script's folder on
+    ``sys.path`` must not shadow what amp-doctor imports then), and put back before the
+    process ends, for the script's ``atexit`` handlers.
+    """
+
+    def __init__(self, resolved: ResolvedTarget) -> None:
+        self.resolved = resolved
+        self.main = ModuleType("__main__")
+        self.main.__dict__.update(
+            __file__=resolved.file,
+            __cached__=resolved.cached,
+            __loader__=resolved.loader,
+            __spec__=resolved.spec,
+            __package__=resolved.package,
+            # Python gives __main__ the builtins *module* (imported modules get its dict)
+            # and an empty __annotations__; scripts that introspect either expect that.
+            __builtins__=builtins,
+            __annotations__={},
+        )
+        self._saved: tuple[Any, ...] | None = None
+        self._script_argv: list[str] = list(resolved.argv)
+        self._script_path: list[str] | None = None  # sys.path as the script left it
+
+    def enter(self) -> None:
+        """Put the script's state in place (again: as the script last left it)."""
+        if self._saved is not None:
+            return
+        self._saved = (sys.argv, sys.path, list(sys.path), sys.modules.get("__main__"),
+                       sys.modules.get("__mp_main__"))
+        sys.argv = self._script_argv
+        if self._script_path is not None:
+            sys.path[:] = self._script_path
+        elif self.resolved.path0 is not None:
+            install_path0(self.resolved.path0)
+        sys.modules["__main__"] = self.main
+        sys.modules["__mp_main__"] = self.main
+        # Taking the previous run's globals over releases them, before this run allocates.
+        _last_main[:] = [self.main]
+
+    def exec(self) -> None:
+        """Run the script's code in its ``__main__`` (the state must be in place)."""
+        _exec_main(self.resolved.code, self.main.__dict__)
+
+    def leave(self) -> None:
+        """Take the script's state back: what was there before :meth:`enter`."""
+        if self._saved is None:
+            return
+        saved_argv, saved_path, saved_entries, saved_main, saved_mp_main = self._saved
+        self._saved = None
+        self._script_argv = sys.argv
+        self._script_path = list(sys.path)
         sys.argv = saved_argv
         # Restore the whole list in place: a script that inserted its own directories
         # must not leave them able to shadow what amp_doctor imports after the run, and
         # other code may hold a reference to the original list object.
-        saved_path[:] = saved_path_entries
+        saved_path[:] = saved_entries
         sys.path = saved_path
         _restore_module("__main__", saved_main)
         _restore_module("__mp_main__", saved_mp_main)
@@ -169,20 +205,24 @@ def user_traceback(exc: BaseException) -> str:
 def exit_code(exc: BaseException | None) -> int:
     """The exit status python would give for a run that ended with ``exc`` (None: success).
 
-    ``SystemExit(None)`` -> 0, ``SystemExit(n)`` -> n, any other ``SystemExit`` payload
-    -> 1 (python also prints it: see :func:`system_exit_message`), ``KeyboardInterrupt``
-    -> 130, :class:`~amp_doctor.errors.Terminated` -> 128 + its signal (what a shell shows
-    for a process the signal killed), anything else -> 1. Pass the result to
-    ``sys.exit``, which applies the same truncation to 8 bits that python's own exit would.
+    ``SystemExit(None)`` -> 0, ``SystemExit(n)`` -> the status the process gets (n's low
+    8 bits: ``sys.exit(300)`` ends with 44, ``sys.exit(-1)`` with 255, ``sys.exit(True)``
+    with 1), any other ``SystemExit`` payload -> 1 (python also prints it: see
+    :func:`system_exit_message`), ``KeyboardInterrupt`` -> 130,
+    :class:`~amp_doctor.errors.Terminated` -> 128 + its signal (what a shell shows for a
+    process the signal killed), anything else -> 1. The report records this status, and
+    ``--fail-on`` judges it: ``sys.exit(256)`` is a success, as the shell sees it.
     """
     if exc is None:
         return 0
     if isinstance(exc, SystemExit):
         if exc.code is None:
             return 0
-        # bool is an int here too, as in CPython's handling: sys.exit(True) exits 1.
-        if isinstance(exc.code, int):
-            return exc.code
+        if isinstance(exc.code, int):  # bool too: sys.exit(True) exits 1
+            code = int(exc.code)
+            # CPython reads the code as a C long (-1 when it does not fit), and the
+            # system keeps its low 8 bits.
+            return (code if -(2**63) <= code < 2**63 else -1) & 0xFF
         return 1
     if isinstance(exc, KeyboardInterrupt):
         return _SIGINT_EXIT
@@ -201,7 +241,10 @@ def system_exit_message(exc: BaseException | None) -> str | None:
         return None
     if exc.code is None or isinstance(exc.code, int):
         return None
-    return str(exc.code)
+    try:
+        return str(exc.code)
+    except Exception:
+        return ""  # python prints an empty line when the payload's str() fails
 
 
 def report_exit(exc: BaseException | None, file: TextIO | None = None) -> int:

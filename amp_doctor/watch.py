@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import sys
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -53,12 +55,15 @@ from amp_doctor.hooks.discovery import (
 from amp_doctor.hooks.patching import Subscription, subscribe
 from amp_doctor.hooks.probes import COMPILED_NOTE, Probes
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
-from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir
+from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir, reused_run_note
 from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
 from amp_doctor.steps.loop import LoopSignals
 from amp_doctor.steps.monitor import AmpMonitor, LoopCallbacks
 from amp_doctor.steps.precision import PrecisionSeen
 from amp_doctor.watch_args import check_option_names, check_watch_args
+
+if TYPE_CHECKING:
+    from amp_doctor.sinks.tensorboard import TensorBoardSink
 
 __all__ = ["Watch", "watch", "DEFAULT_EVERY"]
 
@@ -66,6 +71,19 @@ __all__ = ["Watch", "watch", "DEFAULT_EVERY"]
 # to leave on (see benchmarks/results.md). Skips, backoffs and misuse are
 # tracked on every step regardless.
 DEFAULT_EVERY = 10
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+
+
+def _warn_at_user(message: str) -> None:
+    """A ``RuntimeWarning`` shown at the user's line that called into amp-doctor (however
+    many of its frames lie between), not at one of amp-doctor's."""
+    level = 2
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
+
 
 # The watches started and not closed, for a fork of the process (see _forget_in_child).
 _LIVE: weakref.WeakSet[Watch] = weakref.WeakSet()
@@ -286,14 +304,13 @@ class Watch:
             if self.logdir is not None:
                 _make_logdir(self.logdir)
                 self._release_logdir = claim_run_dir(self.logdir)
+                note = reused_run_note(self.logdir)
+                if note is not None:  # the CLI prints it as its own line
+                    _warn_at_user(note)
             if self.logdir is not None and self._opts.tensorboard:
-                from amp_doctor.sinks.tensorboard import TensorBoardSink
-
-                try:
-                    self._tb = TensorBoardSink(self.logdir, top_k=self.top_k)
-                except UnicodeError as e:
-                    raise tensorboard_path_error(self.logdir, e) from None
-                self._listeners.append(self._tb.on_step)
+                self._tb = self._start_tensorboard(self.logdir)
+                if self._tb is not None:
+                    self._listeners.append(self._tb.on_step)
             self._set_recording()
         except BaseException:
             self._teardown()
@@ -303,6 +320,24 @@ class Watch:
             raise
         _LIVE.add(self)
         return self
+
+    def _start_tensorboard(self, logdir: Path) -> TensorBoardSink | None:
+        """The TensorBoard sink, or None with a one-line warning when it cannot start (a
+        disk too full for its first record, tensorboard not importable): the run is
+        watched all the same, and its JSON and text reports are written."""
+        try:
+            from amp_doctor.sinks.tensorboard import TensorBoardSink
+
+            return TensorBoardSink(logdir, top_k=self.top_k)
+        except UnicodeError as e:
+            raise tensorboard_path_error(logdir, e) from None
+        except (OSError, ImportError) as e:
+            fix = ("pip install tensorboard, or turn TensorBoard off" if isinstance(
+                e, ImportError) else "free some space, or turn TensorBoard off")
+            _warn_at_user(f"amp-doctor: TensorBoard is off for this run, it could not start "
+                          f"({F.error_line(e)}); the reports are written as usual. To keep "
+                          f"it: {fix} (--no-tensorboard, watch(tensorboard=False)).")
+            return None
 
     def _forget(self) -> None:
         """In a forked child: remove the hooks and patches, write nothing (see

@@ -17,6 +17,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -129,6 +130,26 @@ def test_module_mode_for_packages(work: Path, cli: Cli) -> None:
     assert under.returncode == 0
 
 
+@pytest.mark.parametrize("args", [
+    ["--every", "3", "--logdir", "theirs", "-q"],
+    ["-m", "other", "--json", "j.json"],
+    ["--", "--every", "4"],  # python hands the module the "--" too
+    ["--help"],
+])
+def test_arguments_after_the_module_are_the_modules(work: Path, cli: Cli,
+                                                    args: list[str]) -> None:
+    # Before: -m is an option with a value, after which click went on parsing, and took
+    # the module's --every, --logdir, -q, -m, --json and --help for amp-doctor's (review 38).
+    plain = run([sys.executable, "-m", "pkgmod", *args], work)
+    under = cli(["diagnose", "--no-tensorboard", "--logdir", "out", "-m", "pkgmod", *args])
+    assert under.stdout == plain.stdout == f"pkgmod main {args}\n"
+    assert under.returncode == 0, under.stderr
+    assert _report(work).run.command == ["python", "-m", "pkgmod", *args]
+    assert not (work / "theirs").exists() and not (work / "j.json").exists()
+    fix = cli(["fix", "--trials", "1", "-m", "pkgmod", "--help"])  # fix takes them alike
+    assert "Usage: amp-doctor fix" not in fix.stdout
+
+
 def _report(work: Path, logdir: str = "out") -> Session:
     return Session.load(work / logdir / "amp_doctor.json")
 
@@ -167,6 +188,27 @@ def test_exit_codes_and_report_on_every_path(request: pytest.FixtureRequest, wor
         assert "ValueError: user bug in the training script" in r.stderr
         assert 'train_tiny.py", line' in r.stderr
         assert "amp_doctor" not in r.stderr.split("Traceback")[1].split("ValueError")[0]
+
+
+@pytest.mark.parametrize(("code", "status", "outcome"), [
+    ("True", 1, "exit"), ("False", 0, "completed"), ("300", 44, "exit"), ("-1", 255, "exit"),
+    ("2**70", 255, "exit"), ("256", 0, "completed")])
+def test_the_report_records_the_exit_status_the_process_gets(work: Path, cli: Cli, code: str,
+                                                             status: int,
+                                                             outcome: str) -> None:
+    # sys.exit(main()) with main() returning a bool wrote "exit_code": false, which report,
+    # compare and fix then refused to read; sys.exit(300) was recorded as 300 where the
+    # process ends with 44, and --fail-on judged 256 a failure while the shell saw 0
+    # (review 38).
+    (work / "ends.py").write_text(f"import sys, runpy\nsys.argv[1:] = ['--steps', '2']\n"
+                                  f"runpy.run_path('train_tiny.py', run_name='__main__')\n"
+                                  f"sys.exit({code})\n")
+    plain = run([sys.executable, "ends.py"], work)
+    r = cli(["diagnose", "--no-tensorboard", "--logdir", "out", "ends.py"])
+    assert r.returncode == plain.returncode == status
+    s = _report(work)
+    assert (s.run.exit_code, s.run.outcome) == (status, outcome)
+    assert cli(["report", "out"]).returncode == 0  # it reads back
 
 
 def _signal_a_waiting_run(work: Path, sig: int) -> tuple[int, str]:
@@ -421,7 +463,10 @@ def test_report_on_missing_run_is_a_one_line_error(work: Path) -> None:
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "amp_doctor.json" in r.stderr
 
 
-def test_view_serves_tensorboard(work: Path, cli: Cli) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_view_serves_tensorboard(work: Path, cli: Cli, sig: int) -> None:
+    # SIGTERM (kill, an IDE's stop button) left the TensorBoard server running, its port
+    # bound, and view's folder behind; Ctrl-C did not (review 38).
     import socket
     import urllib.request
 
@@ -445,12 +490,20 @@ def test_view_serves_tensorboard(work: Path, cli: Cli) -> None:
                 assert time.monotonic() < deadline, "tensorboard did not answer"
                 time.sleep(0.5)
         assert runs == ["out"]  # named after its folder, not "." (issue 18)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        tree = [p for p in Path(tempfile.gettempdir()).glob("amp-doctor-view-*")]
+        assert children and tree
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+    assert proc.returncode == (0 if sig == signal.SIGINT else -sig)
+    for pid in children:  # the server is gone with it
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
+            f"/proc/{pid}/status").read_text()
+    assert not any(p.exists() for p in tree)
 
 
 def test_scheduler_made_before_the_first_forward_does_not_hide_the_scaler(

@@ -251,10 +251,17 @@ print("main done", flush=True)
 
 
 def test_a_script_that_never_imports_torch_still_gets_its_report(work: Path) -> None:
-    (work / "plain.py").write_text('print("no torch here")\n')
-    r = run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "--logdir", "out", "plain.py"], work)
-    assert r.returncode == 0 and r.stdout.startswith("no torch here\n"), r.stderr
-    assert Session.load(work / "out" / "amp_doctor.json").steps == 0
+    # A wrapper that starts the real trainer in a subprocess, or the wrong file. Before:
+    # torch imported to report nothing (seconds), empty TensorBoard logs, and "check that
+    # the script trains" (review 38).
+    (work / "plain.py").write_text('import sys\nprint("no torch here")\nsys.exit(3)\n')
+    r = run([AMP_DOCTOR, "diagnose", "--logdir", "out", "plain.py"], work)
+    assert r.returncode == 3 and r.stdout.startswith("no torch here\n"), r.stderr
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.steps == 0 and s.run.exit_code == 3 and s.run.outcome == "exit"
+    assert "the script never imported torch" in r.stderr
+    assert not list((work / "out").glob("events.out.tfevents.*"))
+    assert "view the dashboards" not in r.stderr
 
 
 def test_the_scripts_own_excepthook_is_called_as_under_python(work: Path) -> None:
@@ -748,3 +755,122 @@ print(repr(started.error))
                        timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "2.0\nRuntimeError('could not start')\n"
+
+
+def test_atexit_handlers_and_late_threads_see_the_scripts_main_argv_and_path(
+        work: Path) -> None:
+    # An async checkpoint thread and an atexit handler pickling a class defined in the
+    # script, and a late import of a sibling module: __main__, sys.argv and sys.path were
+    # amp-doctor's again once the main code returned, so the checkpoints failed to pickle
+    # (review 38).
+    (work / "sub").mkdir()
+    (work / "sub" / "late_helper.py").write_text("VALUE = 42\n")
+    (work / "sub" / "late.py").write_text(LOOP + """
+import atexit, pickle, threading
+class Cfg:
+    lr = 0.1
+def save(tag):
+    pickle.dumps(Cfg())
+    import late_helper
+    print(tag, "ok", sys.argv[1:], late_helper.VALUE, flush=True)
+atexit.register(save, "atexit")
+threading.Thread(target=lambda: (time.sleep(0.5), save("thread"))).start()
+""")
+    plain = run([sys.executable, "sub/late.py", "a1"], work)
+    r = run([AMP_DOCTOR, "diagnose", "-q", "--no-tensorboard", "--logdir", "out",
+             "sub/late.py", "a1"], work)
+    assert plain.stdout == "thread ok ['a1'] 42\natexit ok ['a1'] 42\n", plain.stderr
+    assert r.stdout == plain.stdout, r.stderr
+    assert r.returncode == 0 and "Error" not in r.stderr
+
+
+def test_a_watch_that_cannot_start_tensorboard_still_watches_and_keeps_the_exit_code(
+        work: Path) -> None:
+    # tensorboard not importable (a --no-deps install): the script ran unwatched, then
+    # amp-doctor's own traceback and exit 1, no report (review 38).
+    fake = work / "fake" / "tensorboard"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named tensorboard')\n")
+    (work / "ends4.py").write_text(LOOP + "sys.exit(4)\n")
+    env = {**os.environ, "PYTHONPATH": str(work / "fake"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "ends4.py"],
+                       cwd=work, capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 4, r.stderr
+    assert "Traceback" not in r.stderr
+    said = [ln for ln in r.stderr.splitlines() if "TensorBoard is off" in ln]
+    assert len(said) == 1 and "pip install tensorboard" in said[0]
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.steps == 3 and s.recorded_steps == 3 and s.run.exit_code == 4
+    assert not list((work / "out").glob("events.out.tfevents.*"))
+    assert "view the dashboards" not in r.stderr
+
+
+def test_a_logdir_that_cannot_be_written_to_is_one_line_and_leaves_no_lock(work: Path) -> None:
+    # A full disk: creating the lock file needs no block, writing its line does. Before: a
+    # raw OSError traceback from the lock, and a 0-byte lock left (review 38). A file
+    # size limit of 0 fails every write the same way.
+    import resource
+
+    (work / "out").mkdir()
+
+    def no_writes() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+    r = subprocess.run([AMP_DOCTOR, "diagnose", "--logdir", "out", "train_tiny.py"],
+                       cwd=work, capture_output=True, text=True, timeout=120,
+                       preexec_fn=no_writes)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "cannot write to --logdir" in r.stderr and "free some space" in r.stderr
+    assert not list((work / "out").iterdir())
+
+
+def test_a_report_txt_the_script_wrote_into_the_logdir_is_kept(work: Path) -> None:
+    # A script writing its own results into the folder also given as --logdir: its
+    # report.txt was replaced by amp-doctor's without a word (review 38).
+    (work / "own.py").write_text(LOOP + """
+os.makedirs("out", exist_ok=True)
+open("out/report.txt", "w").write("EVAL REPORT: final loss 0.57\\n")
+""")
+    r = run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "--logdir", "out", "own.py"], work)
+    assert r.returncode == 0, r.stderr
+    assert (work / "out" / "report.txt").read_text() == "EVAL REPORT: final loss 0.57\n"
+    assert (work / "out" / "amp_doctor_report.txt").read_text().startswith("amp-doctor ")
+    assert "is not amp-doctor's" in r.stderr and "amp_doctor_report.txt" in r.stderr
+    again = run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "--logdir", "out2",
+                 "train_tiny.py"], work)  # a folder of amp-doctor's own: report.txt as ever
+    assert again.returncode == 0 and (work / "out2" / "report.txt").is_file()
+
+
+def test_an_exception_whose_str_fails_is_reported_as_python_does(work: Path) -> None:
+    # Before: amp-doctor's own traceback from str(exc), no report (review 38).
+    (work / "weird.py").write_text(LOOP + """
+class Weird(Exception):
+    def __str__(self):
+        raise ValueError("no str for you")
+raise Weird()
+""")
+    plain = run([sys.executable, "weird.py"], work)
+    r = run([AMP_DOCTOR, "diagnose", "--no-tensorboard", "--logdir", "out", "weird.py"], work)
+    assert r.returncode == plain.returncode == 1
+    assert "Weird: <exception str() failed>" in plain.stderr
+    assert "Weird: <exception str() failed>" in r.stderr and "no str for you" not in r.stderr
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.run.outcome == "exception" and s.run.error == "Weird: <exception str() failed>"
+
+
+def test_the_terminal_guard_keeps_the_streams_protocols() -> None:
+    # On a terminal the script's stdout/stderr clear the status line before each write.
+    # `with sys.stdout:` raised TypeError, isinstance(sys.stdout, io.TextIOWrapper) was
+    # False, and bytes gave amp-doctor's own error (review 38).
+    import io
+
+    from amp_doctor.commands.terminal import Console, GuardedStream, Progress
+
+    inner = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    guard = GuardedStream(inner, Progress(enabled=False, console=Console()))
+    assert isinstance(guard, io.TextIOWrapper) and type(guard) is GuardedStream
+    with pytest.raises(TypeError, match="must be str, not bytes"):
+        guard.write(b"x")  # type: ignore[arg-type]
+    with guard as f:
+        f.write("written\n")
+    assert inner.closed  # closed by the with, as python's own stream would be

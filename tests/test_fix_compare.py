@@ -91,6 +91,42 @@ def test_compare_shows_the_fix_resolving_the_errors() -> None:
     assert {d["status"] for d in data["findings"]} >= {"resolved"}
 
 
+def test_compare_says_when_the_runs_are_of_different_models_or_scripts() -> None:
+    # A Linear "0" against a Conv2d "0" was paired by name without a word, and two
+    # unrelated runs read "1 error(s) resolved" (review 38).
+    import dataclasses
+
+    from torch import nn
+
+    def run(model: nn.Module, script: str, x: torch.Tensor) -> Session:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x).float().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        s = doctor.session
+        return dataclasses.replace(s, run=dataclasses.replace(s.run,
+                                                              command=["python", script]))
+
+    torch.manual_seed(0)
+    a = run(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), "mlp.py",
+            torch.randn(4, 8))
+    b = run(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten()), "cnn.py",
+            torch.randn(4, 1, 5, 5))
+    c = compare(a, b, "mlp", "cnn")
+    assert c.different_models and c.retyped == ["0 (Linear -> Conv2d)", "2 (Linear -> Flatten)"]
+    text = render(c)
+    assert "mlp and cnn name 2 layers alike that are of different types (0 (Linear -> " \
+           "Conv2d), 2 (Linear -> Flatten)): they are different models" in " ".join(text.split())
+    assert "the runs come from different scripts (python mlp.py; python cnn.py)" in text
+    same = compare(a, a, "x", "y")
+    assert not same.different_models and same.scripts is None and not same.retyped
+    assert "Note:" not in render(same)
+
+
 def test_compare_follows_a_second_gradscaler() -> None:
     # A GAN with a GradScaler per network, run with the generator's overflow and without
     # it. Before, compare read the first scaler alone: "no change", and the generator
@@ -171,6 +207,32 @@ def test_fix_cli_on_the_overflow_sample(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["best"] == ["proj"] and result["deterministic"]
     assert result["baseline"]["errors"] and result["trials"][-1]["ok"]
+
+
+def test_diagnose_points_to_the_next_step_and_a_fp32_run_is_not_told_to_keep_it(
+        tmp_path: Path) -> None:
+    # The report never named --fp32, fix or --anomaly; and under --fp32 proj, proj's own
+    # finding still advised wrapping it in float32 (review 38).
+    sample = SAMPLES / "fp16_activation_overflow.py"
+    proc = subprocess.run([console_script(), "diagnose", "--no-tensorboard", "--logdir",
+                           str(tmp_path / "a"), str(sample)],
+                          capture_output=True, text=True, timeout=300)
+    nexts = [ln for ln in proc.stderr.splitlines() if ln.startswith("amp-doctor: next:")]
+    assert nexts == [
+        f"amp-doctor: next: try proj in float32 without editing the code: amp-doctor "
+        f"diagnose --fp32 proj {sample}",
+        f"amp-doctor: next: or search the smallest such set of layers: amp-doctor fix "
+        f"{sample}",
+        "amp-doctor: next: to name the op and the line that made the first inf/NaN: "
+        f"amp-doctor diagnose --anomaly {sample}"]
+    fixed = subprocess.run([console_script(), "diagnose", "--no-tensorboard", "--logdir",
+                            str(tmp_path / "b"), "--fp32", "proj", str(sample)],
+                           capture_output=True, text=True, timeout=300)
+    assert "amp-doctor: next:" not in fixed.stderr
+    (f,) = [f for f in Session.load(tmp_path / "b" / "amp_doctor.json").findings
+            if f.module == "proj" and f.kind == "activation_overflow"]
+    assert f.severity == "info" and "ran in float32 by --fp32" in f.message
+    assert f.advice.startswith("It ran in float32 here only because --fp32")
 
 
 def test_fix_on_a_healthy_script_that_fails_on_its_own_says_so_and_searches_nothing(

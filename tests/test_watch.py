@@ -270,6 +270,19 @@ def test_a_warning_from_a_patched_function_names_the_users_line() -> None:
     assert by["deep"].filename == "sys"  # python's own name for beyond the stack
 
 
+def test_a_watch_into_a_folder_that_holds_a_run_says_so_at_the_users_line(
+        tmp_path: Path) -> None:
+    # The README's quickstart run twice mixed both runs' TensorBoard events into one run
+    # without a word; the CLI said it, watch() did not (review 38).
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with amp_doctor.watch(MLP(), every=1, logdir=tmp_path) as doctor:
+                train(doctor.models[""], steps=1)
+    (w,) = [w for w in said if "already holds a run" in str(w.message)]
+    assert w.category is RuntimeWarning and w.filename == __file__
+
+
 def test_one_run_at_a_time_in_a_logdir(tmp_path: Path) -> None:
     # Two runs writing into one logdir mixed their TensorBoard events and overwrote each
     # other's reports without a word; the second is now refused, and the logdir is free

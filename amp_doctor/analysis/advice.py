@@ -23,6 +23,12 @@ ADVICE: dict[str, str] = {
         "or train with `dtype=torch.bfloat16`, which has float32's range. If the "
         "weights grew large, add weight decay or normalisation before it."
     ),
+    "fp32_kept": (
+        "It ran in float32 here only because --fp32 (watch(fp32=...)) asked: to keep that "
+        "without amp-doctor, wrap its call in `with torch.autocast(device_type, "
+        "enabled=False): out = layer(x.float())` (`amp-doctor fix` prints a snippet for "
+        "the set of layers that removes every error)."
+    ),
     "activation_nonfinite": (
         "Find the op that made inf/NaN with anomaly mode (`amp-doctor diagnose --anomaly` or "
         "`watch(model, anomaly=True)`) and keep it in float32 with `torch.autocast(device_type, "

@@ -107,9 +107,14 @@ class Comparison:
     b: RunSide
     findings: list[FindingDelta]
     layers: list[LayerDelta]
-    # Both runs have layers, and no layer name in common: two different models, not one
-    # model before and after a change.
+    # Both runs have layers, and no layer name in common, or half or more of the names
+    # they share are of different types (a Linear "0" against a Conv2d "0"): two
+    # different models, not one model before and after a change.
     different_models: bool = False
+    # Same-named layers of different types: "0 (Linear -> Conv2d)".
+    retyped: list[str] = field(default_factory=list)
+    # The scripts the runs came from, when they differ (python a.py, python b.py).
+    scripts: tuple[str, str] | None = None
 
     @property
     def resolved(self) -> list[FindingDelta]:
@@ -236,9 +241,23 @@ def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> C
             count_b=y.count if y else 0, message=g.message))
     status_rank = {"resolved": 0, "new": 1, "unchanged": 2}
     deltas.sort(key=lambda d: (status_rank[d.status], rank.get(d.severity, 9)))
-    names_a, names_b = {x.name for x in a.layers}, {x.name for x in b.layers}
+    type_a, type_b = {x.name: x.type for x in a.layers}, {x.name: x.type for x in b.layers}
+    common = [n for n in type_a if n in type_b]
+    retyped = [f"{n} ({type_a[n]} -> {type_b[n]})" for n in common if type_a[n] != type_b[n]]
+    different = bool(type_a and type_b and (not common or 2 * len(retyped) >= len(common)))
+    script_a, script_b = _script(a), _script(b)
     return Comparison(_side(label_a, a), _side(label_b, b), deltas, _layer_deltas(a, b),
-                      different_models=bool(names_a and names_b and not names_a & names_b))
+                      different_models=different, retyped=retyped,
+                      scripts=(script_a, script_b) if script_a != script_b else None)
+
+
+def _script(s: Session) -> str:
+    """The script (or ``-m`` module) a run came from, without its arguments: a run before
+    and after a change (--fp32, a fix) runs the same one."""
+    cmd = list(s.run.command or [])
+    if len(cmd) >= 3 and cmd[1] == "-m":
+        return " ".join(cmd[:3])
+    return " ".join(cmd[:2])
 
 
 # -- rendering -----------------------------------------------------------------
@@ -323,9 +342,21 @@ def render(c: Comparison, fmt: str = "text") -> str:
     h = (lambda t: f"### {t}") if fmt == "markdown" else (lambda t: t)
     out = [f"**{_verdict(c)}**" if fmt == "markdown" else _verdict(c), ""]
     if c.different_models:
-        out += [f"Note: {c.a.label} and {c.b.label} have no layer name in common: they are "
-                "different models, so this compares their totals, not one model before and "
-                "after a change.", ""]
+        why = "have no layer name in common"
+        if c.retyped:
+            shown = ", ".join(c.retyped[:3]) + (", ..." if len(c.retyped) > 3 else "")
+            why = (f"name {F.counted(len(c.retyped), 'layer')} alike that are of different "
+                   f"types ({shown})")
+        out += [f"Note: {c.a.label} and {c.b.label} {why}: they are different models, so "
+                "this compares their totals, not one model before and after a change; "
+                "layers are matched by name only.", ""]
+    elif c.retyped:
+        out += ["Note: layers of the same name and different types are matched by name: "
+                + ", ".join(c.retyped[:3]) + (", ..." if len(c.retyped) > 3 else "") + ".",
+                ""]
+    if c.scripts is not None:
+        out += [f"Note: the runs come from different scripts ({c.scripts[0]}; "
+                f"{c.scripts[1]}).", ""]
     out += [h("Runs"), tabulate(_run_rows(c), headers=["", c.a.label, c.b.label],
                                 tablefmt=table, disable_numparse=True), ""]
     out.append(h("Findings"))

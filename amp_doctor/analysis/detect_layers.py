@@ -229,12 +229,14 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             data={"headroom": lay.headroom, "absmax": lay.absmax, "dtype": fmt},
         )
     elif lay.what_if and fmt == "float16" and lay.overflow_frac > 0 and session.amp.dtype:
+        forced = lay.name in session.run.fp32_modules
         yield Finding(
             kind="activation_overflow", severity="info", module=lay.name, op=None, step=None,
-            message=(f"{lay.name} ({lay.type}) stayed in float32; cast to {fmt} its output "
-                     f"would overflow ({F.pct(lay.overflow_frac)} of values). Keep it in "
-                     "float32."),
-            advice=ADVICE["activation_overflow"],
+            message=(f"{lay.name} ({lay.type}) "
+                     + ("ran in float32 by --fp32" if forced else "stayed in float32")
+                     + f"; cast to {fmt} its output would overflow "
+                     f"({F.pct(lay.overflow_frac)} of values). Keep it in float32."),
+            advice=ADVICE["fp32_kept" if forced else "activation_overflow"],
             data={"overflow_frac": lay.overflow_frac, "what_if": True},
         )
     if lay.passthrough:

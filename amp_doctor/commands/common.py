@@ -14,18 +14,60 @@ from amp_doctor.runfiles import JSON_NAME
 if TYPE_CHECKING:
     from amp_doctor.records import Session
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "LAUNCHER_ENV", "SMOOTHING_HINT", "fail",
-           "load_session", "severity_reached"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "LAUNCHER_ENV", "OWNS_PROCESS", "SMOOTHING_HINT",
+           "RunsAScript", "fail", "load_session", "owns_process", "severity_reached"]
 
 EXIT_USAGE = 2
 # What a shell shows for a process ended by Ctrl-C (128 + SIGINT).
 EXIT_INTERRUPTED = 130
 # Set for the rank processes a `diagnose --nproc-per-node` launcher starts: it merges.
 LAUNCHER_ENV = "AMP_DOCTOR_LAUNCHER"
+# The click context object's key: the command runs as this process's entry point
+# (``amp-doctor ...``, ``python -m amp_doctor ...``), not called from other Python code.
+OWNS_PROCESS = "owns_process"
 # A short run has few points per chart: smoothing bends them, and with "Ignore
 # outliers" TensorBoard may scale a two-point chart so that both points fall outside.
 SMOOTHING_HINT = ("in TensorBoard's left panel, set Smoothing to 0 and untick 'Ignore outliers in "
                   "chart scaling' to see each step's true value")
+
+
+class RunsAScript(click.Command):
+    """A command that runs ``SCRIPT [ARGS]...`` or ``-m MODULE [ARGS]...``: as under python,
+    everything after the script or the module is the script's.
+
+    click stops parsing options at the first positional argument (the script path), but
+    ``-m MODULE`` is an option with a value, after which it went on: ``-m pkg.train
+    --every 3`` took the module's ``--every`` as amp-doctor's, and ``--help`` showed
+    amp-doctor's help. The arguments after the module are put behind a ``--`` here, so
+    that click passes them on untouched (a ``--`` of the user's among them too).
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, self._module_args_last(args))
+
+    def _module_args_last(self, args: list[str]) -> list[str]:
+        takes_value = {name for p in self.params if isinstance(p, click.Option)
+                       and not p.is_flag and not p.count for name in p.opts}
+        i = 0
+        while i < len(args):
+            a = args[i]
+            if a == "--" or not a.startswith("-") or a == "-":
+                return args  # the script (or an explicit end of options) comes first
+            if a == "-m" and i + 1 < len(args):
+                return [*args[: i + 2], "--", *args[i + 2 :]]
+            if a.startswith("-m") and not a.startswith("--"):
+                return [*args[: i + 1], "--", *args[i + 1 :]]  # -mpkg.train
+            if a in takes_value:
+                i += 1  # skip the option's value
+            i += 1
+        return args
+
+
+def owns_process() -> bool:
+    """The running command is this process's entry point (see :data:`OWNS_PROCESS`)."""
+    ctx = click.get_current_context(silent=True)
+    obj = ctx.find_root().obj if ctx is not None else None
+    return bool(isinstance(obj, dict) and obj.get(OWNS_PROCESS))
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
@@ -53,6 +95,15 @@ def load_session(path: Path) -> Session:
         fail(f"no amp-doctor report in {str(path)!r}: the run was stopped before it wrote one "
              "(killed by a signal: SIGTERM, `timeout`, a scheduler; Ctrl-C writes it). Its "
              f"live TensorBoard charts are there: amp-doctor view {shlex.quote(str(path))}.")
+    if not p.exists() and path.is_dir():
+        runs = sorted((d for d in path.iterdir() if (d / JSON_NAME).is_file()),
+                      key=lambda d: d.stat().st_mtime, reverse=True)
+        if runs:  # the folder of runs (runs/amp-doctor), not a run
+            shown = ", ".join(shlex.quote(str(d)) for d in runs[:3])
+            what = "a run in a folder of its own" if len(runs) == 1 else f"{len(runs)} runs"
+            fail(f"{str(path)!r} holds {what}; pass the run's folder: {shown}"
+                 + (", ..." if len(runs) > 3 else "") + (" (newest first)." if len(runs) > 1
+                                                          else "."))
     if not p.exists():
         fail(f"no amp-doctor report at {str(p)!r}; pass a run directory written by "
              "`amp-doctor diagnose` (it holds amp_doctor.json) or a JSON report file.")

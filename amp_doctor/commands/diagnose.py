@@ -24,7 +24,13 @@ import click
 from amp_doctor import format as F
 from amp_doctor._version import __version__
 from amp_doctor.commands.aftertorch import after_torch_import
-from amp_doctor.commands.common import EXIT_USAGE, LAUNCHER_ENV, fail
+from amp_doctor.commands.common import (
+    EXIT_USAGE,
+    LAUNCHER_ENV,
+    RunsAScript,
+    fail,
+    owns_process,
+)
 from amp_doctor.commands.launch import launch
 from amp_doctor.commands.paths import (
     check_output_file,
@@ -32,7 +38,7 @@ from amp_doctor.commands.paths import (
     check_writable,
     default_logdir,
     logdir_option,
-    note_reused_logdir,
+    output_file_option,
 )
 from amp_doctor.commands.publish import print_user_exit, publish, render_report, write_or_warn
 from amp_doctor.commands.terminal import (
@@ -44,7 +50,13 @@ from amp_doctor.commands.terminal import (
     sigterm_unwinds,
 )
 from amp_doctor.errors import AmpDoctorError, Terminated, UsageError
-from amp_doctor.runfiles import JSON_NAME, TEXT_NAME, check_run_dir_free, claim_run_dir
+from amp_doctor.runfiles import (
+    JSON_NAME,
+    TEXT_NAME,
+    check_run_dir_free,
+    claim_run_dir,
+    text_report_path,
+)
 
 if TYPE_CHECKING:
     from amp_doctor import runner
@@ -54,6 +66,7 @@ __all__ = ["diagnose"]
 
 
 @click.command(
+    cls=RunsAScript,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
     short_help="Run a training script under amp-doctor.",
 )
@@ -70,9 +83,11 @@ __all__ = ["diagnose"]
               help="With --anomaly: 'raise' checks every op of every step and stops the "
                    "script at the first one that makes NaN/Inf (much slower; implies "
                    "--anomaly).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+@click.option("--json", "json_path", type=click.Path(), default=None,
+              callback=output_file_option,
               help="Also write the JSON report to this file.")
-@click.option("--report", "report_path", type=click.Path(path_type=Path), default=None,
+@click.option("--report", "report_path", type=click.Path(), default=None,
+              callback=output_file_option,
               help="Also write the text report to this file.")
 @click.option("--fail-on", type=click.Choice(["never", "warning", "error"]), default="never",
               show_default=True, help="Exit 1 when findings reach this severity.")
@@ -151,7 +166,6 @@ def diagnose(
         check_output_file(json_out, "--json", JSON_NAME)
     if report_out is not None:
         check_output_file(report_out, "--report", TEXT_NAME)
-    explicit = logdir is not None
     logdir = (logdir or default_logdir(target)).absolute()
     check_writable(logdir)
     if not no_tensorboard:
@@ -195,16 +209,15 @@ def diagnose(
         except UsageError as e:
             fail(str(e))
     code = signum = None
+    script: list[Any] = []  # the script's runner.ScriptState, once it ran
     try:
         try:
             console = Console()
             try:
-                if explicit and not os.environ.get(LAUNCHER_ENV):
-                    note_reused_logdir(logdir, console)
                 code, signum = _diagnose(resolved, target, logdir, every, anomaly, json_out,
                                          report_out, fail_on, max_steps, quiet,
                                          not no_tensorboard, console, fp32, stop_after,
-                                         target_dtype, on_nonfinite)
+                                         target_dtype, on_nonfinite, script)
             finally:
                 console.close()
         finally:
@@ -217,6 +230,10 @@ def diagnose(
         # was written, the last one after): the run is over, and python ends a script
         # Ctrl-C'd at its very end by SIGINT, not by click's "Aborted!" and exit 1.
         signum = signal.SIGINT
+    if script and owns_process():
+        # The report is out and the process ends: the script's atexit handlers (a last
+        # checkpoint of a class defined in the script) see its state, as under python.
+        script[0].enter()
     if signum is not None:
         die_by_signal(signum)  # the report is out: end as python would have
     sys.exit(code)
@@ -248,7 +265,7 @@ def _diagnose(
     json_out: Path | None, report_out: Path | None, fail_on: str, max_steps: int | None,
     quiet: bool, tensorboard: bool, console: Console, fp32: tuple[str, ...] = (),
     stop_after: int | None = None, target_dtype: str | None = None,
-    on_nonfinite: str = "record",
+    on_nonfinite: str = "record", script: list[Any] | None = None,
 ) -> tuple[int, int | None]:
     """The exit code, and the signal that ended the script (then the process must end by
     it, once every file is written: :func:`die_by_signal`)."""
@@ -279,7 +296,10 @@ def _diagnose(
                        tensorboard=tensorboard, fp32=fp32,
                        stop_after=stop_after, target_dtype=target_dtype)
         before = set(threading.enumerate())
-        doctor.start()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            doctor.start()
+        _echo_own_warnings(said, console)  # TensorBoard could not start: one line
         doctor.add_listener(progress)
         if fp32:
             doctor.add_listener(_Fp32Early(doctor, progress, console))
@@ -297,12 +317,21 @@ def _diagnose(
                     progress.clear()
                     failed = hook[0].import_failed if hook else None
                     if not watching and failed is not None:
-                        finished.append(_finish_unwatched(exc, failed, command, ranks, run_dir,
-                                                          json_out, report_out, fail_on,
-                                                          console))
+                        finished.append(_finish_unwatched(
+                            exc, command, ranks, run_dir, json_out, report_out, fail_on,
+                            console, f"amp-doctor: the script's `import torch` did not "
+                            f"finish ({type(failed).__name__}), so nothing was watched; the "
+                            "report only says how the run ended."))
+                    elif not watching:
+                        # Importing torch now, only to report nothing, took seconds and
+                        # left empty TensorBoard logs.
+                        finished.append(_finish_unwatched(
+                            exc, command, ranks, run_dir, json_out, report_out, fail_on,
+                            console, "amp-doctor: the script never imported torch, so there "
+                            "was nothing to watch. If it starts the training in another "
+                            "process (subprocess, a launcher), run amp-doctor on that "
+                            "script instead."))
                     else:
-                        if not watching:  # the script never imported torch
-                            start()
                         finished.append(_finish(watching[0], exc, command, ranks, speaks,
                                                 run_dir, logdir, json_out, report_out,
                                                 fail_on, tensorboard, console))
@@ -320,6 +349,9 @@ def _diagnose(
     progress.wrap_std_streams()
     pid = os.getpid()
     threads_before = set(threading.enumerate())
+    state = runner.ScriptState(resolved)
+    if script is not None:
+        script.append(state)  # for the caller to put back before the process exits
     # Through the wait for the script's threads:
     with _stop_quietly_in_threads(), sigterm_unwinds() as term:
 
@@ -327,25 +359,42 @@ def _diagnose(
             start()
             term.arm()  # once the watch is on: see SigtermUnwinds.arm
 
-        try:
-            with _report_before_exec(before_exec), after_torch_import(start_watching) as started:
-                hook.append(started)
-                exc = _run_script(resolved)
-                started.keep_torch()
-        except (KeyboardInterrupt, Terminated) as again:  # as the script's exit unwound
-            exc = again
-        if os.getpid() != pid:
-            return _child_exit(exc), None
-        if finished:  # an exec that failed (OSError): the report is out already
-            return runner.exit_code(exc), None
-        if started.error is not None:
-            # The watch could not start at the script's `import torch` (which went on):
-            # the script ran unwatched; say why, as a failure to start before it would.
-            progress.unwrap_std_streams()
-            restore_std_streams(console)
-            raise started.error
-        # Under python, a SIGTERM ends the process, its other threads with it.
-        late = _join_script_threads(threads_before) if term.received is None else None
+        try:  # the script's state stays in place through the wait for its threads
+            try:
+                with _report_before_exec(before_exec), \
+                        after_torch_import(start_watching) as started:
+                    hook.append(started)
+                    exc = _run_script(state)
+                    started.keep_torch()
+            except (KeyboardInterrupt, Terminated) as again:  # as the script's exit unwound
+                exc = again
+            if os.getpid() != pid:
+                return _child_exit(exc), None
+            if finished:  # an exec that failed (OSError): the report is out already
+                return runner.exit_code(exc), None
+            if isinstance(started.error, AmpDoctorError):
+                # The watch refused to start at the script's `import torch` (which went
+                # on): the script ran unwatched; say why, as a failure to start before it
+                # would.
+                progress.unwrap_std_streams()
+                restore_std_streams(console)
+                raise started.error
+            if started.error is not None:
+                # It failed to start (no space left, a broken install): the report says
+                # how the run ended, with the script's own exit code, and one line why.
+                failed = started.error
+                state.leave()
+                progress.unwrap_std_streams()
+                finished.append(_finish_unwatched(
+                    exc, command, ranks, run_dir, json_out, report_out, fail_on, console,
+                    f"amp-doctor: could not start watching at the script's `import torch` "
+                    f"({F.error_line(failed)}), so the script ran unwatched; the report "
+                    "only says how the run ended."))
+                return finished[0], _signal_of(exc)
+            # Under python, a SIGTERM ends the process, its other threads with it.
+            late = _join_script_threads(threads_before) if term.received is None else None
+        finally:
+            state.leave()
     if term.received is not None and not isinstance(exc, Terminated):
         # The script swallowed it (a bare except), or an error it caused replaced it as
         # it unwound (DataLoader workers the same signal ended): python would have died.
@@ -444,13 +493,14 @@ def _child_exit(exc: BaseException | None) -> int:
     return runner.exit_code(exc)
 
 
-def _run_script(resolved: Any) -> BaseException | None:
-    """Run the user's script; how it ended (None for falling off the end)."""
-    from amp_doctor import runner
+def _run_script(state: Any) -> BaseException | None:
+    """Run the user's script in its ``runner.ScriptState``, left in place for the wait for
+    its threads (the caller takes it back); how it ended (None for falling off the end)."""
     from amp_doctor.errors import StopRun
 
+    state.enter()
     try:
-        runner.run(resolved)
+        state.exec()
     except StopRun:
         pass  # --stop-after: a normal end of a shortened run
     except BaseException as e:  # the user's exit path, whatever it is, is ours to report
@@ -488,8 +538,9 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
                      "it. Please report this bug.")
         session = _salvage(doctor, run_dir, console, meta)
     if ranks is not None:
-        write_or_warn(lambda: write_text_atomic(run_dir / TEXT_NAME, render_report(session)),
-                       run_dir / TEXT_NAME, console)
+        rank_text = text_report_path(run_dir)
+        write_or_warn(lambda: write_text_atomic(rank_text, render_report(session)),
+                      rank_text, console)
         if not speaks:
             print_user_exit(exc, console)
             return code
@@ -552,12 +603,14 @@ def _run_meta(exc: BaseException | None, code: int, command: list[str],
                 rank=ranks[0] if ranks else None, world_size=ranks[1] if ranks else None)
 
 
-def _finish_unwatched(exc: BaseException | None, failed: BaseException, command: list[str],
+def _finish_unwatched(exc: BaseException | None, command: list[str],
                       ranks: tuple[int, int] | None, run_dir: Path, json_out: Path | None,
-                      report_out: Path | None, fail_on: str, console: Console) -> int:
-    """The script's ``import torch`` itself failed (a Ctrl-C while torch imported, a broken
-    install): torch is half-imported, and importing it again would fail, so nothing was
-    watched. The report says how the run ended; no TensorBoard logs. The exit code."""
+                      report_out: Path | None, fail_on: str, console: Console,
+                      why: str) -> int:
+    """Nothing was watched: the script's ``import torch`` itself failed (a Ctrl-C while
+    torch imported, a broken install: torch is half-imported, and importing it again
+    would fail), or the watch could not start there. The report says how the run ended,
+    ``why`` says why that is all; no TensorBoard logs. The exit code, the script's."""
     from amp_doctor import runner
     from amp_doctor.sinks.jsonfile import write_json
 
@@ -567,9 +620,7 @@ def _finish_unwatched(exc: BaseException | None, failed: BaseException, command:
     session = _empty_session(meta)
     write_or_warn(lambda: write_json(session, run_dir / JSON_NAME), run_dir / JSON_NAME,
                   console)
-    console.echo(f"amp-doctor: the script's `import torch` did not finish "
-                 f"({type(failed).__name__}), so nothing was watched; the report only says "
-                 "how the run ended.")
+    console.echo(why)
     return publish(session, run_dir, json_out, report_out, fail_on, False, code, console,
                    exc=exc)
 

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import click
 
-from amp_doctor.commands.common import fail
-from amp_doctor.commands.paths import check_writable
+from amp_doctor.commands.common import RunsAScript, fail
+from amp_doctor.commands.paths import check_writable, output_file_option
 
 __all__ = ["fix"]
 
 
 @click.command(
+    cls=RunsAScript,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
     short_help="Find the smallest set of float32 layers that removes every error.",
 )
@@ -28,7 +29,8 @@ __all__ = ["fix"]
               help="Name op-level origins in every trial (slower, more precise culprits).")
 @click.option("--target-dtype", type=click.Choice(["float16", "float8"]), default=None,
               help="Also remove the simulated what-if warnings for this format.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+@click.option("--json", "json_path", type=click.Path(), default=None,
+              callback=output_file_option,
               help="Also write the trials and the result as JSON here.")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED)
 def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: bool,

@@ -12,15 +12,14 @@ from typing import TYPE_CHECKING
 import click
 
 from amp_doctor.commands.common import fail
-from amp_doctor.commands.terminal import Console
 from amp_doctor.errors import tensorboard_path_error
-from amp_doctor.runfiles import JSON_NAME, make_writable_dir
+from amp_doctor.runfiles import make_writable_dir
 
 if TYPE_CHECKING:
     from amp_doctor import runner
 
 __all__ = ["DEFAULT_RUNS_DIR", "check_output_file", "check_tensorboard_path", "check_writable",
-           "default_logdir", "logdir_option", "note_reused_logdir"]
+           "default_logdir", "logdir_option", "output_file_option"]
 
 DEFAULT_RUNS_DIR = Path("runs") / "amp-doctor"
 # Parallel runs started in the same second (a sweep) get "-2", "-3", ... suffixes; a
@@ -91,6 +90,23 @@ def check_tensorboard_path(d: Path) -> None:
         fail(str(tensorboard_path_error(d, e)))
 
 
+def output_file_option(ctx: click.Context, param: click.Parameter,
+                       value: str | None) -> Path | None:
+    """``--json``/``--report``'s value as a path: an empty one (an unset shell variable)
+    would name the working directory, and ``-`` a file named "-"."""
+    if value is None:
+        return None
+    name = param.opts[0] if param.opts else "the option"
+    example = "amp_doctor.json" if "json" in name else "report.txt"
+    if not value.strip():
+        raise click.BadParameter(f"is empty; pass a file path, e.g. {name} {example} "
+                                 "(an unset shell variable?).")
+    if value == "-":
+        raise click.BadParameter(f"'-' would be a file named '-'; to print it, pass "
+                                 f"{name} /dev/stdout.")
+    return Path(value)
+
+
 def check_output_file(p: Path, option: str, example: str) -> None:
     """Fail before the script runs if the report cannot be written to ``p``."""
     if p.is_dir():
@@ -105,8 +121,3 @@ def check_output_file(p: Path, option: str, example: str) -> None:
     check_writable(Path(os.path.realpath(p)).parent, option)
 
 
-def note_reused_logdir(logdir: Path, console: Console) -> None:
-    if (logdir / JSON_NAME).exists() or any(logdir.glob("events.out.tfevents.*")):
-        console.echo(f"amp-doctor: note: {logdir} already holds a run: its reports will be "
-                     "replaced and TensorBoard will show both runs' event files as one run. "
-                     "Leave out --logdir for a fresh folder per run.")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from amp_doctor.commands.common import SMOOTHING_HINT, severity_reached
 from amp_doctor.commands.terminal import Console, usable
-from amp_doctor.runfiles import JSON_NAME, TEXT_NAME
+from amp_doctor.runfiles import JSON_NAME, TEXT_NAME, text_report_path
 
 if TYPE_CHECKING:
     from amp_doctor.records import Session
@@ -73,7 +73,10 @@ def publish(session: Session, logdir: Path, json_out: Path | None, report_out: P
     from amp_doctor.sinks.jsonfile import write_json, write_text_atomic
 
     text = render_report(session)
-    text_file = logdir / TEXT_NAME
+    text_file = text_report_path(logdir)
+    if text_file.name != TEXT_NAME:
+        console.echo(f"amp-doctor: {logdir / TEXT_NAME} is not amp-doctor's (the script's "
+                     f"own?): it is kept, and the report goes to {text_file.name} beside it.")
     write_or_warn(lambda: write_text_atomic(text_file, text), text_file, console)
     if report_out is not None:
         write_or_warn(lambda: write_text_atomic(report_out, text), report_out, console)
@@ -83,12 +86,46 @@ def publish(session: Session, logdir: Path, json_out: Path | None, report_out: P
     _print_report(text, text_file, console)
     if (logdir / JSON_NAME).is_file():  # not when the disk was full, say
         console.echo(f"amp-doctor: JSON report: {logdir / JSON_NAME}")
-    if tensorboard:
+    if tensorboard and _has_events(logdir):  # not when TensorBoard could not start
         console.echo(view_hint(logdir))
+    for line in next_steps(session):
+        console.echo(line)
     if code == 0 and severity_reached(session, fail_on):
         console.echo(f"amp-doctor: exit 1: findings at or above '{fail_on}' (--fail-on).")
         return 1
     return code
+
+
+def next_steps(session: Session) -> list[str]:
+    """What to run next when the report has an error: try the fix on the culprit without
+    editing code (--fp32), have amp-doctor search the smallest one (fix), and, when no
+    finding names an op yet, find the op and the line (--anomaly)."""
+    from amp_doctor.fix import ERROR_KINDS_FIXED_BY_FP32
+
+    cmd = list(session.run.command or [])
+    errors = [f for f in session.findings if f.severity == "error"]
+    if not errors or len(cmd) < 2 or session.run.fp32_modules:
+        return []
+    script = shlex.join(cmd[1:])  # the command without its "python"
+    out = []
+    layer = next((f.module for f in errors
+                  if f.kind in ERROR_KINDS_FIXED_BY_FP32 and f.module), None)
+    if layer is not None:
+        out.append(f"amp-doctor: next: try {layer} in float32 without editing the code: "
+                   f"amp-doctor diagnose --fp32 {shlex.quote(layer)} {script}")
+        out.append(f"amp-doctor: next: or search the smallest such set of layers: "
+                   f"amp-doctor fix {script}")
+    if not any(f.op for f in session.findings) and any(
+            f.kind in ERROR_KINDS_FIXED_BY_FP32 for f in errors):
+        out.append("amp-doctor: next: to name the op and the line that made the first "
+                   f"inf/NaN: amp-doctor diagnose --anomaly {script}")
+    return out
+
+
+def _has_events(logdir: Path) -> bool:
+    """TensorBoard event files with something in them, in ``logdir`` or a rank folder."""
+    files = [*logdir.glob("events.out.tfevents.*"), *logdir.glob("*/events.out.tfevents.*")]
+    return any(f.stat().st_size > 0 for f in files if f.is_file())
 
 
 def view_hint(logdir: Path) -> str:

@@ -7,6 +7,7 @@ abort the writing of the report.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import signal
@@ -127,6 +128,7 @@ class Progress:
         self.shown = False
         self._user_mid_line = False
         self._wrapped: list[tuple[str, Any, GuardedStream]] = []
+        self._input: Any = None  # builtins.input while it is guarded
 
     def __call__(self, rec: StepRecord, hs: StepRows) -> None:
         del hs
@@ -167,12 +169,27 @@ class Progress:
                 guard = GuardedStream(stream, self)
                 setattr(sys, name, guard)
                 self._wrapped.append((name, stream, guard))
+        if self._wrapped and self._input is None:
+            # input() on a terminal writes its prompt through readline, straight to the
+            # file descriptor: the status line is cleared before it, or the prompt would
+            # be glued onto it.
+            self._input = builtins.input
+            builtins.input = self._guarded_input
+
+    def _guarded_input(self, prompt: object = "") -> str:
+        self.before_user_write("")
+        assert self._input is not None
+        return self._input(prompt)
 
     def unwrap_std_streams(self) -> None:
         for name, original, guard in self._wrapped:
             if getattr(sys, name) is guard:  # the script may have replaced it: keep theirs
                 setattr(sys, name, original)
         self._wrapped = []
+        if self._input is not None:
+            if builtins.input == self._guarded_input:
+                builtins.input = self._input
+            self._input = None
 
     def clear(self) -> None:
         if self.shown:
@@ -184,7 +201,10 @@ class GuardedStream:
     """A script's terminal stream that clears amp-doctor's status line before each write.
 
     Everything but ``write``/``writelines`` is the wrapped stream's own (``buffer``,
-    ``fileno``, ``isatty``, ``encoding``...).
+    ``fileno``, ``isatty``, ``encoding``...), the protocols too: ``with sys.stdout:``
+    (the "a file or stdout" idiom) closes the real stream as under python, and
+    ``isinstance(sys.stdout, io.TextIOWrapper)`` (the guard before ``reconfigure``) holds,
+    through ``__class__``, which ``isinstance`` consults.
     """
 
     def __init__(self, inner: Any, progress: Progress) -> None:
@@ -192,7 +212,9 @@ class GuardedStream:
         self._progress = progress
 
     def write(self, text: str) -> int:
-        self._progress.before_user_write(text)
+        # Anything but a str (bytes written by mistake) is the stream's to refuse, with
+        # python's own message.
+        self._progress.before_user_write(text if isinstance(text, str) else "")
         n: int = self._inner.write(text)
         return n
 
@@ -202,6 +224,23 @@ class GuardedStream:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: F811
+        return type(self._inner)
+
+    def __enter__(self) -> Any:
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> Any:
+        return self._inner.__exit__(*exc)
+
+    def __iter__(self) -> Any:
+        return iter(self._inner)
+
+    def __next__(self) -> Any:
+        return next(self._inner)
 
 
 @contextlib.contextmanager

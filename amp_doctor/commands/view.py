@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from amp_doctor.commands.common import SMOOTHING_HINT, fail
+from amp_doctor.runfiles import JSON_NAME
 
 __all__ = ["view"]
 
@@ -58,9 +59,18 @@ def view(runs: tuple[Path, ...], port: int, host: str) -> None:
     Each run shows under its own folder's name, so several runs (before and after a
     fix, float16 and bfloat16) compare side by side: amp-doctor view RUN_A RUN_B
     """
+    import importlib.util
     import shutil
     import tempfile
 
+    from amp_doctor.commands.terminal import die_by_signal, sigterm_unwinds
+    from amp_doctor.errors import Terminated
+
+    if importlib.util.find_spec("tensorboard") is None:
+        fail(f"tensorboard is not installed in this environment ({sys.executable}): "
+             "pip install tensorboard, then run amp-doctor view again.", code=1)
+    # A run's JSON report names its run, as `report` takes it.
+    runs = tuple(r.parent if r.is_file() and r.name == JSON_NAME else r for r in runs)
     for run in runs:
         if not run.is_dir():
             fail(f"no run directory at {str(run)!r}; pass the --logdir of a diagnose run "
@@ -73,20 +83,31 @@ def view(runs: tuple[Path, ...], port: int, host: str) -> None:
     # itself, the run is called ".". A folder of symlinks named after the runs gives each
     # its name (TensorBoard's own advice instead of --logdir_spec).
     tree = Path(tempfile.mkdtemp(prefix="amp-doctor-view-"))
-    try:
-        for run, name in zip(runs, _run_names(list(runs)), strict=True):
-            link = tree / name
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(run.absolute(), target_is_directory=True)
-        code = _serve_tensorboard(tree, host, port, ", ".join(_run_names(list(runs))))
-    finally:
-        shutil.rmtree(tree, ignore_errors=True)
+    # SIGTERM (kill, a supervisor's or an IDE's stop button) ends it as Ctrl-C does: the
+    # server stopped, the folder removed, then the process ends by the signal.
+    with sigterm_unwinds() as term:
+        term.arm()
+        try:
+            for run, name in zip(runs, _run_names(list(runs)), strict=True):
+                link = tree / name
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(run.absolute(), target_is_directory=True)
+            code = _serve_tensorboard(tree, host, port, ", ".join(_run_names(list(runs))))
+        except Terminated:
+            code = 0
+        finally:
+            shutil.rmtree(tree, ignore_errors=True)
+    if term.received is not None:
+        die_by_signal(term.received)
     if code:
         sys.exit(code)
 
 
 def _serve_tensorboard(logdir: Path, host: str, port: int, names: str) -> int:
+    import contextlib
     import subprocess
+
+    from amp_doctor.errors import Terminated
 
     cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", host,
            "--port", str(port)]
@@ -109,6 +130,9 @@ def _serve_tensorboard(logdir: Path, host: str, port: int, names: str) -> int:
     reader.start()
     try:
         ready.wait(TENSORBOARD_START_TIMEOUT_S)
+        if not url:  # its stderr ended (or the wait did): has it exited?
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
         if url or proc.poll() is None:  # still starting after the wait: say where it will be
             at = url[0] if url else f"http://{host}:{port}/"
             click.echo(f"amp-doctor: TensorBoard at {at}  (runs: {names}; Ctrl-C to stop)")
@@ -118,6 +142,10 @@ def _serve_tensorboard(logdir: Path, host: str, port: int, names: str) -> int:
         proc.terminate()
         proc.wait()
         return 0
+    except Terminated:  # the caller ends the process by the signal
+        proc.terminate()
+        proc.wait()
+        raise
     reader.join(timeout=5)
     if proc.returncode:
         said = [ln for ln in lines if ln.strip() and not ln.startswith(("NOTE", "    "))]

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from amp_doctor.records import Session
-from amp_doctor.runfiles import TEXT_NAME
+from amp_doctor.runfiles import text_report_path
 from amp_doctor.watch import Watch
 
 __all__ = ["SUBDIR", "WatchOwner", "one_line", "unwrap_model", "missing_framework"]
@@ -78,7 +78,7 @@ def one_line(session: Session, where: Path | None) -> str:
         verdict += " (nothing recorded)"
     line = f"{summary_line(session)} | {verdict}"
     if where is not None:
-        line += f" | report: {where / TEXT_NAME}"
+        line += f" | report: {text_report_path(where)}"
     return line
 
 
@@ -125,5 +125,5 @@ class WatchOwner:
         if self.logdir is not None:
             from amp_doctor.sinks.text import render_text
 
-            (self.logdir / TEXT_NAME).write_text(render_text(self.session))
+            text_report_path(self.logdir).write_text(render_text(self.session))
         return self.session

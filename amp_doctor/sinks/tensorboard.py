@@ -99,6 +99,7 @@ goes back as a restart and drops the later points.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -373,12 +374,27 @@ class TensorBoardSink:
         # script): its writer thread's error, said once at the end instead of a traceback
         # in the middle of the user's output.
         self.error: str | None = None
-        before = set(threading.enumerate())
-        self._writer: SummaryWriter | None = SummaryWriter(
-            log_dir=str(self.logdir), flush_secs=flush_secs, max_queue=MAX_QUEUE)
-        self._threads = set(threading.enumerate()) - before
+        # The writer's thread is not known until its constructor returns, and that
+        # already writes a first record: a thread started meanwhile is taken for it, so
+        # that a full disk is one line at the start, not a thread traceback.
+        self._before: set[threading.Thread] | None = set(threading.enumerate())
+        self._threads: set[threading.Thread] = set()
         self._prev_hook = threading.excepthook
         threading.excepthook = self._thread_error
+        files = set(self.logdir.glob("events.out.tfevents.*"))
+        try:
+            self._writer: SummaryWriter | None = SummaryWriter(
+                log_dir=str(self.logdir), flush_secs=flush_secs, max_queue=MAX_QUEUE)
+        except BaseException:
+            if threading.excepthook == self._thread_error:
+                threading.excepthook = self._prev_hook
+            for f in set(self.logdir.glob("events.out.tfevents.*")) - files:
+                with contextlib.suppress(OSError):
+                    if f.stat().st_size == 0:
+                        f.unlink()  # nothing in it: no empty run for TensorBoard to list
+            raise
+        self._threads = set(threading.enumerate()) - self._before
+        self._before = None
         self._writer.add_custom_scalars(LAYOUT)
 
     # -- live ------------------------------------------------------------------------
@@ -580,7 +596,9 @@ class TensorBoardSink:
             threading.excepthook = self._prev_hook
 
     def _thread_error(self, args: threading.ExceptHookArgs) -> None:
-        if args.thread in self._threads and args.exc_value is not None:
+        ours = args.thread in self._threads or (
+            self._before is not None and args.thread not in self._before)
+        if ours and args.exc_value is not None:
             self.error = self.error or f"{args.exc_type.__name__}: {args.exc_value}"
             return
         self._prev_hook(args)

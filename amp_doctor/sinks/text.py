@@ -52,7 +52,8 @@ def summary_line(s: Session) -> str:
     # The step a run ended in is recorded, though it never finished: say so, rather than
     # count more recorded steps than steps.
     partial = ", the last unfinished" if s.recorded_steps > s.steps else ""
-    steps = f"{s.steps} steps ({s.recorded_steps} recorded{partial}, every {s.run.every})"
+    steps = (f"{F.counted(s.steps, 'step')} ({s.recorded_steps} recorded{partial}, "
+             f"every {s.run.every})")
     parts = [amp.device_type or "device ?", dtype, scaler, steps, s.run.outcome]
     if s.run.exit_code not in (None, 0):
         parts.append(f"exit code {s.run.exit_code}")
