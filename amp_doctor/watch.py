@@ -627,6 +627,14 @@ class Watch:
                 self._pending_loss_bad = loss_bad
 
     # -- what the loop does (step boundaries without optimizer, losses) -------
+    def _lp_param(self, i: int) -> tuple[str | None, str]:
+        """The layer and dtype of the ``i``-th low-precision parameter the last update's
+        check sampled (see ``LoopSignals.measure_low_params``)."""
+        params = self._loop.lp_params
+        if not 0 <= i < len(params):
+            return None, ""
+        return self._param_layer(params[i]), dtype_name(params[i].dtype)
+
     def _param_layer(self, p: torch.Tensor) -> str | None:
         """The layer that holds parameter ``p``, by its name now."""
         return self._probes.param_owner.get(id(p)) if self._probes is not None else None
@@ -666,7 +674,7 @@ class Watch:
         """No optimizer step, scaler update or ``doctor.step()`` ends the steps."""
         mon = self._monitor
         return (mon is not None and not self.closed and not mon.manual_steps
-                and not mon.drives_steps)
+                and not mon.drives_steps and not mon.stepping)
 
     def _implicit_boundary(self) -> None:
         # A hand-written update (``p.add_(p.grad, alpha=-lr)``): a new training
@@ -810,7 +818,8 @@ class Watch:
                     hs, fmt=limits(run_fmt), formats=self._layer_formats(dtype_name(run_fmt)),
                     param_grads_scaled=buf.param_grads_scaled, skipped=skipped,
                     scale=outcome.scale_after if outcome else None,
-                    check_input=self._anomaly is None, input_module=input_module)
+                    check_input=self._anomaly is None, input_module=input_module,
+                    lp_param=self._lp_param)
                 if folded.loss_bad is not None:
                     loss_bad = folded.loss_bad
                 if skipped:

@@ -275,7 +275,7 @@ def test_nan_loss_from_a_fully_masked_row_is_always_a_finding() -> None:
     assert f.severity == "error" and f.module is None
     # Checked on the recorded steps (0 and 2), from their one host copy each.
     assert (f.data["steps_bad"], f.data["checked"], f.step) == (2, 2, 0)
-    assert "outside the watched modules" in f.message
+    assert "outside the watched layers' outputs" in f.message
     assert "looks healthy" not in doctor.report()
 
 
@@ -477,7 +477,13 @@ def test_forward_overflow_during_accumulation_is_not_calibration() -> None:
     ev = [e for e in s.scaler.events if e.kind == "backoff"][0]
     assert ev.loss_nonfinite is True
     f = s.findings_of("scaler_backoff")[0]
-    assert f.severity == "warning" and "calibrating" not in f.message
+    assert "calibrating" not in f.message
+    # One error for one cause (review 38): the backoff of a step whose loss was inf is
+    # that NaN loss's consequence.
+    assert f.severity == "info" and f.data["loss_nonfinite"]
+    (loss,) = [x for x in s.findings if x.severity == "error"]
+    assert loss.kind == "nonfinite_loss" and any("backed off" in c
+                                                 for c in loss.data["consequences"])
 
 
 class _TwoBranch(nn.Module):

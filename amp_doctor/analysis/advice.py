@@ -23,6 +23,12 @@ ADVICE: dict[str, str] = {
         "or train with `dtype=torch.bfloat16`, which has float32's range. If the "
         "weights grew large, add weight decay or normalisation before it."
     ),
+    "nonfinite_loss_finite_grads": (
+        "Compute the loss's terms in float32: `term.float()` before the square, exp or sum "
+        "(a router z-loss `logsumexp(logits) ** 2` on float16 logits overflows), or clamp "
+        "the term. Training went on, since the gradients were finite, but the logged loss "
+        "is inf and hides how training goes."
+    ),
     "fp32_kept": (
         "It ran in float32 here only because --fp32 (watch(fp32=...)) asked: to keep that "
         "without amp-doctor, wrap its call in `with torch.autocast(device_type, "
@@ -61,9 +67,11 @@ ADVICE: dict[str, str] = {
         "`scaler.step(optimizer)`, `scaler.update()`; or use `dtype=torch.bfloat16`."
     ),
     "autocast_inactive": (
-        "Nothing ran in float16/bfloat16. Wrap the forward pass and loss in "
+        "Autocast did not run. Wrap the forward pass and loss in "
         "`with torch.autocast(device_type='cuda' or 'cpu', dtype=torch.float16):` and check "
-        "that `enabled=` is True and the device_type matches where the model lives."
+        "that `enabled=` is True and the device_type matches where the model lives "
+        "(`torch.cuda.amp.autocast()` on a machine without CUDA disables itself: use "
+        "`torch.autocast(device_type, ...)`)."
     ),
     "autocast_float64": (
         "Autocast casts only float32 tensors, so a float64 model or input runs in float64 "
@@ -191,6 +199,13 @@ ADVICE: dict[str, str] = {
         "model in float32 and run the forward under `torch.autocast(device_type, "
         "dtype=torch.float16)` with a `torch.amp.GradScaler`; the optimizer then updates the "
         "float32 weights, where small updates are not rounded away."
+    ),
+    "lowp_update_nonfinite": (
+        "Keep the parameters in float32: remove `.half()` / `.to(torch.float16)` and let "
+        "autocast cast them in the forward (`torch.autocast(device_type, dtype=...)`), so "
+        "the optimizer and its state work in float32. If they must stay low precision, "
+        "give the optimizer an eps the format holds (`eps=1e-4` for float16) or keep a "
+        "float32 master copy."
     ),
     "run_ended_early": (
         "Fix the error that stopped the script (see the outcome above), then run again: "

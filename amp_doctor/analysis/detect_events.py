@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from amp_doctor.analysis.advice import event_advice, unlocated_advice
+from amp_doctor.analysis.advice import ADVICE, event_advice, unlocated_advice
 from amp_doctor.analysis.detect_layers import input_cast, largest_finite, low_format
-from amp_doctor.analysis.detect_scaler import normal_backoff_steps
+from amp_doctor.analysis.detect_scaler import loss_steps_not_skipped, normal_backoff_steps
 from amp_doctor.analysis.messages import event_message
 from amp_doctor.analysis.thresholds import (
     LOWP_UNCHANGED_WARN,
@@ -42,6 +42,7 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "model_not_run": "warning",
     "steps_from_backward": "info",
     "lowp_updates_lost": "error",
+    "lowp_update_nonfinite": "error",
     # Not recorded, and why: a compiled model's inner layers, tensors that cannot be summarised.
     "compiled_model": "info",
     "unsummarized": "info",
@@ -97,6 +98,14 @@ def event_findings(session: Session) -> Iterable[Finding]:
                 session, module):
             # The message need not say that its input may have been bad already.
             first = dataclasses.replace(first, data={**first.data, "made_here": True})
+        if kind == "nonfinite_loss" and module is not None and module in session.run.models:
+            first = dataclasses.replace(first, data={**first.data, "root": True})
+        if kind == "nonfinite_loss":
+            unskipped = loss_steps_not_skipped(session)
+            if unskipped:
+                first = dataclasses.replace(first, data={
+                    **first.data, "unskipped": len(unskipped),
+                    "advice": ADVICE["nonfinite_loss_finite_grads"]})
         yield Finding(
             kind=kind, severity=_severity(session, kind, es, n), module=module, op=op,
             step=first.step,
@@ -116,6 +125,10 @@ def _overflowed_itself(session: Session, module: str) -> bool:
         return False
     if input_cast(session, lay) is not None:
         return True
+    if lay.overflow_frac <= 0:
+        # NaN only, never an inf or a value past the max: an overflow of its own makes
+        # inf; a NaN came in, or an op made it (a softmax of an inf it was given).
+        return False
     big = largest_finite(lay)
     fmax = FORMAT_MAX.get(judged_format(lay.output_dtypes, low_format(session)))
     return big is not None and fmax is not None and big * 2.0 ** MADE_INF_HEADROOM_BITS > fmax

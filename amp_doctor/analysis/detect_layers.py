@@ -421,11 +421,33 @@ def run_findings(session: Session) -> Iterable[Finding]:
 
 def autocast_findings(session: Session) -> Iterable[Finding]:
     lows = any(lay.ran_low_precision for lay in session.layers)
-    if not session.recorded_steps or lows or any(
-            e.kind == "model_not_run" for e in session.events):
+    if not session.recorded_steps or any(e.kind == "model_not_run" for e in session.events):
         return  # (no forward of the model was seen: model_not_run says so)
     n = session.recorded_steps
     recorded = f"{n} recorded step{'' if n == 1 else 's'}"
+    if lows and not session.amp.autocast_seen:
+        # Layers low by their own weights (a frozen .half() encoder) beside float32 ones
+        # with weights: autocast is off for the rest (torch.cuda.amp.autocast on a machine
+        # without CUDA disables itself), which "healthy" would hide. All of them low is
+        # pure low-precision training, on purpose.
+        own = [lay.name for lay in session.layers if lay.ran_low_precision]
+        wide = [lay.name for lay in session.layers if not lay.ran_low_precision
+                and lay.param_dtypes and lay.output_dtypes and not lay.passthrough]
+        if own and wide:
+            yield Finding(
+                kind="autocast_inactive", severity="warning", module=None, op=None, step=None,
+                message=(f"Autocast was not active during the forward pass in {recorded}: "
+                         f"only {F.counted(len(own), 'layer')} with low-precision weights "
+                         f"ran in low precision ({', '.join(own[:4])}"
+                         + (", ..." if len(own) > 4 else "") + f"), and the other "
+                         f"{F.counted(len(wide), 'layer')} with weights ran in float32 "
+                         f"({', '.join(wide[:4])}" + (", ..." if len(wide) > 4 else "") + ")."),
+                advice=ADVICE["autocast_inactive"],
+                data={"low_by_weights": own},
+            )
+        return
+    if lows:
+        return
     if not session.amp.autocast_seen:
         yield Finding(
             kind="autocast_inactive", severity="warning", module=None, op=None, step=None,

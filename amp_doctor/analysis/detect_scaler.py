@@ -51,7 +51,7 @@ def _culprits_of(group: list[ScalerEvent]) -> list[str]:
 
 
 def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[ScalerEvent],
-                    last_step: int, floor: float) -> str | None:
+                    last_step: int, floor: float, loss_counts: bool = True) -> str | None:
     """Why a group of backoffs is GradScaler working as designed, or None.
 
     * calibration: the scale starts high (2**16) and halves in the first steps
@@ -60,6 +60,9 @@ def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[Scale
       leaves the scale >= 1;
     * probe: the scale grew, a later step overflowed, and one backoff put the scale
       back where it was before the growth;
+    A group whose forward pass failed (an origin, or a NaN loss when ``loss_counts``: a
+    NaN loss makes the gradients NaN in this run) is never one.
+
     * settling: at most :data:`SETTLING_BACKOFFS` in a row that leave the scale at or
       above ``floor``: a noisy batch, or the scale oscillating at the level the
       gradients allow (grown from S to 2S, it backs off to S or S/2 and grows again),
@@ -68,7 +71,7 @@ def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[Scale
       steps (:data:`BACKOFF_SHARE_COLLAPSE`) are findings.
     """
     g = groups[i]
-    if any(e.forward_origin or e.loss_nonfinite for e in g):
+    if any(e.forward_origin or (e.loss_nonfinite and loss_counts) for e in g):
         # The loss itself was NaN/inf: the forward pass failed, whatever the scale.
         return None
     after = g[-1].scale_after
@@ -156,11 +159,17 @@ def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
     whose own gradients do not point at it.
     """
     known: dict[int, tuple[str, str]] = {}
+    op_modules = {m for m, _ in origins.values()}
     for e in backoffs:
         if e.step in origins:
             known[e.step] = (origins[e.step][0], "anomaly")
         elif e.forward_origin:
-            known[e.step] = (e.forward_origin, "recorded")
+            # A child of a module where anomaly mode found the op, in a step it did not
+            # search (its cool-down): the inf its parent's own code made, passed on. One
+            # origin, not a second backoff finding of its own.
+            parent = max((m for m in op_modules if e.forward_origin.startswith(m + ".")),
+                         key=len, default=None)
+            known[e.step] = (parent or e.forward_origin, "recorded")
     with_params = {lay.name for lay in session.layers if lay.param_dtypes}
     refs = [(set(e.culprits), known[e.step][0]) for e in backoffs
             if e.step in known and e.culprits]
@@ -212,7 +221,21 @@ def _top_lead(evs: list[ScalerEvent], with_params: set[str]) -> tuple[str | None
 
 
 def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
-                  lead: tuple[str | None, int, int] = (None, 0, 0)) -> str:
+                  lead: tuple[str | None, int, int] = (None, 0, 0),
+                  loss_bad: bool = False) -> str:
+    if loss_bad and not origin:
+        # The loss itself was NaN/inf: the first layer with non-finite gradients is only
+        # where it entered the backward pass (the layer the loss is computed from), not
+        # where the NaN began in the forward pass.
+        top = lead[0] or (culprits[0] if culprits else None)
+        entered = (f": {top} is where it entered the backward pass (the loss is "
+                   "computed from it), not necessarily where it began" if top else "")
+        return ("; the loss itself was NaN/inf in each of these steps, so the gradients "
+                f"of every layer were too ({F.counted(len(culprits), 'layer')} with "
+                f"non-finite gradients){entered}. Where it began in the forward "
+                "pass is not known from these steps: record every step (`every=1`, "
+                "--every 1) to see the first layer to go non-finite, or stop at the op "
+                "that makes it (--anomaly --on-nonfinite raise)")
     if not culprits:
         text = ("; no watched layer had non-finite gradients (the inf/NaN was in parameters "
                 "outside the watched model(s), or the optimizer checks for inf on the device, "
@@ -250,11 +273,12 @@ def _classified(session: Session, backoffs: list[ScalerEvent], growths: list[Sca
     episode of a failed forward pass (a NaN loss): that is no fall of the scale."""
     groups = F.consecutive_runs(backoffs)
     floor = _settled_floor(session)
-    out = [(_normal_backoff(i, groups, growths, session.steps - 1, floor), g)
+    loss = _loss_counts(session)
+    out = [(_normal_backoff(i, groups, growths, session.steps - 1, floor, loss), g)
            for i, g in enumerate(groups)]
     grown = {e.step for e in growths}
     for i in range(len(out) - 1, 0, -1):
-        if out[i][0] is not None or any(e.forward_origin or e.loss_nonfinite
+        if out[i][0] is not None or any(e.forward_origin or (e.loss_nonfinite and loss)
                                         for e in out[i][1]):
             continue  # settled, or a forward pass that failed: no fall of the scale
         j = i - 1
@@ -263,6 +287,25 @@ def _classified(session: Session, backoffs: list[ScalerEvent], growths: list[Sca
             out[j] = (None, out[j][1])
             j -= 1
     return out
+
+
+def loss_steps_not_skipped(session: Session) -> list[int]:
+    """Steps whose loss was NaN/inf that an enabled GradScaler did not skip: their
+    gradients were finite (an inf term whose gradient is finite), so a NaN loss does not
+    explain a backoff in this run."""
+    sc = session.scaler
+    if sc is None or not sc.enabled:
+        return []
+    bad = next((e.data.get("bad_steps") or [] for e in session.events
+                if e.kind == "nonfinite_loss"), [])
+    skipped = set(sc.skipped_steps)
+    return [s for s in bad if s not in skipped]
+
+
+def _loss_counts(session: Session) -> bool:
+    """Whether a NaN/inf loss explains a backoff in this run: not when the scaler let
+    steps with a NaN/inf loss through (finite gradients: :func:`loss_steps_not_skipped`)."""
+    return not loss_steps_not_skipped(session)
 
 
 def normal_backoff_steps(session: Session) -> set[int]:
@@ -335,6 +378,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                     "at the end")
         origin = _origin_of(evs, origins)
         top_lead, n_lead = _top_lead(evs, with_params)
+        loss_bad = all(e.loss_nonfinite for e in evs) and _loss_counts(session)
         yield Finding(
             kind="scaler_backoff", severity="warning",
             # Where the non-finite values began, when known, is where to look.
@@ -342,13 +386,14 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             op=None,
             step=first.step,
             message=(f"{head}{_skips_per_optimizer(session, steps)}"
-                     f"{_culprit_text(culprits, origin, (top_lead, n_lead, len(evs)))}."),
-            advice=ADVICE["scaler_backoff"],
+                     f"{_culprit_text(culprits, origin, (top_lead, n_lead, len(evs)), loss_bad)}."),
+            advice=ADVICE["nonfinite_loss" if loss_bad and not origin else "scaler_backoff"],
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "scale_before": first.scale_before,
                   "scale_after": last.scale_after, "backoffs": len(evs),
                   "episodes": [[g[0].step, g[-1].step] for g in episodes][:MAX_STEPS_KEPT],
-                  "forward_origin": origin[0] if origin else None},
+                  "forward_origin": origin[0] if origin else None,
+                  "loss_nonfinite": loss_bad},
         )
     if normal:
         steps = [e.step for _, g in normal for e in g]

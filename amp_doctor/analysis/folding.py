@@ -70,6 +70,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
       consequence: the backward of a non-finite value is non-finite.
     """
     out = _one_error_per_op(out)
+    out = _after_a_bad_update(out)
     lay_by = {lay.name: lay for lay in session.layers}
     origin_layers = sorted((lay for lay in session.layers if lay.overflow_origin_steps > 0),
                            key=lambda x: x.order)
@@ -111,6 +112,20 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                 continue
         kept.append(f)
     out = kept
+    # A NaN loss no watched output showed, in the step anomaly mode found an op of a
+    # watched module overflow while the module's output stayed finite: the inf went to the
+    # loss aside (a router z-loss kept on the module). The op is its cause.
+    aside = _loss_made_aside(out)
+    if aside is not None:
+        loss, op = aside
+        errors.append(op)
+        out = [_with(op, "error") if f is op else f for f in out]
+        errors[-1] = next(f for f in out if f.kind == op.kind and f.module == op.module
+                          and f.op == op.op and f.step == op.step)
+        out = [_with(f, "info", follow_on_of=op.module,
+                     extra=f"It began at {op.op} in {op.module} (see that finding).")
+               if f is loss else f for f in out]
+        consequences.setdefault(id(errors[-1]), []).append(_consequence(loss))
     # The scaler and the loss: consequences of the origin they name.
     collapse = next((f for f in out if f.kind == "scale_collapse"), None)
     clip = next((f for f in out if f.kind == "clip_before_unscale"), None)
@@ -140,6 +155,11 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                 and f.kind in ("scaler_backoff", "scale_collapse")
                 and origin == loss_root.data["origin"]):
             root = loss_root
+        if root is None and f.kind == "scaler_backoff" and f.data.get("loss_nonfinite"):
+            # Backoffs of steps whose loss was NaN/inf: the NaN loss's consequences,
+            # wherever it began (its own finding says where, or that it is not known).
+            root = next((x for x in out if x.kind == "nonfinite_loss" and x is not f
+                         and x.severity == "error"), None)
         if root is None and f.kind == "nonfinite_loss":
             root = next((e for e in errors if e.kind == "nonfinite_input"), None)
         if root is not None:
@@ -179,6 +199,47 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             f = _with(f, extra=extra, also_affected=names, consequences=cons)
         result.append(f)
     return result
+
+
+# What a NaN in the weights makes next: outputs, loss, gradients, skipped steps.
+_AFTER_NAN_WEIGHTS = ("nonfinite_loss", "activation_overflow", "nonfinite_unlocated",
+                      "nonfinite_forward", "nonfinite_backward", "scaler_backoff",
+                      "scale_collapse", "input_beyond_format")
+
+
+def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
+    """The optimizer's update made the weights NaN (float16 Adam state): what went
+    non-finite from the next step on is its consequence, said in its finding."""
+    root = next((f for f in out if f.kind == "lowp_update_nonfinite"), None)
+    if root is None or root.step is None:
+        return out
+    # A layer's finding (no step: the run's aggregate) goes too: from the next step on
+    # the NaN weights make their layer's output NaN, and the next update every other's.
+    later = [f for f in out if f.kind in _AFTER_NAN_WEIGHTS and f.severity != "info"
+             and (f.step is None or f.step > root.step) and f is not root]
+    if not later:
+        return out
+    cons = [f"{f.kind}" + (f" in {f.module}" if f.module else "")
+            + (f" from step {f.step}" if f.step is not None else "") for f in later]
+    result = []
+    for f in out:
+        if f is root:
+            f = _with(f, extra="Consequences: " + "; ".join(cons) + ".", consequences=cons)
+        elif any(f is x for x in later):
+            f = _with(f, "info", follow_on_of=root.module)
+        result.append(f)
+    return result
+
+
+def _loss_made_aside(out: list[Finding]) -> tuple[Finding, Finding] | None:
+    """(the NaN-loss error with no origin, the op-level hidden overflow of its first step)."""
+    loss = next((f for f in out if f.kind == "nonfinite_loss" and f.severity == "error"
+                 and f.module is None and f.data.get("origin") is None), None)
+    if loss is None:
+        return None
+    op = next((f for f in out if f.kind == "activation_overflow" and f.op is not None
+               and f.data.get("hidden") and f.step == loss.step), None)
+    return (loss, op) if op is not None else None
 
 
 def _one_error_per_op(out: list[Finding]) -> list[Finding]:

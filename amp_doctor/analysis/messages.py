@@ -204,25 +204,40 @@ def _nonfinite_loss(a: MessageArgs) -> str:
             # Only outputs are watched: an op in the parent's own code between its children
             # (attention's q @ k^T without the 1/sqrt(d) scale) shows first in the next
             # child's output (review 34).
-            parent = (f"{e.module.rsplit('.', 1)[0]}'s" if "." in e.module else "the model's")
+            if d.get("root"):
+                # The whole model: none of its layers' outputs went non-finite before.
+                code = (f"in {e.module}'s own forward code, between its layers or on its "
+                        "parameters (a matmul, a softmax, a division, the exp of a "
+                        "parameter)")
+            else:
+                parent = (f"{e.module.rsplit('.', 1)[0]}'s" if "." in e.module
+                          else "the model's")
+                code = (f"in {parent} own forward code before {e.module} (a matmul, a "
+                        "softmax, a division)")
             where += (f". Its input is not checked: if it was non-finite already, the op "
-                      f"that made it is in {parent} own forward code before {e.module} "
-                      "(a matmul, a softmax, a division); anomaly mode (`--anomaly`, or "
+                      f"that made it is {code}; anomaly mode (`--anomaly`, or "
                       "`watch(..., anomaly=True)`) names the op and its line")
     elif d.get("input_bad"):
         where = (f"The batch given to the model already held NaN/inf on recorded step "
                  f"{d.get('recorded_at')}: it came from the data, not from a layer")
     elif d.get("recorded_at") is not None:
         where = ("Every watched layer's output was finite when it was NaN/inf (recorded "
-                 f"step {d.get('recorded_at')}): it appeared outside the watched modules, "
-                 "in the loss computation or in code between the model and the loss")
+                 f"step {d.get('recorded_at')}): it appeared outside the watched layers' "
+                 "outputs, in the loss computation, in code between the model and the loss, "
+                 "or in a value a module computed aside and added to the loss (an auxiliary "
+                 "loss kept on the module, a router z-loss)")
     else:
         where = ("No recorded step had it, so where it appeared is unknown (record every "
                  "step with `every=1`" + ("" if d.get("anomaly") else ", or use anomaly mode")
                  + ")")
+    unskipped = d.get("unskipped")
+    tail = (f" The GradScaler did not skip {unskipped} of these steps: their gradients "
+            "stayed finite (the inf is in a term whose gradient is finite, the square of a "
+            "large value), so the optimizer stepped on them, but the loss you see is inf."
+            if unskipped else "")
     return (f"The loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
             f"step(s) whose loss was checked (recorded or skipped steps; "
-            f"{d.get('steps')} steps in all), first at step {e.step}. {where}.")
+            f"{d.get('steps')} steps in all), first at step {e.step}. {where}.{tail}")
 
 
 @message_for("no_step_boundary")
@@ -274,10 +289,23 @@ def _lowp_updates_lost(a: MessageArgs) -> str:
             f"{dts}'s resolution next to the weights, so most of the model does not train.")
 
 
+@message_for("lowp_update_nonfinite")
+def _lowp_update_nonfinite(a: MessageArgs) -> str:
+    e, d = a.event, a.event.data
+    dtype = d.get("dtype") or "low-precision"
+    whose = f"{e.module}'s weights ({dtype})" if e.module else f"{dtype} weights"
+    return (f"The optimizer's update at step {e.step} made {whose} NaN/inf from finite "
+            f"weights and finite gradients ({d.get('count')} of the sampled values): the "
+            f"optimizer's state is {dtype} too, and Adam's eps (1e-8) is 0 in float16 while "
+            "its running average of squared gradients underflows to 0, so the update is "
+            "0/0. Every NaN after it (outputs, loss, gradients) follows from these weights.")
+
+
 @message_for("nonfinite_unlocated")
 def _nonfinite_unlocated(a: MessageArgs) -> str:
     d = a.event.data
-    return (f"NaN/Inf was seen in {d.get('count', a.n)} step(s) (first at step "
+    seen = max(int(d.get("count") or 0), a.n)  # one event a detection, or its count
+    return (f"NaN/Inf was seen in {seen} step(s) (first at step "
             f"{a.event.step}) but anomaly mode could not locate the op that produced it: "
             f"{d.get('reason')}.")
 
@@ -360,9 +388,10 @@ def _hidden_overflow(a: MessageArgs) -> str | None:
     made = (f"overflowed to {nonfinite_what(d)}: it {cast}" if cast is not None
             else f"overflowed to {nonfinite_what(d)}{_op_range(d)}")
     return (f"{e.op} {_where(e)} {made}, "
-            f"{_op_steps(a)}, while {e.module}'s output stayed finite: a later op saturated "
-            "it, so module-level stats miss it. The backward of this op is where NaN usually "
-            "appears next.")
+            f"{_op_steps(a)}, while {e.module}'s output stayed finite: a later op in it "
+            "saturated the inf (a clamp, a softmax, a masked fill), or it was kept aside (an "
+            "auxiliary loss on the module), so module-level stats miss it. The backward of "
+            "this op is where NaN usually appears next.")
 
 
 @message_for("nonfinite_forward")

@@ -147,7 +147,8 @@ def _scaler_line(s: Session) -> str | None:
     if sc is None:
         return None
     if not sc.enabled:
-        return "Scaler: GradScaler present but disabled (enabled=False)."
+        return ("Scaler: GradScaler present but disabled (enabled=False, or a "
+                "torch.cuda.amp.GradScaler on a machine without CUDA, which disables itself).")
     # With several scalers, each line says whose it is (the optimizers it steps).
     several = bool(s.other_scalers)
     return "\n".join(_one_scaler_line(f"Scaler of {t.label}" if several and t.name

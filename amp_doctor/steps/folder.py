@@ -40,6 +40,8 @@ from amp_doctor.steps.table import (
 __all__ = ["StepRows", "StepListener", "FoldedStep", "StepFolder", "skip_culprits",
            "GRAD_SCALE_KEY"]
 
+# The first steps with a NaN/inf loss kept in its event (whether the scaler skipped them).
+MAX_BAD_STEPS_KEPT = 256
 # The step scalar that holds the scale the loss was multiplied by.
 GRAD_SCALE_KEY = "grad_scale"
 
@@ -92,7 +94,8 @@ class StepFolder:
     def fold(self, hs: HostCopy, *, fmt: FormatLimits, param_grads_scaled: bool,
              skipped: bool, scale: float | None, check_input: bool,
              input_module: str | None = None,
-             formats: Mapping[str, FormatLimits] | None = None) -> FoldedStep:
+             formats: Mapping[str, FormatLimits] | None = None,
+             lp_param: Callable[[int], tuple[str | None, str]] | None = None) -> FoldedStep:
         """One recorded step's host copy -> its record, folded into the run's aggregates.
 
         ``fmt``: the run's low-precision format; ``formats``: the layers judged against
@@ -133,6 +136,7 @@ class StepFolder:
         if "lp_with_grad" in hs.scalars:
             self._lp_counts[0] += hs.scalars["lp_with_grad"]
             self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
+            self._note_update_nonfinite(step, hs.scalars, lp_param)
         loss = hs.scalars.get("loss", hs.scalars.get(PLAIN_LOSS_KEY))
         rec = StepRecord(step=step, loss=loss, scale=scale, skipped=skipped,
                          layers=layers)
@@ -166,6 +170,19 @@ class StepFolder:
         # dicts keep insertion order: the earliest layer wins a tie
         d["first_bad_layer"] = max(d["first_bad"], key=d["first_bad"].get)
         d["in_output"] = d["first_bad_layer"] in d["in_output_layers"]
+
+    def _note_update_nonfinite(self, step: int, scalars: dict[str, float],
+                               lp_param: Callable[[int], tuple[str | None, str]] | None
+                               ) -> None:
+        """The optimizer's update made sampled low-precision weights non-finite from finite
+        values and finite gradients (once per run: what follows is its doing)."""
+        made = int(scalars.get("lp_made_nonfinite", 0))
+        at = int(scalars.get("lp_nonfinite_param", -1))
+        if made <= 0 or any(e.kind == "lowp_update_nonfinite" for e in self._events):
+            return
+        layer, dtype = lp_param(at) if lp_param is not None and at >= 0 else (None, "")
+        self._events.append(Event(kind="lowp_update_nonfinite", step=step, module=layer,
+                                  data={"count": made, "dtype": dtype}))
 
     def _note_bad_input(self, step: int, scalars: dict[str, float], module: str) -> None:
         seen = [e for e in self._events
@@ -250,7 +267,9 @@ class StepFolder:
                           "recorded_at": seen[0] if seen else None,
                           "origin": seen[1] if seen else None,
                           "input_bad": seen[2] if seen else False,
-                          "anomaly": anomaly})]
+                          "anomaly": anomaly,
+                          # Bounded: a run-long NaN loss is one finding, not a list.
+                          "bad_steps": sorted(self._loss_bad)[:MAX_BAD_STEPS_KEPT]})]
 
     def lowp_events(self, param_dtypes: Iterable[str]) -> list[Event]:
         """Sampled low-precision weights that the optimizer's update did not move."""

@@ -50,14 +50,20 @@ class LoopSignals:
         self.backward_reached = False
         # A parameter's gradient and weight versions after the last backward.
         self._sentinel: tuple[torch.Tensor, int, int, int] | None = None
-        # Sampled low-precision parameter elements before the update.
-        self._lp_snap: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # Sampled low-precision parameter elements before the update: (param, sample
+        # index, values, element had a gradient, its gradient was finite).
+        self._lp_snap: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]] = []
+        # The sampled parameters of the last measured update, in order (host objects:
+        # weak enough, as the optimizer holds them anyway), for the "made non-finite" row.
+        self.lp_params: list[torch.Tensor] = []
 
     @property
     def trained_since_boundary(self) -> bool:
         return self.train_forward or self.backward
 
     def new_step(self) -> None:
+        self.lp_params = []
         self.backward = False
         self.input_module = None
         self._sentinel = None
@@ -74,6 +80,7 @@ class LoopSignals:
         """Leave no reference to the user's tensors behind."""
         self._sentinel = None
         self._lp_snap = []
+        self.lp_params = []
         self._flags = {}
 
     # -- device flags ----------------------------------------------------------
@@ -196,19 +203,29 @@ class LoopSignals:
                 step = max(1, n // UPDATE_SAMPLE)
                 idx = torch.arange(0, n, step, device=p.device)[:UPDATE_SAMPLE]
                 before = p.detach().reshape(-1)[idx].clone()
-                has_grad = p.grad.detach().reshape(-1)[idx] != 0
-                snap.append((p, idx, before, has_grad))
+                g = p.grad.detach().reshape(-1)[idx]
+                snap.append((p, idx, before, g != 0, g.isfinite()))
         self._lp_snap = snap
 
     def measure_low_params(self, buf: StepBuffer | None) -> None:
-        """After the optimizer step: how many sampled elements did not move (device counts)."""
+        """After the optimizer step: how many sampled elements did not move, and how many
+        the update made non-finite from finite values with finite gradients (float16 Adam
+        state: eps=1e-8 is 0, exp_avg_sq underflows, 0/0), with the first such parameter's
+        index in :attr:`lp_params` (-1: none). Device counts, in the step's host copy."""
         snap, self._lp_snap = self._lp_snap, []
         if not snap or buf is None:
             return
         with own_ops, torch.no_grad():
-            moved = [(p.detach().reshape(-1)[idx] == before) & has_grad
-                     for p, idx, before, has_grad in snap]
-            unchanged = torch.stack([m.sum() for m in moved]).sum()
-            with_grad = torch.stack([h.sum() for _, _, _, h in snap]).sum()
+            after = [p.detach().reshape(-1)[idx] for p, idx, _, _, _ in snap]
+            unchanged = torch.stack([((a == before) & has_grad).sum() for a, (_, _, before,
+                                     has_grad, _) in zip(after, snap, strict=True)]).sum()
+            with_grad = torch.stack([h.sum() for _, _, _, h, _ in snap]).sum()
+            made = torch.stack([(~a.isfinite() & before.isfinite() & ok).sum() for a, (
+                _, _, before, _, ok) in zip(after, snap, strict=True)])
+            at = torch.arange(len(snap), device=made.device)
+            first = torch.where(made > 0, at, len(snap)).min()
         buf.put_scalar("lp_unchanged", unchanged)
         buf.put_scalar("lp_with_grad", with_grad)
+        buf.put_scalar("lp_made_nonfinite", made.sum())
+        buf.put_scalar("lp_nonfinite_param", torch.where(first < len(snap), first, -1))
+        self.lp_params = [p for p, _, _, _, _ in snap]

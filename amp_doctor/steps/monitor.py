@@ -92,6 +92,9 @@ class AmpMonitor:
     ) -> None:
         self._cb = callbacks
         self._param_layer = param_layer
+        # Optimizers whose step() is running: a closure's forward and backward passes
+        # (LBFGS evaluates it several times in one step) belong to that step.
+        self.stepping: set[int] = set()
         # Per optimizer id: how many parameters it held, and the layers holding them, read
         # when it steps (it may be gone by the end of the run) and renamed with the layers.
         self._opt_layers: dict[int, tuple[int, set[str]]] = {}
@@ -252,6 +255,8 @@ class AmpMonitor:
 
     # -- optimizers --------------------------------------------------------
     def on_optimizer_pre(self, optimizer: Optimizer) -> None:
+        # Any optimizer: under diagnose the model may be found only inside the closure.
+        self.stepping.add(id(optimizer))
         if not self.registry.relevant(optimizer):
             return
         params = optimizer_params(optimizer)
@@ -276,6 +281,7 @@ class AmpMonitor:
 
     def on_optimizer_post(self, optimizer: Optimizer) -> None:
         reg = self.registry
+        self.stepping.discard(id(optimizer))
         if not reg.relevant(optimizer):
             return
         self._cb.optimizer_done(self._step_params.get(id(optimizer)) or [])
