@@ -312,6 +312,33 @@ def test_a_healthy_run_searches_only_its_first_step() -> None:
     assert not [e for e in doctor.session.events if e.kind.startswith("nonfinite")]
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_large_but_finite_gradients_and_weights_are_not_taken_for_an_inf(param_dtype) -> None:
+    # A float32 2-norm of a 1e20 gradient is inf (its square is beyond float32's max):
+    # the per-step check armed a search for a NaN that never was, and the report said
+    # "NaN/Inf was seen in 3 step(s)". Weights of 1e20 are checked the same way.
+    torch.manual_seed(0)
+    big = 1e20
+    # float64 weights are checked another way: their squares overflow float64 at 1e155.
+    table = 1e160 if param_dtype == torch.float64 else big
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).to(param_dtype)
+    model.register_parameter("table", nn.Parameter(torch.full((3,), table, dtype=param_dtype)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    grads = []
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(torch.rand(4, 8, dtype=param_dtype))
+            loss = out.to(torch.promote_types(param_dtype, torch.float32)).sum() * big
+            loss.backward()
+            grads.append(model[2].weight.grad.abs().max().item())
+            opt.step()
+            opt.zero_grad()
+    assert all(math.isfinite(g) and g > big / 100 for g in grads)
+    assert not [e for e in doctor.session.events if e.kind.startswith("nonfinite")]
+    assert not [f for f in doctor.session.findings if f.kind.startswith("nonfinite")]
+
+
 # -- numerics --------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,scaler", [(torch.float16, True), (torch.bfloat16, False)])
 def test_numerics_bit_identical_while_the_search_arms_and_disarms(dtype, scaler) -> None:

@@ -1,6 +1,6 @@
 """Anomaly mode's per-step check: on the device, on every step, without a sync.
 
-One (min, max) reduction of the batch given to each root model, and one
+One (min, max) reduction of the batch given to each root model, and a
 ``_foreach_norm`` over the watched parameters' gradients at the step boundary
 (NaN/Inf anywhere in forward or backward ends up there). The flags wait on the
 device for the next recorded step's single host copy.
@@ -8,6 +8,7 @@ device for the next recorded step's single host copy.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -42,26 +43,31 @@ class StepFlag:
 
 
 def norm_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per device, the sum of the tensors' 2-norms: non-finite iff some value is NaN/Inf.
+    """Per device, a float64 scalar that is non-finite iff some value of ``tensors`` is
+    NaN/Inf.
 
-    Three launches per device, whatever the number of tensors. The norms are
-    accumulated in float32, so a finite float16 value cannot overflow them (float64
-    ones in float64, which float32 would overflow and refuses to narrow); on the CPU
-    the 2-norm is several times cheaper than the inf-norm.
+    A few launches per device, whatever the number of tensors: one ``_foreach_norm``
+    per kind, then the largest norm. The 2-norms are accumulated in float64, where the
+    square of any finite float32, bfloat16 or float16 value cannot overflow: a float32
+    2-norm overflows at values of 1.8e19, and took a large but finite gradient for an
+    Inf. float64 tensors, whose squares could overflow float64, take the inf-norm. The
+    largest norm rather than their sum, which two finite float64 norms could overflow.
+    On the CPU the float64 2-norm is cheaper than the inf-norm.
     """
     strided = torch.strided
-    by_dev: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+    f64 = torch.float64
+    by_dev: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for g in tensors:
         if g.layout is strided and g.is_floating_point() and not g.is_meta:
-            acc = torch.float64 if g.dtype == torch.float64 else torch.float32
-            by_dev.setdefault(g.device, {}).setdefault(acc, []).append(g)
+            wide, narrow = by_dev.setdefault(g.device, ([], []))
+            (wide if g.dtype == f64 else narrow).append(g)
     out = []
     with torch.no_grad():
-        for groups in by_dev.values():
-            sums = [torch.stack(torch._foreach_norm(gs, 2, dtype=acc)).sum()
-                    for acc, gs in groups.items()]
-            out.append(sums[0] if len(sums) == 1 else torch.stack(
-                [x.double() for x in sums]).sum())
+        for wide, narrow in by_dev.values():
+            norms = list(torch._foreach_norm(narrow, 2, dtype=f64)) if narrow else []
+            if wide:
+                norms.extend(torch._foreach_norm(wide, math.inf))
+            out.append(torch.stack(norms).amax())
     return out
 
 
