@@ -306,6 +306,65 @@ def targets_missed(cell: Cell, key: str) -> list[str]:
     return missed
 
 
+def _recorded_ratio(cell: Cell, key: str) -> tuple[float | None, float | None]:
+    """(recorded, unrecorded) step medians of ``key`` as ratios to plain's cost."""
+    plain = cell.runs["plain"].cost()
+    rec, un = cell.runs[key].split_medians()
+    return (None if rec is None else rec / plain, None if un is None else un / plain)
+
+
+def floor_notes(cell: Cell) -> list[str]:
+    """For each missed time target of ``cell``, the measured floors beneath it.
+
+    The floors read the same tensors as ``watch(every=1)``: hooks that do nothing, one
+    copy of each tensor's sample (the least a design pays that reads every tensor from
+    a Python hook), and amp-doctor's device ops. A sampled variant's cost is its
+    unrecorded steps' plus one recorded step in ``every``: its floor is that of a
+    recorded step divided by ``every``.
+    """
+    r = {k: cell.ratio(k) for k in ("empty_hooks", "copy_floor", "stats_floor")
+         if k in cell.runs}
+    if len(r) < 3:
+        return []
+    hooks, copy, dev = r["empty_hooks"], r["copy_floor"], r["stats_floor"]
+    where = f"{cell.model} {cell.dtype}"
+    out = []
+    for key in AMP_DOCTOR_VARIANTS:
+        if key not in cell.runs:
+            continue
+        v = cell.runs[key].variant
+        ratio = cell.ratio(key)
+        if v.target is None or ratio <= v.target:
+            continue
+        head = f"{where}, {v.label}: {ratio:.2f}x > {v.target:.2f}x."
+        if key == "every1":
+            text = (f"{head} Floors: hooks alone {hooks:.2f}x, reading each tensor once "
+                    f"{copy:.2f}x, amp-doctor's device ops {dev:.2f}x; the rest, "
+                    f"{ratio - dev:+.2f}x, is host-side bookkeeping.")
+            if copy > v.target:
+                text += (" The read-once floor is above the target: no design that reads "
+                         "every tensor from a Python hook meets it here.")
+            out.append(text)
+            continue
+        n = v.every
+        rec, un = _recorded_ratio(cell, key)
+        if rec is None or un is None:
+            continue
+        best_copy, best_dev = 1 + (copy - 1) / n, 1 + (dev - 1) / n
+        text = (f"{head} Unrecorded steps {un:.2f}x, recorded steps {rec:.2f}x (one in "
+                f"{n}). With unrecorded steps free and recorded ones at a floor, it would "
+                f"be {best_copy:.2f}x (read once) or {best_dev:.2f}x (device ops).")
+        if key == "anomaly" and "default" in cell.runs:
+            _, un_default = _recorded_ratio(cell, "default")
+            if un_default is not None:
+                text += (f" Its per-step check: unrecorded steps {un:.2f}x against the "
+                         f"default's {un_default:.2f}x.")
+        if best_copy > v.target:
+            text += " The read-once floor alone misses the target."
+        out.append(text)
+    return out
+
+
 def _fmt_targets(cell: Cell, key: str) -> str:
     v = cell.runs[key].variant
     if v.target is None:
@@ -412,6 +471,10 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, cells: list[Cell]) -
     notes = [n for c in cells for n in c.notes]
     if notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    floors = [n for c in cells for n in floor_notes(c)]
+    if floors:
+        lines += ["Where a time target is missed, the measured floors beneath it "
+                  "(`run.py: floor_notes`):", ""] + [f"- {n}" for n in floors] + [""]
     return "\n".join(lines)
 
 

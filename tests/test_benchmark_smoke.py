@@ -166,3 +166,37 @@ def test_the_guard_harness_times_both_ways_and_restores_the_guard() -> None:
     assert type(own_ops).__dict__["needed_for"] is shipped
     assert not own_ops.needed_for(torch.ones(2)) and own_ops.needed_for(nn.Parameter(torch.ones(2)))
     assert r["plain_ms"] > 0 and len(r["forced"]) == len(r["shipped"]) == 1
+
+
+def test_each_missed_time_target_names_the_floors_beneath_it() -> None:
+    from bench_variants import VARIANTS
+    from run import Cell, VariantRun, floor_notes
+
+    def run(key: str, recorded: float, unrecorded: float | None = None) -> VariantRun:
+        every = VARIANTS[key].every
+        flags = [i % every == 0 for i in range(2 * every)] if every > 1 else [True] * 4
+        times = [recorded if f else unrecorded for f in flags]
+        return VariantRun(VARIANTS[key], rounds=[times], flags=[flags])
+
+    cell = Cell("cpu", "tiny", "float16", 8, {
+        "plain": run("plain", 10.0),
+        "default": run("default", 20.0, 10.1),   # 0.9 * 1.01 + 0.1 * 2.0 = 1.109x
+        "every1": run("every1", 20.0),           # 2.00x
+        "anomaly": run("anomaly", 20.0, 10.0),   # 1.10x: met, no note
+        "empty_hooks": run("empty_hooks", 10.5),
+        "copy_floor": run("copy_floor", 13.0),
+        "stats_floor": run("stats_floor", 17.0),
+    })
+    notes = floor_notes(cell)
+    assert len(notes) == 2
+    default, every1 = notes
+    assert default.startswith("tiny float16, watch() default (every=10): 1.11x > 1.03x.")
+    assert "Unrecorded steps 1.01x, recorded steps 2.00x (one in 10)" in default
+    assert "it would be 1.03x (read once) or 1.07x (device ops)" in default
+    assert "The read-once floor alone misses" not in default
+    assert every1.startswith("tiny float16, watch(every=1): 2.00x > 1.25x.")
+    assert ("hooks alone 1.05x, reading each tensor once 1.30x, amp-doctor's device ops "
+            "1.70x; the rest, +0.30x, is host-side bookkeeping") in every1
+    assert "The read-once floor is above the target" in every1
+    del cell.runs["copy_floor"]  # a run without the floors explains nothing
+    assert floor_notes(cell) == []
