@@ -13,7 +13,9 @@ Method, in short (the module docstrings of the helpers say more):
 
 * per round, per variant (order rotated each round): attach, ``--warmup``
   untimed steps, ``--steps`` timed steps, detach;
-* a step is timed whole with ``time.perf_counter`` (CUDA: a pair of
+* a step is timed whole by ``--clock``: on one torch thread the process's CPU time
+  (``time.process_time``, which other processes on a shared machine do not inflate),
+  otherwise ``time.perf_counter`` (CUDA: a pair of
   ``torch.cuda.Event`` recorded around it, read after the step);
 * step cost: the median step time; for a variant that records one step in
   N it is the amortized cost ``(1/N) * median(recorded) + (1-1/N) *
@@ -151,8 +153,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_block(run: VariantRun, trainer: Trainer, warmup: int, steps: int) -> None:
-    """Attach, warm up, time ``steps`` whole steps, detach: one block of one round."""
+def cpu_clock(name: str) -> Callable[[], float]:
+    """The clock that times a CPU step: ``wall`` (``time.perf_counter``) or ``cpu``
+    (``time.process_time``: the CPU time of every thread of this process, so the other
+    processes on a shared machine's cores do not inflate it, and work that amp-doctor
+    or torch did in a thread of its own is still counted). ``auto``: ``cpu`` with one
+    torch thread, where the whole step runs on the CPU, in this process; wall time
+    otherwise (idle intra-op workers spin, and a step's wall time is what counts)."""
+    if name == "auto":
+        name = "cpu" if torch.get_num_threads() == 1 else "wall"
+    return time.process_time if name == "cpu" else time.perf_counter
+
+
+def time_block(run: VariantRun, trainer: Trainer, warmup: int, steps: int,
+               clock: Callable[[], float] = time.perf_counter) -> None:
+    """Attach, warm up, time ``steps`` whole steps, detach: one block of one round.
+    ``clock`` times a CPU step (:func:`cpu_clock`); attach and close are wall time."""
     gc.collect()  # garbage of the previous block is not this variant's cost
     dev = trainer.device
     t0 = time.perf_counter()
@@ -177,9 +193,9 @@ def time_block(run: VariantRun, trainer: Trainer, warmup: int, steps: int) -> No
                 end.synchronize()
                 times.append(start.elapsed_time(end) / 1e3)
             else:
-                t = time.perf_counter()
+                t = clock()
                 trainer.step()
-                times.append(time.perf_counter() - t)
+                times.append(clock() - t)
             flags.append(attached.recorded() > before)
         run.rounds.append(times)
         run.flags.append(flags)
@@ -229,7 +245,8 @@ def run_cell(device: torch.device, model: str, dtype: str, variants: list[Varian
         # Rotate the order so no variant always runs right after the same one.
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:
-            time_block(cell.runs[v.key], trainers[v.key], args.warmup, args.steps)
+            time_block(cell.runs[v.key], trainers[v.key], args.warmup, args.steps,
+                       cpu_clock(args.clock))
         plain = cell.runs["plain"]
         log(f"  {device.type} {model} {dtype}: round {r + 1}/{args.rounds} done "
             f"(plain {1e3 * statistics.median(plain.rounds[-1]):.1f} ms/step)")
@@ -460,6 +477,8 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, cells: list[Cell]) -
         f"- settings: {args.rounds} rounds x {args.steps} timed steps per variant "
         f"(after {args.warmup} warm-up steps per block), memory: {args.mem_steps} steps "
         "per variant in a subprocess",
+        f"- CPU step time: {env.get('clock', 'wall time (time.perf_counter)')}; CUDA step "
+        "time: torch.cuda.Event pairs",
         "",
         tabulate(table_rows(cells), headers=COLUMNS, tablefmt="github"),
         "",
@@ -537,6 +556,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None,
                    help="override the per-model batch size (cnn 128, transformer 32)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--clock", choices=["auto", "cpu", "wall"], default="auto",
+                   help="what times a CPU step: the process's CPU time (not inflated by "
+                        "other processes) or wall time; auto: CPU time with one torch "
+                        "thread, else wall (CUDA steps: torch.cuda.Event)")
     p.add_argument("--mem-steps", type=int, default=DEFAULT_EVERY + 1,
                    help="steps of the memory pass; the default records steps 0 and "
                         f"{DEFAULT_EVERY} of watch() default, the second with the run-long "
@@ -571,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: load average {env['loadavg_start']:.2f} on {env['nproc']} CPUs: the "
               "machine is busy and timings will be noisy (--threads 1 is more robust).")
     env["command"] = " ".join(["python", "benchmarks/run.py", *(argv or sys.argv[1:])])
+    env["clock"] = ("process CPU time (time.process_time)"
+                    if cpu_clock(args.clock) is time.process_time
+                    else "wall time (time.perf_counter)")
     cells: list[Cell] = []
     for device in devices:
         for model in args.models:
