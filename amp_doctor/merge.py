@@ -77,7 +77,11 @@ def _merge_layer(items: list[tuple[int, LayerSummary]]) -> LayerSummary:
             input_dtypes=sorted(set(merged.input_dtypes) | set(lay.input_dtypes)),
             output_dtypes=sorted(set(merged.output_dtypes) | set(lay.output_dtypes)),
         )
-    return dataclasses.replace(merged, worst_rank=worst_rank)
+    # A mask on every rank stays one; -inf-only steps on one rank beside others' overflow
+    # do not make the merged layer a mask.
+    masked = all(lay.neg_inf_steps == lay.nonfinite_steps for _, lay in items)
+    return dataclasses.replace(merged, worst_rank=worst_rank,
+                               neg_inf_steps=merged.nonfinite_steps if masked else 0)
 
 
 def merge_sessions(sessions: dict[int, Session], world: int | None = None) -> Session:

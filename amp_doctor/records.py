@@ -143,6 +143,9 @@ class LayerSummary:
     param_grad_nonfinite_steps: int
     # Its output was always the same tensor a sublayer returned (e.g. a Sequential).
     passthrough: bool = False
+    # Recorded steps whose output's only non-finite values were -inf (min -inf, max neither
+    # +inf nor NaN): what a mask written with masked_fill(-inf) looks like.
+    neg_inf_steps: int = 0
     # Multi-process runs: the rank whose figures these are (the worst one).
     worst_rank: int | None = None
     ops: dict[str, dict[str, int]] = field(default_factory=dict)  # op -> dtype -> count

@@ -789,7 +789,8 @@ class Watch:
             # Detached first: a buffer is flushed once, even if folding it fails below.
             buf, self._buffer = self._buffer, None
             if self._anomaly is not None:
-                self._anomaly.end_step(skipped=skipped, recorded=buf is not None)
+                self._anomaly.end_step(skipped=skipped, recorded=buf is not None,
+                                       loss_bad=self._loop.loss_flag())
             input_module = self._loop.input_module
             flags = self._loop.end_step()
             if loss_bad is not None:

@@ -233,6 +233,10 @@ def test_a_transient_nonfinite_step_that_does_not_come_back_is_reported_unlocate
     assert "stayed finite" in d["reason"]
     assert not [e for e in s.events if e.kind in ("nonfinite_forward", "nonfinite_backward")]
     assert s.scaler is not None and 2 in s.scaler.skipped_steps
+    # Not "NaN/Inf was seen in N step(s)": N would be the steps searched, not the skips.
+    (f,) = [f for f in s.findings if f.kind == "nonfinite_unlocated"]
+    assert f.severity == "info" and f.message.startswith(
+        "The GradScaler skipped steps whose gradients held inf/NaN (first at step 2); ")
 
 
 # -- cost ------------------------------------------------------------------------------
@@ -632,3 +636,41 @@ def test_discovered_model_names_its_own_ops_and_not_the_loss_after_it(log_inside
     ev = [e for e in s.events if e.kind == "nonfinite_forward"]
     assert ev and ev[0].op == "aten.log" and ev[0].step == 0
     assert ev[0].module == ("_LogHead" if log_inside else None)
+
+
+class _Float64Big(nn.Module):
+    """A float64 submodule whose finite outputs (about 1e40) are beyond float32's max."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(16, 64)
+        self.edge = nn.Identity()
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.edge(self.l1(x).double() * 1e40)
+        return self.head((h / h.detach().abs().amax(-1, keepdim=True)).float())
+
+
+def test_finite_float64_values_beyond_float32s_max_are_not_taken_for_inf() -> None:
+    # They were staged (histogram) and summarised (anomaly mode) in float32: inf there,
+    # so the table said "absmax inf, inf/NaN out 4/0" and anomaly mode named an op.
+    torch.manual_seed(0)
+    model = _Float64Big()
+    losses = []
+    with amp_doctor.watch(model, every=1, anomaly=True) as doctor:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for i in range(4):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses)
+    s = doctor.session
+    assert not [e for e in s.events if e.kind.startswith("nonfinite")]
+    assert not [f for f in s.findings if f.severity in ("error", "warning")]
+    edge = next(lay for lay in s.layers if lay.name == "edge")
+    assert edge.nonfinite_steps == 0 and 1e38 < edge.absmax < 1e42

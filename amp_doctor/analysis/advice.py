@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from amp_doctor.analysis.messages import SOFTMAX_OPS, inputs_held_inf, zero_denominator
+from amp_doctor.analysis.thresholds import DIVERGED_INPUT_ABSMAX
 from amp_doctor.records import Event, Finding
 
 __all__ = ["ADVICE", "ADVICE_BF16", "OP_ADVICE", "advice_for", "event_advice", "bf16_advice",
@@ -34,6 +36,11 @@ ADVICE: dict[str, str] = {
         "without amp-doctor, wrap its call in `with torch.autocast(device_type, "
         "enabled=False): out = layer(x.float())` (`amp-doctor fix` prints a snippet for "
         "the set of layers that removes every error)."
+    ),
+    "neg_inf_mask": (
+        "Nothing to do for the mask. Check that no row is masked whole: softmax of a row "
+        "of -inf is NaN (mask with the format's lowest finite value, "
+        "`torch.finfo(x.dtype).min`, if that can happen)."
     ),
     "activation_nonfinite": (
         "Find the op that made inf/NaN with anomaly mode (`amp-doctor diagnose --anomaly` or "
@@ -150,6 +157,12 @@ ADVICE: dict[str, str] = {
         "The backward of this op produced NaN/Inf: run the forward op in float32 with "
         "`torch.autocast(device_type, enabled=False)`, clamp its input, or use bfloat16."
     ),
+    "nonfinite_discarded": (
+        "Nothing to do while the gradients stay finite. The backward of such an op can "
+        "make NaN where its values are dropped (the gradient of log at 0 is 0 * inf): make "
+        "its input safe before the op, `torch.log(torch.where(z > 0, z, 1))`, rather than "
+        "dropping its output after."
+    ),
     "nonfinite_input": (
         "The batch itself contains NaN/Inf: check the data pipeline "
         "(`torch.isfinite(x).all()` on each batch) before blaming the model."
@@ -263,6 +276,11 @@ ADVICE_BF16: dict[str, str] = {
 }
 
 
+# Formats a precision change cannot widen.
+WIDE_FORMATS = ("float32", "float64")
+# Formats with float32's range, at least: values beyond it are no format's fault.
+WIDE_RANGE_FORMATS = (*WIDE_FORMATS, "bfloat16")
+
 # Op-specific fixes for an op that produced NaN/Inf in the forward pass.
 OP_ADVICE: dict[str, str] = {
     "aten.log": "use `torch.log_softmax` instead of `log(softmax(x))`, or "
@@ -297,6 +315,16 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
     """
     op_fix = OP_ADVICE.get(e.op or "")
     bf16 = dtype == "bfloat16"
+    if e.kind == "nonfinite_forward" and inputs_held_inf(e.data):
+        # Not a precision problem: float32 or bfloat16 make the same NaN of an inf.
+        if e.op in SOFTMAX_OPS:
+            return ("Keep at least one position unmasked in every row, or fill the mask with "
+                    "the format's lowest finite value instead of -inf: `scores.masked_fill("
+                    "mask, torch.finfo(scores.dtype).min)` (a fully masked row then gives a "
+                    "uniform row, not NaN).")
+        return ("Find where the inf it received was made (a -inf mask, or an op before it) "
+                "and keep it out of this op: fill masks with `torch.finfo(x.dtype).min` "
+                "instead of -inf, or `torch.nan_to_num` / clamp the input first.")
     if e.kind == "lowp_updates_lost":
         # The weights' own format decides: bfloat16 weights are not told to move to float16.
         weights = e.data.get("dtypes") or []
@@ -307,6 +335,23 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                "torch.autocast(device_type, enabled=False):` around it and `.float()` inputs.")
         return (f"For {e.op}{where}: {op_fix}.{f32}"
                 + ("" if bf16 else " Or train with `dtype=torch.bfloat16`."))
+    big = e.data.get("input_absmax")
+    if (e.kind in ("nonfinite_forward", "nonfinite_backward") and not op_fix
+            and e.data.get("dtype") in WIDE_RANGE_FORMATS and isinstance(big, (int, float))
+            and big >= DIVERGED_INPUT_ABSMAX):
+        return (f"{e.op} went non-finite on {e.data.get('dtype')} values up to {big:.3g}, "
+                "in a format with float32's range: the run diverged (weights or activations "
+                "grew without bound), which no precision change fixes. Lower the learning "
+                "rate or lengthen its warmup, clip gradients "
+                "(`torch.nn.utils.clip_grad_norm_`), and skip an update whose gradient "
+                "norm is not finite.")
+    if e.kind == "nonfinite_backward" and zero_denominator(e.op, e.data):
+        node = str(e.data.get("node") or "")
+        what = ("the gradient of sqrt at 0 is infinite: take `torch.sqrt(x + eps)` or "
+                "`x.clamp_min(eps).sqrt()`" if node.startswith("Sqrt") else
+                "add an epsilon to the denominator, or clamp it away from 0, before the op")
+        return (f"A division by exactly 0 in the backward of {e.data.get('forward_op')}: "
+                f"{what}. float32 and bfloat16 do not help here.")
     if e.kind == "nonfinite_backward" and not e.module:
         return ("The gradient went non-finite where the loss is computed, outside the model: "
                 "keep the loss O(1) (a mean rather than a sum reduction, targets normalised "

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from amp_doctor.analysis.advice import ADVICE, event_advice, unlocated_advice
 from amp_doctor.analysis.detect_layers import input_cast, largest_finite, low_format
 from amp_doctor.analysis.detect_scaler import loss_steps_not_skipped, normal_backoff_steps
-from amp_doctor.analysis.messages import event_message
+from amp_doctor.analysis.messages import event_message, zero_denominator
 from amp_doctor.analysis.thresholds import (
     LOWP_UNCHANGED_WARN,
     MADE_INF_HEADROOM_BITS,
@@ -33,6 +33,7 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "loss_not_scaled": "error",
     "backward_in_autocast": "warning",
     "nonfinite_forward": "error",
+    "nonfinite_discarded": "info",
     "nonfinite_backward": "error",
     "nonfinite_input": "error",
     "activation_overflow": "warning",
@@ -64,7 +65,7 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
     if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):
         sev = "info"  # only steps the GradScaler skipped: the backoff findings cover them
     if kind == "nonfinite_backward" and session.amp.scaler and not any(
-            e.data.get("nan") for e in es):
+            e.data.get("nan") or zero_denominator(e.op, e.data) for e in es):
         # Scaled gradients overflowing is what GradScaler detects and skips: at its
         # calibration and growth probes always (raise mode checks every step, so it sees
         # all of them), and at a few other steps.

@@ -72,6 +72,26 @@ def _inf_made_by_an_op(lay: LayerSummary, fmt: str) -> float | None:
     return big if big * 2.0 ** MADE_INF_HEADROOM_BITS <= fmax else None
 
 
+def neg_inf_mask(lay: LayerSummary, fmt: str) -> float | None:
+    """The largest finite |output| of a layer whose only non-finite values are a mask's
+    -inf, written on purpose (``masked_fill(~legal, -inf)``); None for any other layer.
+
+    A mask: in every recorded step with a non-finite output, -inf and neither +inf nor
+    NaN; its gradients always finite (a mask's gradient is 0 where it wrote -inf, where
+    an overflow's backward makes NaN); and its finite values far below the format's
+    max, as :func:`_inf_made_by_an_op` asks (values do not jump from 256x below the max
+    to beyond it), so that an output overflowing to -inf alone is not one.
+    """
+    if not (lay.nonfinite_steps and lay.neg_inf_steps == lay.nonfinite_steps
+            and lay.grad_nonfinite_steps == 0):
+        return None
+    big = largest_finite(lay)
+    fmax = FORMAT_MAX.get(fmt)
+    if big is None or fmax is None:
+        return None
+    return big if big * 2.0 ** MADE_INF_HEADROOM_BITS <= fmax else None
+
+
 def input_cast(session: Session, lay: LayerSummary) -> Event | None:
     """The run's note that the batch held finite values beyond the format's max in a
     step whose first layer to go non-finite was ``lay`` (see ``StepFolder``)."""
@@ -160,8 +180,21 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
     explained = lay.passthrough or any(
         e.kind == "nonfinite_forward" and (e.module == lay.name or (
             not e.module and lay.overflow_origin_steps > 0)) for e in session.events)
+    mask_max = None if explained else neg_inf_mask(lay, fmt)
     if explained:
         pass
+    elif mask_max is not None:
+        yield Finding(
+            kind="neg_inf_mask", severity="info", module=lay.name, op=None, step=None,
+            message=(f"{lay.name} ({lay.type}) output holds -inf in {lay.nonfinite_steps} of "
+                     f"{lay.recorded_steps} recorded steps ({F.pct(lay.overflow_frac)} of "
+                     "values in the worst step) and never +inf or NaN, while its finite "
+                     f"values stayed below {F.num(mask_max)} and its gradients were finite: "
+                     "a mask written on purpose (masked_fill with -inf), not an overflow."),
+            advice=ADVICE["neg_inf_mask"],
+            data={"neg_inf_frac": lay.overflow_frac, "largest_finite": mask_max,
+                  "dtype": fmt},
+        )
     elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR and fmt == "bfloat16":
         # bfloat16's max is float32's: these values are inf/NaN an op made (log(0), x/0)
         # or diverged weights, not values beyond the format's range.

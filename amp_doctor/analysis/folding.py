@@ -10,10 +10,11 @@ of their origin, instead of errors and warnings with advice of their own.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import replace
 
 from amp_doctor import format as F
-from amp_doctor.analysis.messages import CAST_OPS
+from amp_doctor.analysis.messages import CAST_OPS, WHERE_UNKNOWN
 from amp_doctor.analysis.thresholds import MAX_PER_KIND
 from amp_doctor.records import Finding, Session, Severity
 
@@ -162,9 +163,28 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                          and x.severity == "error"), None)
         if root is None and f.kind == "nonfinite_loss":
             root = next((e for e in errors if e.kind == "nonfinite_input"), None)
+        if root is None and f.kind in ("scaler_backoff", "scale_collapse"):
+            # Backoffs no forward origin explains, in steps where a backward op made the
+            # gradients non-finite (the backward of sqrt at 0): that op is their cause.
+            steps = set(_steps_of(f))
+            root = next((e for e in errors if e.kind == "nonfinite_backward"
+                         and e.step in steps), None)
+        if root is None and f.kind == "nonfinite_loss" and origin is None:
+            # No recorded step showed where it began; anomaly mode's search, which the
+            # NaN loss armed, named an op in one of its steps.
+            bad = set(f.data.get("bad_steps") or _steps_of(f))
+            root = next((e for e in errors if e.kind == "nonfinite_forward"
+                         and e.step in bad), None)
         if root is not None:
             consequences.setdefault(id(root), []).append(_consequence(f))
             f = _with(f, "info", follow_on_of=root.module)
+            if f.kind == "nonfinite_loss" and WHERE_UNKNOWN in f.message:
+                # Not "unknown" beside the finding that names where it began.
+                at = f"{root.op} in {root.module}" if root.op and root.module else (
+                    root.op or root.module or root.kind)
+                f = replace(f, message=re.sub(
+                    re.escape(WHERE_UNKNOWN) + r" \([^)]*\)",
+                    f"It began at {at} (see that finding)", f.message))
         if f.kind == "gradient_underflow" and (collapse is not None or clip is not None):
             host = collapse if collapse is not None else clip
             assert host is not None

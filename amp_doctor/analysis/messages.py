@@ -227,9 +227,8 @@ def _nonfinite_loss(a: MessageArgs) -> str:
                  "or in a value a module computed aside and added to the loss (an auxiliary "
                  "loss kept on the module, a router z-loss)")
     else:
-        where = ("No recorded step had it, so where it appeared is unknown (record every "
-                 "step with `every=1`" + ("" if d.get("anomaly") else ", or use anomaly mode")
-                 + ")")
+        where = (f"{WHERE_UNKNOWN} (record every step with `every=1`"
+                 + ("" if d.get("anomaly") else ", or use anomaly mode") + ")")
     unskipped = d.get("unskipped")
     tail = (f" The GradScaler did not skip {unskipped} of these steps: their gradients "
             "stayed finite (the inf is in a term whose gradient is finite, the square of a "
@@ -304,6 +303,13 @@ def _lowp_update_nonfinite(a: MessageArgs) -> str:
 @message_for("nonfinite_unlocated")
 def _nonfinite_unlocated(a: MessageArgs) -> str:
     d = a.event.data
+    if d.get("scaler_skipped_only"):
+        # Its count would be the steps the rate-limited search looked at, not the skips.
+        return (f"The GradScaler skipped steps whose gradients held inf/NaN (first at step "
+                f"{a.event.step}); anomaly mode's op-level search ran after them and saw no "
+                "op make NaN/Inf, so it names none. Scaled gradients beyond float16's max "
+                "are what a GradScaler skips, also at each higher scale it tries: its "
+                "findings and timeline say whether these backoffs are a problem.")
     seen = max(int(d.get("count") or 0), a.n)  # one event a detection, or its count
     return (f"NaN/Inf was seen in {seen} step(s) (first at step "
             f"{a.event.step}) but anomaly mode could not locate the op that produced it: "
@@ -316,19 +322,47 @@ def _nonfinite_unlocated(a: MessageArgs) -> str:
 _RANGES_SAID = 4
 
 
+def inputs_held_inf(d: dict[str, object]) -> bool:
+    """An origin's inputs held an inf (it made NaN from them: a softmax over a row that
+    a -inf mask covers whole), rather than being finite."""
+    ranges = d.get("input_ranges")
+    values = ([v for r in ranges for v in r] if isinstance(ranges, list)
+              else [d.get("input_min"), d.get("input_max")])
+    return any(isinstance(v, (int, float)) and math.isinf(v) for v in values)
+
+
+# Ops whose second input divides the first.
+DIVISION_OPS = ("aten.div", "aten.div_", "aten.true_divide")
+
+
+def zero_denominator(op: str | None, d: dict[str, object]) -> bool:
+    """A division whose denominator held an exact 0 (its min or max is 0): the inf it
+    made is x/0, not a value grown past the format's max. The backward of ``sqrt`` at
+    0 is such a division (``grad / (2 * sqrt(x))``)."""
+    ranges = d.get("input_ranges")
+    if op not in DIVISION_OPS or not isinstance(ranges, list) or len(ranges) < 2:
+        return False
+    return 0.0 in ranges[1]
+
+
 def _op_range(d: dict[str, object]) -> str:
     if d.get("input_absmax") is None:
         return ""
+    finite = "inputs without NaN" if inputs_held_inf(d) else "finite inputs"
     ranges = d.get("input_ranges")
     if isinstance(ranges, list) and len(ranges) > 1:
         # Several inputs: each its own range (a float16 denominator of exactly 0 beside a
         # float32 numerator), and no dtype: the one recorded is the op's output's.
         said = "; ".join(f"[{_num(lo)}, {_num(hi)}]" for lo, hi in ranges[:_RANGES_SAID])
-        return f" from finite inputs ({said}{'; ...' if len(ranges) > _RANGES_SAID else ''})"
-    return (f" from finite {d.get('dtype')} inputs (min {_num(d.get('input_min'))}, "
+        return f" from {finite} ({said}{'; ...' if len(ranges) > _RANGES_SAID else ''})"
+    kind = finite.replace("inputs", f"{d.get('dtype')} inputs")
+    return (f" from {kind} (min {_num(d.get('input_min'))}, "
             f"max {_num(d.get('input_max'))}, absmax {_num(d.get('input_absmax'))})")
 
 
+# Softmax ops: a row of -inf only is NaN in them.
+SOFTMAX_OPS = ("aten._softmax", "aten.softmax", "aten._log_softmax", "aten.log_softmax",
+               "aten._safe_softmax")
 # Ops that only convert: an inf they make from finite inputs is a value beyond the
 # target format's max (autocast casting a float32 input to float16).
 CAST_OPS = ("aten._to_copy", "aten.copy_")
@@ -356,6 +390,19 @@ def _op_steps(a: MessageArgs) -> str:
     return f"in {a.n} step(s), {a.at}" if a.n > 1 else a.at
 
 
+# What a NaN loss's message says when no recorded step showed where it began.
+WHERE_UNKNOWN = "No recorded step had it, so where it appeared is unknown"
+
+
+@message_for("nonfinite_discarded")
+def _nonfinite_discarded(a: MessageArgs) -> str:
+    e, d = a.event, a.event.data
+    return (f"{e.op} {_where(e)} made {nonfinite_what(d)}{_op_range(d)}, {_op_steps(a)}, "
+            "but the step's loss stayed finite: a later op dropped those values (a "
+            "`torch.where`, a mask), as `torch.where(z > 0, torch.log(z), 0)` does. The "
+            "forward pass is not affected.")
+
+
 @message_for("nonfinite_input")
 def _nonfinite_input(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
@@ -373,10 +420,12 @@ def _nonfinite_backward(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
     of = (f"the backward of {d.get('forward_op')} {_where(e)}" if d.get("forward_op")
           else f"a backward {_where(e)}")
+    zero = (" Its denominator was exactly 0: a division by zero, which float32 or "
+            "bfloat16 would make inf too, not an overflow." if zero_denominator(e.op, d) else "")
     return (f"In the backward pass, {e.op} (part of {d.get('node')}, {of}) produced "
             f"{nonfinite_what(d)}{_op_range(d)}, "
             f"{_op_steps(a)}. This is the first backward op to go non-finite; the layers "
-            "before it in backward order only passed it on.")
+            f"before it in backward order only passed it on.{zero}")
 
 
 @message_for("activation_overflow")
@@ -403,5 +452,11 @@ def _nonfinite_forward(a: MessageArgs) -> str:
         return (f"{e.op} {_where(e)} was the first op to produce {nonfinite_what(d)}: it "
                 f"{cast}, {_op_steps(a)}. Those values were beyond the format before any "
                 f"layer's arithmetic: every op after it only passed them on.{tail}")
+    if inputs_held_inf(d) and e.op in SOFTMAX_OPS:
+        tail = (" Its input held -inf: a row that the -inf mask covers whole, whose "
+                "softmax is 0/0." + tail)
+    elif inputs_held_inf(d):
+        tail = (" An inf came in (a -inf mask, or an inf passed on), and this op made "
+                "NaN of it (inf - inf, 0 * inf)." + tail)
     return (f"{e.op} {_where(e)} was the first op to produce {nonfinite_what(d)}"
             f"{_op_range(d)}, {_op_steps(a)}; every op after it only passed it on.{tail}")

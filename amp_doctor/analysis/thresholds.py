@@ -29,6 +29,7 @@ __all__ = [
     "RISK_HEADROOM_BITS",
     "LOWP_UNCHANGED_WARN",
     "MADE_INF_HEADROOM_BITS",
+    "DIVERGED_INPUT_ABSMAX",
     "F16_SMALLEST_NORMAL",
     "DEFAULT_INIT_SCALE",
     "DEFAULT_GROWTH_INTERVAL",
@@ -107,6 +108,10 @@ LOWP_UNCHANGED_WARN = 0.5
 # max did not overflow: values do not jump from 256x below the max to beyond it in one
 # tensor. An op made the inf (log(0), x/0, exp of a large value).
 MADE_INF_HEADROOM_BITS = 8.0
+
+# An op that ran in float32 and went non-finite on inputs this large: the values grew
+# out of any sane range (diverging weights), which no precision change fixes.
+DIVERGED_INPUT_ABSMAX = 1e15
 
 # float16's smallest normal, 2**-14: below it a gradient loses precision or flushes.
 F16_SMALLEST_NORMAL = 2.0 ** -14

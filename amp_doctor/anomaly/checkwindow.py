@@ -17,6 +17,7 @@ from amp_doctor.anomaly.origins import OpWindow, origin_flags, stack_rows
 from amp_doctor.anomaly.stepcheck import RootCall, StepFlag
 from amp_doctor.anomaly.userframes import format_frames
 from amp_doctor.device.stats import bad_batch
+from amp_doctor.devicework import count_sync
 from amp_doctor.records import Event
 
 __all__ = ["CheckWindow", "gather", "input_event"]
@@ -38,10 +39,23 @@ class CheckWindow:
     op_rows: torch.Tensor | None
     call_rows: torch.Tensor | None
     weights: list[StepFlag] = field(default_factory=list)
+    # Each step's loss check (device bools, not in ``flags``: read when one is flagged).
+    losses: list[StepFlag] = field(default_factory=list)
+
+    def finite_loss_steps(self) -> frozenset[int]:
+        """The steps whose loss was checked and finite (syncs: an abnormal window only)."""
+        if not self.losses:
+            return frozenset()
+        home = self.losses[0].value.device
+        bad = torch.stack([s.value.to(home) for s in self.losses]).tolist()
+        count_sync()
+        bad_steps = {s.step for s, b in zip(self.losses, bad, strict=True) if b}
+        return frozenset(s.step for s in self.losses if s.step not in bad_steps)
 
 
 def gather(p: OpWindow, calls: list[RootCall], grads: list[StepFlag],
-           weights: list[StepFlag]) -> CheckWindow | None:
+           weights: list[StepFlag], losses: list[StepFlag] | None = None
+           ) -> CheckWindow | None:
     """One window's flags on the device (no sync); None if there is nothing to check."""
     parts: list[torch.Tensor] = []
     op_rows = call_rows = None
@@ -60,7 +74,7 @@ def gather(p: OpWindow, calls: list[RootCall], grads: list[StepFlag],
     if sums:
         parts.append(~torch.isfinite(torch.stack([s.to(home) for s in sums])))
     flags = torch.cat([x.to(home) for x in parts])
-    return CheckWindow(p, calls, grads, flags, op_rows, call_rows, weights)
+    return CheckWindow(p, calls, grads, flags, op_rows, call_rows, weights, losses or [])
 
 
 def input_event(c: RootCall, row: torch.Tensor) -> Event:

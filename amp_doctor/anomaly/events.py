@@ -68,9 +68,10 @@ class EventLog:
 def one_line(ev: Event) -> str:
     """The ``NonFiniteError`` message: where, what, and analysis's fix for it."""
     from amp_doctor.analysis.analyze import event_advice  # analysis sits above anomaly in the flow
-    from amp_doctor.analysis.messages import cast_overflow
+    from amp_doctor.analysis.messages import cast_overflow, inputs_held_inf
 
     d = ev.data
+    held_inf = inputs_held_inf(d)
     where = f"module {ev.module!r}" if ev.module else "code outside the watched model"
     what = "NaN" if d.get("nan") else ("+inf" if d.get("pos_inf") else "-inf")
     at = f" at {ev.frame}" if ev.frame else ""
@@ -78,10 +79,15 @@ def one_line(ev: Event) -> str:
         head = f"the batch passed to {ev.module!r} holds {what} at step {ev.step}{at}"
     elif ev.kind == "nonfinite_backward":
         head = (f"{ev.op} in the backward of {d.get('forward_op')} ({d.get('node')}, {where}) "
-                f"produced {what} from finite inputs at step {ev.step}{at}")
+                f"produced {what} from "
+                + ("inputs without NaN" if held_inf else "finite inputs")
+                + f" at step {ev.step}{at}")
     elif (cast := cast_overflow(ev.op, d)) is not None:
         head = f"{ev.op} in {where} produced {what} at step {ev.step}{at}: it {cast}"
     else:
-        head = (f"{ev.op} in {where} produced {what} from finite {d.get('dtype')} inputs at "
-                f"step {ev.step}{at}")
-    return f"{head}. Fix: {' '.join(event_advice(ev).split())}"
+        dtype = d.get("dtype")
+        inputs = f"{dtype} inputs without NaN" if held_inf else f"finite {dtype} inputs"
+        head = f"{ev.op} in {where} produced {what} from {inputs} at step {ev.step}{at}"
+    # An op that ran in bfloat16 is in a bfloat16 run: not told to use bfloat16.
+    run_dtype = "bfloat16" if d.get("dtype") == "bfloat16" else None
+    return f"{head}. Fix: {' '.join(event_advice(ev, run_dtype).split())}"

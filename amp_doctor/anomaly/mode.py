@@ -282,18 +282,20 @@ class AnomalyMode:
         except Exception as e:
             self._log.note_internal(e)
 
-    def end_step(self, skipped: bool = False, recorded: bool = False) -> None:
+    def end_step(self, skipped: bool = False, recorded: bool = False,
+                 loss_bad: torch.Tensor | None = None) -> None:
         """A step boundary: the step's gradient check; a searched step's verdict.
 
         ``skipped``: the GradScaler skipped this step (known on the host already).
         ``recorded``: :meth:`flagged_count` and :meth:`resolve` follow for this step,
         so the check rides in its host copy; otherwise a searched step is checked now.
+        ``loss_bad``: the step's loss check (a device bool), if it had a loss.
         """
         if self._raise:
             return
         step = self._step_of()
         try:
-            self._check.end_step(step)
+            self._check.end_step(step, loss_bad)
             if skipped:
                 self._skipped.add(step)
                 self._note_bad([step])
@@ -344,8 +346,8 @@ class AnomalyMode:
                 self._finish(w)
 
     def _take_window(self) -> CheckWindow | None:
-        calls, grads, wts = self._check.take()
-        return gather(self._recorder.take(), calls, grads, wts)
+        calls, grads, wts, losses = self._check.take()
+        return gather(self._recorder.take(), calls, grads, wts, losses)
 
     def _finish(self, w: CheckWindow) -> None:
         """Events from a window in which something was flagged (syncs: an abnormal step)."""
@@ -354,8 +356,12 @@ class AnomalyMode:
         count_sync()
         found = False
         if n_ops and bool(host[:n_ops].any()) and w.op_rows is not None:
-            found = report_origins(w.ops, w.flags[:n_ops], w.op_rows,
-                                   self._log.store) is not None
+            # A forward origin in a step whose loss stayed finite made values that a later
+            # op dropped (torch.where(z > 0, log(z), 0)); the gradients' own check would
+            # not tell, as a GradScaler's calibration overflows them in the same steps.
+            ev = report_origins(w.ops, w.flags[:n_ops], w.op_rows, self._log.store,
+                                w.finite_loss_steps())
+            found = ev is not None and ev.kind != "nonfinite_discarded"
         pos = n_ops
         if w.calls:
             bad = host[pos:pos + len(w.calls)]

@@ -1,10 +1,11 @@
 """Which recorded op is an *origin* of non-finite values, and the event that names it.
 
 An op is an origin (a producer, not a propagator) when an output is non-finite
-while every floating input was finite. The op recorder keeps a (min, max)
-summary of each floating tensor on the device; here those summaries are turned
-into one flag per op entry without a sync, and the flagged entries into events
-(a host copy, only on an abnormal step).
+while every floating input was finite, or a forward op's output is NaN while its
+inputs held no NaN or +inf (a softmax of a row that a -inf mask covers whole). The
+op recorder keeps a (min, max) summary of each floating tensor on the device; here
+those summaries are turned into one flag per op entry without a sync, and the
+flagged entries into events (a host copy, only on an abnormal step).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from amp_doctor.anomaly.userframes import Frame, format_frames
-from amp_doctor.device.stats import bad_batch
+from amp_doctor.device.stats import bad_batch, upload
 from amp_doctor.devicework import count_sync
 from amp_doctor.records import Event
 
@@ -26,6 +27,11 @@ __all__ = ["Summary", "OpEntry", "ModuleCall", "OpWindow", "origin_flags", "repo
 
 # On an abnormal step, report at most this many distinct (kind, module, op) origins.
 MAX_ORIGINS_PER_CHECK = 8
+# Casts: what autocast runs on a float32 tensor given to a float16 op.
+_CASTS = frozenset({"aten._to_copy", "aten.copy_"})
+# The lowest finite values an additive mask is filled with (``(1 - mask) *
+# torch.finfo(dtype).min``, as Hugging Face models do), as the float32 summaries hold them.
+_MASK_FILLS = (torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min)
 
 
 class Summary(NamedTuple):
@@ -74,7 +80,14 @@ class OpWindow:
 
 
 def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per entry, on the device: an origin of non-finite values? No sync.
+    """Per entry, on the device: an origin of non-finite values? No sync. An origin made
+    a non-finite output from finite inputs, or, in the forward pass, a NaN from inputs
+    whose only non-finite values were -inf (a mask's).
+
+    A cast of an additive mask is not one: an input whose max is at most 0 and whose
+    min is a format's lowest finite value (``torch.finfo(float32).min``), cast to
+    float16, is -inf where it masks and finite elsewhere, which is what the model's
+    softmax expects (autocast makes that cast when the float32 mask meets a float16 op).
 
     Also returns the window's summaries stacked as [n, 2] rows, for the report.
     """
@@ -85,26 +98,50 @@ def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, tor
     in_idx: list[int] = []
     in_owner: list[int] = []
     is_input: list[bool] = []
+    is_forward: list[bool] = []
     for i, e in enumerate(entries):
         out_idx.extend(e.outs)
         out_owner.extend([i] * len(e.outs))
         in_idx.extend(e.ins)
         in_owner.extend([i] * len(e.ins))
         is_input.append(e.kind == "input")
+        is_forward.append(e.kind == "forward")
     n = len(entries)
     bad_any = ~torch.isfinite(rows).all(1)
+    nan = rows.isnan().any(1)  # aminmax propagates NaN: a NaN anywhere makes both NaN
     bad_data = bad_batch(rows)  # inputs to the model
-    oi = torch.tensor(out_idx, device=dev)
-    oo = torch.tensor(out_owner, device=dev)
-    sel = torch.tensor(is_input, device=dev)[oo]
+    # Host lists go up without a sync (pinned, non-blocking on CUDA).
+    oi = upload(out_idx, dev)
+    oo = upload(out_owner, dev)
+    sel = upload([int(b) for b in is_input], dev).bool()[oo]
     bad_out = torch.where(sel, bad_data[oi], bad_any[oi])
-    out_bad = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(0, oo, bad_out.float())
-    flags = out_bad > 0
+    # In backward, NaN from an inf is what follows a scaled gradient's overflow (inf - inf),
+    # which the GradScaler skips: the overflow is the origin there.
+    nan_out = nan[oi] & upload([int(b) for b in is_forward], dev).bool()[oo]
+    zeros = torch.zeros(n, dtype=torch.float32, device=dev)
+    out_bad = zeros.index_add(0, oo, bad_out.float()) > 0
+    out_nan = zeros.index_add(0, oo, nan_out.float()) > 0
+    flags = out_bad
     if in_idx:
-        in_bad = torch.zeros(n, dtype=torch.float32, device=dev).index_add_(
-            0, torch.tensor(in_owner, device=dev),
-            bad_any[torch.tensor(in_idx, device=dev)].float())
-        flags &= in_bad == 0
+        owner = upload(in_owner, dev)
+        ins = upload(in_idx, dev)
+        in_bad = zeros.index_add(0, owner, bad_any[ins].float()) > 0
+        # A -inf but no +inf or NaN in any input: what a mask holds (an overflow makes
+        # both signs, and its own op is the origin, earlier in the pass).
+        in_masked = zeros.index_add(0, owner, (nan | (rows[:, 1] == math.inf))[ins].float()) == 0
+        # An op that made NaN from such inputs is one too: a softmax over a row that the
+        # mask covers whole.
+        flags = (out_bad & ~in_bad) | (out_nan & in_masked)
+    casts = [(i, e.ins[0], e.outs[0]) for i, e in enumerate(entries)
+             if e.op in _CASTS and e.ins and e.outs]
+    if casts:
+        at, src_i, dst_i = (upload(list(c), dev) for c in zip(*casts, strict=True))
+        src, dst = rows[src_i], rows[dst_i]
+        lo = src[:, 0]
+        filled = (lo == _MASK_FILLS[0]) | (lo == _MASK_FILLS[1])
+        mask = (filled & (src[:, 1] <= 0)
+                & (dst[:, 0] == -math.inf) & (dst[:, 1] < math.inf))
+        flags[at] = flags[at] & ~mask
     return flags, rows
 
 
@@ -117,10 +154,16 @@ class _Needs(NamedTuple):
 
 
 def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
-                   store: Callable[[Event, list[int]], None]) -> Event | None:
+                   store: Callable[[Event, list[int]], None],
+                   finite_loss_steps: frozenset[int] = frozenset()) -> Event | None:
     """Events for the first distinct origins among the flagged entries (syncs).
 
-    ``store(event, steps)`` keeps each one; the first is returned.
+    ``store(event, steps)`` keeps each one; the first is returned (the first that did
+    harm, if one did). A forward origin in
+    one of ``finite_loss_steps`` (steps whose loss was checked finite) made
+    values that went nowhere: a ``torch.where`` or a mask dropped them
+    (``torch.where(z > 0, torch.log(z), 0)``). It is a ``nonfinite_discarded`` event,
+    grouped apart from the same op's origins in steps that it harmed.
     """
     idx = flags.nonzero().flatten().tolist()
     count_sync()
@@ -131,10 +174,11 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
     for i in idx:
         e = w.entries[i]
         firsts.setdefault((e.step, e.kind), i)
-    groups: dict[tuple[str, str | None, str | None], list[int]] = {}
+    groups: dict[tuple[str, str | None, str | None, bool], list[int]] = {}
     for i in firsts.values():
         e = w.entries[i]
-        groups.setdefault((e.kind, e.module, e.op), []).append(i)
+        dropped = e.kind == "forward" and e.step in finite_loss_steps
+        groups.setdefault((e.kind, e.module, e.op, dropped), []).append(i)
     chosen = [members[0] for members in list(groups.values())[:MAX_ORIGINS_PER_CHECK]]
     # One host copy for everything the chosen events report: their outputs, their
     # inputs and, in the forward pass, the output of the module they ran in.
@@ -148,14 +192,21 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
     count_sync()
     first: Event | None = None
     pos = 0
-    for i, members, need in zip(chosen, groups.values(), needs, strict=False):
+    for i, (key, members), need in zip(chosen, groups.items(), needs, strict=False):
         parts = []
         for part in need:
             parts.append(host[pos:pos + len(part)])
             pos += len(part)
         ev = _event_for(w.entries[i], *parts)
+        if key[3] and ev.kind == "nonfinite_forward":
+            # (An overflow its module's output hid keeps its own kind: whether it did harm
+            # is what its backward does, which its severity reads.)
+            ev = Event(kind="nonfinite_discarded", step=ev.step, module=ev.module, op=ev.op,
+                       frame=ev.frame, data={**ev.data, "made": ev.kind})
         store(ev, sorted({w.entries[j].step for j in members}))
-        first = first or ev
+        if first is None or (first.kind == "nonfinite_discarded"
+                             and ev.kind != "nonfinite_discarded"):
+            first = ev
     return first
 
 
@@ -200,7 +251,8 @@ def _module_call(w: OpWindow, module: str | None, i: int) -> ModuleCall | None:
 
 
 def _stack_summaries(summaries: list[Summary]) -> torch.Tensor:
-    """[n, 2] float32 (min, max) rows, on the device of the first summary.
+    """[n, 2] (min, max) rows, on the device of the first summary: float32, or float64
+    when a summary is (a float64 value beyond float32's max is finite, not inf).
 
     Summaries are stacked per dtype (stacking mixed dtypes is several times slower)
     and put back in order. A CUDA op may take a 0-d CPU tensor, so a summary can
@@ -210,19 +262,20 @@ def _stack_summaries(summaries: list[Summary]) -> torch.Tensor:
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, s in enumerate(summaries):
         groups.setdefault((s.lo.dtype, s.lo.device), []).append(i)
+    wide = torch.float64 if any(dt == torch.float64 for dt, _ in groups) else torch.float32
     parts = []
     order: list[int] = []
     for (_, dev), idx in groups.items():
         lo = torch.stack([summaries[i].lo for i in idx])
         hi = torch.stack([summaries[i].hi for i in idx])
-        part = torch.stack((lo, hi), 1).to(torch.float32)
+        part = torch.stack((lo, hi), 1).to(wide)
         parts.append(part if dev == home else part.to(home))
         order.extend(idx)
     cat = parts[0] if len(parts) == 1 else torch.cat(parts)
     if order == list(range(len(order))):
         return cat
     out = torch.empty_like(cat)
-    out[torch.tensor(order, device=home)] = cat
+    out[upload(order, home)] = cat
     return out
 
 

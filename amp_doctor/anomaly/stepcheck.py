@@ -71,10 +71,16 @@ def norm_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _row_dtype(t: torch.Tensor) -> torch.dtype:
+    # float64 data beyond float32's max is finite: float32 would make it inf.
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def batch_row(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[2] float32: the (min, max) over all of ``tensors`` but an attention mask's -inf
-    (:func:`~amp_doctor.device.stats.merged_extremes`), on the device. No sync."""
-    rows = [torch.stack(torch.aminmax(t)).float() for t in tensors]
+    """[2] float32 (float64 for float64 data): the (min, max) over all of ``tensors``
+    but an attention mask's -inf (:func:`~amp_doctor.device.stats.merged_extremes`), on
+    the device. No sync."""
+    rows = [torch.stack(torch.aminmax(t)).to(_row_dtype(t)) for t in tensors]
     if len(rows) == 1:
         return rows[0]
     return merged_extremes(torch.stack(rows))
@@ -89,6 +95,9 @@ class StepCheck:
         self.calls: list[RootCall] = []
         self.grads: list[StepFlag] = []
         self.weights: list[StepFlag] = []
+        # Per step, whether its loss was NaN/inf (bool): read only when a window is
+        # flagged, to tell an origin whose values reached the loss from one they did not.
+        self.losses: list[StepFlag] = []
         self.light_steps = 0  # steps whose flags wait for a host copy
 
     def add_root(self, root: nn.Module) -> None:
@@ -123,8 +132,11 @@ class StepCheck:
             self.calls.append(RootCall(step, module, dtype_name(tensors[0].dtype), frames,
                                        batch_row(tensors)))
 
-    def end_step(self, step: int) -> None:
-        """The step's gradient flag: per device, non-finite iff a watched gradient is."""
+    def end_step(self, step: int, loss_bad: torch.Tensor | None = None) -> None:
+        """The step's gradient flag: per device, non-finite iff a watched gradient is;
+        and ``loss_bad``, the step's loss check (a device bool), when it had one."""
+        if loss_bad is not None:
+            self.losses.append(StepFlag(step, loss_bad))
         grads = []
         for p in self.watched_params():
             g = p.grad
@@ -134,10 +146,11 @@ class StepCheck:
             self.grads.extend(StepFlag(step, f) for f in norm_sums(grads))
         self.light_steps += 1
 
-    def take(self) -> tuple[list[RootCall], list[StepFlag], list[StepFlag]]:
-        """(root calls, gradient flags, weight flags) so far; the next ones start empty."""
-        out = (self.calls, self.grads, self.weights)
-        self.calls, self.grads, self.weights = [], [], []
+    def take(self) -> tuple[list[RootCall], list[StepFlag], list[StepFlag], list[StepFlag]]:
+        """(root calls, gradient flags, weight flags, loss flags) so far; the next ones
+        start empty."""
+        out = (self.calls, self.grads, self.weights, self.losses)
+        self.calls, self.grads, self.weights, self.losses = [], [], [], []
         self.light_steps = 0
         return out
 

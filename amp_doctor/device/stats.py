@@ -227,6 +227,8 @@ _STEPS_FIXED_NS = 55_000
 _STEPS_NS_PER_VALUE = 0.5
 
 
+_F32_MAX = torch.finfo(torch.float32).max
+
 # Formats whose every value is exact in the float32 stage (see Batch.add_many).
 _STAGED_EXACT = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -402,8 +404,12 @@ class Batch:
             # its code-0 count in the histogram; other formats need a count of their own.
             self._nonzeros.append(torch.count_nonzero(sample))
             self._counted.append(len(self.numel))
-        # float64 beyond float32's range becomes inf here, which is what a cast to
-        # any low-precision format would do too.
+        if x.dtype is torch.float64:
+            # Beyond float32's range a float64 value would be staged as inf, and counted
+            # as one: the largest finite float32 keeps it finite, and beyond every
+            # low-precision format's max (its exact min and max are kept above).
+            with own_ops:
+                sample = torch.where(sample.isinf(), sample, sample.clamp(-_F32_MAX, _F32_MAX))
         assert self._stage is not None
         self._stage[self._used : self._used + k].copy_(sample)
         self._used += k

@@ -10,14 +10,21 @@ same advice. The grouping is a rendering choice: the JSON report keeps every fin
 
 from __future__ import annotations
 
+import math
 import textwrap
 from dataclasses import dataclass
 
 from tabulate import tabulate
 
 from amp_doctor import format as F
-from amp_doctor.analysis.detect_layers import all_nonfinite, shown_grad_underflow
+from amp_doctor.analysis.detect_layers import (
+    all_nonfinite,
+    low_format,
+    neg_inf_mask,
+    shown_grad_underflow,
+)
 from amp_doctor.analysis.risk import risk_order
+from amp_doctor.dtypes import FORMAT_MAX
 from amp_doctor.records import SEVERITIES, Finding, LayerSummary, ScalerTimeline, Session
 
 __all__ = [
@@ -176,6 +183,7 @@ def _dtype_cell(lay: LayerSummary) -> str:
 def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -> str:
     rows = []
     ordered = risk_order([lay for lay in s.layers if lay.recorded_steps])
+    low = low_format(s)
     for lay in ordered[:max_layers]:
         name = lay.name if len(lay.name) <= 40 else "..." + lay.name[-37:]
         nonfinite = f"{lay.nonfinite_steps}/" + str(
@@ -183,12 +191,19 @@ def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -
         gu = shown_grad_underflow(lay)
         star = "*" if lay.what_if else ""
         over, under = F.pct(lay.overflow_frac) + star, F.pct(lay.underflow_frac) + star
+        mask_max = neg_inf_mask(lay, low)
+        if mask_max is not None:
+            over = "-inf mask"
         if not lay.output_dtypes:
             # No output of it was seen (inside a compiled graph): only its parameters'
             # gradients were recorded, not a zero output with infinite headroom.
             absmax = head = over = under = "-"
         elif all_nonfinite(lay):
             absmax, head = "NaN", "NaN"
+        elif mask_max is not None:
+            fmax = FORMAT_MAX.get(low)
+            absmax = F.num(mask_max)
+            head = F.bits(math.log2(fmax / mask_max)) if fmax and mask_max > 0 else "inf"
         else:
             absmax, head = F.num(lay.absmax), F.bits(lay.headroom)
         rows.append([
@@ -211,6 +226,14 @@ _TABLE_KEY = (
     f"has none). {NONFINITE_HEADER}: how many recorded steps had inf or "
     "NaN in the outputs / in the gradients."
 )
+_MASK_KEY = (" -inf mask: the output held -inf written on purpose (masked_fill), and no "
+             "+inf or NaN; its absmax and headroom are those of its finite values.")
+
+
+def _table_key(s: Session) -> str:
+    low = low_format(s)
+    masked = any(lay.recorded_steps and neg_inf_mask(lay, low) is not None for lay in s.layers)
+    return _TABLE_KEY + (_MASK_KEY if masked else "")
 
 
 def _counts_line(s: Session) -> str:
@@ -244,7 +267,7 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
     if sl:
         out.extend(["", *(_wrap(line, 0) for line in sl.split("\n"))])
     if s.layers:
-        out.extend(["", _wrap(_TABLE_KEY, 0), ""])
+        out.extend(["", _wrap(_table_key(s), 0), ""])
         out.append(layer_table(s, max_layers))
         from amp_doctor.analysis.whatif import render_fp8_table
 
@@ -322,5 +345,5 @@ def render_markdown(s: Session, max_layers: int = MAX_LAYERS) -> str:
     if sl:
         out.extend(["---", "", sl])
     if s.layers:
-        out.extend(["", _md(_TABLE_KEY), "", layer_table(s, max_layers, fmt="github")])
+        out.extend(["", _md(_table_key(s)), "", layer_table(s, max_layers, fmt="github")])
     return "\n".join(out) + "\n"

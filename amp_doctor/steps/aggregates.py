@@ -64,11 +64,12 @@ _NFS = ((ACT, NONFINITE), (GRAD, NONFINITE), (PG, NONFINITE))
 _COLS = torch.tensor([s * _W + f for s, f in (*_MEANS, *_HIS, *_LOS, *_NFS)], device="cpu")
 _SPLIT = (len(_MEANS), len(_HIS), len(_LOS), len(_NFS))
 # The summed block: the means' sums and counts, the non-finite step counts, steps with
-# a gradient headroom, steps seen.
-_N_SUMS = 2 * len(_MEANS) + len(_NFS) + 2
+# a gradient headroom, steps seen, steps whose output's only non-finite values were -inf.
+_N_SUMS = 2 * len(_MEANS) + len(_NFS) + 3
 C_COUNTS, C_NONFIN = len(_MEANS), 2 * len(_MEANS)
 C_GNONFIN, C_PNONFIN = C_NONFIN + 1, C_NONFIN + 2
 C_GHEAD, C_STEPS = C_NONFIN + len(_NFS), C_NONFIN + len(_NFS) + 1
+C_NEGINF = C_STEPS + 1
 _EXT_START = (*_HI_START, *([-math.inf] * len(_LOS)))
 
 # One layer's aggregates, by LayerSummary field name.
@@ -103,9 +104,11 @@ class LayerAggregates:
         means, hi, lo, nonfinite = got.split(_SPLIT, 1)
         seen = means == means  # not NaN
         g_head = lo[:, L_GHEAD : L_GHEAD + 1]
+        # min and max are NaN when the output held a NaN (aminmax propagates it).
+        neg_inf = (lo[:, L_MIN : L_MIN + 1] == -math.inf) & (hi[:, H_MAX : H_MAX + 1] < math.inf)
         self._sums.index_add_(0, idx, torch.cat([
             means.nan_to_num(0.0), seen, nonfinite > 0, g_head == g_head,
-            torch.ones(n, 1, dtype=_F64)], 1))
+            torch.ones(n, 1, dtype=_F64), neg_inf], 1))
         ext = torch.cat([hi, -lo], 1)
         ext[:, _FINITE_ONLY].masked_fill_(ext[:, _FINITE_ONLY].isinf(), math.nan)
         ext.nan_to_num_(-math.inf, math.inf, -math.inf)  # NaN: not a candidate
@@ -157,6 +160,7 @@ class LayerAggregates:
                 overflow_frac=max(hi[H_OVER], 0.0),
                 underflow_frac=mean(M_UNDER) or 0.0,
                 nonfinite_steps=int(s[C_NONFIN]),
+                neg_inf_steps=int(s[C_NEGINF]),
                 overflow_origin_steps=self._origin_steps.get(name, 0),
                 grad_absmax=top(H_GABS),
                 grad_headroom=lo[L_GHEAD] if s[C_GHEAD] else None,
