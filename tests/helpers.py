@@ -97,3 +97,13 @@ def console_script(name: str = "amp-doctor") -> str:
 
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     return shutil.which(name, path=path) or ""
+
+
+def marked_line(path: str, marker: str) -> int:
+    """The line number of the line of ``path`` that ends with ``# marker``: what a
+    report's ``file:line`` must name."""
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if line.rstrip().endswith("# " + marker):
+                return i
+    raise AssertionError(marker)

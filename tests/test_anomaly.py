@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 import amp_doctor
 from amp_doctor.devicework import host_syncs
 from amp_doctor.errors import AmpDoctorError, NonFiniteError
-from tests.helpers import MLP, train
+from tests.helpers import MLP, marked_line, train
 
 THIS_FILE = __file__
 
@@ -55,11 +55,7 @@ class Net(nn.Module):
 
 
 def _line_of(marker: str) -> int:
-    with open(THIS_FILE) as f:
-        for i, line in enumerate(f, 1):
-            if line.rstrip().endswith("# " + marker):
-                return i
-    raise AssertionError(marker)
+    return marked_line(THIS_FILE, marker)
 
 
 def _loop(model: nn.Module, steps: int, x_fn, dtype=torch.float16, scaler=True) -> list[float]:

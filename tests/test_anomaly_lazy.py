@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 import amp_doctor
 from amp_doctor.anomaly.mode import AnomalyMode
 from amp_doctor.devicework import host_syncs
-from tests.helpers import MLP, console_script, train
+from tests.helpers import MLP, console_script, marked_line, train
 
 THIS_FILE = __file__
 AMP_DOCTOR = console_script()
@@ -60,11 +60,7 @@ class Standardize(nn.Module):
 
 
 def _line_of(marker: str) -> int:
-    with open(THIS_FILE) as f:
-        for i, line in enumerate(f, 1):
-            if line.rstrip().endswith("# " + marker):
-                return i
-    raise AssertionError(marker)
+    return marked_line(THIS_FILE, marker)
 
 
 def _outliers_from(start: int, value: float = 400.0):

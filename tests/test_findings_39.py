@@ -21,17 +21,14 @@ from torch import nn
 
 import amp_doctor
 from amp_doctor.errors import NonFiniteError
+from tests.helpers import marked_line
 
 THIS_FILE = __file__
 T, C = 8, 16
 
 
 def _line_of(marker: str) -> int:
-    with open(THIS_FILE) as f:
-        for i, line in enumerate(f, 1):
-            if line.rstrip().endswith("# " + marker):
-                return i
-    raise AssertionError(marker)
+    return marked_line(THIS_FILE, marker)
 
 
 class Attn(nn.Module):
