@@ -8,6 +8,9 @@ misnamed.
   got an ERROR.
 - The backward of ``sqrt`` at 0 divides by 0: reported as an info "scaled overflow",
   while the backoffs it caused were the error, advising float32.
+- (Review 39c, HF-style runs) a masked row's NaN that reaches the gradients while the
+  loss stays finite; a -inf mask layer blamed for a calibrating scaler's backoffs; T5's
+  log(0) in integer bucket maths.
 """
 
 from __future__ import annotations
@@ -208,3 +211,115 @@ def test_a_learning_rate_spike_is_told_to_be_a_divergence_not_a_precision_proble
     msg = str(info.value)
     assert "the run diverged" in msg and "Lower the learning rate" in msg
     assert "use bfloat16" not in msg and "Keep this op in float32" not in msg
+
+
+# -- review 39c: Hugging Face-style runs ----------------------------------------------------
+def test_a_row_masked_whole_whose_loss_ignores_it_still_names_the_softmax() -> None:
+    # The padded sample's labels are ignored (-100), so the loss stays finite while the
+    # softmax's NaN reaches every gradient through backward: harmful, not "discarded".
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, anomaly=True) as doctor:
+        for step in range(10):
+            model.attn.pad_row = step >= 4
+            x = torch.randn(4, T, C, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x).float().squeeze(-1)  # [4, T]
+                keep = torch.ones_like(out, dtype=torch.bool)
+                keep[:, 2] = False  # the masked query's output is left out of the loss
+                loss = out[keep].pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert math.isfinite(loss.item())
+    s = doctor.session
+    assert s.scaler is not None and len(s.scaler.skipped_steps) >= 5
+    errors = [f for f in s.findings if f.severity in ("error", "warning")]
+    assert [(f.kind, f.module, f.op) for f in errors] == [
+        ("nonfinite_forward", "attn", "aten._softmax")]
+    assert not s.findings_of("nonfinite_discarded")
+
+
+class _Scorer(nn.Module):
+    """Attention scores with a causal -inf mask: the layer's own output holds it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        att = q @ k.transpose(-2, -1)
+        return att.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool)), float("-inf"))
+
+
+class _MaskModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(C, 2 * C)
+        self.scorer = _Scorer()
+        self.head = nn.Linear(C, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).split(C, -1)
+        return self.head(self.scorer(q, k).softmax(-1) @ x)
+
+
+def test_a_mask_layer_is_not_blamed_for_a_calibrating_scalers_backoffs() -> None:
+    # init_scale 2**24: the scaled gradients overflow in `head` first and flow back
+    # through the mask layer for several steps. Before, the mask layer got an ERROR
+    # ("an op in it made inf/NaN") and the backoffs "began at scorer".
+    torch.manual_seed(0)
+    model = _MaskModel()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1) as doctor:
+        for _ in range(20):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, T, C, generator=g)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert math.isfinite(loss.item())
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.backoff_steps
+    scorer = next(lay for lay in s.layers if lay.name == "scorer")
+    assert scorer.grad_nonfinite_steps > 0  # they came back through it from `head`
+    assert [f.severity for f in s.findings_of("neg_inf_mask")] == ["info"]
+    assert not [f for f in s.findings if f.severity == "error"]
+    assert all(f.module != "scorer" for f in s.findings if f.kind.startswith("scale"))
+
+
+def test_an_inf_in_maths_without_grad_that_a_cast_drops_is_info() -> None:
+    # T5's relative-position buckets: log(0) = -inf on integer positions made float,
+    # then cast back to integers and dropped by torch.where. No gradient flows there.
+    class Buckets(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Embedding(8, 1)
+            self.fc = nn.Linear(C, C)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(T)[None, :] - torch.arange(T)[:, None]
+            rel = pos.abs()
+            big = (torch.log(rel.float() / 2) * 2).to(torch.long)  # BUCKET_LINE
+            bucket = torch.where(rel < 2, rel, big.clamp(0, 7))
+            return self.fc(x) + self.bias(bucket).squeeze(-1)[0][:, None]
+
+    torch.manual_seed(0)
+    model = Buckets()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, anomaly=True) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(T, C, generator=g)).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    assert not [f for f in s.findings if f.severity in ("error", "warning")], doctor.report()
+    (f,) = s.findings_of("nonfinite_discarded")
+    assert f.op == "aten.log" and f.frame is not None
+    assert f.frame.startswith(f"{THIS_FILE}:{_line_of('BUCKET_LINE')}")

@@ -22,11 +22,18 @@ same way again. The names other modules import from here stay importable here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from amp_doctor.analysis.advice import ADVICE, ADVICE_BF16, bf16_advice, event_advice
 from amp_doctor.analysis.corrupted import fold_corrupted_weights
 from amp_doctor.analysis.detect_events import event_findings
-from amp_doctor.analysis.detect_layers import autocast_findings, layer_findings, run_findings
+from amp_doctor.analysis.detect_layers import (
+    autocast_findings,
+    layer_findings,
+    low_format,
+    neg_inf_mask,
+    run_findings,
+)
 from amp_doctor.analysis.detect_scaler import scaler_findings
 from amp_doctor.analysis.divergence import note_divergence
 from amp_doctor.analysis.folding import cap_per_kind, fold_early_end, fold_follow_ons
@@ -47,7 +54,7 @@ from amp_doctor.analysis.thresholds import (
     SCALED_GRAD_OVERFLOW_INFO_STEPS,
     STUCK_INTERVALS,
 )
-from amp_doctor.records import SEVERITY_RANK, Finding, Session
+from amp_doctor.records import SEVERITY_RANK, Finding, ScalerTimeline, Session
 
 __all__ = [
     "analyze",
@@ -95,8 +102,28 @@ DETECTORS: list[Callable[[Session], Iterable[Finding]]] = [
 ]
 
 
+def _masks_are_no_origin(session: Session) -> Session:
+    """The session with no GradScaler backoff traced to a layer whose only non-finite
+    output is a -inf mask (``neg_inf_mask``): a step's first layer to go non-finite
+    in the forward pass is read while recording, before a mask can be told from an
+    overflow; the backoff is then the gradients' to explain (its culprits)."""
+    fmt = low_format(session)
+    masks = {lay.name for lay in session.layers
+             if lay.recorded_steps and neg_inf_mask(lay, fmt, session) is not None}
+    if not masks:
+        return session
+
+    def clear(sc: ScalerTimeline) -> ScalerTimeline:
+        return replace(sc, events=[replace(e, forward_origin=None)
+                                   if e.forward_origin in masks else e for e in sc.events])
+
+    return replace(session, scaler=clear(session.scaler) if session.scaler else None,
+                   other_scalers=[clear(sc) for sc in session.other_scalers])
+
+
 def analyze(session: Session) -> list[Finding]:
     """Every finding of the session: most severe first, causes before consequences."""
+    session = _masks_are_no_origin(session)
     out: list[Finding] = []
     for detect in DETECTORS:
         out.extend(detect(session))

@@ -72,18 +72,31 @@ def _inf_made_by_an_op(lay: LayerSummary, fmt: str) -> float | None:
     return big if big * 2.0 ** MADE_INF_HEADROOM_BITS <= fmax else None
 
 
-def neg_inf_mask(lay: LayerSummary, fmt: str) -> float | None:
+def _grads_only_skipped(session: Session, lay: LayerSummary) -> bool:
+    """Its output gradients were non-finite only in steps a GradScaler skipped, and its
+    parameters' never: what a calibrating scaler and the layers after it make of any
+    layer's output gradient, where log(0)'s 1/0 would reach its own weights."""
+    skips = sum(len(sc.skipped_steps) for sc in ([session.scaler] if session.scaler else [])
+                + session.other_scalers)
+    return lay.param_grad_nonfinite_steps == 0 and lay.grad_nonfinite_steps <= skips
+
+
+def neg_inf_mask(lay: LayerSummary, fmt: str, session: Session | None = None) -> float | None:
     """The largest finite |output| of a layer whose only non-finite values are a mask's
     -inf, written on purpose (``masked_fill(~legal, -inf)``); None for any other layer.
 
     A mask: in every recorded step with a non-finite output, -inf and neither +inf nor
-    NaN; its gradients always finite (a mask's gradient is 0 where it wrote -inf, where
-    an overflow's backward makes NaN); and its finite values far below the format's
-    max, as :func:`_inf_made_by_an_op` asks (values do not jump from 256x below the max
-    to beyond it), so that an output overflowing to -inf alone is not one.
+    NaN; its gradients finite (a mask's gradient is 0 where it wrote -inf, where the
+    backward of log(0) makes 1/0), or non-finite only as the GradScaler's skipped steps
+    brought them from the layers after it (``session``); and its finite values far
+    below the format's max, as :func:`_inf_made_by_an_op` asks (values do not jump from
+    256x below the max to beyond it), so that an output overflowing to -inf alone is
+    not one.
     """
-    if not (lay.nonfinite_steps and lay.neg_inf_steps == lay.nonfinite_steps
-            and lay.grad_nonfinite_steps == 0):
+    if not (lay.nonfinite_steps and lay.neg_inf_steps == lay.nonfinite_steps):
+        return None
+    if lay.grad_nonfinite_steps and not (
+            session is not None and _grads_only_skipped(session, lay)):
         return None
     big = largest_finite(lay)
     fmax = FORMAT_MAX.get(fmt)
@@ -180,7 +193,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
     explained = lay.passthrough or any(
         e.kind == "nonfinite_forward" and (e.module == lay.name or (
             not e.module and lay.overflow_origin_steps > 0)) for e in session.events)
-    mask_max = None if explained else neg_inf_mask(lay, fmt)
+    mask_max = None if explained else neg_inf_mask(lay, fmt, session)
     if explained:
         pass
     elif mask_max is not None:
@@ -189,8 +202,10 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             message=(f"{lay.name} ({lay.type}) output holds -inf in {lay.nonfinite_steps} of "
                      f"{lay.recorded_steps} recorded steps ({F.pct(lay.overflow_frac)} of "
                      "values in the worst step) and never +inf or NaN, while its finite "
-                     f"values stayed below {F.num(mask_max)} and its gradients were finite: "
-                     "a mask written on purpose (masked_fill with -inf), not an overflow."),
+                     f"values stayed below {F.num(mask_max)} and its gradients were "
+                     + ("finite" if not lay.grad_nonfinite_steps else
+                        "non-finite only in steps the GradScaler skipped, its weights' never")
+                     + ": a mask written on purpose (masked_fill with -inf), not an overflow."),
             advice=ADVICE["neg_inf_mask"],
             data={"neg_inf_frac": lay.overflow_frac, "largest_finite": mask_max,
                   "dtype": fmt},

@@ -398,9 +398,9 @@ WHERE_UNKNOWN = "No recorded step had it, so where it appeared is unknown"
 def _nonfinite_discarded(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
     return (f"{e.op} {_where(e)} made {nonfinite_what(d)}{_op_range(d)}, {_op_steps(a)}, "
-            "but the step's loss stayed finite: a later op dropped those values (a "
-            "`torch.where`, a mask), as `torch.where(z > 0, torch.log(z), 0)` does. The "
-            "forward pass is not affected.")
+            "but the step's loss stayed finite and no gradient took them on: a later op "
+            "dropped those values (a `torch.where`, a mask, a cast to integers), as "
+            "`torch.where(z > 0, torch.log(z), 0)` does. Training is not affected.")
 
 
 @message_for("nonfinite_input")

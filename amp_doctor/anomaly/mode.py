@@ -356,11 +356,15 @@ class AnomalyMode:
         count_sync()
         found = False
         if n_ops and bool(host[:n_ops].any()) and w.op_rows is not None:
-            # A forward origin in a step whose loss stayed finite made values that a later
-            # op dropped (torch.where(z > 0, log(z), 0)); the gradients' own check would
-            # not tell, as a GradScaler's calibration overflows them in the same steps.
+            # A forward origin in a step whose loss and gradients stayed finite made values
+            # that a later op dropped (torch.where(z > 0, log(z), 0)); gradients that a
+            # backward op overflowed (a GradScaler calibrating) do not count against it.
+            at = n_ops + len(w.calls)
+            grads_bad = {g.step for g, b in zip(
+                w.grads, host[at:at + len(w.grads)].tolist(), strict=True) if b}
+            finite_grads = frozenset(g.step for g in w.grads if g.step not in grads_bad)
             ev = report_origins(w.ops, w.flags[:n_ops], w.op_rows, self._log.store,
-                                w.finite_loss_steps())
+                                w.finite_loss_steps(), finite_grads)
             found = ev is not None and ev.kind != "nonfinite_discarded"
         pos = n_ops
         if w.calls:

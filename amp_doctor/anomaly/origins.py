@@ -27,8 +27,9 @@ __all__ = ["Summary", "OpEntry", "ModuleCall", "OpWindow", "origin_flags", "repo
 
 # On an abnormal step, report at most this many distinct (kind, module, op) origins.
 MAX_ORIGINS_PER_CHECK = 8
-# Casts: what autocast runs on a float32 tensor given to a float16 op.
-_CASTS = frozenset({"aten._to_copy", "aten.copy_"})
+# Ops that pass an additive mask on: autocast's cast of a float32 mask to float16, and
+# the sum of two masks (a causal and a padding mask, each filled with finfo.min).
+_MASK_OPS = frozenset({"aten._to_copy", "aten.copy_", "aten.add"})
 # The lowest finite values an additive mask is filled with (``(1 - mask) *
 # torch.finfo(dtype).min``, as Hugging Face models do), as the float32 summaries hold them.
 _MASK_FILLS = (torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min)
@@ -88,6 +89,7 @@ def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, tor
     min is a format's lowest finite value (``torch.finfo(float32).min``), cast to
     float16, is -inf where it masks and finite elsewhere, which is what the model's
     softmax expects (autocast makes that cast when the float32 mask meets a float16 op).
+    Nor is a sum of such masks, -inf where both mask.
 
     Also returns the window's summaries stacked as [n, 2] rows, for the report.
     """
@@ -132,14 +134,20 @@ def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, tor
         # An op that made NaN from such inputs is one too: a softmax over a row that the
         # mask covers whole.
         flags = (out_bad & ~in_bad) | (out_nan & in_masked)
-    casts = [(i, e.ins[0], e.outs[0]) for i, e in enumerate(entries)
-             if e.op in _CASTS and e.ins and e.outs]
-    if casts:
-        at, src_i, dst_i = (upload(list(c), dev) for c in zip(*casts, strict=True))
+    # One line per input of a cast or a sum of masks (the first of a sum holds the fill).
+    masking = [(i, e.ins[0], e.outs[0], len(e.ins)) for i, e in enumerate(entries)
+               if e.op in _MASK_OPS and e.ins and e.outs]
+    if masking:
+        at, src_i, dst_i, n_in = (upload(list(c), dev) for c in zip(*masking, strict=True))
         src, dst = rows[src_i], rows[dst_i]
         lo = src[:, 0]
         filled = (lo == _MASK_FILLS[0]) | (lo == _MASK_FILLS[1])
-        mask = (filled & (src[:, 1] <= 0)
+        # Every input of the op at most 0: the largest input max, per entry.
+        top = torch.full((n,), -math.inf, dtype=rows.dtype, device=dev)
+        if in_idx:
+            top = top.index_reduce(0, upload(in_owner, dev), rows[upload(in_idx, dev), 1],
+                                   "amax")
+        mask = (filled & (top[at] <= 0) & (n_in >= 1)
                 & (dst[:, 0] == -math.inf) & (dst[:, 1] < math.inf))
         flags[at] = flags[at] & ~mask
     return flags, rows
@@ -155,14 +163,17 @@ class _Needs(NamedTuple):
 
 def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
                    store: Callable[[Event, list[int]], None],
-                   finite_loss_steps: frozenset[int] = frozenset()) -> Event | None:
+                   finite_loss_steps: frozenset[int] = frozenset(),
+                   finite_grad_steps: frozenset[int] = frozenset()) -> Event | None:
     """Events for the first distinct origins among the flagged entries (syncs).
 
     ``store(event, steps)`` keeps each one; the first is returned (the first that did
-    harm, if one did). A forward origin in
-    one of ``finite_loss_steps`` (steps whose loss was checked finite) made
-    values that went nowhere: a ``torch.where`` or a mask dropped them
-    (``torch.where(z > 0, torch.log(z), 0)``). It is a ``nonfinite_discarded`` event,
+    harm, if one did). A forward origin whose values went nowhere (a ``torch.where`` or
+    a mask dropped them: ``torch.where(z > 0, torch.log(z), 0)``) is a
+    ``nonfinite_discarded`` event: its step's loss was checked finite
+    (``finite_loss_steps``) and its gradients stayed finite (``finite_grad_steps``), or
+    a backward op of the step made them non-finite from finite inputs (a GradScaler's
+    overflow, not this NaN). It is
     grouped apart from the same op's origins in steps that it harmed.
     """
     idx = flags.nonzero().flatten().tolist()
@@ -174,10 +185,15 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
     for i in idx:
         e = w.entries[i]
         firsts.setdefault((e.step, e.kind), i)
-    groups: dict[tuple[str, str | None, str | None, bool], list[int]] = {}
+    groups: dict[tuple[str, str | None, str | None, int], list[int]] = {}
     for i in firsts.values():
         e = w.entries[i]
-        dropped = e.kind == "forward" and e.step in finite_loss_steps
+        # 2: the loss and the gradients stayed finite; 1: the gradients were overflowed by
+        # a backward op of the step (a GradScaler calibrating); 0: it may have done harm.
+        dropped = 0
+        if e.kind == "forward" and e.step in finite_loss_steps:
+            dropped = (2 if e.step in finite_grad_steps
+                       else 1 if (e.step, "backward") in firsts else 0)
         groups.setdefault((e.kind, e.module, e.op, dropped), []).append(i)
     chosen = [members[0] for members in list(groups.values())[:MAX_ORIGINS_PER_CHECK]]
     # One host copy for everything the chosen events report: their outputs, their
@@ -198,9 +214,9 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
             parts.append(host[pos:pos + len(part)])
             pos += len(part)
         ev = _event_for(w.entries[i], *parts)
-        if key[3] and ev.kind == "nonfinite_forward":
-            # (An overflow its module's output hid keeps its own kind: whether it did harm
-            # is what its backward does, which its severity reads.)
+        # An overflow its module's output hid keeps its kind unless nothing went non-finite
+        # after it: its own backward is where its harm shows (a cube inside a GELU).
+        if key[3] == 2 or (key[3] and ev.kind == "nonfinite_forward"):
             ev = Event(kind="nonfinite_discarded", step=ev.step, module=ev.module, op=ev.op,
                        frame=ev.frame, data={**ev.data, "made": ev.kind})
         store(ev, sorted({w.entries[j].step for j in members}))

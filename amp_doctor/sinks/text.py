@@ -191,7 +191,7 @@ def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -
         gu = shown_grad_underflow(lay)
         star = "*" if lay.what_if else ""
         over, under = F.pct(lay.overflow_frac) + star, F.pct(lay.underflow_frac) + star
-        mask_max = neg_inf_mask(lay, low)
+        mask_max = neg_inf_mask(lay, low, s)
         if mask_max is not None:
             over = "-inf mask"
         if not lay.output_dtypes:
@@ -232,7 +232,8 @@ _MASK_KEY = (" -inf mask: the output held -inf written on purpose (masked_fill),
 
 def _table_key(s: Session) -> str:
     low = low_format(s)
-    masked = any(lay.recorded_steps and neg_inf_mask(lay, low) is not None for lay in s.layers)
+    masked = any(lay.recorded_steps and neg_inf_mask(lay, low, s) is not None
+                 for lay in s.layers)
     return _TABLE_KEY + (_MASK_KEY if masked else "")
 
 
