@@ -98,11 +98,7 @@ def neg_inf_mask(lay: LayerSummary, fmt: str, session: Session | None = None) ->
     if lay.grad_nonfinite_steps and not (
             session is not None and _grads_only_skipped(session, lay)):
         return None
-    big = largest_finite(lay)
-    fmax = FORMAT_MAX.get(fmt)
-    if big is None or fmax is None:
-        return None
-    return big if big * 2.0 ** MADE_INF_HEADROOM_BITS <= fmax else None
+    return _inf_made_by_an_op(lay, fmt)
 
 
 def input_cast(session: Session, lay: LayerSummary) -> Event | None:
