@@ -312,7 +312,9 @@ def _diagnose(
         # is written yet, so take it as the outcome and finish again, shielded.
         while not finished:
             try:
-                with sigint_shield(console):
+                # (Ignored on the way out only where the process is amp-doctor's to end.)
+                with sigint_shield(console, isinstance(exc, KeyboardInterrupt)
+                                   and owns_process()):
                     progress.unwrap_std_streams()
                     progress.clear()
                     failed = hook[0].import_failed if hook else None

@@ -244,13 +244,16 @@ class GuardedStream:
 
 
 @contextlib.contextmanager
-def sigint_shield(console: Console) -> Iterator[None]:
+def sigint_shield(console: Console, interrupted: bool = False) -> Iterator[None]:
     """While the report is written, a further Ctrl-C does not abort the writing.
 
     A second Ctrl-C used to land in the middle of ``close()`` and lose everything
     ("Aborted!", exit 1). The run is over by then; the writing takes a moment. The
-    previous handler is restored afterwards. Only the main thread may set handlers.
-    A SIGTERM (a scheduler sends it again before its SIGKILL) is ignored meanwhile too.
+    previous handler is restored afterwards, unless the run was ``interrupted`` (Ctrl-C
+    ended it): then Ctrl-C stays ignored on the way out, which ends by SIGINT anyway,
+    so that a press landing there is not click's "Aborted!". Only the main thread may
+    set handlers. A SIGTERM (a scheduler sends it again before its SIGKILL) is ignored
+    meanwhile too.
     """
     noted = False
 
@@ -277,7 +280,8 @@ def sigint_shield(console: Console) -> Iterator[None]:
     finally:
         if installed:
             with contextlib.suppress(ValueError, OSError, TypeError):
-                signal.signal(signal.SIGINT, previous if previous is not None
+                signal.signal(signal.SIGINT, signal.SIG_IGN if interrupted else
+                              previous if previous is not None
                               else signal.default_int_handler)
             if previous_term is not None:
                 with contextlib.suppress(ValueError, OSError, TypeError):
