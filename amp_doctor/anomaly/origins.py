@@ -135,19 +135,18 @@ def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, tor
         # mask covers whole.
         flags = (out_bad & ~in_bad) | (out_nan & in_masked)
     # One line per input of a cast or a sum of masks (the first of a sum holds the fill).
-    masking = [(i, e.ins[0], e.outs[0], len(e.ins)) for i, e in enumerate(entries)
+    masking = [(i, e.ins[0], e.outs[0]) for i, e in enumerate(entries)
                if e.op in _MASK_OPS and e.ins and e.outs]
     if masking:
-        at, src_i, dst_i, n_in = (upload(list(c), dev) for c in zip(*masking, strict=True))
+        at, src_i, dst_i = (upload(list(c), dev) for c in zip(*masking, strict=True))
         src, dst = rows[src_i], rows[dst_i]
         lo = src[:, 0]
         filled = (lo == _MASK_FILLS[0]) | (lo == _MASK_FILLS[1])
         # Every input of the op at most 0: the largest input max, per entry.
         top = torch.full((n,), -math.inf, dtype=rows.dtype, device=dev)
         if in_idx:
-            top = top.index_reduce(0, upload(in_owner, dev), rows[upload(in_idx, dev), 1],
-                                   "amax")
-        mask = (filled & (top[at] <= 0) & (n_in >= 1)
+            top = top.index_reduce(0, owner, rows[ins, 1], "amax")  # uploaded above
+        mask = (filled & (top[at] <= 0)
                 & (dst[:, 0] == -math.inf) & (dst[:, 1] < math.inf))
         flags[at] = flags[at] & ~mask
     return flags, rows
