@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -119,8 +120,20 @@ def test_amortized_cost_weights_recorded_steps_by_the_sampling_rate() -> None:
     times = [1.0] * 9 + [11.0]
     flags = [False] * 9 + [True]
     assert step_cost(times, flags, every=10) == pytest.approx(0.1 * 11.0 + 0.9 * 1.0)
-    assert step_cost(times, flags, every=1) == 1.0  # unsampled: the plain median
-    assert step_cost([1.0, 2.0, 3.0], [False] * 3, every=10) == 2.0
+    assert step_cost(times, flags, every=1) == 1.0  # unsampled: one statistic of all
+    assert step_cost([1.0, 2.0, 3.0], [False] * 3, every=10, stat=statistics.median) == 2.0
+
+
+def test_the_low_statistic_reads_the_undisturbed_steps_not_the_bursts() -> None:
+    from run import low_quantile, step_cost
+
+    # A shared machine: a third of the steps stretched by a neighbour's burst.
+    times = [6.1, 6.2, 6.15, 9.8, 6.3, 10.1, 6.2, 6.25, 12.0, 6.1] * 3
+    assert statistics.median(times) == pytest.approx(6.225)
+    assert low_quantile(times) == pytest.approx(6.1)
+    assert low_quantile([3.0]) == 3.0
+    assert low_quantile([1.0, 2.0]) == pytest.approx(1.1)  # interpolated
+    assert step_cost(times, [False] * 30, every=1) == pytest.approx(6.1)
 
 
 def test_naive_baseline_counts_one_sync_per_stat_per_tensor() -> None:

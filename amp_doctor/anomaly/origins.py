@@ -145,7 +145,9 @@ def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, tor
         # Every input of the op at most 0: the largest input max, per entry.
         top = torch.full((n,), -math.inf, dtype=rows.dtype, device=dev)
         if in_idx:
-            top = top.index_reduce(0, owner, rows[ins, 1], "amax")  # uploaded above
+            # scatter_reduce, not index_reduce: the same amax here, and no "beta" warning
+            # in the user's output.
+            top = top.scatter_reduce(0, owner, rows[ins, 1], "amax")  # uploaded above
         mask = (filled & (top[at] <= 0)
                 & (dst[:, 0] == -math.inf) & (dst[:, 1] < math.inf))
         flags[at] = flags[at] & ~mask
