@@ -6,7 +6,8 @@ per-module costs dominate (the worst case for a per-module tool). Plain AMP,
 ``watch()`` default (every=10) and ``watch(every=1)`` are timed interleaved
 in rounds on one copy of the model each. The machine this runs on is shared,
 so each step is timed by the thread's CPU time (``time.thread_time``), which
-other processes on the same cores do not inflate; the figure is the median.
+other processes on the same cores do not inflate; the figure is ``run.py``'s step cost
+(the 10% quantile, amortized over recorded and unrecorded steps for the default).
 On CUDA, steps are timed with ``torch.cuda.Event`` pairs instead.
 
 ``--markdown PATH`` appends the table and a text figure of the cost per
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +28,9 @@ from tabulate import tabulate
 from torch import nn
 
 import amp_doctor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import step_cost  # noqa: E402  (the same statistic as make bench's tables)
 
 
 def make_model(n_layers: int, device: torch.device) -> nn.Module:
@@ -64,6 +67,7 @@ def run(n_layers: int, rounds: int, steps: int, device: torch.device) -> dict[st
     base = make_model(n_layers, device)
     x = torch.randn(8, 16, device=device)
     times: dict[str, list[float]] = {"plain": [], "default": [], "every1": []}
+    flags: dict[str, list[bool]] = {k: [] for k in times}
     models = {k: copy.deepcopy(base) for k in times}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     scalers = {k: torch.amp.GradScaler(device.type) for k in times}
@@ -74,6 +78,7 @@ def run(n_layers: int, rounds: int, steps: int, device: torch.device) -> dict[st
             if key != "plain":
                 w = amp_doctor.watch(m, every=1 if key == "every1" else 10)
             for i in range(steps + 2):
+                before = w.recorded if w is not None else 0
                 with _Timer(device) as t:
                     opt.zero_grad()
                     with torch.autocast(device.type, dtype=torch.float16):
@@ -83,10 +88,10 @@ def run(n_layers: int, rounds: int, steps: int, device: torch.device) -> dict[st
                     sc.update()
                 if i >= 2:
                     times[key].append(t.s)
+                    flags[key].append(w is not None and w.recorded > before)
             if w is not None:
                 w.close()
-    return {k: statistics.median(v) if k != "default" else statistics.mean(v)
-            for k, v in times.items()}
+    return {k: step_cost(v, flags[k], 10 if k == "default" else 1) for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

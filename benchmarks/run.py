@@ -27,7 +27,8 @@ Method, in short (the module docstrings of the helpers say more):
   between blocks of 200 steps while each block's fastest step stayed at 6.05-6.3 ms
   (``benchmarks/README.md``, Method and noise). The low quantile measures the work a
   step does; the median measures the neighbours;
-* ratio: cost / plain's cost; spread: min-max of the per-round ratios;
+* ratio: the median over the rounds of cost / plain's cost in the same round (the
+  machine's speed drifts over minutes); spread: min-max of the per-round ratios;
 * peak memory: a separate untimed pass per variant; peak live tensor bytes of the
   whole run from the torch profiler's allocator events (CPU) or
   ``torch.cuda.max_memory_allocated`` (CUDA), see ``bench_memory``;
@@ -118,12 +119,15 @@ class VariantRun:
                          self.all_flags if flags is None else flags, self.variant.every,
                          STATS[self.stat])
 
-    def split_costs(self) -> tuple[float | None, float | None]:
+    def split_costs(self, rounds: list[list[float]] | None = None,
+                    flags: list[list[bool]] | None = None) -> tuple[float | None, float | None]:
         """The statistic of recorded and of unrecorded step times (seconds), for
-        sampled variants."""
+        sampled variants: of all rounds, or of the ``rounds`` given with their ``flags``."""
         stat = STATS[self.stat]
-        rec = [t for t, f in zip(self.times, self.all_flags, strict=True) if f]
-        un = [t for t, f in zip(self.times, self.all_flags, strict=True) if not f]
+        times = [t for r in (self.rounds if rounds is None else rounds) for t in r]
+        marks = [f for r in (self.flags if flags is None else flags) for f in r]
+        rec = [t for t, f in zip(times, marks, strict=True) if f]
+        un = [t for t, f in zip(times, marks, strict=True) if not f]
         return (stat(rec) if rec else None, stat(un) if un else None)
 
 
@@ -153,7 +157,29 @@ class Cell:
     notes: list[str] = field(default_factory=list)
 
     def ratio(self, key: str) -> float:
-        return self.runs[key].cost() / self.runs["plain"].cost()
+        """The median of the rounds' ratios: a round compares blocks run a few seconds
+        apart, while the machine's speed can drift by half over minutes (a shared
+        machine's plain step went from 6.5 to 10.6 ms between two runs); one statistic
+        over all rounds would compare a variant's slow-phase blocks with plain's
+        fast-phase ones."""
+        return 1.0 if key == "plain" else statistics.median(self.round_ratios(key))
+
+    def split_ratios(self, key: str) -> tuple[float | None, float | None]:
+        """(recorded, unrecorded) step costs of ``key`` as ratios to plain's, the
+        median over the rounds (as :meth:`ratio`)."""
+        run, plain = self.runs[key], self.runs["plain"]
+        rec: list[float] = []
+        un: list[float] = []
+        for rt, rf, pt, pf in zip(run.rounds, run.flags, plain.rounds, plain.flags,
+                                  strict=True):
+            base = plain.cost(pt, pf)
+            r, u = run.split_costs([rt], [rf])
+            if r is not None:
+                rec.append(r / base)
+            if u is not None:
+                un.append(u / base)
+        return (statistics.median(rec) if rec else None,
+                statistics.median(un) if un else None)
 
     def round_ratios(self, key: str) -> list[float]:
         run, plain = self.runs[key], self.runs["plain"]
@@ -353,9 +379,7 @@ def targets_missed(cell: Cell, key: str) -> list[str]:
 
 def _recorded_ratio(cell: Cell, key: str) -> tuple[float | None, float | None]:
     """(recorded, unrecorded) step costs of ``key`` as ratios to plain's cost."""
-    plain = cell.runs["plain"].cost()
-    rec, un = cell.runs[key].split_costs()
-    return (None if rec is None else rec / plain, None if un is None else un / plain)
+    return cell.split_ratios(key)
 
 
 def floor_notes(cell: Cell) -> list[str]:
@@ -439,16 +463,16 @@ def detail_rows(cells: list[Cell]) -> list[list[str]]:
     """Recorded vs unrecorded step costs, one-off attach/close costs, Python heap."""
     rows = []
     for cell in cells:
-        plain = cell.runs["plain"].cost()
         for key, run in cell.runs.items():
             if key == "plain":
                 continue
             rec, un = run.split_costs()
+            rec_x, un_x = cell.split_ratios(key)
             rows.append([
                 cell.model, cell.dtype if cell.device == "cpu" else f"{cell.device} {cell.dtype}",
                 run.variant.label,
-                "-" if un is None else f"{1e3 * un:.1f} ({un / plain:.2f}x)",
-                "-" if rec is None else f"{1e3 * rec:.1f} ({rec / plain:.2f}x)",
+                "-" if un is None else f"{1e3 * un:.1f} ({un_x:.2f}x)",
+                "-" if rec is None else f"{1e3 * rec:.1f} ({rec_x:.2f}x)",
                 f"{1e3 * statistics.median(run.attach_s):.1f}",
                 f"{1e3 * statistics.median(run.close_s):.1f}",
                 _fmt_py_heap(cell, key),
