@@ -55,7 +55,7 @@ demo:
 
 # One torch thread, as issue 15's targets are stated: the steps are timed by the process's
 # CPU time, which other jobs on a shared machine do not inflate. e.g. BENCH_ARGS='--threads 1 --rounds 6'
-BENCH_ARGS ?= --threads 1 --rounds 8 --steps 10
+BENCH_ARGS ?= --threads 1 --rounds 4 --steps 20
 
 # run.py: the sample models and the wide-and-deep GPT (524 leaf modules) against plain
 # AMP; bench_scale.py: cost against the number of layers; bench_gc.py: Python GC

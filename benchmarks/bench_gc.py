@@ -1,6 +1,6 @@
 """Python's garbage collector under amp-doctor: ``python benchmarks/bench_gc.py``.
 
-``run.py`` reports medians of step times, which leave out the rare step that a
+``run.py`` reports a low quantile of step times, which leave out the rare step that a
 full (generation 2) collection lands in. Those collections sweep the whole
 Python heap (a few hundred thousand objects once torch is imported: about a
 tenth of a second) and are triggered by objects that survive the younger
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write("\n".join([
                 "", "## Python's garbage collector (`benchmarks/bench_gc.py`)", "",
                 f"float16, {args.threads} thread(s), CPU; the mean step time (thread CPU time) "
-                "includes the collections, which the medians above leave out. The collections "
+                "includes the collections, which the low quantiles above leave out. The collections "
                 "are counted with `gc.callbacks`.", "", table, ""]))
     return 0
 
