@@ -602,6 +602,38 @@ def test_scheduler_on_skipped_step() -> None:
     assert ("StepLR.step() ran for SGD#0 after GradScaler skipped its optimizer step: 2 times, "
             "first for the skipped step 3 (scale 65536 -> 32768)") in f.message
     assert "scaler.get_scale() >= scale: scheduler.step()" in f.advice
+    # The finding is at the step it names (review 40: 'step 1 ... skipped step 0').
+    assert f.step == 3
+
+
+def test_a_per_epoch_scheduler_after_an_epochs_skipped_last_step_is_no_finding() -> None:
+    # Review 40: StepLR stepped once an epoch; the epoch's last step was a backoff. The
+    # epoch's other steps changed the parameters, and the advice (step the scheduler
+    # only if the scale held) would have lost that epoch's decay.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    skipped = []
+    with amp_doctor.watch(model, every=1) as doctor:
+        for epoch in range(3):
+            for i in range(4):
+                model.amp.factor = 1e30 if i == 3 and epoch != 1 else 1.0
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(4, 16)).float().mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                before = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                if scaler.get_scale() < before:
+                    skipped.append(4 * epoch + i)
+            sched.step()
+    s = doctor.session
+    assert skipped == [3, 11]  # the last step of epochs 0 and 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+    assert "scheduler_on_skipped_step" not in kinds(s)
 
 
 def test_scheduler_between_step_and_update_on_skipped_step() -> None:

@@ -32,6 +32,9 @@ MAX_EVENTS_PER_KIND = 50
 GRAPH_WALK_LIMIT = 200_000
 # Unscaled backward passes remembered per step (a loss's graph, not a list of them).
 MAX_UNSCALED_ROOTS = 8
+# A scheduler stepped at most this many steps after its previous call (or after the
+# run's start) steps with the optimizer; one stepped further apart is a per-epoch one.
+SCHEDULER_STEPS_APART = 1
 
 
 class _LastUpdate(NamedTuple):
@@ -89,6 +92,8 @@ class MisuseChecks:
         # The primary scaler's last update.
         self._last_update: _LastUpdate | None = None
         self._sched_flagged: set[tuple[int, int]] = set()
+        # The step of each scheduler's last call: a per-epoch schedule is not judged.
+        self._sched_last: dict[int, int] = {}
         # Root autograd nodes of this step's backward passes that did not go
         # through scaler.scale(); judged when an enabled scaler steps.
         self._unscaled_roots: list[Any] = []
@@ -104,7 +109,9 @@ class MisuseChecks:
         n = self._event_counts.get(kind, 0) + 1
         self._event_counts[kind] = n
         if n <= MAX_EVENTS_PER_KIND:
-            self._events.append(Event(kind=kind, step=self._step_of(), **kw))
+            step = kw.pop("step", None)
+            self._events.append(Event(kind=kind, step=self._step_of() if step is None else step,
+                                      **kw))
 
     # -- GradScaler ----------------------------------------------------------
     def unscale(self, scaler: GradScaler, st: ScalerMirror, optimizer: Any) -> None:
@@ -221,6 +228,13 @@ class MisuseChecks:
         if opt is None or not self._reg.relevant(opt):
             return
         oid = id(opt)
+        now, prev = self._step_of(), self._sched_last.get(id(scheduler))
+        self._sched_last[id(scheduler)] = now
+        if now - (prev or 0) > SCHEDULER_STEPS_APART:
+            # Stepped once an epoch (or every few steps): one skipped step among the
+            # epoch's does not stop its parameters from changing, and stepping it only
+            # when the last step was not skipped would lose an epoch's decay.
+            return
         hit: tuple[int, float | None, float | None] | None = None
         for _, st in self._reg.enabled():
             if oid in st.skipped:  # stepped after scaler.step, before scaler.update
@@ -236,7 +250,7 @@ class MisuseChecks:
             return
         self._sched_flagged.add(key)
         lrs = [g.get("lr") for g in getattr(opt, "param_groups", [])]
-        self._event("scheduler_on_skipped_step", data={
+        self._event("scheduler_on_skipped_step", step=hit[0], data={
             "scheduler": type(scheduler).__name__, "optimizer": self._reg.opt_name(opt),
             "skipped_step": hit[0], "scale_before": hit[1], "scale_after": hit[2],
             "lr": float(lrs[0]) if lrs and isinstance(lrs[0], (int, float)) else None})
