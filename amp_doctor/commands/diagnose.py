@@ -579,8 +579,11 @@ class _Fp32Early:
             islands.check()
         except AmpDoctorError as e:
             self._progress.before_user_write("")
-            self._console.echo(f"amp-doctor: warning: {e} The run goes on without it (Ctrl-C "
-                               "to stop it and fix the pattern).")
+            # Exit 2 at the end whatever the script's code: the experiment asked for did
+            # not happen, and `diagnose --fp32 X && ...` must not read as if it had.
+            self._console.echo(f"amp-doctor: warning: {e} The run goes on without it and will "
+                               "end with exit code 2 unless a layer matches later (Ctrl-C to "
+                               "stop it and fix the pattern).")
 
 
 def _run_meta(exc: BaseException | None, code: int, command: list[str],
