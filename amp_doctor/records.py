@@ -51,8 +51,10 @@ SEVERITY_RANK: dict[str, int] = {s: i for i, s in enumerate(SEVERITIES)}
 
 # How a run ended: ``running`` while a watch is open (a session read before close),
 # ``exit`` for sys.exit() with a code.
-Outcome = Literal["completed", "exception", "interrupted", "exit", "running"]
-OUTCOMES: tuple[Outcome, ...] = ("completed", "exception", "interrupted", "exit", "running")
+# "stopped": amp-doctor ended a run it was told to shorten (--stop-after, stop_after=).
+Outcome = Literal["completed", "stopped", "exception", "interrupted", "exit", "running"]
+OUTCOMES: tuple[Outcome, ...] = ("completed", "stopped", "exception", "interrupted", "exit",
+                                 "running")
 
 
 @dataclass(frozen=True)

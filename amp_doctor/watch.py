@@ -212,6 +212,8 @@ class Watch:
         self._fp32: Any = None
 
         self.step_index = 0
+        # The step at which stop_after ended the run, if it did.
+        self.stopped_at: int | None = None
         self.recorded = 0
         self.closed = False
         self.session_: Session | None = None
@@ -356,7 +358,9 @@ class Watch:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         outcome = "completed"
-        if exc_type is not None:
+        if self.stopped_at is not None:
+            outcome = "stopped"
+        elif exc_type is not None:
             outcome = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "exception"
             self._run_meta.setdefault("error", F.error_line(exc) if exc is not None
                                       else exc_type.__name__)
@@ -762,6 +766,7 @@ class Watch:
         if self._opts.stop_after is not None and self.step_index >= self._opts.stop_after:
             from amp_doctor.errors import StopRun
 
+            self.stopped_at = self.step_index
             raise StopRun(self.step_index)
 
     def _close_step(self, partial: bool) -> None:

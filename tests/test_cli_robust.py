@@ -247,7 +247,11 @@ print("main done", flush=True)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "StopRun" not in r.stderr, r.stderr
     assert r.stdout.startswith("main done\n")
-    assert Session.load(work / "out" / "amp_doctor.json").steps == 3
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.steps == 3
+    # Review 40: a shortened run read "completed".
+    assert s.run.outcome == "stopped" and s.run.exit_code == 0
+    assert "| stopped by amp-doctor (--stop-after)" in r.stderr
 
 
 def test_a_script_that_never_imports_torch_still_gets_its_report(work: Path) -> None:

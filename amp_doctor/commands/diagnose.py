@@ -522,6 +522,8 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
     restore_std_streams(console)
     code = runner.exit_code(exc)
     meta = _run_meta(exc, code, command, ranks, console)
+    if meta["outcome"] == "completed" and doctor.stopped_at is not None:
+        meta["outcome"] = "stopped"  # by --stop-after: the script did not end on its own
     doctor.set_run_meta(**meta)
     try:
         with warnings.catch_warnings(record=True) as said:

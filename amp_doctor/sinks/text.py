@@ -61,7 +61,9 @@ def summary_line(s: Session) -> str:
     partial = ", the last unfinished" if s.recorded_steps > s.steps else ""
     steps = (f"{F.counted(s.steps, 'step')} ({s.recorded_steps} recorded{partial}, "
              f"every {s.run.every})")
-    parts = [amp.device_type or "device ?", dtype, scaler, steps, s.run.outcome]
+    outcome = ("stopped by amp-doctor (--stop-after)" if s.run.outcome == "stopped"
+               else s.run.outcome)
+    parts = [amp.device_type or "device ?", dtype, scaler, steps, outcome]
     if s.run.exit_code not in (None, 0):
         parts.append(f"exit code {s.run.exit_code}")
     return f"amp-doctor {s.version}: " + " | ".join(parts)
