@@ -151,3 +151,16 @@ def test_a_long_exception_message_is_one_short_line_in_the_report() -> None:
     cut = F.error_line(ValueError("x" * 1000))
     assert cut == f"ValueError: {'x' * F.ERROR_CHARS} ... (see the traceback)"
     assert F.error_line(KeyError()) == "KeyError"
+
+
+def test_a_run_that_ended_before_its_first_step_does_not_say_it_had_no_scaler() -> None:
+    # Review 40: raise mode stopped a script at step 0, before it called the GradScaler
+    # it had made; the header said "no GradScaler".
+    from amp_doctor.sinks.text import summary_line
+
+    s = Session.load(GOLDEN / "fp16_overflow.json")
+    no_scaler = dataclasses.replace(s, amp=dataclasses.replace(s.amp, scaler=False))
+    assert "| no GradScaler |" in summary_line(no_scaler)
+    ended = dataclasses.replace(no_scaler, steps=0)
+    assert "| no GradScaler used before the end |" in summary_line(ended)
+    assert "GradScaler on" in summary_line(dataclasses.replace(s, steps=0))

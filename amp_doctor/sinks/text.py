@@ -55,7 +55,10 @@ def summary_line(s: Session) -> str:
     amp = s.amp
     dtype = f"{amp.dtype} autocast" if amp.autocast_seen else (
         f"{amp.dtype} (no autocast)" if amp.dtype else "no low precision")
-    scaler = "GradScaler on" if amp.scaler else "no GradScaler"
+    # A run that ended before its first step (raise mode stopping at step 0) may have
+    # made a GradScaler it never got to call: none was seen, which is not "none".
+    scaler = "GradScaler on" if amp.scaler else (
+        "no GradScaler" if s.steps else "no GradScaler used before the end")
     # The step a run ended in is recorded, though it never finished: say so, rather than
     # count more recorded steps than steps.
     partial = ", the last unfinished" if s.recorded_steps > s.steps else ""
