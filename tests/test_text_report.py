@@ -164,3 +164,6 @@ def test_a_run_that_ended_before_its_first_step_does_not_say_it_had_no_scaler() 
     ended = dataclasses.replace(no_scaler, steps=0)
     assert "| no GradScaler used before the end |" in summary_line(ended)
     assert "GradScaler on" in summary_line(dataclasses.replace(s, steps=0))
+    # A script that never imported torch: nothing was watched, at no sampling rate.
+    unwatched = dataclasses.replace(ended, run=dataclasses.replace(s.run, every=0))
+    assert summary_line(unwatched).endswith(f": nothing watched | {s.run.outcome}")

@@ -67,6 +67,10 @@ def summary_line(s: Session) -> str:
     outcome = ("stopped by amp-doctor (--stop-after)" if s.run.outcome == "stopped"
                else s.run.outcome)
     parts = [amp.device_type or "device ?", dtype, scaler, steps, outcome]
+    if not s.run.every:
+        # every 0: nothing was watched (the script never imported torch, or torch's
+        # import failed): there is no device, format, scaler or step to speak of.
+        parts = ["nothing watched", outcome]
     if s.run.exit_code not in (None, 0):
         parts.append(f"exit code {s.run.exit_code}")
     return f"amp-doctor {s.version}: " + " | ".join(parts)
