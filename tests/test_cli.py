@@ -450,6 +450,14 @@ def test_logdir_that_is_a_file_is_named_so(work: Path, cli: Cli) -> None:
     assert "afile' is a file, not a directory; pass a directory" in r.stderr
 
 
+def test_a_json_path_under_a_file_names_the_file(work: Path, cli: Cli) -> None:
+    # Review 40: "(File exists)" from mkdir, of a path whose parent is a file.
+    (work / "afile").write_text("")
+    r = cli(["diagnose", "--json", "afile/x.json", "train_tiny.py"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "/afile' is a file, not a directory; pass another path with --json." in r.stderr
+
+
 def test_report_on_a_run_killed_before_its_report_says_so(work: Path, cli: Cli) -> None:
     (work / "killed").mkdir()
     (work / "killed" / "events.out.tfevents.1.host").write_bytes(b"")

@@ -72,10 +72,15 @@ def check_writable(d: Path, option: str = "--logdir") -> None:
     if option == "--logdir" and d.is_file():
         fail(f"--logdir {str(d)!r} is a file, not a directory; pass a directory, e.g. "
              f"--logdir {shlex.quote(str(d) + '_runs')}.")
+    what = "logdir" if option == "--logdir" else f"the folder of {option}"
+    # A file where a folder of the path should be: mkdir says "File exists" of it.
+    blocker = next((a for a in (d, *d.parents) if a.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        fail(f"cannot write to {what} {str(d)!r}: {str(blocker)!r} is a file, not a "
+             f"directory; pass another path with {option}.")
     try:
         make_writable_dir(d)
     except OSError as e:
-        what = "logdir" if option == "--logdir" else f"the folder of {option}"
         fail(f"cannot write to {what} {str(d)!r} ({e.strerror or e}); "
              f"pass a writable {'directory' if option == '--logdir' else 'path'} "
              f"with {option}.")
