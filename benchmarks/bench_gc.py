@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write("\n".join([
                 "", "## Python's garbage collector (`benchmarks/bench_gc.py`)", "",
                 f"float16, {args.threads} thread(s), CPU; the mean step time (thread CPU time) "
-                "includes the collections, which the low quantiles above leave out. The collections "
-                "are counted with `gc.callbacks`.", "", table, ""]))
+                "includes the collections, which the low quantiles above leave out. The "
+                "collections are counted with `gc.callbacks`.", "", table, ""]))
     return 0
 
 
