@@ -13,6 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import amp_doctor
 from amp_doctor.analysis.compare import compare, render
@@ -436,3 +437,25 @@ def test_compare_of_two_different_models_says_so() -> None:
     text = render(c)
     assert "Note: A and B have no layer name in common: they are different models" in text
     assert "loss, recorded steps: first -> last (min)" in text
+
+
+def test_what_if_lists_name_each_layer_apart_from_its_figures() -> None:
+    # Review 40: a Sequential's layers are "0", "1", ...: "0 gradients (e5m2: ...)" read as
+    # a count of gradients. Each entry is now "layer (tensors: figures)".
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        m[0].weight.mul_(3e4)  # gradients that a float16 GradScaler at 2^16 overflows
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with amp_doctor.watch(m, every=1) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(torch.randn(16, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    by_kind = {f.kind: f for f in doctor.session.findings}
+    assert "beyond float16's max (65504): 0 (gradients: 100%)" in by_kind["whatif_float16"].message
+    fp8 = by_kind["fp8_readiness"].message
+    assert "would lose values: 0 (gradients, e5m2: 0% to zero, amax outran the scale in 1 step)" \
+        in fp8
