@@ -10,11 +10,10 @@ of their origin, instead of errors and warnings with advice of their own.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import replace
 
 from amp_doctor import format as F
-from amp_doctor.analysis.messages import CAST_OPS, WHERE_UNKNOWN
+from amp_doctor.analysis.messages import CAST_OPS, loss_origin_named
 from amp_doctor.analysis.thresholds import MAX_PER_KIND
 from amp_doctor.records import Finding, Session, Severity
 
@@ -178,13 +177,11 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
         if root is not None:
             consequences.setdefault(id(root), []).append(_consequence(f))
             f = _with(f, "info", follow_on_of=root.module)
-            if f.kind == "nonfinite_loss" and WHERE_UNKNOWN in f.message:
+            if f.kind == "nonfinite_loss":
                 # Not "unknown" beside the finding that names where it began.
                 at = f"{root.op} in {root.module}" if root.op and root.module else (
                     root.op or root.module or root.kind)
-                f = replace(f, message=re.sub(
-                    re.escape(WHERE_UNKNOWN) + r" \([^)]*\)",
-                    f"It began at {at} (see that finding)", f.message))
+                f = replace(f, message=loss_origin_named(f.message, at))
         if f.kind == "gradient_underflow" and (collapse is not None or clip is not None):
             host = collapse if collapse is not None else clip
             assert host is not None

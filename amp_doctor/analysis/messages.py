@@ -10,6 +10,7 @@ so a new kind is one decorated function, not one more branch of a long chain.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -17,7 +18,8 @@ from amp_doctor import format as F
 from amp_doctor.dtypes import FORMAT_MAX
 from amp_doctor.records import Event
 
-__all__ = ["MESSAGES", "MessageArgs", "event_message", "message_for", "nonfinite_what"]
+__all__ = ["MESSAGES", "MessageArgs", "event_message", "loss_origin_named", "message_for",
+           "nonfinite_what"]
 
 
 class MessageArgs(NamedTuple):
@@ -392,6 +394,14 @@ def _op_steps(a: MessageArgs) -> str:
 
 # What a NaN loss's message says when no recorded step showed where it began.
 WHERE_UNKNOWN = "No recorded step had it, so where it appeared is unknown"
+_WHERE_UNKNOWN_CLAUSE = re.compile(re.escape(WHERE_UNKNOWN) + r" \([^)]*\)")
+
+
+def loss_origin_named(message: str, at: str) -> str:
+    """A NaN loss's message, its "where it appeared is unknown" clause (and that clause's
+    hint in parentheses) replaced by ``at``, the origin another finding named; the
+    message unchanged if it had no such clause."""
+    return _WHERE_UNKNOWN_CLAUSE.sub(f"It began at {at} (see that finding)", message)
 
 
 @message_for("nonfinite_discarded")
