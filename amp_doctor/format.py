@@ -24,6 +24,7 @@ __all__ = [
     "consecutive_runs",
     "error_line",
     "counted",
+    "layer",
     "ERROR_CHARS",
     "AtStep",
     "MISSING",
@@ -177,3 +178,11 @@ def error_line(exc: BaseException) -> str:
 def counted(n: int, noun: str) -> str:
     """``"1 backoff"``, ``"2 backoffs"``: a count with its noun in the right number."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def layer(name: str | None) -> str:
+    """A layer's name where it stands alone in a sentence or a finding's header: a
+    ``Sequential``'s child ``"1"`` reads as ``"layer 1"``, not as a count."""
+    if name is None:
+        return "an unnamed layer"
+    return f"layer {name}" if name[:1].isdigit() else name

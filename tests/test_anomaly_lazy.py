@@ -235,6 +235,52 @@ def test_a_transient_nonfinite_step_that_does_not_come_back_is_reported_unlocate
         "The GradScaler skipped steps whose gradients held inf/NaN (first at step 2); ")
 
 
+class BatchStandardize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A batch of one sample has no std: NaN.
+        return (x - x.mean(0)) / (x.std(0) + 1e-3)  # STD_LINE
+
+
+def test_a_nan_that_recurs_every_epoch_is_located_by_an_aimed_search() -> None:
+    """21 samples in batches of 4: each epoch's last batch holds one sample, whose std
+    is NaN, every 6 steps. The ordinary search (3 steps after a skip) falls between
+    occurrences every time; the spacing of the last two aims one at the next."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), BatchStandardize(), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu", init_scale=256.0)
+    x_all, y_all = torch.randn(21, 16), torch.randn(21, 1)
+    searching: list[bool] = []
+    with amp_doctor.watch(model, anomaly=True, every=10) as doctor:
+        for _ in range(6):
+            for i in range(0, 21, 4):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x_all[i:i + 4])
+                    searching.append(_get_current_dispatch_mode() is not None)
+                    loss = nn.functional.mse_loss(out.float(), y_all[i:i + 4])
+                opt.zero_grad()
+                sc.scale(loss).backward()
+                sc.step(opt)
+                sc.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.skipped_steps == [5, 11, 17, 23, 29, 35]
+    evs = [e for e in s.events if e.kind == "nonfinite_forward"]
+    assert {(e.module, e.op) for e in evs} == {("1", "aten.std")}, evs
+    ev = evs[0]
+    assert ev.frame == f"{THIS_FILE}:{_line_of('STD_LINE')} in forward"
+    # Step 0 (calibration); steps 6-8 after the skip at 5, which missed; then the one
+    # step that the skips at 5 and 11 predict, which names it and the steps before it.
+    searched = [i for i, on in enumerate(searching) if on]
+    assert searched[:5] == [0, 6, 7, 8, 17], searched
+    assert ev.step == 17 and ev.data["first_seen_step"] == 5
+    assert not [e for e in s.events if e.kind == "nonfinite_unlocated"], s.events
+    (f,) = [f for f in s.findings if f.kind == "nonfinite_forward"]
+    assert f.severity == "error" and f.message.startswith("aten.std in layer 1 was the first op")
+    assert "the per-step check first saw NaN/Inf at step 5" in f.message
+    # A Sequential's child "1" reads as a layer, not as a count.
+    assert "ERROR  nonfinite_forward  layer 1 [aten.std] step 17\n" in doctor.report()
+
+
 # -- cost ------------------------------------------------------------------------------
 class _HostReads:
     """Counts host reads of tensor values made from anomaly mode's modules, independently

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from amp_doctor import format as F
 from amp_doctor.analysis.messages import SOFTMAX_OPS, inputs_held_inf, zero_denominator
 from amp_doctor.analysis.thresholds import DIVERGED_INPUT_ABSMAX
 from amp_doctor.records import Event, Finding
@@ -330,7 +331,7 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
         weights = e.data.get("dtypes") or []
         return (ADVICE_BF16 if weights == ["bfloat16"] else ADVICE)["lowp_updates_lost"]
     if e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix:
-        where = f" in {e.module}" if e.module else ""
+        where = f" in {F.layer(e.module)}" if e.module else ""
         f32 = ("" if "autocast" in op_fix else " Or keep the op in float32 with `with "
                "torch.autocast(device_type, enabled=False):` around it and `.float()` inputs.")
         return (f"For {e.op}{where}: {op_fix}.{f32}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
+from amp_doctor import format as F
 from amp_doctor.analysis.advice import ADVICE, ADVICE_BF16
 from amp_doctor.dtypes import LOW_PRECISION_NAMES
 from amp_doctor.records import Finding, LayerStep, Session, StepRecord
@@ -109,7 +110,7 @@ def _loss_note(f: Finding, c: Corruption) -> Finding:
            f"step(s) whose loss was checked ({d.get('steps')} steps in all), first at "
            f"step {f.step}. By then the parameters were already non-finite (the optimizer "
            f"applied step {c.first}'s non-finite gradients), so "
-           + (f"{f.module}, the first layer to use them, is where it showed, not where it "
+           + (f"{F.layer(f.module)}, the first layer to use them, is where it showed, not where it "
               "began." if f.module else "where it showed says nothing of where it began."))
     return replace(f, module=None, message=msg,
                    data={**d, "origin": None, "origin_after_corruption": d.get("origin")})

@@ -167,7 +167,7 @@ def _input_beyond_format(session: Session, told: set[str]) -> Iterable[Finding]:
                      "output stayed finite")
         yield Finding(
             kind="input_beyond_format", severity="error", module=layer, op=None, step=e.step,
-            message=(f"The batch given to {e.module} held values up to "
+            message=(f"The batch given to {F.layer(e.module)} held values up to "
                      f"{F.num(d.get('absmax'))}, beyond {dtype}'s max "
                      f"{float(d.get('max') or 0):g}, in {n} recorded step(s) {what}. "
                      f"Autocast's cast of such values to {dtype} is inf{where}."),
@@ -195,9 +195,10 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
     elif mask_max is not None:
         yield Finding(
             kind="neg_inf_mask", severity="info", module=lay.name, op=None, step=None,
-            message=(f"{lay.name} ({lay.type}) output holds -inf in {lay.nonfinite_steps} of "
-                     f"{lay.recorded_steps} recorded steps ({F.pct(lay.overflow_frac)} of "
-                     "values in the worst step) and never +inf or NaN, while its finite "
+            message=(f"{F.layer(lay.name)} ({lay.type}) output holds -inf in "
+                     f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps "
+                     f"({F.pct(lay.overflow_frac)} of values in the worst step) and never "
+                     "+inf or NaN, while its finite "
                      f"values stayed below {F.num(mask_max)} and its gradients were "
                      + ("finite" if not lay.grad_nonfinite_steps else
                         "non-finite only in steps the GradScaler skipped, its weights' never")
@@ -211,7 +212,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         # or diverged weights, not values beyond the format's range.
         yield Finding(
             kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
-            message=(f"{lay.name} ({lay.type}) output went non-finite (inf/NaN) in "
+            message=(f"{F.layer(lay.name)} ({lay.type}) output went non-finite (inf/NaN) in "
                      f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps "
                      f"({F.pct(lay.overflow_frac)} of values in the worst step). bfloat16 has "
                      "float32's range, so this is not an overflow of the format: an op in it "
@@ -225,13 +226,13 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         yield Finding(
             kind="activation_overflow", severity="error", module=lay.name, op=None,
             step=cast.step,
-            message=(f"{lay.name} ({lay.type}) output went non-finite (inf/NaN) in "
+            message=(f"{F.layer(lay.name)} ({lay.type}) output went non-finite (inf/NaN) in "
                      f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps "
                      f"({F.pct(lay.overflow_frac)} of values in the worst step): the batch "
                      f"given to {cast.module} held values up to {F.num(d.get('absmax'))} "
                      f"(first at step {cast.step}), beyond {d.get('dtype')}'s max "
                      f"{float(d.get('max') or 0):g}, and autocast's cast of them to "
-                     f"{d.get('dtype')} is inf before {lay.name} computes anything."),
+                     f"{d.get('dtype')} is inf before {F.layer(lay.name)} computes anything."),
             advice=ADVICE["input_beyond_format"],
             data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt,
                   "input_absmax": d.get("absmax")},
@@ -240,7 +241,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             made := _inf_made_by_an_op(lay, fmt)) is not None:
         yield Finding(
             kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
-            message=(f"{lay.name} ({lay.type}) output went non-finite (inf/NaN) in "
+            message=(f"{F.layer(lay.name)} ({lay.type}) output went non-finite (inf/NaN) in "
                      f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps "
                      f"({F.pct(lay.overflow_frac)} of values in the worst step), while its "
                      + ("finite values were all 0" if made == 0 else
@@ -255,7 +256,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
     elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR:
         yield Finding(
             kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
-            message=(f"{lay.name} ({lay.type}) output overflows {fmt}: "
+            message=(f"{F.layer(lay.name)} ({lay.type}) output overflows {fmt}: "
                      f"{F.pct(lay.overflow_frac)} of values beyond the format's max "
                      f"(worst step), non-finite in {lay.nonfinite_steps} of "
                      f"{lay.recorded_steps} recorded steps."),
@@ -267,8 +268,8 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         yield Finding(
             kind="activation_overflow", severity="warning", module=lay.name, op=None,
             step=None,
-            message=(f"{lay.name} ({lay.type}) output comes within {lay.headroom:.2f} bits of "
-                     f"{fmt}'s max (absmax {F.num(lay.absmax)})."),
+            message=(f"{F.layer(lay.name)} ({lay.type}) output comes within "
+                     f"{lay.headroom:.2f} bits of {fmt}'s max (absmax {F.num(lay.absmax)})."),
             advice=ADVICE["activation_headroom"],
             data={"headroom": lay.headroom, "absmax": lay.absmax, "dtype": fmt},
         )
@@ -276,7 +277,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         forced = lay.name in session.run.fp32_modules
         yield Finding(
             kind="activation_overflow", severity="info", module=lay.name, op=None, step=None,
-            message=(f"{lay.name} ({lay.type}) "
+            message=(f"{F.layer(lay.name)} ({lay.type}) "
                      + ("ran in float32 by --fp32" if forced else "stayed in float32")
                      + f"; cast to {fmt} its output would overflow "
                      f"({F.pct(lay.overflow_frac)} of values). Keep it in float32."),
@@ -292,7 +293,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         yield Finding(
             kind="activation_underflow", severity="warning", module=lay.name, op=None,
             step=None,
-            message=(f"{lay.name} ({lay.type}): {F.pct(au)} of output values "
+            message=(f"{F.layer(lay.name)} ({lay.type}): {F.pct(au)} of output values "
                      f"are below {fmt}'s smallest normal (subnormal or flushed)."),
             advice=ADVICE["activation_underflow"],
             data={"underflow_frac": au, "dtype": fmt},
@@ -347,7 +348,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                     f"before it in backward, and reached this layer flushed to zero{tail}")
         yield Finding(
             kind=kind, severity="warning", module=lay.name, op=None, step=None,
-            message=f"{lay.name} ({lay.type}): {what}.",
+            message=f"{F.layer(lay.name)} ({lay.type}): {what}.",
             advice=ADVICE[kind],
             data={"grad_underflow_frac": gu, "grad_zero_frac": lay.grad_zero_frac,
                   "flushed_after": source.name if flushed and source else None,

@@ -123,7 +123,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
         errors[-1] = next(f for f in out if f.kind == op.kind and f.module == op.module
                           and f.op == op.op and f.step == op.step)
         out = [_with(f, "info", follow_on_of=op.module,
-                     extra=f"It began at {op.op} in {op.module} (see that finding).")
+                     extra=f"It began at {op.op} in {F.layer(op.module)} (see that finding).")
                if f is loss else f for f in out]
         consequences.setdefault(id(errors[-1]), []).append(_consequence(loss))
     # The scaler and the loss: consequences of the origin they name.
@@ -179,7 +179,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             f = _with(f, "info", follow_on_of=root.module)
             if f.kind == "nonfinite_loss":
                 # Not "unknown" beside the finding that names where it began.
-                at = f"{root.op} in {root.module}" if root.op and root.module else (
+                at = f"{root.op} in {F.layer(root.module)}" if root.op and root.module else (
                     root.op or root.module or root.kind)
                 f = replace(f, message=loss_origin_named(f.message, at))
         if f.kind == "gradient_underflow" and (collapse is not None or clip is not None):
@@ -236,7 +236,7 @@ def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
              and (f.step is None or f.step > root.step) and f is not root]
     if not later:
         return out
-    cons = [f"{f.kind}" + (f" in {f.module}" if f.module else "")
+    cons = [f"{f.kind}" + (f" in {F.layer(f.module)}" if f.module else "")
             + (f" from step {f.step}" if f.step is not None else "") for f in later]
     result = []
     for f in out:

@@ -200,21 +200,21 @@ def _scaled_grads_stepped(a: MessageArgs) -> str:
 def _nonfinite_loss(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
     if e.module:
-        where = (f"It first appeared in {e.module}'s output, the first watched layer to go "
-                 f"non-finite (seen on recorded step {d.get('recorded_at')})")
+        where = (f"It first appeared in {F.layer(e.module)}'s output, the first watched "
+                 f"layer to go non-finite (seen on recorded step {d.get('recorded_at')})")
         if not d.get("anomaly") and not d.get("made_here"):
             # Only outputs are watched: an op in the parent's own code between its children
             # (attention's q @ k^T without the 1/sqrt(d) scale) shows first in the next
             # child's output (review 34).
             if d.get("root"):
                 # The whole model: none of its layers' outputs went non-finite before.
-                code = (f"in {e.module}'s own forward code, between its layers or on its "
+                code = (f"in {F.layer(e.module)}'s own forward code, between its layers or on its "
                         "parameters (a matmul, a softmax, a division, the exp of a "
                         "parameter)")
             else:
                 parent = (f"{e.module.rsplit('.', 1)[0]}'s" if "." in e.module
                           else "the model's")
-                code = (f"in {parent} own forward code before {e.module} (a matmul, a "
+                code = (f"in {parent} own forward code before {F.layer(e.module)} (a matmul, a "
                         "softmax, a division)")
             where += (f". Its input is not checked: if it was non-finite already, the op "
                       f"that made it is {code}; anomaly mode (`--anomaly`, or "
@@ -294,7 +294,7 @@ def _lowp_updates_lost(a: MessageArgs) -> str:
 def _lowp_update_nonfinite(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
     dtype = d.get("dtype") or "low-precision"
-    whose = f"{e.module}'s weights ({dtype})" if e.module else f"{dtype} weights"
+    whose = f"{F.layer(e.module)}'s weights ({dtype})" if e.module else f"{dtype} weights"
     return (f"The optimizer's update at step {e.step} made {whose} NaN/inf from finite "
             f"weights and finite gradients ({d.get('count')} of the sampled values): the "
             f"optimizer's state is {dtype} too, and Adam's eps (1e-8) is 0 in float16 while "
@@ -385,11 +385,18 @@ def _num(x: object) -> str:
 
 
 def _where(e: Event) -> str:
-    return f"in {e.module}" if e.module else "outside the watched model (in the training loop)"
+    return (f"in {F.layer(e.module)}" if e.module
+            else "outside the watched model (in the training loop)")
 
 
 def _op_steps(a: MessageArgs) -> str:
-    return f"in {a.n} step(s), {a.at}" if a.n > 1 else a.at
+    at = f"in {a.n} step(s), {a.at}" if a.n > 1 else a.at
+    first = a.event.data.get("first_seen_step")
+    if isinstance(first, int) and first < a.event.step:
+        # The op-level search runs after the per-step check saw the values: say when.
+        at += (f" (the step the op-level search looked at; the per-step check first saw "
+               f"NaN/Inf at step {first})")
+    return at
 
 
 # What a NaN loss's message says when no recorded step showed where it began.
@@ -417,11 +424,11 @@ def _nonfinite_discarded(a: MessageArgs) -> str:
 def _nonfinite_input(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
     if d.get("detected") == "recorded step":
-        return (f"The batch given to {e.module} already held {nonfinite_what(d)} ({a.at}"
+        return (f"The batch given to {F.layer(e.module)} already held {nonfinite_what(d)} ({a.at}"
                 + (f", in {a.n} recorded steps" if a.n > 1 else "") + "): the data was "
                 "non-finite before any layer ran, so the layers' NaN/inf outputs only carried "
                 "it on.")
-    return (f"The batch passed to {e.module} already holds {nonfinite_what(d)} "
+    return (f"The batch passed to {F.layer(e.module)} already holds {nonfinite_what(d)} "
             f"({_op_steps(a)}): it came from the data, not from a layer.")
 
 
@@ -447,7 +454,7 @@ def _hidden_overflow(a: MessageArgs) -> str | None:
     made = (f"overflowed to {nonfinite_what(d)}: it {cast}" if cast is not None
             else f"overflowed to {nonfinite_what(d)}{_op_range(d)}")
     return (f"{e.op} {_where(e)} {made}, "
-            f"{_op_steps(a)}, while {e.module}'s output stayed finite: a later op in it "
+            f"{_op_steps(a)}, while {F.layer(e.module)}'s output stayed finite: a later op in it "
             "saturated the inf (a clamp, a softmax, a masked fill), or it was kept aside (an "
             "auxiliary loss on the module), so module-level stats miss it. The backward of "
             "this op is where NaN usually appears next.")
@@ -456,7 +463,7 @@ def _hidden_overflow(a: MessageArgs) -> str | None:
 @message_for("nonfinite_forward")
 def _nonfinite_forward(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
-    tail = f" {e.module}'s output stayed finite." if d.get("module_output_finite") else ""
+    tail = f" {F.layer(e.module)}'s output stayed finite." if d.get("module_output_finite") else ""
     cast = cast_overflow(e.op, d)
     if cast is not None:
         return (f"{e.op} {_where(e)} was the first op to produce {nonfinite_what(d)}: it "

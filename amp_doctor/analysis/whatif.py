@@ -232,10 +232,10 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
                 # "layer (tensors: share)": a Sequential's layer "0" read as a count in
                 # "0 gradients 3%".
                 parts.append("beyond float16's max (65504): " + _listed(
-                    f"{r.layer} ({r.tensor}s: {F.pct(r.overflow_share)})" for r in over))
+                    f"{F.layer(r.layer)} ({r.tensor}s: {F.pct(r.overflow_share)})" for r in over))
             if under:
                 parts.append("below float16's smallest normal (6.1e-05): " + _listed(
-                    f"{r.layer} ({r.tensor}s: {F.pct(r.underflow_share)})" for r in under))
+                    f"{F.layer(r.layer)} ({r.tensor}s: {F.pct(r.underflow_share)})" for r in under))
             out.append(Finding(
                 kind="whatif_float16", severity=sev, module=rows[0].layer, op=None, step=None,
                 message=("Simulated from the recorded histograms (gradients as a GradScaler at "
@@ -252,7 +252,7 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
         sev8: Severity = "warning" if target == "float8" else "info"
         if bad:
             listed = _listed(
-                f"{r.layer} ({r.tensor}s, {r.format}: {F.pct(r.zero_share)} to zero"
+                f"{F.layer(r.layer)} ({r.tensor}s, {r.format}: {F.pct(r.zero_share)} to zero"
                 + (f", amax outran the scale in {F.counted(r.steps_amax_beyond_scale, 'step')}"
                    if r.steps_amax_beyond_scale else "") + ")" for r in bad)
             msg = (f"FP8 simulation (per-tensor delayed scaling, amax window "

@@ -25,7 +25,11 @@ Two levels, so that a healthy run pays almost nothing:
   changing the run; so a non-finite value that never comes back is reported
   as seen but not located (``nonfinite_unlocated``). After a search the next
   one waits a cool-down that doubles each time, so a problem that persists on
-  every step costs a few searched steps in total, not a slower run.
+  every step costs a few searched steps in total, not a slower run. A value that
+  comes back every k > :data:`MAX_SEARCH_STEPS` steps (the short last batch of
+  each epoch) falls between such searches every time: once a search has found
+  nothing, the next one is *aimed* at the one step that the last two non-finite
+  steps' spacing predicts, at most :data:`MAX_AIMED_SEARCHES` times a run.
 
 An op is an *origin* (a producer, not a propagator) when an output is
 non-finite while every floating input was finite, and no infinity came in as
@@ -101,6 +105,7 @@ __all__ = [
     "MAX_SEARCH_STEPS",
     "FIRST_COOLDOWN_STEPS",
     "LIGHT_WINDOW_STEPS",
+    "MAX_AIMED_SEARCHES",
 ]
 
 # Bounded memory between checks: past this many pending op entries the check
@@ -118,6 +123,10 @@ FIRST_COOLDOWN_STEPS = 16
 LIGHT_WINDOW_STEPS = 64
 # Steps listed in a ``nonfinite_unlocated`` event.
 MAX_LISTED_STEPS = 50
+# One-step searches aimed at a predicted recurrence, per run: a wrong guess costs
+# one searched step, so a non-finite value that comes back irregularly costs at
+# most this many.
+MAX_AIMED_SEARCHES = 4
 
 
 class _RootRunning(NamedTuple):
@@ -163,6 +172,8 @@ class AnomalyMode:
         # -- the op-level search: step 0, then armed by a non-finite value
         self._armed = True
         self._searched: list[int] = []  # steps searched in the current search
+        # Steps searched since the unexplained steps began (for their report).
+        self._searched_pending: list[int] = []
         self._searched_total = 0
         self._cooldown = FIRST_COOLDOWN_STEPS
         self._next_search = 0
@@ -175,6 +186,13 @@ class AnomalyMode:
         self._noted: set[int] = set()
         self._explained_upto = -1
         self._found_any = False
+        # -- aimed searches: the last non-finite steps, the step they predict
+        self._recent_bad: list[int] = []
+        self._missed = False  # a search has found nothing since the last origin
+        self._aim: int | None = None
+        self._aim_gap = 0  # the spacing the aim was taken from
+        self._aiming = False  # the running search is an aimed one
+        self._aims_left = MAX_AIMED_SEARCHES
 
     # -- lifecycle -------------------------------------------------------------
     # Two anomaly watches would search each other's ops and fight over the stack.
@@ -226,8 +244,10 @@ class AnomalyMode:
                 AnomalyMode._active = None
             try:
                 searching = bool(self._searched)
+                self._searched_pending.extend(self._searched)
+                self._searched = []
                 self.check_now()
-                if searching or not self._found_any:
+                if searching or not self._found_any or self._missed:
                     # Non-finite steps after an origin was named, while waiting out the
                     # cool-down, are taken for more of the same.
                     self._note_unlocated()
@@ -402,18 +422,50 @@ class AnomalyMode:
             self._unexplained_count += 1
             if len(self._unexplained) < MAX_LISTED_STEPS:
                 self._unexplained.append(s)
+            if not self._recent_bad or s > self._recent_bad[-1]:
+                self._recent_bad = [*self._recent_bad[-1:], s]
         if steps and not self.searching and self._step_of() + 1 >= self._next_search:
             self._armed = True
+        self._aim = self._predicted()
+
+    def _predicted(self) -> int | None:
+        """The step at which a recurring non-finite value should come back, once a
+        search has missed it: the last two non-finite steps' spacing, carried past the
+        current step. None when there is nothing to aim at, or the spacing is short
+        enough for an ordinary search to cover."""
+        if not self._missed or self._aims_left <= 0 or len(self._recent_bad) < 2:
+            return None
+        prev, last = self._recent_bad
+        gap = last - prev
+        if gap <= MAX_SEARCH_STEPS:
+            return None
+        now = self._step_of()
+        self._aim_gap = gap
+        return last + gap * max(1, -(-(now + 1 - last) // gap))
 
     def _explained(self) -> None:
-        """An origin was named: it accounts for the non-finite steps seen so far."""
+        """An origin was named: it accounts for the non-finite steps seen so far, or,
+        found by an aimed search, for those of its recurrence; the others are reported
+        as not located."""
+        if self._aiming:
+            now, gap = self._step_of(), self._aim_gap
+            others = [s for s in self._unexplained if (now - s) % gap]
+            self._unexplained = [s for s in self._unexplained if not (now - s) % gap]
+            if others:
+                chain = self._unexplained
+                self._unexplained, self._unexplained_count = others, len(others)
+                self._note_unlocated()
+                self._unexplained = chain
         first = min(self._unexplained, default=None)
         self._unexplained = []
         self._unexplained_count = 0
         self._noted.clear()
+        self._searched_pending = []
         self._explained_upto = self._step_of()
         self._found_any = True
         self._armed = False
+        self._missed = False
+        self._aim = None
         if first is not None:
             self._log.mark_first_seen(first)
 
@@ -421,17 +473,32 @@ class AnomalyMode:
         """End a search once it named an origin, or had its steps; arm one when needed."""
         step = self._step_of()
         if self.searching and not self._raise:
-            done = not self._unexplained or len(self._searched) >= MAX_SEARCH_STEPS
+            limit = 1 if self._aiming else MAX_SEARCH_STEPS
+            done = not self._unexplained or len(self._searched) >= limit
             if done and self._searched:
                 self._pop()
                 self._armed = False
                 if self._unexplained:
-                    self._note_unlocated()
+                    room = MAX_LISTED_STEPS - len(self._searched_pending)
+                    self._searched_pending.extend(self._searched[:max(0, room)])
+                    self._missed = True
+                    self._aim = self._predicted()
+                    if self._aims_left <= 0:
+                        self._note_unlocated()
+                    # else kept pending: if they come back, an aimed search names their
+                    # origin; if not, they are reported at the end.
                 self._searched = []
-                if self._searched_total > 1 or self._first_bad is not None:
+                if not self._aiming and (self._searched_total > 1
+                                         or self._first_bad is not None):
                     # The first step's search is calibration, not a search for a cause.
                     self._next_search = step + 1 + self._cooldown
                     self._cooldown *= 2
+                self._aiming = False
+        if (not self.searching and not self._raise and self._aim is not None
+                and self._aim == step + 1):
+            self._aim = None
+            self._aims_left -= 1
+            self._armed = self._aiming = True
 
     def _note_unlocated(self) -> None:
         """Non-finite steps that no searched step explained: say so, once per run of them."""
@@ -448,7 +515,7 @@ class AnomalyMode:
             return
         data: dict[str, Any] = {
             "steps": steps[:MAX_LISTED_STEPS], "count": n,
-            "searched_steps": list(self._searched),
+            "searched_steps": list(self._searched_pending),
             "scaler_skipped_only": not real,
             "weights_nonfinite_at": self._weights_bad_at,
             "raise_mode": self._raise,
@@ -460,11 +527,13 @@ class AnomalyMode:
                 else "the op-level search ran on the next steps but saw no op inside the "
                 "watched model: it runs under torch.compile, whose compiled ops are not "
                 "searched one by one (run a few steps without compiling to name the op)"
-                if self._searched and not self._recorder.saw_module_ops()
+                if self._searched_pending and not self._recorder.saw_module_ops()
                 else "the op-level search ran on the next steps and they stayed finite"
-                if self._searched else "the run ended before the op-level search ran"),
+                if self._searched_pending
+                else "the run ended before the op-level search ran"),
         }
         self._log.store(Event(kind="nonfinite_unlocated", step=steps[0], data=data), [steps[0]])
+        self._searched_pending = []
 
     # -- the op-level search's callbacks ---------------------------------------------
     def _on_entry(self) -> None:

@@ -134,7 +134,8 @@ def _listed(names: list[str], code: bool = False) -> str:
 
 
 def _where(f: Finding) -> str:
-    return " ".join(x for x in (f.module or "", f"[{f.op}]" if f.op else "",
+    return " ".join(x for x in (F.layer(f.module) if f.module else "",
+                                f"[{f.op}]" if f.op else "",
                                 f"step {f.step}" if f.step is not None else "") if x)
 
 
