@@ -383,6 +383,32 @@ def test_scale_collapse_with_real_numbers() -> None:
     assert "scale_stuck" not in kinds(s)
 
 
+def test_a_short_growth_interval_probing_at_a_steady_scale_is_no_collapse() -> None:
+    """growth_interval=2: the scaler grows every two clean steps and the next step
+    overflows, a backoff in every third step (33%, past BACKOFF_SHARE_COLLAPSE) at a
+    scale that stays where it started. Each backoff repays a growth: no collapse. The
+    same share with the scale really falling is one."""
+    torch.manual_seed(0)
+    model = Net()
+    with amp_doctor.watch(model, every=5) as doctor:
+        seen = loop(model, 60, torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2),
+                    blowup=[i for i in range(60) if i % 3 == 2])
+    assert seen["scales"][:6] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 1024.0]
+    assert seen["scales"][-1] == 1024.0 and len(seen["skipped"]) == 20
+    s = doctor.session
+    assert "scale_collapse" not in kinds(s)
+    (b,) = s.findings_of("scaler_backoff")
+    assert b.severity == "info" and "20 each undoing the growth before it" in b.message
+    torch.manual_seed(0)
+    model = Net()
+    with amp_doctor.watch(model, every=5) as doctor:
+        seen = loop(model, 60, torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2),
+                    blowup=[i for i in range(60) if i % 3 != 0])
+    assert seen["scales"][-1] == 2.0 ** -21
+    f = only(doctor.session, "scale_collapse")
+    assert "22 backoffs (and 4 growths) in the 40 steps after the first 20 (55%)" in f.message
+
+
 def _fmt_scale(x: float) -> str:
     return str(int(x)) if x >= 1 and x == int(x) else f"{x:.4g}"
 

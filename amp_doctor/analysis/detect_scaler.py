@@ -29,7 +29,7 @@ from amp_doctor.analysis.thresholds import (
     STUCK_INTERVALS,
 )
 from amp_doctor.dtypes import FORMAT_MAX
-from amp_doctor.records import Finding, ScalerEvent, Session
+from amp_doctor.records import Finding, ScalerEvent, ScalerTimeline, Session
 
 __all__ = ["scaler_findings", "normal_backoff_steps", "ORIGIN_RANK"]
 
@@ -134,14 +134,14 @@ def _origins_by_step(session: Session) -> dict[int, tuple[str, str]]:
                 e.kind == "activation_overflow" and not e.data.get("hidden")):
             continue
         if e.kind == "nonfinite_input":
-            how = f"the batch given to {e.module} already held NaN/Inf"
+            how = f"the batch given to {F.layer(e.module)} already held NaN/Inf"
         elif e.kind == "nonfinite_backward":
-            how = (f"the backward of {e.data.get('forward_op')} in {e.module} ({e.op}) was "
-                   "the first op to go non-finite")
+            how = (f"the backward of {e.data.get('forward_op')} in {F.layer(e.module)} "
+                   f"({e.op}) was the first op to go non-finite")
         elif e.kind == "activation_overflow":
-            how = f"{e.op} overflowed inside {e.module} in the forward pass"
+            how = f"{e.op} overflowed inside {F.layer(e.module)} in the forward pass"
         else:
-            how = f"{e.op} in {e.module} was the first op to produce NaN/Inf"
+            how = f"{e.op} in {F.layer(e.module)} was the first op to produce NaN/Inf"
         if e.step not in best or rank < best[e.step][0]:
             best[e.step] = (rank, e.module, how)
     return {step: (m, how) for step, (_, m, how) in best.items()}
@@ -246,13 +246,22 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
                 f"{shown}")
         top, n, total = lead
         if not origin and (top is None or top == culprits[0]):
-            text += f". The first, {culprits[0]}, is where they appeared: look there"
+            text += f". The first, {F.layer(culprits[0])}, is where they appeared: look there"
         elif not origin:
-            text += (f". {top} came first in {n} of {total} of these backoffs (the layers "
+            text += (f". {F.layer(top)} came first in {n} of {total} of these backoffs (the layers "
                      "before it stopped overflowing as the scale fell): look there")
     if origin:
-        text += f". They began at {origin[0]}: {origin[1]}; look there"
+        text += f". They began at {F.layer(origin[0])}: {origin[1]}; look there"
     return text
+
+
+def _net_backoffs(sc: ScalerTimeline, backoffs: int, growths: int) -> float:
+    """Backoffs not made up for by growths, in backoffs: the scale's fall over the stretch
+    (log2 of the factors; the defaults 0.5 and 2 make one growth repay one backoff)."""
+    down = -math.log2(sc.backoff_factor or 0.5) if (sc.backoff_factor or 0.5) < 1 else 1.0
+    up = math.log2(sc.growth_factor) if sc.growth_factor and sc.growth_factor > 1 else (
+        0.0 if sc.growth_factor else 1.0)
+    return max(0.0, backoffs - growths * up / down)
 
 
 def _scaler_events(session: Session) -> tuple[list[ScalerEvent], list[ScalerEvent]]:
@@ -454,8 +463,14 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
         reasons.append(f"the scale fell to {_scale(min_scale)} (below "
                        f"{SCALE_COLLAPSE_MIN:g}" + (f", first at step {below}" if below is not
                                                     None else "") + ")")
-    if eligible >= 10 and len(post) / eligible > BACKOFF_SHARE_COLLAPSE:
-        reasons.append(f"{len(post)} backoffs in the {eligible} steps after the first "
+    # A backoff that a growth made up for is the scaler probing, not falling: with a short
+    # growth_interval it grows every few steps and backs off as often, at a steady scale.
+    post_growths = [g for g in growths if g.step >= CALIBRATION_STEPS]
+    if eligible >= 10 and _net_backoffs(sc, len(post), len(post_growths)) / eligible > \
+            BACKOFF_SHARE_COLLAPSE:
+        reasons.append(f"{len(post)} backoffs"
+                       + (f" (and {len(post_growths)} growths)" if post_growths else "")
+                       + f" in the {eligible} steps after the first "
                        f"{CALIBRATION_STEPS} ({100 * len(post) / eligible:.0f}%)")
     if runs:
         g = max(runs, key=len)
