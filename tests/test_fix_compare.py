@@ -196,7 +196,7 @@ def test_fix_snippet_applies_the_same_fix_in_plain_torch() -> None:
 def test_fix_cli_on_the_overflow_sample(tmp_path: Path) -> None:
     out = tmp_path / "fix.json"
     proc = subprocess.run(
-        [console_script(), "fix", "--json", str(out), "--max-steps", "6", "--trials", "4",
+        [console_script(), "fix", "--json", str(out), "--stop-after", "6", "--trials", "4",
          str(SAMPLES / "fp16_activation_overflow.py")],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -276,7 +276,7 @@ def test_fix_trials_leave_the_users_files_alone_and_name_the_warnings(tmp_path: 
         "model = nn.Sequential(nn.Linear(d, 64), nn.Tanh(), nn.Linear(64, 1))\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "scaler = torch.amp.GradScaler('cpu', init_scale=1.0, growth_interval=10**6)\n"
-        "for _ in range(3):  # within a trial's --max-steps: it saves and logs\n"
+        "for _ in range(3):  # within a trial's --stop-after: it saves and logs\n"
         "    with torch.autocast('cpu', dtype=torch.float16):\n"
         "        loss = model(torch.randn(32, d)).float().pow(2).mean() * 1e-6\n"
         "    opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()\n"

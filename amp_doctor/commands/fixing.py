@@ -21,8 +21,12 @@ __all__ = ["fix"]
     short_help="Find the smallest set of float32 layers that removes every error.",
 )
 @click.option("-m", "module", metavar="MODULE", help="Run a module, as `python -m MODULE`.")
-@click.option("--max-steps", type=click.IntRange(min=1), default=None,
-              help="Training steps per trial [default: 20].")
+@click.option("--stop-after", "stop_after", type=click.IntRange(min=1), default=None,
+              metavar="N", help="End each trial after N training steps [default: 20].")
+# Its first name, kept working: it meant what --stop-after says, while diagnose's
+# --max-steps keeps training (it only stops recording).
+@click.option("--max-steps", "old_max_steps", type=click.IntRange(min=1), default=None,
+              hidden=True)
 @click.option("--trials", type=click.IntRange(min=1), default=None,
               help="Most trial runs after the baseline [default: 12].")
 @click.option("--anomaly/--no-anomaly", default=True, show_default=True,
@@ -33,8 +37,8 @@ __all__ = ["fix"]
               callback=output_file_option,
               help="Also write the trials and the result as JSON here.")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED)
-def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: bool,
-        target_dtype: str | None, json_path: Path | None,
+def fix(module: str | None, stop_after: int | None, old_max_steps: int | None,
+        trials: int | None, anomaly: bool, target_dtype: str | None, json_path: Path | None,
         script_and_args: tuple[str, ...]) -> None:
     """Rerun SCRIPT [ARGS]... with candidate layers in float32 (--fp32) until its errors are
     gone, and print the smallest such set with a snippet that applies it.
@@ -76,7 +80,8 @@ def fix(module: str | None, max_steps: int | None, trials: int | None, anomaly: 
             script_and_args[:1], here, scratch)
         trial_script += list(script_and_args[1:] if module is None else script_and_args)
     run = fixing.subprocess_runner(
-        trial_script, module, max_steps or fixing.DEFAULT_MAX_STEPS, anomaly, workdir,
+        trial_script, module, stop_after or old_max_steps or fixing.DEFAULT_MAX_STEPS,
+        anomaly, workdir,
         lambda line: click.echo(line, err=True), target_dtype, cwd=scratch)
 
     def log(t: fixing.Trial) -> None:
