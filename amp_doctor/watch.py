@@ -605,6 +605,8 @@ class Watch:
             buf.put_scalar("loss", ts[0].detach().float().mean())
 
     def _on_param_grads(self, params: list[torch.Tensor], scale: float | None) -> None:
+        if self._anomaly is not None:
+            self._anomaly.note_stepped(params)
         buf = self._buffer
         if buf is None or self._probes is None:
             return

@@ -130,7 +130,8 @@ def test_hidden_overflow_inside_a_module_with_finite_output() -> None:
 def test_backward_only_origin_is_mapped_to_its_forward_op() -> None:
     class SqrtLayer(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.sqrt(torch.relu(x))  # SQRT_LINE: d/dx sqrt(0) = inf
+            # d/dx sqrt(0) = inf, and the mask's backward makes NaN of it: inf * 0.
+            return torch.sqrt(x * (x > 0).to(x.dtype))  # SQRT_LINE
 
     torch.manual_seed(0)
     model = Net(SqrtLayer())
@@ -146,6 +147,25 @@ def test_backward_only_origin_is_mapped_to_its_forward_op() -> None:
     assert e.frame is not None and e.frame.startswith(f"{THIS_FILE}:")
     f = s.findings_of("nonfinite_backward")[0]
     assert f.severity == "error" and "SqrtBackward0" in f.message
+
+
+def test_a_backward_inf_that_a_later_backward_op_drops_is_harmless() -> None:
+    """sqrt(relu(x)): d/dx sqrt(0) = inf, but relu's backward (a ``where``, not a
+    product) writes 0 there, so every parameter gradient is finite: said, not an error."""
+    class SqrtRelu(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sqrt(torch.relu(x))
+
+    torch.manual_seed(0)
+    model = Net(SqrtRelu())
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        _loop(model, 1, lambda i: torch.randn(8, 16), dtype=torch.bfloat16, scaler=False)
+    assert all(bool(p.grad.isfinite().all()) for p in model.parameters())
+    s = doctor.session
+    (f,) = [f for f in s.findings if f.kind.startswith("nonfinite")]
+    assert (f.severity, f.kind, f.module, f.op) == ("info", "nonfinite_discarded", "act",
+                                                     "aten.div")
+    assert f.message.endswith("Training is not affected.")
 
 
 def test_intentional_infinities_are_not_reported() -> None:

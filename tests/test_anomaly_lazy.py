@@ -281,6 +281,55 @@ def test_a_nan_that_recurs_every_epoch_is_located_by_an_aimed_search() -> None:
     assert "ERROR  nonfinite_forward  layer 1 [aten.std] step 17\n" in doctor.report()
 
 
+def test_a_gans_discriminator_gradients_from_the_generator_step_are_not_checked() -> None:
+    """The generator's backward runs through the discriminator and, at G's scale, writes
+    D.2's weight gradients to inf on every step; D's next ``zero_grad()`` drops them,
+    and no optimizer takes them (G's scaler never backs off). The per-step check reads
+    the gradients each optimizer step is given, so nothing is flagged; the op the first
+    step's search saw is said to be harmless."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(8, 16))
+    disc = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    with torch.no_grad():
+        disc[0].weight.mul_(300.0)  # hidden activations ~1e3 ...
+        disc[2].weight.mul_(1e-3)  # ... times G's scale overflow D.2's weight gradient only
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-4)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-9)
+    sc_g = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=10 ** 6)
+    sc_d = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=10 ** 6)
+    bce = nn.BCEWithLogitsLoss()
+    g = torch.Generator().manual_seed(0)
+    d_grads_bad = []
+    with amp_doctor.watch([gen, disc], anomaly=True, every=5) as doctor:
+        for _ in range(24):  # past the first search's cool-down
+            real, z = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                fake = gen(z)
+                d_loss = (bce(disc(real), torch.ones(16, 1))
+                          + bce(disc(fake.detach()), torch.zeros(16, 1)))
+            opt_d.zero_grad()
+            sc_d.scale(d_loss).backward()
+            sc_d.step(opt_d)
+            sc_d.update()
+            with torch.autocast("cpu", dtype=torch.float16):
+                g_loss = bce(disc(fake), torch.ones(16, 1))
+            opt_g.zero_grad()
+            sc_g.scale(g_loss).backward()
+            d_grads_bad.append(not bool(disc[2].weight.grad.isfinite().all()))
+            sc_g.step(opt_g)
+            sc_g.update()
+    assert all(d_grads_bad) and sc_g.get_scale() == 2.0 ** 16 and sc_d.get_scale() == 8.0
+    s = doctor.session
+    nonfinite = [f for f in s.findings if f.kind.startswith("nonfinite")]
+    assert [(f.severity, f.kind, f.step) for f in nonfinite] == [
+        ("info", "nonfinite_discarded", 0)], nonfinite
+    assert nonfinite[0].op == "aten.mm" and nonfinite[0].module.endswith(".2")
+    # Seen by the first step's search only: the per-step check never re-armed it.
+    assert nonfinite[0].data["occurrences"] == 1
+    assert "every gradient an optimizer step took was finite" in nonfinite[0].message
+    assert "Training is not affected" in nonfinite[0].message
+
+
 # -- cost ------------------------------------------------------------------------------
 class _HostReads:
     """Counts host reads of tensor values made from anomaly mode's modules, independently

@@ -414,6 +414,12 @@ def loss_origin_named(message: str, at: str) -> str:
 @message_for("nonfinite_discarded")
 def _nonfinite_discarded(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
+    if d.get("made") == "nonfinite_backward":
+        return (f"In the backward pass, {e.op} {_where(e)} made {nonfinite_what(d)}"
+                f"{_op_range(d)}, {_op_steps(a)}, but every gradient an optimizer step took "
+                "was finite: those values went into gradients that no optimizer used (a "
+                "GAN's discriminator gradients from the generator's backward, which the "
+                "next `zero_grad()` drops). Training is not affected.")
     return (f"{e.op} {_where(e)} made {nonfinite_what(d)}{_op_range(d)}, {_op_steps(a)}, "
             "but the step's loss stayed finite and no gradient took them on: a later op "
             "dropped those values (a `torch.where`, a mask, a cast to integers), as "

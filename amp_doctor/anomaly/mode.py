@@ -302,6 +302,16 @@ class AnomalyMode:
         except Exception as e:
             self._log.note_internal(e)
 
+    def note_stepped(self, params: list[torch.Tensor]) -> None:
+        """An optimizer step is about to take the gradients of ``params`` (see
+        :meth:`StepCheck.note_stepped`). No sync."""
+        if self._raise or threading.get_ident() != self._thread:
+            return
+        try:
+            self._check.note_stepped(params)
+        except Exception as e:
+            self._log.note_internal(e)
+
     def end_step(self, skipped: bool = False, recorded: bool = False,
                  loss_bad: torch.Tensor | None = None) -> None:
         """A step boundary: the step's gradient check; a searched step's verdict.

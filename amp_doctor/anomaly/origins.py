@@ -174,8 +174,9 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
     ``nonfinite_discarded`` event: its step's loss was checked finite
     (``finite_loss_steps``) and its gradients stayed finite (``finite_grad_steps``), or
     a backward op of the step made them non-finite from finite inputs (a GradScaler's
-    overflow, not this NaN). It is
-    grouped apart from the same op's origins in steps that it harmed.
+    overflow, not this NaN); so is a backward origin in a step whose gradients that
+    optimizers took stayed finite. It is grouped apart from the same op's origins in
+    steps that it harmed.
     """
     idx = flags.nonzero().flatten().tolist()
     count_sync()
@@ -195,6 +196,10 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
         if e.kind == "forward" and e.step in finite_loss_steps:
             dropped = (2 if e.step in finite_grad_steps
                        else 1 if (e.step, "backward") in firsts else 0)
+        elif e.kind == "backward" and e.step in finite_grad_steps:
+            # Every gradient an optimizer took was finite: the values went into gradients
+            # that were dropped (a GAN's discriminator, in the generator's backward).
+            dropped = 2
         groups.setdefault((e.kind, e.module, e.op, dropped), []).append(i)
     chosen = [members[0] for members in list(groups.values())[:MAX_ORIGINS_PER_CHECK]]
     # One host copy for everything the chosen events report: their outputs, their

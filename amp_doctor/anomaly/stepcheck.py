@@ -1,8 +1,12 @@
 """Anomaly mode's per-step check: on the device, on every step, without a sync.
 
 One (min, max) reduction of the batch given to each root model, and a
-``_foreach_norm`` over the watched parameters' gradients at the step boundary
-(NaN/Inf anywhere in forward or backward ends up there). The flags wait on the
+``_foreach_norm`` over the gradients each optimizer step is given (NaN/Inf
+anywhere in forward or backward ends up there); in a step without an optimizer
+that amp-doctor sees (a manual update), over the watched parameters' gradients
+at the step boundary. Gradients no optimizer takes are not checked: a GAN's
+generator step writes discriminator gradients that the next
+``zero_grad()`` drops, and their overflow harms nothing. The flags wait on the
 device for the next recorded step's single host copy.
 """
 
@@ -94,6 +98,8 @@ class StepCheck:
         self._params: list[torch.Tensor] | None = None
         self.calls: list[RootCall] = []
         self.grads: list[StepFlag] = []
+        # This step's flags of the gradients its optimizer steps took, until end_step.
+        self._stepped: list[torch.Tensor] = []
         self.weights: list[StepFlag] = []
         # Per step, whether its loss was NaN/inf (bool): read only when a window is
         # flagged, to tell an origin whose values reached the loss from one they did not.
@@ -132,18 +138,26 @@ class StepCheck:
             self.calls.append(RootCall(step, module, dtype_name(tensors[0].dtype), frames,
                                        batch_row(tensors)))
 
+    def note_stepped(self, params: list[torch.Tensor]) -> None:
+        """An optimizer is about to step ``params``: flag their gradients as it takes them
+        (a later backward may overwrite them before the step ends)."""
+        grads = [g for p in params if (g := p.grad) is not None]
+        with own_ops:
+            self._stepped.extend(norm_sums(grads))
+
     def end_step(self, step: int, loss_bad: torch.Tensor | None = None) -> None:
-        """The step's gradient flag: per device, non-finite iff a watched gradient is;
-        and ``loss_bad``, the step's loss check (a device bool), when it had one."""
+        """The step's gradient flag: per device, non-finite iff a gradient an optimizer
+        took is (without one, a watched gradient); and ``loss_bad``, the step's loss
+        check (a device bool), when it had one."""
         if loss_bad is not None:
             self.losses.append(StepFlag(step, loss_bad))
-        grads = []
-        for p in self.watched_params():
-            g = p.grad
-            if g is not None:
-                grads.append(g)
-        with own_ops:
-            self.grads.extend(StepFlag(step, f) for f in norm_sums(grads))
+        if self._stepped:
+            flags, self._stepped = self._stepped, []
+        else:
+            grads = [g for p in self.watched_params() if (g := p.grad) is not None]
+            with own_ops:
+                flags = norm_sums(grads)
+        self.grads.extend(StepFlag(step, f) for f in flags)
         self.light_steps += 1
 
     def take(self) -> tuple[list[RootCall], list[StepFlag], list[StepFlag], list[StepFlag]]:
@@ -157,6 +171,7 @@ class StepCheck:
     def clear(self) -> None:
         """Drop every tensor and model reference."""
         self.take()
+        self._stepped = []
         self._params = None
         self._roots = {}
 
