@@ -168,6 +168,58 @@ def test_a_backward_inf_that_a_later_backward_op_drops_is_harmless() -> None:
     assert f.message.endswith("Training is not affected.")
 
 
+class SpectralMix(nn.Module):
+    """A complex filter whose one entry overflows the complex product (float32 parts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        filt = torch.randn(17, dtype=torch.complex64)
+        filt[3] = 1e38
+        self.register_buffer("filt", filt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft(x.float(), dim=-1) * self.filt  # MIX_LINE
+
+
+class ToReal(nn.Module):
+    def forward(self, spec: torch.Tensor) -> torch.Tensor:
+        return torch.fft.irfft(spec, n=32, dim=-1)
+
+
+def test_complex_intermediates_are_searched_so_the_fft_is_not_taken_for_the_origin() -> None:
+    """The inf is made by a complex product in ``mix``, whose output no layer statistic
+    covers (complex), and ``back``'s inverse FFT turns it into NaN. The search reads
+    complex values too: the product is the origin, not the FFT that received the inf,
+    and the NaN loss downstream is its consequence, not a second error."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(16, 32)
+            self.mix = SpectralMix()
+            self.back = ToReal()
+            self.out = nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.back(self.mix(self.inp(x))))
+
+    torch.manual_seed(0)
+    model = Net()
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        losses = _loop(model, 3, lambda i: torch.randn(8, 16))
+    assert all(not math.isfinite(v) for v in losses)
+    s = doctor.session
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module, f.op) for f in errors] == [
+        ("nonfinite_forward", "mix", "aten.mul")], errors
+    f = errors[0]
+    assert f.data["dtype"] == "complex64"
+    assert f.frame == f"{THIS_FILE}:{_line_of('MIX_LINE')} in forward"
+    assert not [e for e in s.events if e.op == "aten._fft_c2r"]
+    loss = s.findings_of("nonfinite_loss")
+    assert loss and loss[0].severity == "info" and "It began at aten.mul in mix" in loss[0].message
+    assert "at the first step, before any update" in f.advice
+
+
 def test_intentional_infinities_are_not_reported() -> None:
     class MaskedAttention(nn.Module):
         def __init__(self) -> None:

@@ -330,6 +330,54 @@ def test_a_gans_discriminator_gradients_from_the_generator_step_are_not_checked(
     assert "Training is not affected" in nonfinite[0].message
 
 
+class SparseEmbedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 16, sparse=True)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        e = self.emb(idx).mean(1)
+        # The where hides the forward NaN of sqrt(e < 0), not its NaN gradient.
+        return self.head(torch.where(e > 0, e.sqrt(), torch.zeros_like(e)))
+
+
+def test_a_nan_reaching_only_a_sparse_gradient_is_found_and_advised_as_a_domain_error() -> None:
+    """Embedding(sparse=True) + SparseAdam: the NaN gradient is in a sparse tensor only,
+    every step is skipped. The per-step check reads a sparse gradient's values, so the
+    forward sqrt is the origin (not 'dropped, training not affected'), and its advice
+    says that a float32 sqrt of a negative number is no precision problem."""
+    torch.manual_seed(0)
+    model = SparseEmbedNet()
+    opt_s = torch.optim.SparseAdam(list(model.emb.parameters()), lr=1e-2)
+    opt_d = torch.optim.Adam(model.head.parameters(), lr=1e-3)
+    sc = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, anomaly=True, every=5) as doctor:
+        for _ in range(6):
+            idx, y = torch.randint(0, 100, (8, 5), generator=g), torch.randint(0, 2, (8,),
+                                                                                generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(idx), y)
+            opt_s.zero_grad()
+            opt_d.zero_grad()
+            sc.scale(loss).backward()
+            assert model.emb.weight.grad.is_sparse
+            assert bool(model.emb.weight.grad.coalesce().values().isnan().any())
+            sc.step(opt_s)
+            sc.step(opt_d)
+            sc.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.skipped_steps == list(range(6))
+    assert not s.findings_of("nonfinite_discarded")
+    (f,) = s.findings_of("nonfinite_forward")
+    assert (f.severity, f.op, f.step) == ("error", "aten.sqrt", 0)
+    assert f.data["dtype"] == "float32"
+    assert f.advice.startswith("aten.sqrt made NaN from finite float32 inputs: the input was "
+                               "outside the op's domain")
+    assert "Keep this op in float32" not in f.advice
+
+
 # -- cost ------------------------------------------------------------------------------
 class _HostReads:
     """Counts host reads of tensor values made from anomaly mode's modules, independently

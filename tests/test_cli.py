@@ -325,6 +325,39 @@ for i in range(3):
     assert _report(work).run.models == ["parts.encoder", "parts.decoder", "nets.gen", "nets.disc"]
 
 
+def test_slices_of_a_sequential_are_its_layers_not_a_new_model_per_call(work: Path,
+                                                                         cli: Cli) -> None:
+    # A perceptual loss over a frozen network's first layers: feat[:k] is a new
+    # Sequential on every call. Before: 'Sequential', 'Sequential1'... one model per call
+    # (25 models in 6 steps here, and the JSON growing with every step).
+    (work / "sliced.py").write_text("""
+import torch
+from torch import nn
+torch.manual_seed(0)
+gen = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+feat = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+feat.requires_grad_(False)
+opt = torch.optim.Adam(gen.parameters(), lr=1e-3)
+for it in range(6):
+    z, target = torch.randn(8, 16), torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gen(z)
+        loss = nn.functional.mse_loss(out, target)
+        for k in (2, 4):
+            loss = loss + nn.functional.mse_loss(feat[:k](out), feat[:k](target))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+""")
+    r = cli(["diagnose", "--every", "1", "--logdir", "out", "sliced.py"])
+    assert r.returncode == 0, r.stderr
+    s = _report(work)
+    assert s.run.models == ["gen", "feat"]
+    assert {lay.name for lay in s.layers} == {"gen", "gen.0", "gen.1", "gen.2",
+                                              "feat.0", "feat.1", "feat.2", "feat.3"}
+    assert s.layer("feat.2").recorded_steps == 6 and s.steps == 6
+
+
 def test_fail_on_gates_on_severity(work: Path, cli: Cli) -> None:
     healthy = cli(["diagnose", "--fail-on", "warning", "--logdir", "a", "train_tiny.py"])
     assert healthy.returncode == 0, healthy.stderr

@@ -181,6 +181,90 @@ def test_scaled_gradients_stepped_without_unscaling_is_misuse() -> None:
     assert "looks healthy" not in doctor.report()
 
 
+def test_what_updates_65536x_too_large_break_next_is_the_misuses_consequence() -> None:
+    """After the first update on scaled gradients the weights are far off and the next
+    forward overflows: one error, the misuse, which lists the overflow and the NaN loss
+    as its consequences (review 41a: the overflow was an error of its own, first)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(6):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            losses.append(loss.item())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            opt.step()
+    assert losses[0] < 2 and losses[1] > 1000 and not any(math.isfinite(v) for v in losses[2:])
+    s = doctor.session
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [f.kind for f in errors] == ["scaled_grads_stepped"], errors
+    assert "Consequences: activation_overflow in layer 2; nonfinite_loss in layer 0 from step 2" \
+        in errors[0].message, errors[0].message
+    assert s.findings_of("activation_overflow")[0].severity == "info"
+    assert doctor.report().index("ERROR  scaled_grads_stepped") < doctor.report().index(
+        "activation_overflow")
+
+
+class QNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.q = nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def _dqn_steps(net: QNet, steps: int) -> list[float]:
+    """A DQN step: the trained net itself computes the TD target under no_grad, from
+    unnormalised next states (x3e4) that overflow float16 in fc1 there only."""
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        s, a, r = (torch.randn(32, 8, generator=g), torch.randint(0, 4, (32,), generator=g),
+                   torch.randn(32, generator=g))
+        s2 = torch.randn(32, 8, generator=g) * 3e4
+        with torch.autocast("cpu", dtype=torch.float16):
+            qsa = net(s).gather(1, a[:, None]).squeeze(1)
+            with torch.no_grad():
+                target = r + 0.99 * net(s2).max(1).values
+            loss = nn.functional.smooth_l1_loss(qsa.float(), target.float())
+        losses.append(loss.item())
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return losses
+
+
+def test_the_trained_models_own_no_grad_call_in_its_step_is_recorded() -> None:
+    """Before: 'Every watched layer's output was finite' and a scale collapse blamed on
+    q, since a no_grad call was taken for validation; --on-nonfinite raise never raised."""
+    torch.manual_seed(0)
+    net = QNet()
+    with amp_doctor.watch(net, every=1, tensorboard=False) as doctor:
+        losses = _dqn_steps(net, 4)
+    assert not any(math.isfinite(v) for v in losses)
+    s = doctor.session
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module) for f in errors] == [("activation_overflow", "fc1")], errors
+    assert s.layer("fc1").nonfinite_steps == 4 and s.layer("fc1").recorded_steps == 4
+    loss = s.findings_of("nonfinite_loss")
+    assert loss and loss[0].severity == "info" and "fc1's output" in loss[0].message
+    torch.manual_seed(0)
+    net = QNet()
+    with pytest.raises(amp_doctor.errors.NonFiniteError, match=r"in module 'fc1'.* step 0"):
+        with amp_doctor.watch(net, anomaly=True, on_nonfinite="raise", tensorboard=False):
+            _dqn_steps(net, 2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_pure_low_precision_training_with_frozen_weights_is_a_finding(dtype: torch.dtype) -> None:
     torch.manual_seed(0)

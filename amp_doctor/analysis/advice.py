@@ -277,8 +277,8 @@ ADVICE_BF16: dict[str, str] = {
 }
 
 
-# Formats a precision change cannot widen.
-WIDE_FORMATS = ("float32", "float64")
+# Formats a precision change cannot widen (complex64 holds two float32s).
+WIDE_FORMATS = ("float32", "float64", "complex64", "complex128")
 # Formats with float32's range, at least: values beyond it are no format's fault.
 WIDE_RANGE_FORMATS = (*WIDE_FORMATS, "bfloat16")
 
@@ -326,6 +326,17 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
         return ("Find where the inf it received was made (a -inf mask, or an op before it) "
                 "and keep it out of this op: fill masks with `torch.finfo(x.dtype).min` "
                 "instead of -inf, or `torch.nan_to_num` / clamp the input first.")
+    big = e.data.get("input_absmax")
+    if (e.kind == "nonfinite_forward" and e.data.get("dtype") in WIDE_FORMATS
+            and e.data.get("nan") and not e.data.get("pos_inf") and not e.data.get("neg_inf")
+            and isinstance(big, (int, float)) and big < DIVERGED_INPUT_ABSMAX):
+        # NaN from finite, moderate float32 inputs is a domain error, not a range one.
+        return (f"{e.op} made NaN from finite {e.data.get('dtype')} inputs: the input was "
+                "outside the op's domain (the square root or log of a negative number, "
+                "0/0), which no format change fixes. Guard the input, e.g. "
+                "`x.clamp_min(eps)` before the op; a `torch.where(mask, f(x), 0)` on the "
+                "output still gives NaN gradients, so mask the input instead: "
+                "`f(torch.where(mask, x, 1.0))`.")
     if e.kind == "lowp_updates_lost":
         # The weights' own format decides: bfloat16 weights are not told to move to float16.
         weights = e.data.get("dtypes") or []
@@ -336,10 +347,15 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                "torch.autocast(device_type, enabled=False):` around it and `.float()` inputs.")
         return (f"For {e.op}{where}: {op_fix}.{f32}"
                 + ("" if bf16 else " Or train with `dtype=torch.bfloat16`."))
-    big = e.data.get("input_absmax")
     if (e.kind in ("nonfinite_forward", "nonfinite_backward") and not op_fix
             and e.data.get("dtype") in WIDE_RANGE_FORMATS and isinstance(big, (int, float))
             and big >= DIVERGED_INPUT_ABSMAX):
+        if e.step == 0:
+            # Before any update: nothing has diverged yet.
+            return (f"{e.op} went non-finite on {e.data.get('dtype')} values up to "
+                    f"{big:.3g} at the first step, before any update: the data, a buffer or "
+                    "the initialisation holds values that large, which no precision change "
+                    "fixes. Find where they come from and scale or clamp them.")
         return (f"{e.op} went non-finite on {e.data.get('dtype')} values up to {big:.3g}, "
                 "in a format with float32's range: the run diverged (weights or activations "
                 "grew without bound), which no precision change fixes. Lower the learning "

@@ -168,9 +168,10 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             steps = set(_steps_of(f))
             root = next((e for e in errors if e.kind == "nonfinite_backward"
                          and e.step in steps), None)
-        if root is None and f.kind == "nonfinite_loss" and origin is None:
-            # No recorded step showed where it began; anomaly mode's search, which the
-            # NaN loss armed, named an op in one of its steps.
+        if root is None and f.kind == "nonfinite_loss":
+            # No recorded step showed where it began, or only a layer downstream of the op
+            # anomaly mode's search named in one of its steps (an op whose output no
+            # layer's statistics cover, such as a complex FFT's): the op is the cause.
             bad = set(f.data.get("bad_steps") or _steps_of(f))
             root = next((e for e in errors if e.kind == "nonfinite_forward"
                          and e.step in bad), None)
@@ -181,7 +182,11 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                 # Not "unknown" beside the finding that names where it began.
                 at = f"{root.op} in {F.layer(root.module)}" if root.op and root.module else (
                     root.op or root.module or root.kind)
-                f = replace(f, message=loss_origin_named(f.message, at))
+                named = loss_origin_named(f.message, at)
+                if named == f.message and root.op and root.module != origin:
+                    # The layer it first showed in is downstream of the op that made it.
+                    named = f"{f.message} It began at {at} (see that finding)."
+                f = replace(f, message=named)
         if f.kind == "gradient_underflow" and (collapse is not None or clip is not None):
             host = collapse if collapse is not None else clip
             assert host is not None
@@ -225,9 +230,11 @@ _AFTER_NAN_WEIGHTS = ("nonfinite_loss", "activation_overflow", "nonfinite_unloca
 
 
 def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
-    """The optimizer's update made the weights NaN (float16 Adam state): what went
-    non-finite from the next step on is its consequence, said in its finding."""
-    root = next((f for f in out if f.kind == "lowp_update_nonfinite"), None)
+    """The optimizer's update made the weights NaN (float16 Adam state), or stepped on
+    gradients still multiplied by the loss scale (every update 65536x too large): what
+    went non-finite from the next step on is its consequence, said in its finding."""
+    root = next((f for f in out if f.kind == "lowp_update_nonfinite"), None) or next(
+        (f for f in out if f.kind == "scaled_grads_stepped" and f.severity == "error"), None)
     if root is None or root.step is None:
         return out
     # A layer's finding (no step: the run's aggregate) goes too: from the next step on

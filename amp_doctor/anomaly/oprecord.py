@@ -101,10 +101,13 @@ def _leaves(obj: Any) -> Iterator[Any]:
 
 
 def summarizable(t: torch.Tensor) -> bool:
-    """A floating, non-empty tensor that the probes could summarise too (not sparse,
-    meta, float8, nor wrapped by ``vmap``/``grad``, whose summary would be a batched
-    tensor that fails once the transform has returned): one ``aminmax`` summarises it."""
-    return t.is_floating_point() and t.numel() > 0 and unsummarizable(t) is None
+    """A floating or complex, non-empty tensor that the probes could summarise too (not
+    sparse, meta, float8, nor wrapped by ``vmap``/``grad``, whose summary would be a
+    batched tensor that fails once the transform has returned): one ``aminmax``
+    summarises it (a complex one over its real and imaginary parts). Complex values
+    count: an FFT's inverse that receives an inf must not pass for its origin."""
+    return ((t.is_floating_point() or t.is_complex()) and t.numel() > 0
+            and unsummarizable(t) is None)
 
 
 class OpRecorder:
@@ -292,7 +295,7 @@ class OpRecorder:
     def _summarize(self, t: torch.Tensor) -> int:
         """Reduce ``t`` to (min, max) on its device; its index in the window's summaries."""
         w = self.window
-        s = torch.aminmax(t)
+        s = torch.aminmax(torch.view_as_real(t.resolve_conj()) if t.is_complex() else t)
         summary = Summary(s[0], s[1])
         w.sums.append(summary)
         i = len(w.sums) - 1

@@ -62,6 +62,9 @@ def norm_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     f64 = torch.float64
     by_dev: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for g in tensors:
+        if g.layout is torch.sparse_coo and not g.is_meta:
+            # An Embedding(sparse=True)'s gradient: its values hold every non-zero.
+            g = g._values()
         if g.layout is strided and g.is_floating_point() and not g.is_meta:
             wide, narrow = by_dev.setdefault(g.device, ([], []))
             (wide if g.dtype == f64 else narrow).append(g)

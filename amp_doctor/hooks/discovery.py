@@ -34,6 +34,8 @@ _WRAPPERS = ("DistributedDataParallel", "DataParallel", "OptimizedModule")
 NAME_SEARCH_FRAMES = 40
 # Containers (dicts, lists, ModuleDicts) searched one level deep, when no larger than this.
 NAME_SEARCH_ITEMS = 64
+# Submodules of a frame's module searched for the Sequential a slice was taken from.
+SLICE_SEARCH_MODULES = 2000
 
 
 # Containers that hold models but have no forward of their own: the loop calls what
@@ -116,6 +118,35 @@ def variable_name(module: nn.Module) -> str | None:
                 key = _key_in(value, module)
                 if key is not None:
                     return f"{name}.{key}"
+        frame = frame.f_back
+    return None
+
+
+def slice_source(module: nn.Module) -> tuple[nn.Module, str] | None:
+    """The container ``module`` was sliced from, and its name: ``feat[:k]`` makes a new
+    ``Sequential`` on every call (a perceptual loss over a frozen network's first
+    layers), which must not be a new model each time. The user's frames are searched
+    for a module of the same class whose children include all of ``module``'s."""
+    kids = {id(m) for m in module._modules.values() if m is not None}
+    if not kids:
+        return None
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frame: Any = sys._getframe(1)
+    for _ in range(NAME_SEARCH_FRAMES):
+        if frame is None:
+            break
+        if not frame.f_code.co_filename.startswith(skip):
+            for name, value in frame.f_locals.items():
+                if name.startswith("_") or not isinstance(value, nn.Module) or value is module:
+                    continue
+                for i, (path, sub) in enumerate(value.named_modules()):
+                    if i >= SLICE_SEARCH_MODULES:
+                        break
+                    if (sub is not module and type(sub) is type(module)
+                            and kids <= {id(m) for m in sub._modules.values()}):
+                        if name == "self":  # the loss module's own part: named by its path
+                            return sub, path or type(sub).__name__
+                        return sub, f"{name}.{path}" if path else name
         frame = frame.f_back
     return None
 
@@ -264,8 +295,17 @@ class GlobalDiscovery:
             return
         if not self._wanted(module):
             return  # loss functions and other parameter-free callables are not models
+        name = variable_name(module)
+        if name is None and isinstance(module, nn.Sequential | nn.ModuleList):
+            source = slice_source(module)
+            if source is not None:
+                # A slice's layers are its source's: watch the source once (its layers'
+                # own hooks then see every slice's call), not each new slice.
+                if self._wanted(source[0]):
+                    self._found(source[0], source[1], args)
+                return
         # This call's own pre-hooks were collected before we added ours: pass its inputs.
-        self._found(module, variable_name(module), args)
+        self._found(module, name, args)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if capturing():

@@ -203,6 +203,8 @@ class Probes:
         self._entries: set[int] = set()
         # Roots whose own forward ran with grad enabled: their submodules are no entries.
         self._roots_trained: set[int] = set()
+        # Roots whose training forward ran in the current step (reset at each boundary).
+        self._trained_this_step: set[int] = set()
         self._roots_called: set[int] = set()  # any outermost call, training or not
         self._handles: list[RemovableHandle] = []
         # Hooks on non-root modules, present only while armed.
@@ -349,7 +351,14 @@ class Probes:
         trained model, and a Lightning sanity check before the first training forward
         (of one model, or of several under inference_mode), is inference."""
         root = self._root_of(id(module))
-        if root in self._roots_trained or torch._C._current_graph_task_id() != -1:
+        if torch._C._current_graph_task_id() != -1:
+            return False
+        if root in self._trained_this_step and not torch.is_inference_mode_enabled():
+            # The trained model itself, called under no_grad after its training forward
+            # in the same step (a DQN's TD target, a bootstrapped value): that output feeds
+            # this step's loss, and an overflow in it is this step's NaN.
+            return True
+        if root in self._roots_trained:
             return False
         # Before any model trained: a teacher run first in the very first iteration (its
         # student not called yet), but not a single model's validation, nor Lightning's
@@ -371,6 +380,7 @@ class Probes:
         calls.training = torch.is_grad_enabled()
         if calls.training:
             self._roots_trained.add(id(model))
+            self._trained_this_step.add(id(model))
         name = self._names.get(id(model))
         if calls.depth == 0 and name is not None:
             # As its pre-hook would have: its layers are inside a training call (a
@@ -491,6 +501,7 @@ class Probes:
 
     def new_step(self) -> None:
         self._seen.clear()
+        self._trained_this_step.clear()
         self._step_owners = []
         # Gradient hooks of the step that ended: its backward has run. Removing
         # them keeps long-lived tensors (a parameter a module returns) from
@@ -578,6 +589,7 @@ class Probes:
             if id(module) in self._roots:
                 if torch.is_grad_enabled():
                     self._roots_trained.add(id(module))
+                    self._trained_this_step.add(id(module))
                 self._on_root_forward(module, args)
                 if self.armed and self.recording:
                     self._armed_root_calls[id(module)] = \

@@ -293,8 +293,10 @@ def skip_culprits(params: list[torch.Tensor], param_owner: Mapping[int, str],
     by_layer: dict[str, list[torch.Tensor]] = {}
     for p in params:
         name = param_owner.get(id(p))
-        if name is not None and p.grad is not None:
-            by_layer.setdefault(name, []).append(p.grad)
+        g = p.grad
+        if name is not None and g is not None:
+            # An Embedding(sparse=True)'s gradient: its values hold every non-zero.
+            by_layer.setdefault(name, []).append(g._values() if g.is_sparse else g)
     if not by_layer and loss_flag is None:
         return None
     names = list(by_layer)
