@@ -517,6 +517,33 @@ def test_missing_update_is_recorded_before_torch_raises() -> None:
     assert "scaler.update()" in f.advice
 
 
+def test_update_on_every_micro_step_is_named_before_torch_raises() -> None:
+    """Gradient accumulation with scaler.update() on every micro-step: the first update
+    comes before any scaler.step and torch raises. Before: 'no GradScaler' and 'No
+    optimizer or GradScaler was seen' beside torch's AssertionError (review 41a)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        with amp_doctor.watch(model, every=1) as doctor:
+            for i in range(8):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(4, 16)).float().mean() / 4
+                scaler.scale(loss).backward()
+                if (i + 1) % 4 == 0:
+                    scaler.step(opt)
+                    opt.zero_grad()
+                scaler.update()
+    s = doctor.session
+    assert s.run.outcome == "exception" and s.amp.scaler
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [f.kind for f in errors] == ["update_without_step"]
+    assert "No inf checks were recorded prior to update" in errors[0].message
+    assert "only on the last micro-step" in errors[0].advice
+    assert not s.findings_of("steps_from_backward")
+
+
 def test_missing_update_at_the_end_of_a_run() -> None:
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -120,6 +120,11 @@ ADVICE: dict[str, str] = {
         "optimizer (with gradient accumulation: after the last micro-step's `scaler.step`). "
         "Without it the scale never adapts and the next `scaler.step` raises."
     ),
+    "update_without_step": (
+        "Call `scaler.update()` right after `scaler.step(optimizer)`, once per optimizer step: "
+        "with gradient accumulation, only on the last micro-step, "
+        "`if (i + 1) % accum == 0: scaler.step(opt); scaler.update(); opt.zero_grad()`."
+    ),
     "scaler_with_bf16": (
         "bfloat16 has float32's exponent range, so a GradScaler is not needed: remove it, or "
         "construct it with `enabled=False` (`torch.amp.GradScaler(device_type, enabled=False)`)."

@@ -27,6 +27,7 @@ __all__ = ["EVENT_SEVERITY", "event_findings"]
 EVENT_SEVERITY: dict[str, Severity] = {
     "clip_before_unscale": "error",
     "missing_update": "error",
+    "update_without_step": "error",
     "scaler_with_bf16": "info",
     "fp16_params": "error",
     "scheduler_on_skipped_step": "info",
@@ -88,8 +89,13 @@ def event_findings(session: Session) -> Iterable[Finding]:
         if e.kind not in EVENT_SEVERITY:
             continue
         grouped.setdefault((e.kind, e.module, e.op), []).append(e)
+    # An update with no scaler.step before it raised before any scaler step was seen: the
+    # steps were not counted "from the loop" for want of a GradScaler; there was one.
+    misused_scaler = any(k == "update_without_step" for k, _, _ in grouped)
     for (kind, module, op), es in grouped.items():
         first = es[0]
+        if kind == "steps_from_backward" and misused_scaler:
+            continue
         if kind == "lowp_updates_lost" and not (first.data.get("frac") or 0) > \
                 LOWP_UNCHANGED_WARN:
             continue

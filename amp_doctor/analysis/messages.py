@@ -182,6 +182,16 @@ def _missing_update(a: MessageArgs) -> str:
             "clipping and scaler.step.")
 
 
+@message_for("update_without_step")
+def _update_without_step(a: MessageArgs) -> str:
+    d = a.event.data
+    return (f"scaler.update() was called at step {a.event.step} with no scaler.step() since "
+            f"the previous update ({d.get('steps_total')} scaler.step call(s) and "
+            f"{d.get('updates')} update(s) before it): torch raises 'No inf checks were "
+            "recorded prior to update', as in an update on every micro-step of gradient "
+            "accumulation.")
+
+
 @message_for("scaled_grads_stepped")
 def _scaled_grads_stepped(a: MessageArgs) -> str:
     d = a.event.data

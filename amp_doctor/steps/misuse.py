@@ -153,6 +153,14 @@ class MisuseChecks:
                 "updates": st.updates, "reason": "step twice"})
         self.judge_unscaled_backward(scaler, st, optimizer)
 
+    def update_without_step(self, st: ScalerMirror) -> None:
+        """``scaler.update()`` is about to run with no ``scaler.step`` (nor ``unscale_``)
+        since the last update: torch raises "No inf checks were recorded prior to
+        update" (an update on every micro-step of gradient accumulation)."""
+        self._event("update_without_step", data={
+            "scaler": st.name, "updates": st.updates, "steps_total": st.steps_total,
+            "scale": st.scale})
+
     def note_update(self, step: int, skipped: set[int], before: float | None,
                     after: float | None) -> None:
         """The primary scaler's ``update()``: what a scheduler stepped next is judged on."""

@@ -193,6 +193,16 @@ class AmpMonitor:
             if relevant:
                 self._cb.skip(optimizer_params(optimizer))
 
+    def on_update_begin(self, scaler: GradScaler) -> None:
+        st = self._mirror(scaler)
+        if st is None:
+            return
+        if not any(s.get("found_inf_per_device") for s in scaler._per_optimizer_states.values()):
+            # torch raises "No inf checks were recorded prior to update." next.
+            self._misuse.update_without_step(st)
+            if self.registry.primary_scaler is None:
+                self.registry.claim(scaler, st)  # the report's GradScaler is this one
+
     def on_update_end(self, scaler: GradScaler, new_scale: Any) -> None:
         st = self._mirror(scaler)
         if st is None:
