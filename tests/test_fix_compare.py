@@ -455,7 +455,8 @@ def test_what_if_lists_name_each_layer_apart_from_its_figures() -> None:
             loss.backward()
             opt.step()
     by_kind = {f.kind: f for f in doctor.session.findings}
-    assert "beyond float16's max (65504): 0 (gradients: 100%)" in by_kind["whatif_float16"].message
+    assert ("beyond float16's max (65504): layer 0 (gradients: 100%)"
+            in by_kind["whatif_float16"].message)
     fp8 = by_kind["fp8_readiness"].message
-    assert "would lose values: 0 (gradients, e5m2: 0% to zero, amax outran the scale in 1 step)" \
-        in fp8
+    assert ("would lose values: layer 0 (gradients, e5m2: 0% to zero, amax outran the scale "
+            "in 1 step)") in fp8
