@@ -52,7 +52,7 @@ from amp_doctor.hooks.discovery import (
     is_parametrization,
     unwrap,
 )
-from amp_doctor.hooks.patching import Subscription, subscribe
+from amp_doctor.hooks.patching import Subscription, in_closure_step, subscribe
 from amp_doctor.hooks.probes import COMPILED_NOTE, Probes
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
 from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir, reused_run_note
@@ -605,7 +605,8 @@ class Watch:
             buf.put_scalar("loss", ts[0].detach().float().mean())
 
     def _on_param_grads(self, params: list[torch.Tensor], scale: float | None) -> None:
-        if self._anomaly is not None:
+        if self._anomaly is not None and not in_closure_step():
+            # (A closure computes them inside the step: the boundary's check reads them.)
             self._anomaly.note_stepped(params)
         buf = self._buffer
         if buf is None or self._probes is None:
@@ -671,6 +672,8 @@ class Watch:
     def _on_backward_done(self, roots: list[torch.Tensor]) -> None:
         self._loop.backward = True
         self._bounds.idle = False
+        if self._probes is not None:
+            self._probes.backward_ran()
         if self._implicit_candidate():
             # Only where no optimizer or scaler ends the steps: does this backward
             # reach the watched parameters (a training step), or another model's?

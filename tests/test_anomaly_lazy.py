@@ -378,6 +378,41 @@ def test_a_nan_reaching_only_a_sparse_gradient_is_found_and_advised_as_a_domain_
     assert "Keep this op in float32" not in f.advice
 
 
+def test_a_closure_steps_gradients_are_checked_after_the_closure_made_them() -> None:
+    """optimizer.step(closure): the closure computes the step's gradients inside the
+    step, after its pre-hook; the NaN gradients of step 3 are flagged at step 3, not a
+    step later (review 41b). bfloat16, no GradScaler: the update poisons the weights."""
+    class LogGuarded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.s = nn.Parameter(torch.ones(8))
+            self.a = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # The where keeps the forward finite; log's gradient at 0 is NaN through it.
+            return self.a(torch.where(x > 0, torch.log(x * self.s), torch.zeros_like(x)))
+
+    torch.manual_seed(0)
+    model = LogGuarded()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    xs = torch.rand(6, 4, 8, generator=g) + 0.1
+    xs[3, 0, 0] = 0.0
+    ys = torch.randint(0, 3, (6, 4), generator=g)
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        for step in range(6):
+            def closure(step: int = step) -> torch.Tensor:
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.cross_entropy(model(xs[step]).float(), ys[step])
+                loss.backward()
+                return loss
+            opt.step(closure)
+    assert not bool(model.s.isfinite().all())
+    (un,) = [e for e in doctor.session.events if e.kind == "nonfinite_unlocated"]
+    assert un.step == 3 and un.data["steps"][0] == 3
+
+
 # -- cost ------------------------------------------------------------------------------
 class _HostReads:
     """Counts host reads of tensor values made from anomaly mode's modules, independently

@@ -265,6 +265,40 @@ def test_the_trained_models_own_no_grad_call_in_its_step_is_recorded() -> None:
             _dqn_steps(net, 2)
 
 
+@pytest.mark.parametrize("on_nonfinite", ["record", "raise"])
+def test_validation_between_micro_batches_is_not_the_training_steps_work(
+        on_nonfinite: str) -> None:
+    """Gradient accumulation with a validation pass under no_grad between micro-batches
+    (Lightning's val_check_interval can land there), on data that overflows float16:
+    not the step's work (it comes after a backward), so no finding, and raise mode does
+    not stop a healthy run in it (review 41b)."""
+    torch.manual_seed(0)
+    net = QNet()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    val = torch.randn(16, 8, generator=g) * 3e4
+    val_nonfinite = []
+    with amp_doctor.watch(net, every=1, tensorboard=False, anomaly=on_nonfinite == "raise",
+                          on_nonfinite=on_nonfinite) as doctor:
+        for i in range(8):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = net(torch.randn(16, 8, generator=g)).float().pow(2).mean() / 2
+            scaler.scale(loss).backward()
+            if i % 3 == 1:
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+                    val_nonfinite.append(not bool(net(val).isfinite().all()))
+            if i % 2 == 1:
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+    assert val_nonfinite and all(val_nonfinite)
+    s = doctor.session
+    assert s.steps == 4 and s.scaler is not None and not s.scaler.skipped_steps
+    assert [f for f in s.findings if f.severity != "info"] == []
+    assert s.layer("fc1").nonfinite_steps == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_pure_low_precision_training_with_frozen_weights_is_a_finding(dtype: torch.dtype) -> None:
     torch.manual_seed(0)

@@ -58,7 +58,7 @@ from amp_doctor.devicework import iter_tensors, own_ops
 from amp_doctor.hooks.weakhooks import own_hooks_lifted
 
 __all__ = ["ApiSubscriber", "Subscription", "subscribe", "patches_installed",
-           "in_scaler_step", "in_scaled_backward", "scaled_backwards"]
+           "in_scaler_step", "in_closure_step", "in_scaled_backward", "scaled_backwards"]
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update", "load_state_dict")
 
@@ -106,6 +106,9 @@ class _ApiHub:
         self._lock = threading.Lock()
         self._step_counts: dict[int, int] = {}
         self.in_scaler_step = 0
+        # The optimizer step starting was given a closure (LBFGS): its gradients are
+        # computed inside the step, after its pre-hook.
+        self.closure_step = False
         # Call depth per patched function (see outermost).
         self._depth: dict[str, int] = {}
         # Backward passes that went through a scaled output, per scaler id.
@@ -331,6 +334,9 @@ class _ApiHub:
         return load_state_dict
 
     def _opt_pre(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        # (args holds the optimizer itself first, then the step's own arguments)
+        self.closure_step = (any(callable(a) for a in args or ())
+                             or callable((kwargs or {}).get("closure")))
         self.emit("on_optimizer_pre", optimizer)
 
     def _opt_post(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -538,6 +544,12 @@ def patches_installed() -> bool:
 def in_scaler_step() -> bool:
     """True inside ``GradScaler.step`` (an optimizer step there is the scaler's)."""
     return _HUB.in_scaler_step > 0
+
+
+def in_closure_step() -> bool:
+    """The optimizer step whose pre-hook is running was given a closure: the gradients it
+    takes are not computed yet."""
+    return _HUB.closure_step
 
 
 def in_scaled_backward() -> bool:

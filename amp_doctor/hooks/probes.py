@@ -353,10 +353,13 @@ class Probes:
         root = self._root_of(id(module))
         if torch._C._current_graph_task_id() != -1:
             return False
-        if root in self._trained_this_step and not torch.is_inference_mode_enabled():
-            # The trained model itself, called under no_grad after its training forward
-            # in the same step (a DQN's TD target, a bootstrapped value): that output feeds
-            # this step's loss, and an overflow in it is this step's NaN.
+        if (root in self._trained_this_step and module.training
+                and not torch.is_inference_mode_enabled()):
+            # The trained model itself, in train mode, called under no_grad between its
+            # training forward and that forward's backward (a DQN's TD target, a
+            # bootstrapped value): that output feeds the loss, and an overflow in it is
+            # this step's NaN. Validation (eval mode, or after a backward: between
+            # micro-batches of gradient accumulation) is not.
             return True
         if root in self._roots_trained:
             return False
@@ -512,6 +515,10 @@ class Probes:
         self._tensor_handles.clear()
         self._leaf_hooks = WeakIdKeyDictionary()
         self._collect_compiled()
+
+    def backward_ran(self) -> None:
+        """A backward pass ended: a no_grad call after it is no longer the loss's part."""
+        self._trained_this_step.clear()
 
     def _hook_grad(self, t: torch.Tensor, owners: list[str], buf: StepBuffer) -> None:
         self._step_owners.append(owners)
