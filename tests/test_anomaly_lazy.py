@@ -277,6 +277,9 @@ def test_a_nan_that_recurs_every_epoch_is_located_by_an_aimed_search() -> None:
     (f,) = [f for f in s.findings if f.kind == "nonfinite_forward"]
     assert f.severity == "error" and f.message.startswith("aten.std in layer 1 was the first op")
     assert "the per-step check first saw NaN/Inf at step 5" in f.message
+    # The std of one sample is NaN in float32 too: no "keep it in float32" advice.
+    assert f.advice.startswith("A std or var over a dimension with no more values than its "
+                               "correction is NaN in any precision")
     # A Sequential's child "1" reads as a layer, not as a count.
     assert "ERROR  nonfinite_forward  layer 1 [aten.std] step 17\n" in doctor.report()
 

@@ -306,6 +306,17 @@ OP_ADVICE: dict[str, str] = {
 }
 
 
+# A std or var whose reduced dimension holds no more values than its correction.
+SPREAD_OPS = frozenset({"aten.std", "aten.var", "aten.std_mean", "aten.var_mean"})
+SPREAD_NAN_ADVICE = (
+    "A std or var over a dimension with no more values than its correction is NaN in any "
+    "precision (the unbiased std of one sample divides by n - 1 = 0): drop the short last "
+    "batch (`DataLoader(..., drop_last=True)`) or skip batches of one, or pass "
+    "`correction=0`. Only if the dimension is long, compute it in float32 "
+    "(`x.float().std(...)`)."
+)
+
+
 def advice_for(kind: str, dtype: str | None = None) -> str:
     """The fix for a finding of ``kind`` in a run whose low-precision format is ``dtype``."""
     if dtype == "bfloat16" and kind in ADVICE_BF16:
@@ -342,6 +353,9 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "`x.clamp_min(eps)` before the op; a `torch.where(mask, f(x), 0)` on the "
                 "output still gives NaN gradients, so mask the input instead: "
                 "`f(torch.where(mask, x, 1.0))`.")
+    if (e.kind == "nonfinite_forward" and e.op in SPREAD_OPS and e.data.get("nan")
+            and not e.data.get("pos_inf") and not e.data.get("neg_inf")):
+        return SPREAD_NAN_ADVICE
     if e.kind == "lowp_updates_lost":
         # The weights' own format decides: bfloat16 weights are not told to move to float16.
         weights = e.data.get("dtypes") or []

@@ -162,7 +162,7 @@ def fold_corrupted_weights(session: Session, out: list[Finding]) -> list[Finding
             continue
         kept.append(f)
     ops = _ops_hint(session, origin)
-    text = (f"NaN/inf first appeared at step {c.first} in {origin}'s output (the first "
+    text = (f"NaN/inf first appeared at step {c.first} in {F.layer(origin)}'s output (the first "
             f"layer, in forward order, to go non-finite in that recorded step). "
             + _corruption_text(c)
             + (f"; the ops that ran in {origin}: {', '.join(ops[:6])}" if ops else "") + "."

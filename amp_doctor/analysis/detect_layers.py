@@ -157,8 +157,8 @@ def _input_beyond_format(session: Session, told: set[str]) -> Iterable[Finding]:
         led = int((d.get("first_bad") or {}).get(layer, n))
         dtype = d.get("dtype")
         if d.get("in_output", True):
-            what = (f"that went non-finite (first at step {e.step}); {layer}'s output was the "
-                    f"first to go non-finite in {led} of them")
+            what = (f"that went non-finite (first at step {e.step}); {F.layer(layer)}'s output "
+                    f"was the first to go non-finite in {led} of them")
             where = ""
         else:
             what = (f"whose gradients went non-finite (first at step {e.step}); {layer} was "

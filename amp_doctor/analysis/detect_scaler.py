@@ -198,8 +198,8 @@ def _origin_of(evs: list[ScalerEvent], origins: dict[int, tuple[str, str]]
             return origins[e.step]
     for e in evs:
         if e.forward_origin:
-            how = (f"{e.forward_origin}'s output went non-finite first, in the forward pass, "
-                   f"at step {e.step}")
+            how = (f"{F.layer(e.forward_origin)}'s output went non-finite first, in the "
+                   f"forward pass, at step {e.step}")
             if e.step > evs[0].step:
                 # An overflow in the backward pass alone (the forward was finite), or a step
                 # not recorded: the earlier backoffs are not said to have begun there.

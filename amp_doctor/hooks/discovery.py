@@ -295,8 +295,8 @@ class GlobalDiscovery:
             return
         if not self._wanted(module):
             return  # loss functions and other parameter-free callables are not models
-        name = variable_name(module)
-        if name is None and isinstance(module, nn.Sequential | nn.ModuleList):
+        if isinstance(module, nn.Sequential | nn.ModuleList):
+            # (Before its own name: `g1 = gen[:2]` in the loop is a new slice each time.)
             source = slice_source(module)
             if source is not None:
                 # A slice's layers are its source's: watch the source once (its layers'
@@ -305,7 +305,7 @@ class GlobalDiscovery:
                     self._found(source[0], source[1], args)
                 return
         # This call's own pre-hooks were collected before we added ours: pass its inputs.
-        self._found(module, name, args)
+        self._found(module, variable_name(module), args)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if capturing():
