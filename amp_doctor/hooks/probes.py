@@ -203,8 +203,9 @@ class Probes:
         self._entries: set[int] = set()
         # Roots whose own forward ran with grad enabled: their submodules are no entries.
         self._roots_trained: set[int] = set()
-        # Roots whose training forward ran in the current step (reset at each boundary).
-        self._trained_this_step: set[int] = set()
+        # Roots whose training forward ran since the last backward or boundary, and the
+        # thread it ran in (another thread's no_grad inference is never the step's).
+        self._trained_this_step: dict[int, int] = {}
         self._roots_called: set[int] = set()  # any outermost call, training or not
         self._handles: list[RemovableHandle] = []
         # Hooks on non-root modules, present only while armed.
@@ -353,7 +354,7 @@ class Probes:
         root = self._root_of(id(module))
         if torch._C._current_graph_task_id() != -1:
             return False
-        if (root in self._trained_this_step and module.training
+        if (self._trained_this_step.get(root) == threading.get_ident() and module.training
                 and not torch.is_inference_mode_enabled()):
             # The trained model itself, in train mode, called under no_grad between its
             # training forward and that forward's backward (a DQN's TD target, a
@@ -383,7 +384,7 @@ class Probes:
         calls.training = torch.is_grad_enabled()
         if calls.training:
             self._roots_trained.add(id(model))
-            self._trained_this_step.add(id(model))
+            self._trained_this_step[id(model)] = threading.get_ident()
         name = self._names.get(id(model))
         if calls.depth == 0 and name is not None:
             # As its pre-hook would have: its layers are inside a training call (a
@@ -596,7 +597,7 @@ class Probes:
             if id(module) in self._roots:
                 if torch.is_grad_enabled():
                     self._roots_trained.add(id(module))
-                    self._trained_this_step.add(id(module))
+                    self._trained_this_step[id(module)] = threading.get_ident()
                 self._on_root_forward(module, args)
                 if self.armed and self.recording:
                     self._armed_root_calls[id(module)] = \
