@@ -484,3 +484,21 @@ def _sample(script: str) -> types.ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_an_input_beyond_the_outputs_format_is_not_called_that_format() -> None:
+    """The dtype an op entry records is its output's: a backward cast of a float32
+    gradient of -4.4e5 to float16 read 'from finite float16 inputs (min -4.43e+05...)',
+    which float16 cannot hold (review 41c)."""
+    from amp_doctor.analysis.messages import event_message
+    from amp_doctor.records import Event
+
+    data = {"dtype": "float16", "neg_inf": True, "input_min": -4.43e5, "input_max": -3.9e5,
+            "input_absmax": 4.43e5, "node": "ToCopyBackward0", "forward_op": "aten._to_copy"}
+    text = event_message(Event(kind="nonfinite_backward", step=0, module="fc", op="aten._to_copy",
+                               data=data), 1)
+    assert "from finite inputs (min -4.43e+05" in text and "float16 inputs" not in text
+    text = event_message(Event(kind="nonfinite_backward", step=0, module="fc", op="aten.div",
+                               data={**data, "input_min": -2.0, "input_max": 0.0,
+                                     "input_absmax": 2.0}), 1)
+    assert "from finite float16 inputs (min -2" in text

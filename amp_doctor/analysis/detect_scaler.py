@@ -222,7 +222,7 @@ def _top_lead(evs: list[ScalerEvent], with_params: set[str]) -> tuple[str | None
 
 def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
                   lead: tuple[str | None, int, int] = (None, 0, 0),
-                  loss_bad: bool = False) -> str:
+                  loss_bad: bool = False, every: int = 0) -> str:
     if loss_bad and not origin:
         # The loss itself was NaN/inf: the first layer with non-finite gradients is only
         # where it entered the backward pass (the layer the loss is computed from), not
@@ -233,9 +233,10 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
         return ("; the loss itself was NaN/inf in each of these steps, so the gradients "
                 f"of every layer were too ({F.counted(len(culprits), 'layer')} with "
                 f"non-finite gradients){entered}. Where it began in the forward "
-                "pass is not known from these steps: record every step (`every=1`, "
-                "--every 1) to see the first layer to go non-finite, or stop at the op "
-                "that makes it (--anomaly --on-nonfinite raise)")
+                "pass is not known from these steps: "
+                + ("" if every == 1 else "record every step (`every=1`, --every 1) to see "
+                   "the first layer to go non-finite, or ")
+                + "stop at the op that makes it (--anomaly --on-nonfinite raise)")
     if not culprits:
         text = ("; no watched layer had non-finite gradients (the inf/NaN was in parameters "
                 "outside the watched model(s), or the optimizer checks for inf on the device, "
@@ -395,7 +396,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             op=None,
             step=first.step,
             message=(f"{head}{_skips_per_optimizer(session, steps)}"
-                     f"{_culprit_text(culprits, origin, (top_lead, n_lead, len(evs)), loss_bad)}."),
+                     + _culprit_text(culprits, origin, (top_lead, n_lead, len(evs)),
+                                     loss_bad, session.run.every) + "."),
             advice=ADVICE["nonfinite_loss" if loss_bad and not origin else "scaler_backoff"],
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "scale_before": first.scale_before,
@@ -487,8 +489,10 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             untraced = len(backoffs) - len(traced)
             where = (f"; the non-finite values started at {top} in {len(hows)} of "
                      f"{len(backoffs)} backoffs ({seen_n} seen in that step"
-                     + (f", {len(hows) - seen_n} inferred for unrecorded steps whose "
-                        "gradients went non-finite in the same layers" if len(hows) > seen_n
+                     + (f", {len(hows) - seen_n} inferred for "
+                        + ("other" if session.run.every == 1 else "unrecorded")
+                        + " steps whose gradients went non-finite in the same layers"
+                        if len(hows) > seen_n
                         else "") + ")"
                      + (f"; {untraced} backoff(s) on unrecorded steps could not be traced "
                         "(record every step with `every=1` to see them)" if untraced else ""))

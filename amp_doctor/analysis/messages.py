@@ -236,8 +236,10 @@ def _nonfinite_loss(a: MessageArgs) -> str:
         where = ("Every watched layer's output was finite when it was NaN/inf (recorded "
                  f"step {d.get('recorded_at')}): it appeared outside the watched layers' "
                  "outputs, in the loss computation, in code between the model and the loss, "
-                 "or in a value a module computed aside and added to the loss (an auxiliary "
-                 "loss kept on the module, a router z-loss)")
+                 "in a value a module computed aside and added to the loss (an auxiliary "
+                 "loss kept on the module, a router z-loss), or in a call of the model under "
+                 "torch.no_grad before its training forward (a target computed first), "
+                 "which is not watched")
     else:
         where = (f"{WHERE_UNKNOWN} (record every step with `every=1`"
                  + ("" if d.get("anomaly") else ", or use anomaly mode") + ")")
@@ -367,7 +369,12 @@ def _op_range(d: dict[str, object]) -> str:
         # float32 numerator), and no dtype: the one recorded is the op's output's.
         said = "; ".join(f"[{_num(lo)}, {_num(hi)}]" for lo, hi in ranges[:_RANGES_SAID])
         return f" from {finite} ({said}{'; ...' if len(ranges) > _RANGES_SAID else ''})"
-    kind = finite.replace("inputs", f"{d.get('dtype')} inputs")
+    # The dtype recorded is the output's: an input beyond its max was another (a cast's
+    # float32 input, an inf-making backward cast of a float32 gradient).
+    dtype, big = d.get("dtype"), d.get("input_absmax")
+    beyond = (isinstance(dtype, str) and dtype in FORMAT_MAX and isinstance(big, (int, float))
+              and FORMAT_MAX[dtype] < big < math.inf)
+    kind = finite if beyond else finite.replace("inputs", f"{dtype} inputs")
     return (f" from {kind} (min {_num(d.get('input_min'))}, "
             f"max {_num(d.get('input_max'))}, absmax {_num(d.get('input_absmax'))})")
 
