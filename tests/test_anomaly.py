@@ -502,3 +502,29 @@ def test_an_input_beyond_the_outputs_format_is_not_called_that_format() -> None:
                                data={**data, "input_min": -2.0, "input_max": 0.0,
                                      "input_absmax": 2.0}), 1)
     assert "from finite float16 inputs (min -2" in text
+
+
+def test_a_gradscalers_calibration_overflow_is_said_to_need_no_fix() -> None:
+    """init_scale 2**22: the scaled gradients overflow in the first five backward passes
+    while the scaler halves its way down, as designed. Anomaly mode names the backward op
+    that overflowed, and says there is nothing to fix, as the backoff finding does; its
+    advice read 'run the forward op in float32' (review 41c)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, anomaly=True, every=1) as doctor:
+        for _ in range(8):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(32, 16, generator=g)).float().mean()
+            opt.zero_grad()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.backoff_steps == [0, 1, 2, 3, 4]
+    assert [(f.severity, f.kind) for f in s.findings] == [
+        ("info", "nonfinite_backward"), ("info", "scaler_backoff")]
+    assert s.findings[0].advice.startswith("Nothing to fix: at a GradScaler's first steps")
+    assert s.findings[1].advice.startswith("Nothing to fix")

@@ -120,6 +120,11 @@ ADVICE: dict[str, str] = {
         "optimizer (with gradient accumulation: after the last micro-step's `scaler.step`). "
         "Without it the scale never adapts and the next `scaler.step` raises."
     ),
+    "scaled_backward_probe": (
+        "Nothing to fix: at a GradScaler's first steps and after each growth, the scaled "
+        "gradients overflowing somewhere in the backward pass is how it finds the largest "
+        "scale that fits; it skipped those steps (see its backoff finding)."
+    ),
     "update_without_step": (
         "Call `scaler.update()` right after `scaler.step(optimizer)`, once per optimizer step: "
         "with gradient accumulation, only on the last micro-step, "

@@ -107,6 +107,13 @@ def event_findings(session: Session) -> Iterable[Finding]:
             first = dataclasses.replace(first, data={**first.data, "made_here": True})
         if kind == "nonfinite_loss" and module is not None and module in session.run.models:
             first = dataclasses.replace(first, data={**first.data, "root": True})
+        if (kind == "nonfinite_backward" and session.amp.scaler
+                and not any(e.data.get("nan") or zero_denominator(e.op, e.data) for e in es)
+                and set(steps) <= set(normal_backoff_steps(session))):
+            # Only at the GradScaler's calibration and growth probes: what it detects and
+            # skips by design (its backoff finding says "nothing to fix" too).
+            first = dataclasses.replace(first, data={
+                **first.data, "advice": ADVICE["scaled_backward_probe"]})
         if kind == "nonfinite_loss":
             unskipped = loss_steps_not_skipped(session)
             if unskipped:
