@@ -322,6 +322,16 @@ SPREAD_NAN_ADVICE = (
 )
 
 
+def _nan_only(d: dict[str, object]) -> bool:
+    """The op made NaN and no inf: from finite inputs, an input outside its domain."""
+    return bool(d.get("nan")) and not d.get("pos_inf") and not d.get("neg_inf")
+
+
+def spread_nan(op: str | None, d: dict[str, object]) -> bool:
+    """A std or var made NaN and no inf: a dimension too short for its correction."""
+    return op in SPREAD_OPS and _nan_only(d)
+
+
 def advice_for(kind: str, dtype: str | None = None) -> str:
     """The fix for a finding of ``kind`` in a run whose low-precision format is ``dtype``."""
     if dtype == "bfloat16" and kind in ADVICE_BF16:
@@ -349,8 +359,8 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "instead of -inf, or `torch.nan_to_num` / clamp the input first.")
     big = e.data.get("input_absmax")
     if (e.kind == "nonfinite_forward" and e.data.get("dtype") in WIDE_FORMATS
-            and e.data.get("nan") and not e.data.get("pos_inf") and not e.data.get("neg_inf")
-            and isinstance(big, (int, float)) and big < DIVERGED_INPUT_ABSMAX):
+            and _nan_only(e.data) and isinstance(big, (int, float))
+            and big < DIVERGED_INPUT_ABSMAX):
         # NaN from finite, moderate float32 inputs is a domain error, not a range one.
         return (f"{e.op} made NaN from finite {e.data.get('dtype')} inputs: the input was "
                 "outside the op's domain (the square root or log of a negative number, "
@@ -358,8 +368,7 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "`x.clamp_min(eps)` before the op; a `torch.where(mask, f(x), 0)` on the "
                 "output still gives NaN gradients, so mask the input instead: "
                 "`f(torch.where(mask, x, 1.0))`.")
-    if (e.kind == "nonfinite_forward" and e.op in SPREAD_OPS and e.data.get("nan")
-            and not e.data.get("pos_inf") and not e.data.get("neg_inf")):
+    if e.kind == "nonfinite_forward" and spread_nan(e.op, e.data):
         return SPREAD_NAN_ADVICE
     if e.kind == "lowp_updates_lost":
         # The weights' own format decides: bfloat16 weights are not told to move to float16.

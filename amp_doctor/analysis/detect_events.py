@@ -54,6 +54,13 @@ EVENT_SEVERITY: dict[str, Severity] = {
 MAX_STEPS_KEPT = 50
 
 
+def _scaled_overflows(session: Session, es: list[Event]) -> bool:
+    """Backward events that are scaled gradients overflowing (no NaN, no division by 0),
+    in a run with a GradScaler."""
+    return session.amp.scaler and not any(
+        e.data.get("nan") or zero_denominator(e.op, e.data) for e in es)
+
+
 def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
     first = es[0]
     sev: Severity = first.data.get("severity") or EVENT_SEVERITY[kind]
@@ -65,8 +72,7 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
         sev = "error"
     if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):
         sev = "info"  # only steps the GradScaler skipped: the backoff findings cover them
-    if kind == "nonfinite_backward" and session.amp.scaler and not any(
-            e.data.get("nan") or zero_denominator(e.op, e.data) for e in es):
+    if kind == "nonfinite_backward" and _scaled_overflows(session, es):
         # Scaled gradients overflowing is what GradScaler detects and skips: at its
         # calibration and growth probes always (raise mode checks every step, so it sees
         # all of them), and at a few other steps.
@@ -107,8 +113,7 @@ def event_findings(session: Session) -> Iterable[Finding]:
             first = dataclasses.replace(first, data={**first.data, "made_here": True})
         if kind == "nonfinite_loss" and module is not None and module in session.run.models:
             first = dataclasses.replace(first, data={**first.data, "root": True})
-        if (kind == "nonfinite_backward" and session.amp.scaler
-                and not any(e.data.get("nan") or zero_denominator(e.op, e.data) for e in es)
+        if (kind == "nonfinite_backward" and _scaled_overflows(session, es)
                 and set(steps) <= set(normal_backoff_steps(session))):
             # Only at the GradScaler's calibration and growth probes: what it detects and
             # skips by design (its backoff finding says "nothing to fix" too).

@@ -259,9 +259,9 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
 def _net_backoffs(sc: ScalerTimeline, backoffs: int, growths: int) -> float:
     """Backoffs not made up for by growths, in backoffs: the scale's fall over the stretch
     (log2 of the factors; the defaults 0.5 and 2 make one growth repay one backoff)."""
-    down = -math.log2(sc.backoff_factor or 0.5) if (sc.backoff_factor or 0.5) < 1 else 1.0
-    up = math.log2(sc.growth_factor) if sc.growth_factor and sc.growth_factor > 1 else (
-        0.0 if sc.growth_factor else 1.0)
+    backoff, growth = sc.backoff_factor or 0.5, sc.growth_factor or 2.0
+    down = -math.log2(backoff) if 0 < backoff < 1 else 1.0
+    up = math.log2(growth) if growth > 1 else 0.0
     return max(0.0, backoffs - growths * up / down)
 
 

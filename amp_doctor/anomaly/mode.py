@@ -436,22 +436,22 @@ class AnomalyMode:
                 self._recent_bad = [*self._recent_bad[-1:], s]
         if steps and not self.searching and self._step_of() + 1 >= self._next_search:
             self._armed = True
-        self._aim = self._predicted()
+        self._take_aim()
 
-    def _predicted(self) -> int | None:
-        """The step at which a recurring non-finite value should come back, once a
-        search has missed it: the last two non-finite steps' spacing, carried past the
-        current step. None when there is nothing to aim at, or the spacing is short
-        enough for an ordinary search to cover."""
+    def _take_aim(self) -> None:
+        """Once a search has missed, aim the next one at the step where a recurring
+        non-finite value should come back: the last two non-finite steps' spacing,
+        carried past the current step. No aim when the spacing is short enough for an
+        ordinary search to cover, or the aims are used up."""
+        self._aim = None
         if not self._missed or self._aims_left <= 0 or len(self._recent_bad) < 2:
-            return None
+            return
         prev, last = self._recent_bad
         gap = last - prev
         if gap <= MAX_SEARCH_STEPS:
-            return None
-        now = self._step_of()
+            return
         self._aim_gap = gap
-        return last + gap * max(1, -(-(now + 1 - last) // gap))
+        self._aim = last + gap * max(1, -(-(self._step_of() + 1 - last) // gap))
 
     def _explained(self) -> None:
         """An origin was named: it accounts for the non-finite steps seen so far, or,
@@ -459,13 +459,12 @@ class AnomalyMode:
         as not located."""
         if self._aiming:
             now, gap = self._step_of(), self._aim_gap
-            others = [s for s in self._unexplained if (now - s) % gap]
-            self._unexplained = [s for s in self._unexplained if not (now - s) % gap]
-            if others:
-                chain = self._unexplained
-                self._unexplained, self._unexplained_count = others, len(others)
-                self._note_unlocated()
-                self._unexplained = chain
+            chain = [s for s in self._unexplained if not (now - s) % gap]
+            # The steps off the recurrence are reported (and cleared) as not located.
+            self._unexplained = [s for s in self._unexplained if (now - s) % gap]
+            self._unexplained_count = len(self._unexplained)
+            self._note_unlocated()
+            self._unexplained = chain
         first = min(self._unexplained, default=None)
         self._unexplained = []
         self._unexplained_count = 0
@@ -492,7 +491,7 @@ class AnomalyMode:
                     room = MAX_LISTED_STEPS - len(self._searched_pending)
                     self._searched_pending.extend(self._searched[:max(0, room)])
                     self._missed = True
-                    self._aim = self._predicted()
+                    self._take_aim()
                     if self._aims_left <= 0:
                         self._note_unlocated()
                     # else kept pending: if they come back, an aimed search names their

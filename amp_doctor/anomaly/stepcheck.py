@@ -23,6 +23,7 @@ from amp_doctor.anomaly.userframes import Frame
 from amp_doctor.device.stats import merged_extremes
 from amp_doctor.devicework import own_ops
 from amp_doctor.dtypes import dtype_name
+from amp_doctor.hooks.tensorkinds import values_of
 
 __all__ = ["RootCall", "StepFlag", "StepCheck", "norm_sums", "batch_row"]
 
@@ -62,9 +63,7 @@ def norm_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     f64 = torch.float64
     by_dev: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for g in tensors:
-        if g.layout is torch.sparse_coo and not g.is_meta:
-            # An Embedding(sparse=True)'s gradient: its values hold every non-zero.
-            g = g._values()
+        g = values_of(g)
         if g.layout is strided and g.is_floating_point() and not g.is_meta:
             wide, narrow = by_dev.setdefault(g.device, ([], []))
             (wide if g.dtype == f64 else narrow).append(g)

@@ -100,7 +100,7 @@ def next_steps(session: Session) -> list[str]:
     """What to run next when the report has an error: try the fix on the culprit without
     editing code (--fp32), have amp-doctor search the smallest one (fix), and, when no
     finding names an op yet, find the op and the line (--anomaly)."""
-    from amp_doctor.analysis.advice import SPREAD_NAN_ADVICE, WIDE_FORMATS
+    from amp_doctor.analysis.advice import WIDE_FORMATS, spread_nan
     from amp_doctor.analysis.messages import inputs_held_inf
     from amp_doctor.fix import ERROR_KINDS_FIXED_BY_FP32
 
@@ -112,15 +112,16 @@ def next_steps(session: Session) -> list[str]:
     out = []
     # An op that made NaN of an inf it received (a softmax over a row masked whole) makes
     # it in float32 too.
-    # Nor does float32 help an op that ran in float32 already; and a whole model in
-    # float32 is no mixed precision left to try.
+    # Nor does float32 help an op that ran in float32 already, nor a std of one sample;
+    # and a whole model in float32 is no mixed precision left to try.
     roots = set(session.run.models)
     layer = next((f.module for f in errors
                   if f.kind in ERROR_KINDS_FIXED_BY_FP32 and f.module and f.module not in roots
                   and not (f.kind == "nonfinite_forward" and inputs_held_inf(f.data))
                   and not (f.kind in ("nonfinite_forward", "nonfinite_backward")
                            and f.data.get("dtype") in WIDE_FORMATS)
-                  and f.advice != SPREAD_NAN_ADVICE), None)
+                  and not (f.kind == "nonfinite_forward" and spread_nan(f.op, f.data))),
+                 None)
     if layer is not None:
         out.append(f"amp-doctor: next: try {layer} in float32 without editing the code: "
                    f"amp-doctor diagnose --fp32 {shlex.quote(layer)} {script}")

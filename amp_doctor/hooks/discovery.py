@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -101,24 +101,33 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def variable_name(module: nn.Module) -> str | None:
-    """The name the user's code binds ``module`` to ("gen", "disc"), for layer prefixes."""
+def _user_locals() -> Iterator[tuple[str, Any]]:
+    """(name, value) of the local variables of the user's frames on the stack, innermost
+    first, up to :data:`NAME_SEARCH_FRAMES` frames; torch's and amp-doctor's own frames
+    are left out, and so are names starting with ``_``."""
     # amp_doctor/ as a whole (this file is in amp_doctor/hooks/): the watch calls from there.
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    frame: Any = sys._getframe(1)
+    frame: Any = sys._getframe(2)  # the caller of the function iterating over this
     for _ in range(NAME_SEARCH_FRAMES):
         if frame is None:
-            break
+            return
         if not frame.f_code.co_filename.startswith(skip):
             for name, value in frame.f_locals.items():
-                if name.startswith("_") or name == "self":
-                    continue
-                if value is module:
-                    return name
-                key = _key_in(value, module)
-                if key is not None:
-                    return f"{name}.{key}"
+                if not name.startswith("_"):
+                    yield name, value
         frame = frame.f_back
+
+
+def variable_name(module: nn.Module) -> str | None:
+    """The name the user's code binds ``module`` to ("gen", "disc"), for layer prefixes."""
+    for name, value in _user_locals():
+        if name == "self":
+            continue
+        if value is module:
+            return name
+        key = _key_in(value, module)
+        if key is not None:
+            return f"{name}.{key}"
     return None
 
 
@@ -130,24 +139,17 @@ def slice_source(module: nn.Module) -> tuple[nn.Module, str] | None:
     kids = {id(m) for m in module._modules.values() if m is not None}
     if not kids:
         return None
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    frame: Any = sys._getframe(1)
-    for _ in range(NAME_SEARCH_FRAMES):
-        if frame is None:
-            break
-        if not frame.f_code.co_filename.startswith(skip):
-            for name, value in frame.f_locals.items():
-                if name.startswith("_") or not isinstance(value, nn.Module) or value is module:
-                    continue
-                for i, (path, sub) in enumerate(value.named_modules()):
-                    if i >= SLICE_SEARCH_MODULES:
-                        break
-                    if (sub is not module and type(sub) is type(module)
-                            and kids <= {id(m) for m in sub._modules.values()}):
-                        if name == "self":  # the loss module's own part: named by its path
-                            return sub, path or type(sub).__name__
-                        return sub, f"{name}.{path}" if path else name
-        frame = frame.f_back
+    for name, value in _user_locals():
+        if not isinstance(value, nn.Module) or value is module:
+            continue
+        for i, (path, sub) in enumerate(value.named_modules()):
+            if i >= SLICE_SEARCH_MODULES:
+                break
+            if (sub is not module and type(sub) is type(module)
+                    and kids <= {id(m) for m in sub._modules.values()}):
+                if name == "self":  # the loss module's own part: named by its path
+                    return sub, path or type(sub).__name__
+                return sub, f"{name}.{path}" if path else name
     return None
 
 

@@ -340,6 +340,7 @@ class _ApiHub:
         self.emit("on_optimizer_pre", optimizer)
 
     def _opt_post(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        self.closure_step = False  # a later unscale_ belongs to no closure step
         self._step_counts[id(optimizer)] = self._step_counts.get(id(optimizer), 0) + 1
         self.emit("on_optimizer_post", optimizer)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["unsummarizable"]
+__all__ = ["unsummarizable", "values_of"]
 
 _FLOAT8 = frozenset(
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
@@ -43,3 +43,9 @@ def unsummarizable(t: torch.Tensor) -> str | None:
     if t.is_quantized:
         return "quantized"
     return None
+
+
+def values_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s values: a sparse COO tensor's (an ``Embedding(sparse=True)``
+    gradient: every non-zero is there), else ``t``. Its finiteness is ``t``'s. No copy."""
+    return t._values() if t.layout is torch.sparse_coo and not t.is_meta else t

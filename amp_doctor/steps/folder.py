@@ -22,6 +22,7 @@ import torch
 from amp_doctor.device.recorder import HistSums, HostCopy
 from amp_doctor.devicework import count_sync
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, FormatLimits
+from amp_doctor.hooks.tensorkinds import values_of
 from amp_doctor.records import Event, LayerSummary, StepRecord
 from amp_doctor.steps.aggregates import LayerAggregates
 from amp_doctor.steps.history import History
@@ -293,10 +294,8 @@ def skip_culprits(params: list[torch.Tensor], param_owner: Mapping[int, str],
     by_layer: dict[str, list[torch.Tensor]] = {}
     for p in params:
         name = param_owner.get(id(p))
-        g = p.grad
-        if name is not None and g is not None:
-            # An Embedding(sparse=True)'s gradient: its values hold every non-zero.
-            by_layer.setdefault(name, []).append(g._values() if g.is_sparse else g)
+        if name is not None and p.grad is not None:
+            by_layer.setdefault(name, []).append(values_of(p.grad))
     if not by_layer and loss_flag is None:
         return None
     names = list(by_layer)
