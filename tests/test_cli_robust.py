@@ -268,6 +268,25 @@ def test_a_script_that_never_imports_torch_still_gets_its_report(work: Path) -> 
     assert "view the dashboards" not in r.stderr
 
 
+def test_a_scripts_help_leaves_no_run_folder(work: Path) -> None:
+    # `diagnose train.py --help`: argparse prints and exits 0 before torch is imported.
+    # Before: a runs/amp-doctor/<run>/ folder holding a report of nothing (review 40).
+    (work / "cli.py").write_text(
+        "import argparse\nargparse.ArgumentParser(description='trains').parse_args()\n"
+        "import torch\n")
+    (work / "mine").mkdir()
+    r = run([AMP_DOCTOR, "diagnose", "cli.py", "--help"], work)
+    assert r.returncode == 0 and "trains" in r.stdout, r.stderr
+    assert "never imported torch" in r.stderr and "no report was written" in r.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["cli.py", "mine", "train_tiny.py"]
+    # A folder that existed stays; a report the user asked for is still written.
+    (work / "runs").mkdir()
+    r = run([AMP_DOCTOR, "diagnose", "cli.py", "--help"], work)
+    assert r.returncode == 0 and list((work / "runs").iterdir()) == []
+    r = run([AMP_DOCTOR, "diagnose", "--json", "mine/r.json", "cli.py", "--help"], work)
+    assert r.returncode == 0 and Session.load(work / "mine" / "r.json").run.exit_code == 0
+
+
 def test_the_scripts_own_excepthook_is_called_as_under_python(work: Path) -> None:
     # A crash logger (Sentry, rich) installed by the script. Before: never called.
     (work / "hooked.py").write_text(LOOP + """

@@ -179,6 +179,10 @@ def test_scaled_gradients_stepped_without_unscaling_is_misuse() -> None:
     assert "65536 times too large" in f.message
     assert s.steps == 3
     assert "looks healthy" not in doctor.report()
+    # Review 41c: the header said "no GradScaler" of this run.
+    assert doctor.report().splitlines()[0] == (
+        "amp-doctor 0.1.0: cpu | float16 autocast | GradScaler scales but never steps | "
+        "3 steps (3 recorded, every 1) | completed")
 
 
 def test_what_updates_65536x_too_large_break_next_is_the_misuses_consequence() -> None:

@@ -383,6 +383,37 @@ def test_scale_collapse_with_real_numbers() -> None:
     assert "scale_stuck" not in kinds(s)
 
 
+def test_a_collapse_with_two_optimizers_counts_the_one_that_skipped() -> None:
+    """The blow-up reaches fc1 and fc2 only: their optimizer skips every step while
+    fc3's steps. The collapse said "20 of 20 optimizer steps were skipped" (review 41c)."""
+    torch.manual_seed(0)
+    model = Net()
+    head = torch.optim.SGD(model.fc3.parameters(), lr=0.01)
+    body = torch.optim.SGD([*model.fc1.parameters(), *model.fc2.parameters()], lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    stepped = {"head": 0, "body": 0}
+    head.register_step_post_hook(lambda *a: stepped.__setitem__("head", stepped["head"] + 1))
+    body.register_step_post_hook(lambda *a: stepped.__setitem__("body", stepped["body"] + 1))
+    model.amp.factor = 1e30
+    with amp_doctor.watch(model, every=5) as doctor:
+        for _ in range(20):
+            head.zero_grad()
+            body.zero_grad()
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(head)
+            scaler.step(body)
+            scaler.update()
+    assert stepped == {"head": 20, "body": 0}
+    f = only(doctor.session, "scale_collapse")
+    assert "optimizer steps were skipped" not in f.message
+    assert ("In 20 of 20 steps an optimizer step was skipped (skipped per optimizer: SGD#1 20; "
+            "never skipped: SGD#0)") in f.message
+
+
 def test_a_short_growth_interval_probing_at_a_steady_scale_is_no_collapse() -> None:
     """growth_interval=2: the scaler grows every two clean steps and the next step
     overflows, a backoff in every third step (33%, past BACKOFF_SHARE_COLLAPSE) at a

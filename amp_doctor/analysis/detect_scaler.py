@@ -120,6 +120,24 @@ def _skips_per_optimizer(session: Session, steps: list[int]) -> str:
             + (f" (skipped per optimizer: {', '.join(parts)})" if parts else ""))
 
 
+def _skipped_of_steps(session: Session) -> str:
+    """'N of M optimizer steps were skipped', or, when the scaler steps several
+    optimizers, in how many steps any of them skipped and which did: one optimizer
+    skipping while another stepped is not every optimizer step skipped."""
+    sc = session.scaler
+    if sc is None:
+        return ""
+    n = len(sc.skipped_steps)
+    stepped = [s for s in sc.name.split(", ") if s]
+    if len(stepped) <= 1 and len(sc.skipped_by_optimizer) <= 1:
+        return f"{n} of {session.steps} optimizer steps were skipped"
+    per = ", ".join(f"{name} {len(v)}" for name, v in sc.skipped_by_optimizer.items())
+    unskipped = [s for s in stepped if s not in sc.skipped_by_optimizer]
+    return (f"In {n} of {session.steps} steps an optimizer step was skipped (skipped per "
+            f"optimizer: {per}" + (f"; never skipped: {', '.join(unskipped)}" if unskipped
+                                   else "") + ")")
+
+
 # Anomaly-mode origins, in the order they happen within a step.
 ORIGIN_RANK = {"nonfinite_input": 0, "nonfinite_forward": 1, "activation_overflow": 2,
                 "nonfinite_backward": 3}
@@ -503,9 +521,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
         yield Finding(
             kind="scale_collapse", severity="error", module=top, op=None,
             step=backoffs[0].step if backoffs else None,
-            message=(f"Loss scale collapsed: {'; '.join(reasons)}. {len(sc.skipped_steps)} of "
-                     f"{session.steps} optimizer steps were skipped; final scale "
-                     f"{_scale(final)}{where}."),
+            message=(f"Loss scale collapsed: {'; '.join(reasons)}. "
+                     f"{_skipped_of_steps(session)}; final scale {_scale(final)}{where}."),
             advice=ADVICE["scale_collapse"],
             steps=[e.step for e in backoffs][:MAX_STEPS_KEPT],
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),

@@ -33,6 +33,7 @@ from amp_doctor.commands.common import (
 )
 from amp_doctor.commands.launch import launch
 from amp_doctor.commands.paths import (
+    DEFAULT_RUNS_DIR,
     check_output_file,
     check_tensorboard_path,
     check_writable,
@@ -166,7 +167,13 @@ def diagnose(
         check_output_file(json_out, "--json", JSON_NAME)
     if report_out is not None:
         check_output_file(report_out, "--report", TEXT_NAME)
+    throwaway = logdir is None and json_path is None and report_path is None
+    # Folders this run makes, to remove again if it leaves nothing in them (a
+    # script's --help): its own, and runs/amp-doctor and runs if they are new.
+    made = [d.absolute() for d in (DEFAULT_RUNS_DIR, DEFAULT_RUNS_DIR.parent)
+            if throwaway and not d.exists()]
     logdir = (logdir or default_logdir(target)).absolute()
+    made = [logdir, *made] if throwaway else []
     check_writable(logdir)
     if not no_tensorboard:
         check_tensorboard_path(logdir)
@@ -217,12 +224,13 @@ def diagnose(
                 code, signum = _diagnose(resolved, target, logdir, every, anomaly, json_out,
                                          report_out, fail_on, max_steps, quiet,
                                          not no_tensorboard, console, fp32, stop_after,
-                                         target_dtype, on_nonfinite, script)
+                                         target_dtype, on_nonfinite, script, throwaway)
             finally:
                 console.close()
         finally:
             if claimed is not None:
                 claimed()
+            _remove_if_empty(made)
     except KeyboardInterrupt:
         if code is None:
             raise
@@ -265,7 +273,7 @@ def _diagnose(
     json_out: Path | None, report_out: Path | None, fail_on: str, max_steps: int | None,
     quiet: bool, tensorboard: bool, console: Console, fp32: tuple[str, ...] = (),
     stop_after: int | None = None, target_dtype: str | None = None,
-    on_nonfinite: str = "record", script: list[Any] | None = None,
+    on_nonfinite: str = "record", script: list[Any] | None = None, throwaway: bool = False,
 ) -> tuple[int, int | None]:
     """The exit code, and the signal that ended the script (then the process must end by
     it, once every file is written: :func:`die_by_signal`)."""
@@ -327,12 +335,19 @@ def _diagnose(
                     elif not watching:
                         # Importing torch now, only to report nothing, took seconds and
                         # left empty TensorBoard logs.
-                        finished.append(_finish_unwatched(
-                            exc, command, ranks, run_dir, json_out, report_out, fail_on,
-                            console, "amp-doctor: the script never imported torch, so there "
-                            "was nothing to watch. If it starts the training in another "
-                            "process (subprocess, a launcher), run amp-doctor on that "
-                            "script instead."))
+                        why = ("amp-doctor: the script never imported torch, so there was "
+                               "nothing to watch. If it starts the training in another "
+                               "process (subprocess, a launcher), run amp-doctor on that "
+                               "script instead.")
+                        if throwaway and ranks is None and runner.exit_code(exc) == 0:
+                            # `diagnose train.py --help`: a report of nothing, in a folder
+                            # nobody asked for, is litter.
+                            console.echo(why[:-1] + "; no report was written.")
+                            finished.append(0)
+                        else:
+                            finished.append(_finish_unwatched(
+                                exc, command, ranks, run_dir, json_out, report_out,
+                                fail_on, console, why))
                     else:
                         finished.append(_finish(watching[0], exc, command, ranks, speaks,
                                                 run_dir, logdir, json_out, report_out,
@@ -608,6 +623,15 @@ def _run_meta(exc: BaseException | None, code: int, command: list[str],
         error = F.error_line(exc)
     return dict(command=command, exit_code=code, outcome=outcome, error=error,
                 rank=ranks[0] if ranks else None, world_size=ranks[1] if ranks else None)
+
+
+def _remove_if_empty(made: list[Path]) -> None:
+    """The folders this run made, deepest first, while nothing was written in them."""
+    for d in made:
+        try:
+            d.rmdir()  # only succeeds on an empty folder
+        except OSError:
+            return
 
 
 def _finish_unwatched(exc: BaseException | None, command: list[str],

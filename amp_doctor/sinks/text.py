@@ -58,7 +58,10 @@ def summary_line(s: Session) -> str:
     # A run that ended before its first step (raise mode stopping at step 0) may have
     # made a GradScaler it never got to call: none was seen, which is not "none".
     scaler = "GradScaler on" if amp.scaler else (
-        "no GradScaler" if s.steps else "no GradScaler used before the end")
+        # A scaler that scales the loss but never steps: the header must not deny it.
+        "GradScaler scales but never steps" if any(
+            e.kind == "scaled_grads_stepped" for e in s.events)
+        else "no GradScaler" if s.steps else "no GradScaler used before the end")
     # The step a run ended in is recorded, though it never finished: say so, rather than
     # count more recorded steps than steps.
     partial = ", the last unfinished" if s.recorded_steps > s.steps else ""
