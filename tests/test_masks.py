@@ -224,3 +224,57 @@ def test_a_cast_of_values_really_beyond_float16_is_still_the_origin() -> None:
     with pytest.raises(NonFiniteError, match=r"aten\._to_copy"):
         with amp_doctor.watch(model, every=1, anomaly=True, on_nonfinite="raise"):
             _train_encoder(model, 2, -1e5)
+
+
+class LogOfSoftmax(nn.Module):
+    """``log(softmax(x))``: a float16 softmax underflows to 0 and its log is -inf alone,
+    exactly what a mask looks like to the layer's figures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 10)
+        self.sm = nn.Softmax(-1)
+        self.log = Log()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.log(self.sm(self.fc(x) * 40))
+
+
+class Log(nn.Module):
+    def forward(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.log(p)
+
+
+def test_a_log_of_zero_that_makes_the_loss_inf_is_the_losss_error_not_a_mask() -> None:
+    """Before: "a mask written on purpose" (info) for the -inf that made every loss inf, and
+    a second error, the scale collapse the inf loss caused."""
+    torch.manual_seed(0)
+    model = LogOfSoftmax()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(12):
+            x, y = torch.randn(32, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = nn.functional.nll_loss(out.float(), y)
+            losses.append(loss.item())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert all(v == math.inf for v in losses)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        p = model.sm(model.fc(x) * 40)
+    assert (p == 0).any() and torch.isneginf(torch.log(p)).any()
+    s = doctor.session
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module) for f in errors] == [("nonfinite_loss", "log")], errors
+    assert ("That output held -inf and never +inf or NaN: a log of values that underflowed "
+            "to 0 (the log of a float16 softmax or sigmoid)") in errors[0].message
+    assert "F.log_softmax" in errors[0].advice
+    assert "the loss scale collapsed to 16" in errors[0].message
+    assert not s.findings_of("neg_inf_mask")
+    assert s.findings_of("scale_collapse")[0].severity == "info"

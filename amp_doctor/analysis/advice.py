@@ -32,6 +32,14 @@ ADVICE: dict[str, str] = {
         "the term. Training went on, since the gradients were finite, but the logged loss "
         "is inf and hides how training goes."
     ),
+    "nonfinite_loss_neg_inf": (
+        "Take the log where it cannot meet 0: `F.log_softmax(x, dim)` instead of "
+        "`softmax(x).log()`, `F.logsigmoid(x)` instead of `sigmoid(x).log()`, or "
+        "`torch.log(p.clamp_min(eps))` with `eps` above the format's smallest normal "
+        "(`torch.finfo(p.dtype).tiny`); then compute the loss in float32. If it is a mask, "
+        "mask with the format's lowest finite value (`torch.finfo(x.dtype).min`) so that "
+        "no -inf reaches the loss."
+    ),
     "fp32_kept": (
         "It ran in float32 here only because --fp32 (watch(fp32=...)) asked: to keep that "
         "without amp-doctor, wrap its call in `with torch.autocast(device_type, "

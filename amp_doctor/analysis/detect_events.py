@@ -11,7 +11,12 @@ import dataclasses
 from collections.abc import Iterable
 
 from amp_doctor.analysis.advice import ADVICE, event_advice, unlocated_advice
-from amp_doctor.analysis.detect_layers import input_cast, largest_finite, low_format
+from amp_doctor.analysis.detect_layers import (
+    input_cast,
+    largest_finite,
+    loss_reaching_mask,
+    low_format,
+)
 from amp_doctor.analysis.detect_scaler import loss_steps_not_skipped, normal_backoff_steps
 from amp_doctor.analysis.messages import event_message, zero_denominator
 from amp_doctor.analysis.thresholds import (
@@ -113,6 +118,11 @@ def event_findings(session: Session) -> Iterable[Finding]:
             first = dataclasses.replace(first, data={**first.data, "made_here": True})
         if kind == "nonfinite_loss" and module is not None and module in session.run.models:
             first = dataclasses.replace(first, data={**first.data, "root": True})
+        if kind == "nonfinite_loss" and module is not None and loss_reaching_mask(
+                session, module) is not None:
+            first = dataclasses.replace(first, data={
+                **first.data, "neg_inf_only": low_format(session),
+                "advice": ADVICE["nonfinite_loss_neg_inf"]})
         if (kind == "nonfinite_backward" and _scaled_overflows(session, es)
                 and set(steps) <= set(normal_backoff_steps(session))):
             # Only at the GradScaler's calibration and growth probes: what it detects and

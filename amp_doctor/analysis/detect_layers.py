@@ -101,6 +101,19 @@ def neg_inf_mask(lay: LayerSummary, fmt: str, session: Session | None = None) ->
     return _inf_made_by_an_op(lay, fmt)
 
 
+def loss_reaching_mask(session: Session, module: str) -> LayerSummary | None:
+    """The layer ``module`` if its only non-finite values are -inf, as a mask's
+    (:func:`neg_inf_mask`), and it is where the run's NaN/inf loss first showed: then
+    the -inf is no harmless mask, but a log of values that underflowed to 0, or a mask
+    that reached the loss. The loss's finding says so; no mask finding beside it."""
+    if not any(e.kind == "nonfinite_loss" and e.module == module for e in session.events):
+        return None
+    lay = next((x for x in session.layers if x.name == module), None)
+    if lay is None or not lay.recorded_steps:
+        return None
+    return lay if neg_inf_mask(lay, low_format(session), session) is not None else None
+
+
 def input_cast(session: Session, lay: LayerSummary) -> Event | None:
     """The run's note that the batch held finite values beyond the format's max in a
     step whose first layer to go non-finite was ``lay`` (see ``StepFolder``)."""
@@ -190,7 +203,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         e.kind == "nonfinite_forward" and (e.module == lay.name or (
             not e.module and lay.overflow_origin_steps > 0)) for e in session.events)
     mask_max = None if explained else neg_inf_mask(lay, fmt, session)
-    if explained:
+    if explained or (mask_max is not None and loss_reaching_mask(session, lay.name)):
         pass
     elif mask_max is not None:
         yield Finding(

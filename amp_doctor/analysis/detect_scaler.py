@@ -527,7 +527,10 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             steps=[e.step for e in backoffs][:MAX_STEPS_KEPT],
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
                   "skipped": len(sc.skipped_steps), "culprit": top,
-                  "origin": top if traced else None},
+                  "origin": top if traced else None,
+                  # Every backoff in a step whose loss was NaN/inf: the loss's doing.
+                  "loss_nonfinite": bool(backoffs) and all(e.loss_nonfinite for e in backoffs)
+                  and _loss_counts(session)},
         )
     gi = sc.growth_interval or DEFAULT_GROWTH_INTERVAL
     if reasons or (sc.growth_factor is not None and sc.growth_factor <= 1):

@@ -155,7 +155,8 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                 and f.kind in ("scaler_backoff", "scale_collapse")
                 and origin == loss_root.data["origin"]):
             root = loss_root
-        if root is None and f.kind == "scaler_backoff" and f.data.get("loss_nonfinite"):
+        if (root is None and f.kind in ("scaler_backoff", "scale_collapse")
+                and f.data.get("loss_nonfinite")):
             # Backoffs of steps whose loss was NaN/inf: the NaN loss's consequences,
             # wherever it began (its own finding says where, or that it is not known).
             root = next((x for x in out if x.kind == "nonfinite_loss" and x is not f

@@ -212,7 +212,12 @@ def _nonfinite_loss(a: MessageArgs) -> str:
     if e.module:
         where = (f"It first appeared in {F.layer(e.module)}'s output, the first watched "
                  f"layer to go non-finite (seen on recorded step {d.get('recorded_at')})")
-        if not d.get("anomaly") and not d.get("made_here"):
+        if d.get("neg_inf_only"):
+            # Read as a mask by the figures alone, but it reached the loss.
+            where += (f". That output held -inf and never +inf or NaN: a log of values "
+                      f"that underflowed to 0 (the log of a {d['neg_inf_only']} "
+                      "softmax or sigmoid), or a -inf mask that reached the loss")
+        if not d.get("anomaly") and not d.get("made_here") and not d.get("neg_inf_only"):
             # Only outputs are watched: an op in the parent's own code between its children
             # (attention's q @ k^T without the 1/sqrt(d) scale) shows first in the next
             # child's output (review 34).
