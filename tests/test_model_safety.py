@@ -15,6 +15,7 @@ import subprocess
 import sys
 import warnings
 import weakref
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -106,12 +107,58 @@ def test_whole_model_torch_save_during_watch_loads_an_unwatched_copy(tmp_path: P
 
     loaded = torch.load(saved[-1], weights_only=False)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    # The loaded model carries inert hooks, which remove themselves on first use.
-    hooks = [h for m in loaded.modules() for h in (*m._forward_pre_hooks.values(),
-                                                   *m._forward_hooks.values())]
-    assert hooks and all(isinstance(h, Unwatched) for h in hooks)
-    assert torch.equal(loaded(x), model(x))
+    # The checkpoint holds none of amp-doctor's hooks (review 42a: it held inert ones,
+    # and loading it needed amp_doctor installed).
     assert _module_hook_count(loaded) == 0
+    assert torch.equal(loaded(x), model(x))
+    with zipfile.ZipFile(saved[-1]) as z:
+        pickled = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    assert b"amp_doctor" not in pickled
+    # Loaded where amp_doctor cannot be imported (an inference box): tests/ defines MLP.
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "amp_doctor.py").write_text("raise ImportError('amp_doctor is not here')\n")
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys, torch; sys.path.insert(0, sys.argv[2]); "
+         "sys.path.insert(0, sys.argv[3]); m = torch.load(sys.argv[1], weights_only=False); "
+         "print(type(m).__name__, sum(len(x._forward_hooks) for x in m.modules()))",
+         str(saved[-1]), str(Path(__file__).resolve().parents[1]), str(blocker)],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["MLP", "0"], r.stderr
+
+
+class OwnState(nn.Module):
+    """A module whose own __getstate__ does not call nn.Module's, and returns its
+    __dict__ itself, not a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+    def __getstate__(self) -> dict:
+        return self.__dict__
+
+
+def test_a_copy_of_a_module_with_its_own_getstate_is_unwatched_and_the_original_still_watched(
+        ) -> None:
+    torch.manual_seed(0)
+    model = OwnState()
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        before = _module_hook_count(model)
+        twin = copy.deepcopy(model)
+        assert _module_hook_count(model) == before > 0  # its own hooks are not stripped
+        # Its hooks were copied as inert ones, which remove themselves on first use.
+        hooks = [h for m in twin.modules() for h in (*m._forward_pre_hooks.values(),
+                                                     *m._forward_hooks.values())]
+        assert hooks and all(isinstance(h, Unwatched) for h in hooks)
+        twin(torch.randn(2, 16))
+        assert _module_hook_count(twin) == 0
+        train(model, steps=2)
+    assert doctor.session.recorded_steps == 2
+    assert {lay.name for lay in doctor.session.layers} >= {"fc"}
 
 
 def test_deepcopy_during_watch_is_an_unwatched_copy() -> None:

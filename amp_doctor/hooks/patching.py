@@ -55,7 +55,7 @@ from torch.optim.optimizer import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_doctor.devicework import iter_tensors, own_ops
-from amp_doctor.hooks.weakhooks import own_hooks_lifted
+from amp_doctor.hooks.weakhooks import own_hooks_lifted, state_without_own_hooks
 
 __all__ = ["ApiSubscriber", "Subscription", "subscribe", "patches_installed",
            "in_scaler_step", "in_closure_step", "in_scaled_backward", "scaled_backwards"]
@@ -229,6 +229,7 @@ class _ApiHub:
         self._patch(torch.autograd, "backward", self._wrap_backward)
         self._patch(torch.autograd, "grad", self._wrap_grad)
         self._patch(torch.jit, "script", _wrap_jit_script)
+        self._patch(torch.nn.Module, "__getstate__", _wrap_getstate)
         self._patch(warnings, "warn", _warn_past_wrappers, wrapper=False)
 
     def _uninstall(self) -> None:
@@ -473,6 +474,21 @@ def _wrap_jit_script(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(obj, *args, **kwargs)
 
     return script
+
+
+def _wrap_getstate(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def __getstate__(self: torch.nn.Module) -> Any:
+        # A copy or a checkpoint of a watched model: without amp-doctor's hooks, so that
+        # torch.save(model) loads where amp_doctor is not installed.
+        state = orig(self)
+        if isinstance(state, dict):
+            if state is self.__dict__:  # a subclass's own __getstate__, not a copy
+                state = dict(state)
+            state = state_without_own_hooks(state)
+        return state
+
+    return __getstate__
 
 
 def _flow_hook(scaler_id: int, grad: torch.Tensor) -> None:

@@ -21,7 +21,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["Unwatched", "WeakHook", "WeakMethodHook", "drop_hook", "own_hooks_lifted"]
+__all__ = ["Unwatched", "WeakHook", "WeakMethodHook", "drop_hook", "own_hooks_lifted",
+           "state_without_own_hooks"]
 
 _O = TypeVar("_O")
 
@@ -69,8 +70,35 @@ def own_hooks_lifted(root: nn.Module) -> Iterator[None]:
             d.update(was)
 
 
+def state_without_own_hooks(state: dict[str, Any]) -> dict[str, Any]:
+    """A module's pickled state (what ``__getstate__`` returned, a copy of its
+    ``__dict__``) without amp-doctor's forward hooks: a deep copy or a checkpoint
+    (``torch.save(model)``) of a watched model carries none of them, and loads where
+    amp_doctor is not installed."""
+    for hooks, flags in _forward_hook_dicts_of(state):
+        ours = {k for k, v in state[hooks].items() if isinstance(v, (WeakHook, Unwatched))}
+        if not ours:
+            continue
+        for name in (hooks, *flags):
+            d = state.get(name)
+            if d is not None:
+                state[name] = type(d)((k, v) for k, v in d.items() if k not in ours)
+    return state
+
+
+def _forward_hook_dicts_of(state: dict[str, Any]) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """The names of the forward (pre-)hook dicts in a module's state, each with the names
+    of the flag dicts keyed like it (as :func:`_forward_hook_dicts`)."""
+    if state.get("_forward_pre_hooks"):
+        yield "_forward_pre_hooks", ("_forward_pre_hooks_with_kwargs",)
+    if state.get("_forward_hooks"):
+        yield "_forward_hooks", ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
 class Unwatched:
-    """What a watched model's hook becomes in a deep copy or an unpickled model.
+    """What a watched model's hook becomes in a deep copy or an unpickled model, where
+    :func:`state_without_own_hooks` did not leave it out (a module whose own
+    ``__getstate__`` does not call ``nn.Module``'s).
 
     It does nothing and, on its first eager call on a module, removes itself from
     it. A copy of a watched model (``copy.deepcopy``, ``AveragedModel``,
