@@ -71,8 +71,9 @@ def test_a_nan_loss_only_unrecorded_steps_saw_is_one_error_not_the_output_layers
     (b,) = s.findings_of("scaler_backoff")
     assert b.severity == "info" and b.data["loss_nonfinite"]
     assert ("the loss itself was NaN/inf in each of these steps, so the gradients of every "
-            "layer were too (2 layers with non-finite gradients): out is where it entered the "
-            "backward pass (the loss is computed from it), not necessarily where it began"
+            "layer were too (2 layers with non-finite gradients); the first of them in "
+            "backward order, out, only says where the backward pass met the NaN/inf first (the "
+            "last layer with trainable weights before the loss), not where it began"
             ) in " ".join(b.message.split())
     assert "look there" not in b.message
     assert any("backed off 3x" in c for c in err.data["consequences"])

@@ -246,8 +246,9 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
         # where it entered the backward pass (the layer the loss is computed from), not
         # where the NaN began in the forward pass.
         top = lead[0] or (culprits[0] if culprits else None)
-        entered = (f": {top} is where it entered the backward pass (the loss is "
-                   "computed from it), not necessarily where it began" if top else "")
+        entered = (f"; the first of them in backward order, {top}, only says where the "
+                   "backward pass met the NaN/inf first (the last layer with trainable weights "
+                   "before the loss), not where it began" if top else "")
         return ("; the loss itself was NaN/inf in each of these steps, so the gradients "
                 f"of every layer were too ({F.counted(len(culprits), 'layer')} with "
                 f"non-finite gradients){entered}. Where it began in the forward "

@@ -233,7 +233,12 @@ class Probes:
         self._step_owners: list[list[str]] = []
         self.param_owner: dict[int, str] = {}
         self._root_prefix: dict[int, str] = {}
-        self._next_order = 0
+        # Every recorded layer in forward order (of completion: children before their
+        # parent), and the last one to complete in this step: a layer first seen in a
+        # later step (an MoE expert that got no tokens before) goes where it ran, not
+        # after the model's output.
+        self._forward_seq: list[LayerMeta] = []
+        self._last_done: LayerMeta | None = None
         # One pre/post hook object per module, reused each time it is armed.
         self._hook_objs: dict[int, tuple[_PreHook, _PostHook]] = {}
         # Tensor hooks of the current step; removed at the step boundary.
@@ -505,6 +510,7 @@ class Probes:
 
     def new_step(self) -> None:
         self._seen.clear()
+        self._last_done = None
         self._trained_this_step.clear()
         self._step_owners = []
         # Gradient hooks of the step that ended: its backward has run. Removing
@@ -516,6 +522,16 @@ class Probes:
         self._tensor_handles.clear()
         self._leaf_hooks = WeakIdKeyDictionary()
         self._collect_compiled()
+
+    def _place(self, meta: LayerMeta) -> None:
+        """Give a layer seen for the first time its place in forward order: right after
+        the layer that completed before it in this step (first if none did), and
+        renumber the layers after it."""
+        seq = self._forward_seq
+        at = 0 if self._last_done is None else self._last_done.order + 1
+        seq.insert(at, meta)
+        for i in range(at, len(seq)):
+            seq[i].order = i
 
     def backward_ran(self) -> None:
         """A backward pass ended: a no_grad call after it is no longer the loss's part."""
@@ -634,8 +650,8 @@ class Probes:
             return
         meta = self.layers[name]
         if meta.order < 0:
-            meta.order = self._next_order
-            self._next_order += 1
+            self._place(meta)
+        self._last_done = meta
         meta.calls += 1
         if meta.root != id(module):
             self._sub_calls[meta.root] = self._sub_calls.get(meta.root, 0) + 1

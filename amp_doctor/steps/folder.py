@@ -215,18 +215,26 @@ class StepFolder:
     def _culprits(self, hs: HostCopy, layers: StepTable) -> list[str]:
         """The step's layers with non-finite gradients, in the order the non-finite ones
         arrived: by each layer's first non-finite output-gradient row (with two
-        backward calls, a layer whose first, finite gradient came early is not first),
-        then by first arrival of any gradient (the parameter gradients only)."""
+        backward calls, a layer whose first, finite gradient came early is not first).
+        A layer whose weights' gradients alone went non-finite (its output gradients
+        stayed finite) made them in its own backward, which ran as its output gradient
+        arrived: just after that row (parameter gradients are filed at the step's end,
+        after every output gradient; of two backward calls, the first's).
+        Then by first arrival of any gradient."""
+        pg_bad = set(layers.where(layers.column(PG, NONFINITE) > 0))
         bad = layers.where((layers.column(GRAD, NONFINITE) > 0)
                            | (layers.column(PG, NONFINITE) > 0))
         seen: dict[str, int] = {}
         for i, n in enumerate(hs.backward_order):
             seen.setdefault(n, i)
-        first_bad: dict[str, int] = {}
+        first_bad: dict[str, float] = {}
         for n in bad:
-            row = first_nonfinite(hs, hs.grad_rows[n]) if n in hs.grad_rows else None
+            rows = hs.grad_rows.get(n)
+            row = first_nonfinite(hs, rows) if rows else None
             if row is not None:
                 first_bad[n] = row
+            elif n in pg_bad and rows:
+                first_bad[n] = rows[0] + 0.5
         metas = self._layers()
         big = len(hs.backward_order) + len(hs.matrix) + 1
         return sorted(bad, key=lambda n: (first_bad.get(n, big), seen.get(n, big),

@@ -1,0 +1,148 @@
+"""Review 42a (real-style code: MoE, adapters): layers named in the wrong order.
+
+- A submodule that does not run every step (an MoE expert that got no tokens, an
+  adapter switched on later) was placed in forward order where it was first seen:
+  after the model's output. Its overflow was then blamed on its parent, and with
+  anomaly mode there were two errors for one cause.
+- A layer whose weights' gradients alone overflowed in its own backward (its output
+  gradient finite) was listed after the layers its backward fed: "in backward order:
+  enc, head" of a head whose backward ran first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_doctor
+
+
+class MoE(nn.Module):
+    """Two experts; expert 1's second Linear overflows float16 (its weights x 3e5), and
+    it runs only in steps where ``step % 3 == 2`` when ``sporadic``."""
+
+    def __init__(self, d: int, sporadic: bool) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(
+            [nn.Sequential(nn.Linear(d, d), nn.Linear(d, d)) for _ in range(2)])
+        with torch.no_grad():
+            self.experts[1][1].weight.mul_(3e5)
+        self.sporadic = sporadic
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e, ex in enumerate(self.experts):
+            if e == 1 and self.sporadic and self.step % 3 != 2:
+                continue
+            sel = torch.arange(e, x.shape[0], 2)
+            out = out.index_add(0, sel, ex(x[sel]))
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self, sporadic: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.moe = MoE(16, sporadic)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(F.relu(self.inp(x))))
+
+
+def _train(model: Net, anomaly: bool = False) -> amp_doctor.Session:
+    torch.manual_seed(1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, anomaly=anomaly, tensorboard=False) as doctor:
+        for step in range(6):
+            model.moe.step = step
+            x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+def test_an_expert_first_seen_in_a_later_step_takes_its_place_in_forward_order() -> None:
+    torch.manual_seed(0)
+    model = Net(sporadic=True)
+    # Independently: the expert's own Linear makes the inf from a finite input.
+    x = torch.randn(3, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        h = model.moe.experts[1][0](x)
+        assert torch.isfinite(h).all() and torch.isinf(model.moe.experts[1][1](h)).any()
+    s = _train(model)
+    order = [lay.name for lay in sorted(s.layers, key=lambda lay: lay.order)]
+    assert order.index("moe.experts.1.1") < order.index("moe") < order.index("head")
+    assert order.index("moe.experts.0.1") < order.index("moe.experts.1.0")
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module) for f in errors] == [
+        ("activation_overflow", "moe.experts.1.1")], errors
+    assert "only carried its inf/NaN on and are not separate problems: moe" in \
+        errors[0].message
+
+
+def test_with_anomaly_mode_the_late_experts_overflow_is_one_error() -> None:
+    torch.manual_seed(0)
+    s = _train(Net(sporadic=True), anomaly=True)
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert len(errors) == 1 and errors[0].module == "moe.experts.1.1", errors
+
+
+class Adapter(nn.Module):
+    """enc -> adapter (weights x 2000) -> head: head's weight gradient, the adapter's huge
+    output times head's output gradient, overflows in head's own backward, the first to
+    run; enc's output gradient overflows later, in the adapter's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 32)
+        self.adapter = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+        with torch.no_grad():
+            self.adapter.weight.mul_(2000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.adapter(F.relu(self.enc(x))))
+
+
+def test_a_layer_whose_weight_gradient_overflows_in_its_own_backward_is_first() -> None:
+    torch.manual_seed(0)
+    model = Adapter()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    seen: dict[str, list[bool]] = {"head_w": [], "head_out": [], "enc_out": []}
+    outs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> object:
+        def hook(m: nn.Module, i: object, o: torch.Tensor) -> None:
+            outs[name] = o
+            o.register_hook(lambda g: seen[f"{name}_out"].append(bool(torch.isfinite(g).all())))
+        return hook
+
+    model.head.register_forward_hook(keep("head"))
+    model.enc.register_forward_hook(keep("enc"))
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            x, y = torch.randn(16, 8) * 4, torch.randint(0, 4, (16,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            seen["head_w"].append(bool(torch.isfinite(model.head.weight.grad).all()))
+            scaler.step(opt)
+            scaler.update()
+    # Independently: head's output gradient is finite, its weight gradient is not, and
+    # enc's output gradient is not.
+    assert seen["head_out"] == [True] * 4 and seen["head_w"] == [False] * 4
+    assert seen["enc_out"] == [False] * 4
+    (b,) = doctor.session.findings_of("scaler_backoff")
+    assert "in backward order: head, enc. The first, head, is where they appeared" in \
+        " ".join(b.message.split())
+    assert all(e.culprits[:2] == ["head", "enc"] for e in doctor.session.scaler.events)
