@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -146,3 +147,34 @@ def test_a_layer_whose_weight_gradient_overflows_in_its_own_backward_is_first() 
     assert "in backward order: head, enc. The first, head, is where they appeared" in \
         " ".join(b.message.split())
     assert all(e.culprits[:2] == ["head", "enc"] for e in doctor.session.scaler.events)
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)  # float32 under autocast: it finishes first
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.emb(t))[0][:, -1])
+
+
+def test_a_first_forward_that_dies_in_a_float16_op_is_not_called_autocast_inactive() -> None:
+    """nn.LSTM has no float16 kernel on the CPU: the first forward raises, before any
+    layer finished in float16. Before: "Autocast (float16) was on, yet no layer ran in
+    float16 ... check that autocast wraps the forward pass" beside run_ended_early."""
+    torch.manual_seed(0)
+    model = Recurrent()
+    x = torch.randint(0, 50, (4, 5))
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(RuntimeError) as plain:
+        model(x)
+    doctor = amp_doctor.watch(model, every=1, tensorboard=False)
+    with pytest.raises(RuntimeError) as watched, doctor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x).sum().backward()
+    assert str(watched.value) == str(plain.value)
+    s = doctor.session
+    assert [f.kind for f in s.findings] == ["run_ended_early"], s.findings
+    assert s.run.outcome == "exception"
+    assert [lay.name for lay in s.layers if lay.output_dtypes] == ["emb"]

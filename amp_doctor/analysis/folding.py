@@ -34,8 +34,11 @@ def fold_early_end(out: list[Finding]) -> list[Finding]:
     if any(f.kind == "run_ended_early" for f in out):
         # No step ended because the run did, not because the loop lacks a boundary: no
         # advice to call doctor.step() (one that steps another model's optimizer stays).
-        out = [f for f in out if f.kind != "no_step_boundary"
-               or f.data.get("foreign_optimizers")]
+        # Nor is "no layer ran in low precision" a finding of a forward that died in its
+        # first low-precision op (an LSTM without a float16 kernel on the CPU).
+        out = [f for f in out if (f.kind != "no_step_boundary"
+                                  or f.data.get("foreign_optimizers"))
+               and f.kind != "autocast_inactive"]
     causes = [f for f in out if f.severity == "error" and f.kind not in EARLY_END_KINDS]
     if not causes:
         return out
