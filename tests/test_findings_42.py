@@ -21,7 +21,7 @@ import amp_doctor
 
 class MoE(nn.Module):
     """Two experts; expert 1's second Linear overflows float16 (its weights x 3e5), and
-    it runs only in steps where ``step % 3 == 2`` when ``sporadic``."""
+    it runs only in ``active_steps`` when ``sporadic``."""
 
     def __init__(self, d: int, sporadic: bool) -> None:
         super().__init__()
@@ -30,12 +30,13 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.experts[1][1].weight.mul_(3e5)
         self.sporadic = sporadic
+        self.active_steps = {2, 5}
         self.step = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e, ex in enumerate(self.experts):
-            if e == 1 and self.sporadic and self.step % 3 != 2:
+            if e == 1 and self.sporadic and self.step not in self.active_steps:
                 continue
             sel = torch.arange(e, x.shape[0], 2)
             out = out.index_add(0, sel, ex(x[sel]))
@@ -53,12 +54,13 @@ class Net(nn.Module):
         return self.head(self.moe(F.relu(self.inp(x))))
 
 
-def _train(model: Net, anomaly: bool = False) -> amp_doctor.Session:
+def _train(model: Net, anomaly: bool = False, steps: int = 6,
+           every: int = 1) -> amp_doctor.Session:
     torch.manual_seed(1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
-    with amp_doctor.watch(model, every=1, anomaly=anomaly, tensorboard=False) as doctor:
-        for step in range(6):
+    with amp_doctor.watch(model, every=every, anomaly=anomaly, tensorboard=False) as doctor:
+        for step in range(steps):
             model.moe.step = step
             x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
             with torch.autocast("cpu", dtype=torch.float16):
@@ -94,6 +96,24 @@ def test_with_anomaly_mode_the_late_experts_overflow_is_one_error() -> None:
     s = _train(Net(sporadic=True), anomaly=True)
     errors = [f for f in s.findings if f.severity == "error"]
     assert len(errors) == 1 and errors[0].module == "moe.experts.1.1", errors
+
+
+def test_an_unlocated_nan_loss_is_not_called_scaled_gradients_overflowing() -> None:
+    """The expert runs at steps 2 and 14 only, both unrecorded: the search after step 2
+    sees no NaN, and two bad steps 12 apart aim past the run's end. Before: "Scaled
+    gradients beyond float16's max are what a GradScaler skips" of steps whose loss was
+    inf (review 42a)."""
+    torch.manual_seed(0)
+    model = Net(sporadic=True)
+    model.moe.active_steps = {2, 14}
+    s = _train(model, anomaly=True, steps=20, every=10)
+    assert s.scaler is not None and s.scaler.skipped_steps == [2, 14]
+    (loss,) = s.findings_of("nonfinite_loss")
+    assert loss.data["bad_steps"] == [2, 14]
+    (f,) = s.findings_of("nonfinite_unlocated")
+    assert f.severity == "info" and "what a GradScaler skips" not in f.message
+    assert "The GradScaler skipped steps whose loss was already NaN/inf (first at step 2" in \
+        " ".join(f.message.split())
 
 
 class Adapter(nn.Module):

@@ -118,6 +118,12 @@ def event_findings(session: Session) -> Iterable[Finding]:
             first = dataclasses.replace(first, data={**first.data, "made_here": True})
         if kind == "nonfinite_loss" and module is not None and module in session.run.models:
             first = dataclasses.replace(first, data={**first.data, "root": True})
+        if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):
+            bad = set(next((e.data.get("bad_steps") or [] for e in session.events
+                            if e.kind == "nonfinite_loss"), []))
+            if bad.intersection(first.data.get("steps") or []):
+                # Not scaled gradients overflowing: the loss itself was NaN/inf there.
+                first = dataclasses.replace(first, data={**first.data, "loss_nonfinite": True})
         if kind == "nonfinite_loss" and module is not None and loss_reaching_mask(
                 session, module) is not None:
             first = dataclasses.replace(first, data={

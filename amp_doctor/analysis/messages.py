@@ -322,6 +322,12 @@ def _lowp_update_nonfinite(a: MessageArgs) -> str:
 @message_for("nonfinite_unlocated")
 def _nonfinite_unlocated(a: MessageArgs) -> str:
     d = a.event.data
+    if d.get("scaler_skipped_only") and d.get("loss_nonfinite"):
+        return (f"The GradScaler skipped steps whose loss was already NaN/inf (first at step "
+                f"{a.event.step}; see the NaN/inf loss): the forward pass made it. Anomaly "
+                "mode's op-level search ran in the steps after them and saw no op make "
+                "NaN/Inf: it did not recur there (a layer that runs only in some steps, an "
+                "unusual batch), so no op is named.")
     if d.get("scaler_skipped_only"):
         # Its count would be the steps the rate-limited search looked at, not the skips.
         return (f"The GradScaler skipped steps whose gradients held inf/NaN (first at step "
