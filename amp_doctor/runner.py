@@ -344,12 +344,34 @@ def _user_frames(stack: traceback.StackSummary, tb: TracebackType | None) -> tra
         )
         if origin is not None and _is_own_file(origin.f_code.co_filename):
             return traceback.StackSummary.from_list([])
-    kept = [
-        summary
-        for index, summary in enumerate(stack)
-        if index >= start and not _is_hidden(summary.filename)
-    ]
+    hidden = [index < start or _is_hidden(summary.filename)
+              for index, summary in enumerate(stack)]
+    # torch's dispatch plumbing that only runs because amp-doctor's code is there (its
+    # dispatch mode: torch/_compile.py, eval_frame.py, then _ops.py after it): python
+    # without amp-doctor shows none of it. The same files away from amp-doctor's frames
+    # (the user's own dispatch mode, torch.compile) stay.
+    for index, summary in enumerate(stack):
+        if index >= start and _is_own_file(summary.filename):
+            for step in (-1, 1):
+                j = index + step
+                while 0 <= j < len(stack) and (
+                        _is_dispatch_plumbing(stack[j].filename) or (
+                            hidden[j] and _is_own_file(stack[j].filename))):
+                    hidden[j] = True
+                    j += step
+    kept = [summary for summary, hide in zip(stack, hidden, strict=True) if not hide]
     return traceback.StackSummary.from_list(kept)
+
+
+# torch's files between a call and a TorchDispatchMode's handler, and after it.
+_DISPATCH_PLUMBING = tuple(os.path.join("torch", *p.split("/")) for p in (
+    "_compile.py", "_dynamo/eval_frame.py", "_ops.py", "utils/_python_dispatch.py",
+    "overrides.py"))
+
+
+def _is_dispatch_plumbing(filename: str) -> bool:
+    return os.path.normcase(filename).endswith(
+        tuple(os.path.normcase(os.sep + p) for p in _DISPATCH_PLUMBING))
 
 
 def _is_hidden(filename: str) -> bool:

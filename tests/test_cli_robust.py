@@ -268,6 +268,28 @@ def test_a_script_that_never_imports_torch_still_gets_its_report(work: Path) -> 
     assert "view the dashboards" not in r.stderr
 
 
+def test_a_crash_under_anomaly_mode_shows_no_dispatch_plumbing_in_the_traceback(
+        work: Path) -> None:
+    # A shape error inside F.linear, with anomaly mode's dispatch mode on: the traceback
+    # ended with torch/_compile.py, eval_frame.py and _ops.py frames python never shows
+    # (review 42a).
+    (work / "crash.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(15, 4))\n"
+        "with torch.autocast('cpu', dtype=torch.float16):\n"
+        "    out = model(torch.randn(4, 8))\n")
+    plain = run([sys.executable, "crash.py"], work)
+    r = run([AMP_DOCTOR, "diagnose", "--anomaly", "--logdir", "out", "crash.py"], work)
+    assert plain.returncode == r.returncode == 1
+    tail = plain.stderr.rstrip().splitlines()[-4:]  # linear.py's frame, then the error
+    assert "linear.py" in tail[0] and tail[-1].startswith("RuntimeError: mat1 and mat2")
+    shown = r.stderr[r.stderr.index("Traceback"):]
+    shown = shown[: shown.index(tail[-1]) + len(tail[-1])]
+    assert shown.splitlines()[-4:] == tail
+    for internal in ("_compile.py", "eval_frame.py", "_ops.py", "amp_doctor"):
+        assert internal not in shown, shown
+
+
 def test_a_scripts_help_leaves_no_run_folder(work: Path) -> None:
     # `diagnose train.py --help`: argparse prints and exits 0 before torch is imported.
     # Before: a runs/amp-doctor/<run>/ folder holding a report of nothing (review 40).
