@@ -1066,6 +1066,23 @@ def test_a_high_init_scale_calibrating_down_is_not_a_collapse() -> None:
         in info.message
 
 
+def test_one_more_backoff_after_calibration_is_not_called_part_of_the_start() -> None:
+    """Calibration at steps 0-2, then one backoff at step 14 before any growth: as designed
+    (the calibrated scale was just too high for a later batch), but it read "4 while
+    calibrating at the start (steps 0-2, 14)" after 11 clean steps (review 42a)."""
+    torch.manual_seed(0)
+    model = Net()
+    with amp_doctor.watch(model, every=5) as doctor:
+        seen = loop(model, 20, blowup=[0, 1, 2, 14])
+    assert seen["skipped"] == [0, 1, 2, 14]
+    (b,) = doctor.session.findings_of("scaler_backoff")
+    assert b.severity == "info"
+    assert ("backed off 4x as designed: 3 while calibrating at the start (steps 0-2, scale "
+            "65536 -> 8192); 1 more at step 14, before the scale ever grew: the calibrated "
+            "scale was just too high for a later batch (scale 8192 -> 4096)") in \
+        " ".join(b.message.split())
+
+
 def test_short_backoff_episodes_at_a_high_scale_are_info_and_a_falling_scale_warns() -> None:
     # growth_interval 3: growth at step 2 (65536 -> 131072); step 3 undoes it (a probe);
     # step 5 halves the scale once more, and steps 9-10 twice after the growth at 8: short

@@ -433,11 +433,16 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
         settling = [g for why, g in normal if why == "settling"]
         parts = []
         if cal:
-            g, n = cal[0], sum(len(c) for c in cal)
-            spans = ", ".join(f"{c[0].step}" if len(c) == 1 else f"{c[0].step}-{c[-1].step}"
-                              for c in cal)
-            parts.append(f"{n} while calibrating at the start (steps {spans}, scale "
-                         f"{_scale(g[0].scale_before)} -> {_scale(cal[-1][-1].scale_after)})")
+            g = cal[0]
+            span = f"{g[0].step}" if len(g) == 1 else f"{g[0].step}-{g[-1].step}"
+            parts.append(f"{len(g)} while calibrating at the start (step{'s' if len(g) > 1 else ''} "
+                         f"{span}, scale {_scale(g[0].scale_before)} -> "
+                         f"{_scale(g[-1].scale_after)})")
+            for c in cal[1:]:
+                # Not at the start: steps later, before any growth (_normal_backoff).
+                parts.append(f"1 more at step {c[0].step}, before the scale ever grew: the "
+                             "calibrated scale was just too high for a later batch (scale "
+                             f"{_scale(c[0].scale_before)} -> {_scale(c[-1].scale_after)})")
         if probes:
             parts.append(f"{len(probes)} each undoing the growth before it ("
                          f"{'step' if len(probes) == 1 else 'steps'} "
