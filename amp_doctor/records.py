@@ -238,6 +238,8 @@ class AmpConfig:
     dtype: str | None  # the low-precision dtype autocast used
     scaler: bool  # an enabled GradScaler was in use
     autocast_seen: bool = False
+    # Other low-precision dtypes autocast also ran under (a run switching format midway).
+    other_dtypes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

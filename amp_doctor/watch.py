@@ -39,7 +39,14 @@ from amp_doctor import format as F
 from amp_doctor._version import __version__
 from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.devicework import as_own_work, iter_tensors, own_ops
-from amp_doctor.dtypes import FormatLimits, dtype_name, judged_format, limits, parse_dtype
+from amp_doctor.dtypes import (
+    LOW_PRECISION_NAMES,
+    FormatLimits,
+    dtype_name,
+    judged_format,
+    limits,
+    parse_dtype,
+)
 from amp_doctor.errors import AmpDoctorError, UsageError, tensorboard_path_error
 from amp_doctor.hooks.compiled import dynamo_compiled_something
 from amp_doctor.hooks.discovery import (
@@ -868,12 +875,15 @@ class Watch:
         events.extend(self._extra_events)
         events.extend(self._loop_events())
         scaler_on = bool(timeline and timeline.enabled)
+        low = (dtype_name(self._precision.low_dtype())
+               if self._precision.low_precision_seen else None)
         amp = AmpConfig(
             device_type=self._precision.device_type,
-            dtype=dtype_name(self._precision.low_dtype())
-            if self._precision.low_precision_seen else None,
+            dtype=low,
             scaler=scaler_on,
             autocast_seen=self._precision.autocast_seen,
+            other_dtypes=[d for d in self._precision.autocast_dtypes()
+                          if d != low and d in LOW_PRECISION_NAMES] if low else [],
         )
         rm = self._run_meta
         run = RunInfo(

@@ -198,3 +198,21 @@ def test_a_first_forward_that_dies_in_a_float16_op_is_not_called_autocast_inacti
     assert [f.kind for f in s.findings] == ["run_ended_early"], s.findings
     assert s.run.outcome == "exception"
     assert [lay.name for lay in s.layers if lay.output_dtypes] == ["emb"]
+
+
+def test_a_run_that_switches_autocast_dtype_midway_names_both_in_the_header() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for step in range(6):
+            dtype = torch.float16 if step < 4 else torch.bfloat16
+            with torch.autocast("cpu", dtype=dtype):
+                loss = F.cross_entropy(model(torch.randn(8, 16)), torch.zeros(8).long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    assert s.amp.dtype == "float16" and s.amp.other_dtypes == ["bfloat16"]
+    assert ": cpu | float16 autocast (also bfloat16) |" in doctor.report().splitlines()[0]
+    assert amp_doctor.Session.from_json(s.to_json()).amp.other_dtypes == ["bfloat16"]

@@ -434,8 +434,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
         parts = []
         if cal:
             g = cal[0]
-            span = f"{g[0].step}" if len(g) == 1 else f"{g[0].step}-{g[-1].step}"
-            parts.append(f"{len(g)} while calibrating at the start (step{'s' if len(g) > 1 else ''} "
+            span = f"step {g[0].step}" if len(g) == 1 else f"steps {g[0].step}-{g[-1].step}"
+            parts.append(f"{len(g)} while calibrating at the start ("
                          f"{span}, scale {_scale(g[0].scale_before)} -> "
                          f"{_scale(g[-1].scale_after)})")
             for c in cal[1:]:

@@ -53,7 +53,8 @@ _SEV_LABEL = {"error": "ERROR", "warning": "WARN", "info": "info"}
 
 def summary_line(s: Session) -> str:
     amp = s.amp
-    dtype = f"{amp.dtype} autocast" if amp.autocast_seen else (
+    also = f" (also {', '.join(amp.other_dtypes)})" if amp.other_dtypes else ""
+    dtype = f"{amp.dtype} autocast{also}" if amp.autocast_seen else (
         f"{amp.dtype} (no autocast)" if amp.dtype else "no low precision")
     # A run that ended before its first step (raise mode stopping at step 0) may have
     # made a GradScaler it never got to call: none was seen, which is not "none".

@@ -83,6 +83,10 @@ class PrecisionSeen:
         name = max(self._autocast, key=lambda k: self._autocast[k])
         return getattr(torch, name)
 
+    def autocast_dtypes(self) -> list[str]:
+        """Every dtype a root forward ran under autocast with, most used first."""
+        return sorted(self._autocast, key=lambda k: -self._autocast[k])
+
     def scaler_dtype(self) -> torch.dtype | None:
         """The autocast dtype a GradScaler is judged against: float16 if any forward ran
         under float16 autocast (a float16 discriminator beside a bfloat16 generator: the
