@@ -410,6 +410,16 @@ class Watch:
             self._let_go_of_logdir()
         return self.session_
 
+    def _discard(self) -> None:
+        """:meth:`close` without a report: no JSON, and the TensorBoard files this watch
+        made removed (the CLI, for a script that only printed its help)."""
+        self.logdir = None
+        try:
+            self.close()
+        finally:
+            if self._tb is not None:
+                self._tb.discard()
+
     def _let_go_of_logdir(self) -> None:
         release, self._release_logdir = self._release_logdir, None
         if release is not None:

@@ -230,9 +230,11 @@ def test_a_transient_nonfinite_step_that_does_not_come_back_is_reported_unlocate
     assert not [e for e in s.events if e.kind in ("nonfinite_forward", "nonfinite_backward")]
     assert s.scaler is not None and 2 in s.scaler.skipped_steps
     # Not "NaN/Inf was seen in N step(s)": N would be the steps searched, not the skips.
+    # Nor "scaled gradients beyond float16's max": the loss itself was inf (review 42a).
     (f,) = [f for f in s.findings if f.kind == "nonfinite_unlocated"]
     assert f.severity == "info" and f.message.startswith(
-        "The GradScaler skipped steps whose gradients held inf/NaN (first at step 2); ")
+        "The GradScaler skipped steps whose loss was already NaN/inf (first at step 2; ")
+    assert s.findings_of("nonfinite_loss")[0].data["bad_steps"] == [2]
 
 
 class BatchStandardize(nn.Module):

@@ -307,6 +307,17 @@ def test_a_scripts_help_leaves_no_run_folder(work: Path) -> None:
     assert r.returncode == 0 and list((work / "runs").iterdir()) == []
     r = run([AMP_DOCTOR, "diagnose", "--json", "mine/r.json", "cli.py", "--help"], work)
     assert r.returncode == 0 and Session.load(work / "mine" / "r.json").run.exit_code == 0
+    # Most scripts import torch first (review 42b): the watch starts, then the help.
+    shutil.rmtree(work / "runs")
+    (work / "torch_first.py").write_text(
+        "import argparse, torch\nargparse.ArgumentParser(description='trains').parse_args()\n")
+    r = run([AMP_DOCTOR, "diagnose", "torch_first.py", "--help"], work)
+    assert r.returncode == 0 and "trains" in r.stdout, r.stderr
+    assert "printed its help and trained nothing; no report was written" in r.stderr
+    assert not (work / "runs").exists()
+    # Without --help, the same script's run of nothing still gets its report.
+    r = run([AMP_DOCTOR, "diagnose", "torch_first.py"], work)
+    assert r.returncode == 0 and len(list((work / "runs" / "amp-doctor").glob("*/*.json"))) == 1
 
 
 def test_the_scripts_own_excepthook_is_called_as_under_python(work: Path) -> None:

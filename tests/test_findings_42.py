@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -216,3 +218,156 @@ def test_a_run_that_switches_autocast_dtype_midway_names_both_in_the_header() ->
     assert s.amp.dtype == "float16" and s.amp.other_dtypes == ["bfloat16"]
     assert ": cpu | float16 autocast (also bfloat16) |" in doctor.report().splitlines()[0]
     assert amp_doctor.Session.from_json(s.to_json()).amp.other_dtypes == ["bfloat16"]
+
+
+# -- review 42b: regressions of the changes above --------------------------------------
+
+
+class SharedAct(nn.Module):
+    """``self.act`` serves two branches (torchvision's BasicBlock calls its ReLU twice);
+    B overflows float16 from step 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.A, self.B, self.E = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(8, 16)
+        self.D, self.act = nn.Linear(16, 2), nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.B(self.act(self.A(x)))
+        return self.D(g + self.act(self.E(x)))
+
+
+def test_a_module_called_twice_keeps_forward_order_and_the_origin() -> None:
+    """Before: after the shared act's second call, every new layer went right after its
+    first call: E and D before B, and D named where the NaN loss first showed."""
+    torch.manual_seed(0)
+    model = SharedAct()
+    done: list[str] = []
+    for name in ("A", "B", "E", "D", "act"):
+        getattr(model, name).register_forward_hook(
+            lambda m, i, o, name=name: done.append(name) if name not in done else None)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for step in range(6):
+            if step == 3:
+                with torch.no_grad():
+                    model.B.weight.mul_(1e6)
+            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert done == ["A", "act", "B", "E", "D"]  # the first completions, as python saw them
+    s = doctor.session
+    order = [lay.name for lay in sorted(s.layers, key=lambda lay: lay.order)]
+    assert order == ["A", "act", "B", "E", "D", "SharedAct"]
+    (loss_f,) = s.findings_of("nonfinite_loss")
+    assert loss_f.module == "B" and "It first appeared in B's output" in \
+        " ".join(loss_f.message.split())
+
+
+class _Boom(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by 1e6."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g * 1e6
+
+
+class StemMidHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.mid, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, boom: bool) -> torch.Tensor:
+        h = self.stem(x)
+        if boom:
+            h = _Boom.apply(h)
+        return self.head(torch.relu(self.mid(h)))
+
+
+def test_with_two_backward_calls_a_weight_gradient_overflow_is_not_placed_first() -> None:
+    """Accumulation: stem's output gradient goes inf in the first backward; head's and
+    mid's weight gradients alone overflow in the second. Before: "in backward order:
+    head, mid, stem. The first, head, ..." (its first backward's row was used)."""
+    torch.manual_seed(0)
+    model = StemMidHead()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    bad_after: list[list[str]] = []
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            opt.zero_grad()
+            for micro in range(2):
+                x = torch.randn(4, 8) if micro == 0 else torch.randn(4096, 8) * 8
+                y = torch.randint(0, 4, (x.shape[0],))
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x, boom=micro == 0), y, reduction="sum")
+                scaler.scale(loss).backward()
+                bad_after.append([n for n in ("stem", "mid", "head")
+                                  if not torch.isfinite(getattr(model, n).weight.grad).all()])
+            scaler.step(opt)
+            scaler.update()
+    # Independently: after the first backward only stem's gradient is bad; the second
+    # adds mid's and head's.
+    assert bad_after[:2] == [["stem"], ["stem", "mid", "head"]]
+    events = [e for e in doctor.session.scaler.events if e.kind == "backoff"]
+    assert len(events) == 3 and all(e.culprits[0] == "stem" for e in events)
+
+
+class ActionMask(nn.Module):
+    def forward(self, logits: torch.Tensor, legal: torch.Tensor) -> torch.Tensor:
+        return logits.masked_fill(~legal, float("-inf"))
+
+
+class ActorCritic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.pi, self.v = nn.Linear(8, 32), nn.Linear(32, 6), nn.Linear(32, 1)
+        self.mask = ActionMask()
+
+    def forward(self, obs: torch.Tensor, legal: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = torch.relu(self.trunk(obs))
+        return self.mask(self.pi(h), legal), self.v(h)
+
+
+def test_a_mask_before_the_layer_that_made_the_loss_inf_is_not_blamed() -> None:
+    """An action mask holds -inf every step; the value head overflows from step 3 and
+    the loss is inf. Before: the loss's error named the mask, with log(0) advice."""
+    torch.manual_seed(0)
+    model = ActorCritic()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    losses = []
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for step in range(8):
+            if step == 3:
+                with torch.no_grad():
+                    model.v.weight.mul_(1e6)
+            obs, legal = torch.randn(32, 8), torch.rand(32, 6) > 0.3
+            legal[:, 0] = True
+            act, ret = torch.multinomial(legal.float(), 1).squeeze(1), torch.randn(32)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits, value = model(obs, legal)
+                logp = torch.log_softmax(logits.float(), -1).gather(1, act[:, None]).squeeze(1)
+                v = value.squeeze(1).float()
+                loss = -(logp * (ret - v).detach()).mean() + (ret - v).pow(2).mean()
+            losses.append(loss.item())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert all(math.isfinite(v) for v in losses[:3]) and not any(
+        math.isfinite(v) for v in losses[3:])
+    s = doctor.session
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module) for f in errors] == [("nonfinite_loss", "v")], errors
+    assert "log" not in errors[0].advice
+    assert s.findings_of("neg_inf_mask")[0].module == "mask"

@@ -127,6 +127,34 @@ def test_whole_model_torch_save_during_watch_loads_an_unwatched_copy(tmp_path: P
     assert r.returncode == 0 and r.stdout.split() == ["MLP", "0"], r.stderr
 
 
+def test_a_recurrent_models_checkpoint_loads_without_amp_doctor(tmp_path: Path) -> None:
+    # nn.LSTM's RNNBase has its own __getstate__, which does not call nn.Module's: its
+    # checkpoint still named amp_doctor's hooks (review 42b).
+    torch.manual_seed(0)
+    model = nn.LSTM(8, 16, batch_first=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 5, 8))[0].float().square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert _module_hook_count(model) > 0
+        torch.save(model, tmp_path / "lstm.pt")
+    assert doctor.session.recorded_steps == 2
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "amp_doctor.py").write_text("raise ImportError('amp_doctor is not here')\n")
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys, torch; sys.path.insert(0, sys.argv[2]); "
+         "m = torch.load(sys.argv[1], weights_only=False); "
+         "print(type(m).__name__, len(m._forward_hooks) + len(m._forward_pre_hooks))",
+         str(tmp_path / "lstm.pt"), str(blocker)],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["LSTM", "0"], r.stderr
+
+
 class OwnState(nn.Module):
     """A module whose own __getstate__ does not call nn.Module's, and returns its
     __dict__ itself, not a copy."""
@@ -149,13 +177,26 @@ def test_a_copy_of_a_module_with_its_own_getstate_is_unwatched_and_the_original_
     with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
         before = _module_hook_count(model)
         twin = copy.deepcopy(model)
-        assert _module_hook_count(model) == before > 0  # its own hooks are not stripped
-        # Its hooks were copied as inert ones, which remove themselves on first use.
-        hooks = [h for m in twin.modules() for h in (*m._forward_pre_hooks.values(),
-                                                     *m._forward_hooks.values())]
-        assert hooks and all(isinstance(h, Unwatched) for h in hooks)
-        twin(torch.randn(2, 16))
+        # Its own __getstate__ returns its __dict__ itself: the original keeps its hooks.
+        assert _module_hook_count(model) == before > 0
         assert _module_hook_count(twin) == 0
+
+        class Later(OwnState):
+            """Defined once the watch runs: its __getstate__ was not there to patch."""
+
+            def __getstate__(self) -> dict:
+                return dict(self.__dict__)
+
+        later = Later()
+        later.load_state_dict(model.state_dict())
+        with amp_doctor.watch(later, every=1, tensorboard=False):
+            copied = copy.deepcopy(later)
+        # Its hooks were copied as inert ones, which remove themselves on first use.
+        hooks = [h for m in copied.modules() for h in (*m._forward_pre_hooks.values(),
+                                                       *m._forward_hooks.values())]
+        assert hooks and all(isinstance(h, Unwatched) for h in hooks)
+        copied(torch.randn(2, 16))
+        assert _module_hook_count(copied) == 0
         train(model, steps=2)
     assert doctor.session.recorded_steps == 2
     assert {lay.name for lay in doctor.session.layers} >= {"fc"}

@@ -54,7 +54,7 @@ from amp_doctor.analysis.thresholds import (
     SCALED_GRAD_OVERFLOW_INFO_STEPS,
     STUCK_INTERVALS,
 )
-from amp_doctor.records import SEVERITY_RANK, Finding, ScalerTimeline, Session
+from amp_doctor.records import SEVERITY_RANK, Event, Finding, ScalerTimeline, Session
 
 __all__ = [
     "analyze",
@@ -107,6 +107,7 @@ def _masks_are_no_origin(session: Session) -> Session:
     output is a -inf mask (``neg_inf_mask``): a step's first layer to go non-finite
     in the forward pass is read while recording, before a mask can be told from an
     overflow; the backoff is then the gradients' to explain (its culprits)."""
+    session = _loss_not_from_a_mask(session)
     fmt = low_format(session)
     masks = {lay.name for lay in session.layers
              if lay.recorded_steps and neg_inf_mask(lay, fmt, session) is not None}
@@ -119,6 +120,24 @@ def _masks_are_no_origin(session: Session) -> Session:
 
     return replace(session, scaler=clear(session.scaler) if session.scaler else None,
                    other_scalers=[clear(sc) for sc in session.other_scalers])
+
+
+def _loss_not_from_a_mask(session: Session) -> Session:
+    """The session with its NaN/inf loss traced past a -inf mask: a layer whose output
+    held -inf alone in a step whose loss was finite (an attention or action mask) is
+    not where the loss went non-finite, though it is the first layer to hold a
+    non-finite value; the first other one is (or none: it began outside them)."""
+    def past(e: Event) -> Event:
+        if (e.kind != "nonfinite_loss" or e.module is None
+                or e.module not in (e.data.get("masks_beside_finite_loss") or [])):
+            return e
+        to = e.data.get("origin_past_masks")
+        return replace(e, module=to, data={**e.data, "origin": to, "mask_before": e.module})
+
+    events = [past(e) for e in session.events]
+    if all(a is b for a, b in zip(events, session.events, strict=True)):
+        return session
+    return replace(session, events=events)
 
 
 def analyze(session: Session) -> list[Finding]:

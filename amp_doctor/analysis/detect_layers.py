@@ -106,7 +106,9 @@ def loss_reaching_mask(session: Session, module: str) -> LayerSummary | None:
     (:func:`neg_inf_mask`), and it is where the run's NaN/inf loss first showed: then
     the -inf is no harmless mask, but a log of values that underflowed to 0, or a mask
     that reached the loss. The loss's finding says so; no mask finding beside it."""
-    if not any(e.kind == "nonfinite_loss" and e.module == module for e in session.events):
+    if not any(e.kind == "nonfinite_loss" and e.module == module
+               and module not in (e.data.get("masks_beside_finite_loss") or [])
+               for e in session.events):
         return None
     lay = next((x for x in session.layers if x.name == module), None)
     if lay is None or not lay.recorded_steps:

@@ -318,6 +318,14 @@ def _classified(session: Session, backoffs: list[ScalerEvent], growths: list[Sca
     return out
 
 
+def _all_loss_nonfinite(session: Session, backoffs: list[ScalerEvent]) -> bool:
+    """Whether every backoff of ``backoffs`` that was not GradScaler working as designed
+    came in a step whose loss was NaN/inf (and some did)."""
+    normal = normal_backoff_steps(session)
+    rest = [e for e in backoffs if e.step not in normal]
+    return bool(rest) and all(e.loss_nonfinite for e in rest) and _loss_counts(session)
+
+
 def loss_steps_not_skipped(session: Session) -> list[int]:
     """Steps whose loss was NaN/inf that an enabled GradScaler did not skip: their
     gradients were finite (an inf term whose gradient is finite), so a NaN loss does not
@@ -534,9 +542,9 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
                   "skipped": len(sc.skipped_steps), "culprit": top,
                   "origin": top if traced else None,
-                  # Every backoff in a step whose loss was NaN/inf: the loss's doing.
-                  "loss_nonfinite": bool(backoffs) and all(e.loss_nonfinite for e in backoffs)
-                  and _loss_counts(session)},
+                  # Every backoff but GradScaler's own (calibration, probes) in a step whose
+                  # loss was NaN/inf: the loss's doing.
+                  "loss_nonfinite": _all_loss_nonfinite(session, backoffs)},
         )
     gi = sc.growth_interval or DEFAULT_GROWTH_INTERVAL
     if reasons or (sc.growth_factor is not None and sc.growth_factor <= 1):

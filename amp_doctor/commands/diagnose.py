@@ -348,6 +348,14 @@ def _diagnose(
                             finished.append(_finish_unwatched(
                                 exc, command, ranks, run_dir, json_out, report_out,
                                 fail_on, console, why))
+                    elif (throwaway and ranks is None and runner.exit_code(exc) == 0
+                          and HELP_FLAGS.intersection(target.args)
+                          and not watching[0].models and watching[0].step_index == 0):
+                        # The script imported torch, then printed its help and exited.
+                        watching[0]._discard()
+                        console.echo("amp-doctor: the script printed its help and trained "
+                                     "nothing; no report was written.")
+                        finished.append(0)
                     else:
                         finished.append(_finish(watching[0], exc, command, ranks, speaks,
                                                 run_dir, logdir, json_out, report_out,
@@ -623,6 +631,10 @@ def _run_meta(exc: BaseException | None, code: int, command: list[str],
         error = F.error_line(exc)
     return dict(command=command, exit_code=code, outcome=outcome, error=error,
                 rank=ranks[0] if ranks else None, world_size=ranks[1] if ranks else None)
+
+
+# A script's own help options: asked for them, a user wants the help, not a report.
+HELP_FLAGS = frozenset({"-h", "--help"})
 
 
 def _remove_if_empty(made: list[Path]) -> None:

@@ -229,7 +229,11 @@ class _ApiHub:
         self._patch(torch.autograd, "backward", self._wrap_backward)
         self._patch(torch.autograd, "grad", self._wrap_grad)
         self._patch(torch.jit, "script", _wrap_jit_script)
-        self._patch(torch.nn.Module, "__getstate__", _wrap_getstate)
+        # nn.Module's, and each subclass's own that may not call it (LSTM's RNNBase,
+        # LightningModule, DDP): a copy or a checkpoint carries none of amp-doctor's hooks.
+        for cls in dict.fromkeys(_all_subclasses(torch.nn.Module)):
+            if "__getstate__" in vars(cls):
+                self._patch(cls, "__getstate__", _wrap_getstate)
         self._patch(warnings, "warn", _warn_past_wrappers, wrapper=False)
 
     def _uninstall(self) -> None:

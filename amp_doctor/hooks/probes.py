@@ -234,11 +234,13 @@ class Probes:
         self.param_owner: dict[int, str] = {}
         self._root_prefix: dict[int, str] = {}
         # Every recorded layer in forward order (of completion: children before their
-        # parent), and the last one to complete in this step: a layer first seen in a
-        # later step (an MoE expert that got no tokens before) goes where it ran, not
-        # after the model's output.
+        # parent), and the furthest place in it that this step's forward has reached: a
+        # layer first seen in a later step (an MoE expert that got no tokens before) goes
+        # where it ran, not after the model's output. The furthest, not the last layer
+        # done: a module called twice (a block's shared ReLU) is done again at its
+        # first call's place.
         self._forward_seq: list[LayerMeta] = []
-        self._last_done: LayerMeta | None = None
+        self._reached = -1
         # One pre/post hook object per module, reused each time it is armed.
         self._hook_objs: dict[int, tuple[_PreHook, _PostHook]] = {}
         # Tensor hooks of the current step; removed at the step boundary.
@@ -510,7 +512,7 @@ class Probes:
 
     def new_step(self) -> None:
         self._seen.clear()
-        self._last_done = None
+        self._reached = -1
         self._trained_this_step.clear()
         self._step_owners = []
         # Gradient hooks of the step that ended: its backward has run. Removing
@@ -525,10 +527,10 @@ class Probes:
 
     def _place(self, meta: LayerMeta) -> None:
         """Give a layer seen for the first time its place in forward order: right after
-        the layer that completed before it in this step (first if none did), and
+        the furthest layer this step's forward has completed (first if none did), and
         renumber the layers after it."""
         seq = self._forward_seq
-        at = 0 if self._last_done is None else self._last_done.order + 1
+        at = self._reached + 1
         seq.insert(at, meta)
         for i in range(at, len(seq)):
             seq[i].order = i
@@ -651,7 +653,7 @@ class Probes:
         meta = self.layers[name]
         if meta.order < 0:
             self._place(meta)
-        self._last_done = meta
+        self._reached = max(self._reached, meta.order)
         meta.calls += 1
         if meta.root != id(module):
             self._sub_calls[meta.root] = self._sub_calls.get(meta.root, 0) + 1

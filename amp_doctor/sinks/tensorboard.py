@@ -395,6 +395,7 @@ class TensorBoardSink:
             raise
         self._threads = set(threading.enumerate()) - self._before
         self._before = None
+        self._files = set(self.logdir.glob("events.out.tfevents.*")) - files  # its own
         self._writer.add_custom_scalars(LAYOUT)
 
     # -- live ------------------------------------------------------------------------
@@ -594,6 +595,14 @@ class TensorBoardSink:
                 self.error = self.error or f"{type(e).__name__}: {e}"
         if threading.excepthook == self._thread_error:
             threading.excepthook = self._prev_hook
+
+    def discard(self) -> None:
+        """Close, and remove the event files this writer made: a run with nothing to
+        show (a script that printed its help) leaves no empty run for TensorBoard."""
+        self.close()
+        for f in self._files:
+            with contextlib.suppress(OSError):
+                f.unlink()
 
     def _thread_error(self, args: threading.ExceptHookArgs) -> None:
         ours = args.thread in self._threads or (

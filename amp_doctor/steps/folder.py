@@ -31,6 +31,8 @@ from amp_doctor.steps.loop import INPUT_ABSMAX, PLAIN_LOSS_KEY
 from amp_doctor.steps.table import (
     ACT,
     GRAD,
+    MAX,
+    MIN,
     NONFINITE,
     PG,
     StepTable,
@@ -43,6 +45,8 @@ __all__ = ["StepRows", "StepListener", "FoldedStep", "StepFolder", "skip_culprit
 
 # The first steps with a NaN/inf loss kept in its event (whether the scaler skipped them).
 MAX_BAD_STEPS_KEPT = 256
+# Layers named in the NaN/inf loss's event as holding -inf beside a finite loss, at most.
+MAX_MASKS_KEPT = 64
 # The step scalar that holds the scale the loss was multiplied by.
 GRAD_SCALE_KEY = "grad_scale"
 
@@ -84,6 +88,12 @@ class StepFolder:
         # batch itself was non-finite there (a later one's may be the first's doing:
         # weights the bad update made NaN).
         self._loss_origin: tuple[int, str | None, bool] | None = None
+        # ... and that step's first layer to go non-finite other than with -inf alone,
+        # for when the first is a mask (below).
+        self._loss_origin_past_masks: str | None = None
+        # Layers whose output held -inf alone in a recorded step whose loss was finite:
+        # masks, whatever else their figures say; not where a NaN/inf loss came from.
+        self._neg_inf_beside_finite_loss: set[str] = set()
         self._lp_counts = [0.0, 0.0]  # sampled elements with a gradient, unchanged of those
 
     def note_loss(self, step: int, bad: bool) -> None:
@@ -132,8 +142,14 @@ class StepFolder:
         if "loss_bad" in hs.scalars:
             loss_bad = bool(hs.scalars["loss_bad"])
             self.note_loss(step, loss_bad)
-            if loss_bad and self._loss_origin is None:
+            neg_inf_only = set(layers.where((layers.column(ACT, MIN) == -math.inf)
+                                            & (layers.column(ACT, MAX) < math.inf)))
+            if not loss_bad:
+                self._neg_inf_beside_finite_loss.update(neg_inf_only)
+            elif self._loss_origin is None:
                 self._loss_origin = (step, origin, input_bad)
+                if not input_bad:
+                    self._loss_origin_past_masks = self._forward_origin(layers, neg_inf_only)
         if "lp_with_grad" in hs.scalars:
             self._lp_counts[0] += hs.scalars["lp_with_grad"]
             self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
@@ -197,8 +213,10 @@ class StepFolder:
                                        "inf": bool(scalars.get("input_inf")),
                                        "detected": "recorded step"}))
 
-    def _forward_origin(self, layers: StepTable) -> str | None:
-        """The first layer to finish its forward with an overflowed or non-finite output.
+    def _forward_origin(self, layers: StepTable, leave_out: set[str] | None = None
+                        ) -> str | None:
+        """The first layer to finish its forward with an overflowed or non-finite output
+        (not one of ``leave_out``).
 
         Hooks run in completion order (children before parents), so the first
         such layer produced the problem; the ones after it only passed it on.
@@ -209,6 +227,7 @@ class StepFolder:
         bad = [
             n for n in layers.where(layers.flagged((ACT,)))
             if n in metas and (n in went_bad or metas[n].output_dtypes & LOW_PRECISION_NAMES)
+            and not (leave_out and n in leave_out)
         ]
         return min(bad, key=lambda n: metas[n].order) if bad else None
 
@@ -216,10 +235,12 @@ class StepFolder:
         """The step's layers with non-finite gradients, in the order the non-finite ones
         arrived: by each layer's first non-finite output-gradient row (with two
         backward calls, a layer whose first, finite gradient came early is not first).
-        A layer whose weights' gradients alone went non-finite (its output gradients
+        A layer whose weights' gradients alone went non-finite (its output gradient
         stayed finite) made them in its own backward, which ran as its output gradient
         arrived: just after that row (parameter gradients are filed at the step's end,
-        after every output gradient; of two backward calls, the first's).
+        after every output gradient). With several output gradients (two backward calls,
+        a module called twice) which backward made them is not known: such a layer comes
+        after those whose output gradients went non-finite.
         Then by first arrival of any gradient."""
         pg_bad = set(layers.where(layers.column(PG, NONFINITE) > 0))
         bad = layers.where((layers.column(GRAD, NONFINITE) > 0)
@@ -233,7 +254,7 @@ class StepFolder:
             row = first_nonfinite(hs, rows) if rows else None
             if row is not None:
                 first_bad[n] = row
-            elif n in pg_bad and rows:
+            elif n in pg_bad and rows and len(rows) == 1:
                 first_bad[n] = rows[0] + 0.5
         metas = self._layers()
         big = len(hs.backward_order) + len(hs.matrix) + 1
@@ -275,6 +296,9 @@ class StepFolder:
                           "checked": len(self._loss_checked), "steps": steps,
                           "recorded_at": seen[0] if seen else None,
                           "origin": seen[1] if seen else None,
+                          "origin_past_masks": self._loss_origin_past_masks,
+                          "masks_beside_finite_loss": sorted(
+                              self._neg_inf_beside_finite_loss)[:MAX_MASKS_KEPT],
                           "input_bad": seen[2] if seen else False,
                           "anomaly": anomaly,
                           # Bounded: a run-long NaN loss is one finding, not a list.
