@@ -371,3 +371,47 @@ def test_a_mask_before_the_layer_that_made_the_loss_inf_is_not_blamed() -> None:
     assert [(f.kind, f.module) for f in errors] == [("nonfinite_loss", "v")], errors
     assert "log" not in errors[0].advice
     assert s.findings_of("neg_inf_mask")[0].module == "mask"
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock shape: one ReLU module called twice; its second call
+    carries fc2's inf on (review 42c)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.fc1, self.bn1 = nn.Linear(d, d), nn.LayerNorm(d)
+        self.fc2, self.bn2 = nn.Linear(d, d), nn.LayerNorm(d)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.fc2(self.relu(self.bn1(self.fc1(x)))))
+        return self.relu(out + x)
+
+
+def test_a_module_called_twice_is_not_the_origin_of_what_its_second_call_carried() -> None:
+    """Before: "It first appeared in block.relu's output": the ReLU's figures merge its
+    two calls, and its first call came before fc2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), BasicBlock(), nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    first_bad: list[str] = []
+    for name, m in model.named_modules():
+        m.register_forward_hook(
+            lambda m, i, o, name=name: first_bad.append(name)
+            if not torch.isfinite(o).all() and len(first_bad) == 0 else None)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for step in range(5):
+            if step == 3:
+                with torch.no_grad():
+                    model[1].fc2.weight.mul_(1e6)
+            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert first_bad[0] == "1.fc2"
+    errors = [f for f in doctor.session.findings if f.severity == "error"]
+    assert [f.module for f in errors] == ["1.fc2"], errors

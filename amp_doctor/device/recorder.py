@@ -179,7 +179,8 @@ def unpack_host(host: torch.Tensor, buf: StepBuffer) -> HostCopy:
         merge_rows(block[:n_rows], groups, out=block[n_rows : n_rows + len(groups)])
     return HostCopy(buf.step, block[:n_rows], scalars, row_of, list(buf.backward_order),
                     block[: n_rows + len(groups)],
-                    {layer: idx for (layer, fld), idx in buf.assigned.items() if fld == "grad"})
+                    {layer: idx for (layer, fld), idx in buf.assigned.items() if fld == "grad"},
+                    {layer: idx for (layer, fld), idx in buf.assigned.items() if fld == "act"})
 
 
 def merged_count(assigned: dict[tuple[str, str], list[int]]) -> int:
@@ -220,6 +221,9 @@ class HostCopy:
     # Each layer's output-gradient rows of ``matrix``, in arrival order (rows are
     # numbered as tensors were filed: a lower row came earlier in the step).
     grad_rows: dict[str, list[int]] = field(default_factory=dict)
+    # ... and its output rows, one per call in completion order (a module called twice
+    # in the step has two).
+    act_rows: dict[str, list[int]] = field(default_factory=dict)
 
     def merged(self, layer: str, fld: str) -> torch.Tensor | None:
         """One summary row for a layer's field, merging repeated calls (accumulation)."""

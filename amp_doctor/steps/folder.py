@@ -122,7 +122,7 @@ class StepFolder:
         self.aggregates.add(layers)
         for h in hists:
             self.hists.add(h)
-        origin = self._forward_origin(layers)
+        origin = self._forward_origin(hs, layers, fmt, formats)
         input_bad = bool(hs.scalars.get("input_nan") or hs.scalars.get("input_inf"))
         if input_bad:
             # The batch was already non-finite: no layer is the origin.
@@ -149,7 +149,8 @@ class StepFolder:
             elif self._loss_origin is None:
                 self._loss_origin = (step, origin, input_bad)
                 if not input_bad:
-                    self._loss_origin_past_masks = self._forward_origin(layers, neg_inf_only)
+                    self._loss_origin_past_masks = self._forward_origin(
+                        hs, layers, fmt, formats, neg_inf_only)
         if "lp_with_grad" in hs.scalars:
             self._lp_counts[0] += hs.scalars["lp_with_grad"]
             self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
@@ -213,13 +214,17 @@ class StepFolder:
                                        "inf": bool(scalars.get("input_inf")),
                                        "detected": "recorded step"}))
 
-    def _forward_origin(self, layers: StepTable, leave_out: set[str] | None = None
-                        ) -> str | None:
+    def _forward_origin(self, hs: HostCopy, layers: StepTable, fmt: FormatLimits,
+                        formats: Mapping[str, FormatLimits] | None = None,
+                        leave_out: set[str] | None = None) -> str | None:
         """The first layer to finish its forward with an overflowed or non-finite output
         (not one of ``leave_out``).
 
         Hooks run in completion order (children before parents), so the first
-        such layer produced the problem; the ones after it only passed it on.
+        such output produced the problem; the ones after it only passed it on. A layer
+        called several times in the step (a shared activation) is placed by its first
+        call whose output was bad, not by its first call: its second call may only
+        carry on the inf of a layer that ran between the two.
         """
         metas = self._layers()
         nonfinite = layers.column(ACT, NONFINITE) > 0
@@ -229,7 +234,25 @@ class StepFolder:
             if n in metas and (n in went_bad or metas[n].output_dtypes & LOW_PRECISION_NAMES)
             and not (leave_out and n in leave_out)
         ]
-        return min(bad, key=lambda n: metas[n].order) if bad else None
+        if not bad:
+            return None
+        # Each candidate's output rows (one per call; a container shares its child's),
+        # less those of the layers left out (a mask's row, shared by the model's output).
+        masked = {r for n in leave_out or () for r in hs.act_rows.get(n, [])}
+        cells = [(r, n) for n in bad for r in hs.act_rows.get(n, []) if r not in masked]
+        if not cells:
+            return min(bad, key=lambda n: metas[n].order)
+        rows = torch.tensor([r for r, _ in cells], dtype=torch.long)
+        fmax = torch.tensor([(formats or {}).get(n, fmt).max for _, n in cells],
+                            dtype=torch.float64)
+        ext = hs.matrix.index_select(0, rows)[:, MIN:MAX + 1]
+        hit = ((~ext.isfinite()) | (ext.abs() > fmax[:, None])).any(1).tolist()
+        # The earliest bad output, and of the layers it is, the first to finish (the
+        # child, not the container that returned it).
+        found = [(r, metas[n].order, n) for (r, n), h in zip(cells, hit, strict=True) if h]
+        if not found:
+            return min(bad, key=lambda n: metas[n].order)
+        return min(found)[2]
 
     def _culprits(self, hs: HostCopy, layers: StepTable) -> list[str]:
         """The step's layers with non-finite gradients, in the order the non-finite ones
