@@ -290,6 +290,35 @@ def test_a_crash_under_anomaly_mode_shows_no_dispatch_plumbing_in_the_traceback(
         assert internal not in shown, shown
 
 
+def test_a_checkpoint_of_a_scripts_own_module_class_loads_without_amp_doctor(
+        work: Path) -> None:
+    # Under the CLI the watch starts at `import torch`, before the script defines its
+    # classes: one with its own __getstate__ saved whole needed amp_doctor to load
+    # (review 42c).
+    (work / "own.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Own(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.fc = nn.Linear(8, 2)\n"
+        "    def forward(self, x):\n        return self.fc(x)\n"
+        "    def __getstate__(self):\n        return dict(self.__dict__)\n"
+        "if __name__ == '__main__':\n"
+        "    m = Own(); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "    for _ in range(2):\n"
+        "        with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+        "            loss = m(torch.randn(4, 8)).float().sum()\n"
+        "        opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    torch.save(m, 'own.pt')\n")
+    r = run([AMP_DOCTOR, "diagnose", "--logdir", "out", "own.py"], work)
+    assert r.returncode == 0, r.stderr
+    assert Session.load(work / "out" / "amp_doctor.json").steps == 2
+    loader = ("import sys; sys.modules['amp_doctor'] = None; sys.path.insert(0, '.'); "
+              "import torch, own; sys.modules['__main__'].Own = own.Own; "
+              "m = torch.load('own.pt', weights_only=False); "
+              "print(type(m).__name__, len(m._forward_hooks) + len(m.fc._forward_hooks))")
+    r = run([sys.executable, "-c", loader], work)
+    assert r.returncode == 0 and r.stdout.split() == ["Own", "0"], r.stderr
+
+
 def test_a_scripts_help_leaves_no_run_folder(work: Path) -> None:
     # `diagnose train.py --help`: argparse prints and exits 0 before torch is imported.
     # Before: a runs/amp-doctor/<run>/ folder holding a report of nothing (review 40).

@@ -182,16 +182,29 @@ def test_a_copy_of_a_module_with_its_own_getstate_is_unwatched_and_the_original_
         assert _module_hook_count(twin) == 0
 
         class Later(OwnState):
-            """Defined once the watch runs: its __getstate__ was not there to patch."""
+            """Defined once the watch runs, as a script's classes are under the CLI
+            (review 42c: its copies and checkpoints carried the hooks)."""
 
             def __getstate__(self) -> dict:
                 return dict(self.__dict__)
 
-        later = Later()
-        later.load_state_dict(model.state_dict())
-        with amp_doctor.watch(later, every=1, tensorboard=False):
+        class Mixin:
+            def __getstate__(self) -> dict:
+                return dict(self.__dict__)
+
+        class Mixed(Mixin, OwnState):  # a __getstate__ that is none of nn.Module's
+            pass
+
+        later, mixed = Later(), Mixed()
+        with amp_doctor.watch([later, mixed], every=1, tensorboard=False):
+            assert _module_hook_count(later) > 0 and _module_hook_count(mixed) > 0
+            # (local classes do not pickle; a deep copy takes the same __getstate__)
+            assert _module_hook_count(copy.deepcopy(later)) == 0
+            assert _module_hook_count(copy.deepcopy(mixed)) == 0
+            # A __getstate__ set on a class after it was made is not patched: its
+            # copy's hooks are inert ones, which remove themselves on first use.
+            Later.__getstate__ = lambda self: dict(self.__dict__)  # type: ignore[method-assign]
             copied = copy.deepcopy(later)
-        # Its hooks were copied as inert ones, which remove themselves on first use.
         hooks = [h for m in copied.modules() for h in (*m._forward_pre_hooks.values(),
                                                        *m._forward_hooks.values())]
         assert hooks and all(isinstance(h, Unwatched) for h in hooks)

@@ -230,11 +230,28 @@ class _ApiHub:
         self._patch(torch.autograd, "grad", self._wrap_grad)
         self._patch(torch.jit, "script", _wrap_jit_script)
         # nn.Module's, and each subclass's own that may not call it (LSTM's RNNBase,
-        # LightningModule, DDP): a copy or a checkpoint carries none of amp-doctor's hooks.
+        # LightningModule, DDP, a mixin's): a copy or a checkpoint carries none of
+        # amp-doctor's hooks. Also of the classes made while the watch runs: under the
+        # CLI, it starts at `import torch`, before the script defines or imports them.
         for cls in dict.fromkeys(_all_subclasses(torch.nn.Module)):
-            if "__getstate__" in vars(cls):
-                self._patch(cls, "__getstate__", _wrap_getstate)
+            self._cover_getstate(cls)
+        self._patch(torch.nn.Module, "__init_subclass__", self._wrap_init_subclass,
+                    wrapper=False)
         self._patch(warnings, "warn", _warn_past_wrappers, wrapper=False)
+
+    def _cover_getstate(self, cls: type) -> None:
+        """Patch the ``__getstate__`` a module class resolves to, unless it is ours."""
+        if not getattr(getattr(cls, "__getstate__", None), _GETSTATE_MARK, False):
+            self._patch(cls, "__getstate__", _wrap_getstate)
+
+    def _wrap_init_subclass(self, orig: Callable[..., Any]) -> Any:
+        hub = self
+
+        def __init_subclass__(cls: type[torch.nn.Module], **kwargs: Any) -> None:
+            super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            hub._cover_getstate(cls)
+
+        return classmethod(__init_subclass__)
 
     def _uninstall(self) -> None:
         while self._restore:
@@ -480,6 +497,10 @@ def _wrap_jit_script(orig: Callable[..., Any]) -> Callable[..., Any]:
     return script
 
 
+# Set on the patched __getstate__ functions: a class resolving to one is covered.
+_GETSTATE_MARK = "_amp_doctor_leaves_out_its_hooks"
+
+
 def _wrap_getstate(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def __getstate__(self: torch.nn.Module) -> Any:
@@ -492,6 +513,7 @@ def _wrap_getstate(orig: Callable[..., Any]) -> Callable[..., Any]:
             state = state_without_own_hooks(state)
         return state
 
+    setattr(__getstate__, _GETSTATE_MARK, True)
     return __getstate__
 
 

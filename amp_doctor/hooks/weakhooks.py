@@ -97,8 +97,8 @@ def _forward_hook_dicts_of(state: dict[str, Any]) -> Iterator[tuple[str, tuple[s
 
 class Unwatched:
     """What a watched model's hook becomes in a deep copy or an unpickled model, where
-    :func:`state_without_own_hooks` did not leave it out (a module class defined after
-    the watch started, whose own ``__getstate__`` was not there to patch).
+    :func:`state_without_own_hooks` did not leave it out (a ``__getstate__`` assigned to
+    a module class after the watch started, which the patch hub never saw).
 
     It does nothing and, on its first eager call on a module, removes itself from
     it. A copy of a watched model (``copy.deepcopy``, ``AveragedModel``,
