@@ -293,10 +293,14 @@ class StemMidHead(nn.Module):
         return self.head(torch.relu(self.mid(h)))
 
 
-def test_with_two_backward_calls_a_weight_gradient_overflow_is_not_placed_first() -> None:
-    """Accumulation: stem's output gradient goes inf in the first backward; head's and
-    mid's weight gradients alone overflow in the second. Before: "in backward order:
-    head, mid, stem. The first, head, ..." (its first backward's row was used)."""
+@pytest.mark.parametrize("boom_first", [True, False])
+def test_with_two_backward_calls_a_weight_gradient_overflow_is_not_placed_with_certainty(
+        boom_first: bool) -> None:
+    """Accumulation: stem's output gradient goes inf in one backward call; head's and
+    mid's weight gradients alone overflow in the other. Which came first is not known
+    from the step's figures (its parameter gradients are read once, at its end). Review
+    42b: "in backward order: head, mid, stem. The first, head, ..." when stem's came
+    first; review 42c: "stem, head, mid. The first, stem, ..." when it came second."""
     torch.manual_seed(0)
     model = StemMidHead()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
@@ -306,20 +310,27 @@ def test_with_two_backward_calls_a_weight_gradient_overflow_is_not_placed_first(
         for _ in range(3):
             opt.zero_grad()
             for micro in range(2):
-                x = torch.randn(4, 8) if micro == 0 else torch.randn(4096, 8) * 8
+                boom = (micro == 0) == boom_first
+                x = torch.randn(4, 8) if boom else torch.randn(4096, 8) * 8
                 y = torch.randint(0, 4, (x.shape[0],))
                 with torch.autocast("cpu", dtype=torch.float16):
-                    loss = F.cross_entropy(model(x, boom=micro == 0), y, reduction="sum")
+                    loss = F.cross_entropy(model(x, boom=boom), y, reduction="sum")
                 scaler.scale(loss).backward()
                 bad_after.append([n for n in ("stem", "mid", "head")
                                   if not torch.isfinite(getattr(model, n).weight.grad).all()])
             scaler.step(opt)
             scaler.update()
-    # Independently: after the first backward only stem's gradient is bad; the second
-    # adds mid's and head's.
-    assert bad_after[:2] == [["stem"], ["stem", "mid", "head"]]
-    events = [e for e in doctor.session.scaler.events if e.kind == "backoff"]
-    assert len(events) == 3 and all(e.culprits[0] == "stem" for e in events)
+    # Independently: after the first backward only stem's weight gradient is bad, or
+    # all three are (the big batch came first).
+    assert bad_after[0] == (["stem"] if boom_first else ["stem", "mid", "head"])
+    assert bad_after[1] == ["stem", "mid", "head"]
+    (b,) = doctor.session.findings_of("scaler_backoff")
+    text = " ".join(b.message.split())
+    assert "in backward order" not in text and "is where they appeared" not in text
+    assert ("non-finite gradients in 3 layer(s): stem, head, mid. The first with a "
+            "non-finite output gradient is stem; only the weights' gradients of head, mid "
+            "went non-finite, in one of the step's backward calls, so whether they came "
+            "before it is not known") in text
 
 
 class ActionMask(nn.Module):

@@ -238,9 +238,25 @@ def _top_lead(evs: list[ScalerEvent], with_params: set[str]) -> tuple[str | None
     return top, leads.count(top)
 
 
+def unplaced_culprits(session: Session, culprits: list[str]) -> list[str]:
+    """Culprits after the first whose place in backward order is not known: only their
+    weights' gradients went non-finite (never their output gradient), and they ran more
+    than once a step (two backward calls: accumulation), so which backward call made
+    them non-finite, before or after the first culprit's, is not known."""
+    by = {lay.name: lay for lay in session.layers}
+    out = []
+    for n in culprits[1:]:
+        lay = by.get(n)
+        if (lay is not None and lay.param_grad_nonfinite_steps and not lay.grad_nonfinite_steps
+                and lay.calls > lay.recorded_steps):
+            out.append(n)
+    return out
+
+
 def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
                   lead: tuple[str | None, int, int] = (None, 0, 0),
-                  loss_bad: bool = False, every: int = 0) -> str:
+                  loss_bad: bool = False, every: int = 0,
+                  unplaced: list[str] | None = None) -> str:
     if loss_bad and not origin:
         # The loss itself was NaN/inf: the first layer with non-finite gradients is only
         # where it entered the backward pass (the layer the loss is computed from), not
@@ -262,10 +278,16 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
                 "e.g. fused=True, so the gradients were not inspected)")
     else:
         shown = ", ".join(culprits[:6]) + ("..." if len(culprits) > 6 else "")
-        text = (f"; non-finite gradients in {len(culprits)} layer(s), in backward order: "
-                f"{shown}")
+        text = (f"; non-finite gradients in {len(culprits)} layer(s)"
+                + (": " if unplaced and not origin else ", in backward order: ") + shown)
         top, n, total = lead
-        if not origin and (top is None or top == culprits[0]):
+        if not origin and unplaced and (top is None or top == culprits[0]):
+            text += (f". The first with a non-finite output gradient is "
+                     f"{F.layer(culprits[0])}; only the weights' gradients of "
+                     f"{', '.join(unplaced[:4])} went non-finite, in one of the step's "
+                     "backward calls, so whether they came before it is not known: look at "
+                     "each (anomaly mode names the first op)")
+        elif not origin and (top is None or top == culprits[0]):
             text += f". The first, {F.layer(culprits[0])}, is where they appeared: look there"
         elif not origin:
             text += (f". {F.layer(top)} came first in {n} of {total} of these backoffs (the layers "
@@ -424,7 +446,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             step=first.step,
             message=(f"{head}{_skips_per_optimizer(session, steps)}"
                      + _culprit_text(culprits, origin, (top_lead, n_lead, len(evs)),
-                                     loss_bad, session.run.every) + "."),
+                                     loss_bad, session.run.every,
+                                     unplaced_culprits(session, culprits)) + "."),
             advice=ADVICE["nonfinite_loss" if loss_bad and not origin else "scaler_backoff"],
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "scale_before": first.scale_before,
