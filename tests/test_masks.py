@@ -278,3 +278,31 @@ def test_a_log_of_zero_that_makes_the_loss_inf_is_the_losss_error_not_a_mask() -
     assert "the loss scale collapsed to 16" in errors[0].message
     assert not s.findings_of("neg_inf_mask")
     assert s.findings_of("scale_collapse")[0].severity == "info"
+
+
+def test_a_causal_mask_before_a_layer_overflowing_from_the_first_step_is_not_blamed() -> None:
+    """The head overflows float16 from step 0 (a bfloat16-trained model fine-tuned in
+    float16): no step has a finite loss to show the mask beside it. Before: the loss's
+    error named the mask, with log(0) advice (review 42c)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    with torch.no_grad():
+        model.head.weight.mul_(1e5)
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    sc = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    with amp_doctor.watch(model, every=1) as doctor:
+        for _ in range(4):
+            idx = torch.randint(0, 50, (4, 16), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(idx)
+                loss = F.cross_entropy(out.view(-1, 50).float(), idx.roll(-1, 1).view(-1))
+            assert torch.isposinf(out).any() and not math.isfinite(loss.item())
+            opt.zero_grad()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+    s = doctor.session
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [f.module for f in errors] == ["head"], errors
+    assert not any("log of values" in f.message for f in s.findings)

@@ -123,21 +123,33 @@ def _masks_are_no_origin(session: Session) -> Session:
 
 
 def _loss_not_from_a_mask(session: Session) -> Session:
-    """The session with its NaN/inf loss traced past a -inf mask: a layer whose output
-    held -inf alone in a step whose loss was finite (an attention or action mask) is
-    not where the loss went non-finite, though it is the first layer to hold a
-    non-finite value; the first other one is (or none: it began outside them)."""
+    """The session with its NaN/inf loss traced past a -inf mask, the first layer to
+    hold a non-finite value but not where the loss went non-finite: a layer whose output
+    held -inf alone in a step whose loss was finite (an attention or action mask; then
+    the first layer after it that overflowed is the origin, or none: it began outside
+    them), or one followed in the loss's step by a layer that overflowed (+inf: no mask
+    makes that; a model overflowing from its first step gives no finite loss to see the
+    mask beside)."""
     def past(e: Event) -> Event:
-        if (e.kind != "nonfinite_loss" or e.module is None
-                or e.module not in (e.data.get("masks_beside_finite_loss") or [])):
+        if e.kind != "nonfinite_loss" or e.module is None:
             return e
         to = e.data.get("origin_past_masks")
-        return replace(e, module=to, data={**e.data, "origin": to, "mask_before": e.module})
+        if e.module in (e.data.get("masks_beside_finite_loss") or []) or (
+                to is not None and to != e.module and _neg_inf_only(session, e.module)):
+            return replace(e, module=to, data={**e.data, "origin": to,
+                                               "mask_before": e.module})
+        return e
 
     events = [past(e) for e in session.events]
     if all(a is b for a, b in zip(events, session.events, strict=True)):
         return session
     return replace(session, events=events)
+
+
+def _neg_inf_only(session: Session, name: str) -> bool:
+    """Whether the layer's non-finite outputs were -inf alone in every recorded step."""
+    lay = next((x for x in session.layers if x.name == name), None)
+    return lay is not None and 0 < lay.nonfinite_steps == lay.neg_inf_steps
 
 
 def analyze(session: Session) -> list[Finding]:

@@ -88,8 +88,8 @@ class StepFolder:
         # batch itself was non-finite there (a later one's may be the first's doing:
         # weights the bad update made NaN).
         self._loss_origin: tuple[int, str | None, bool] | None = None
-        # ... and that step's first layer to go non-finite other than with -inf alone,
-        # for when the first is a mask (below).
+        # ... and that step's first layer to overflow (+inf, or values past the max),
+        # other than with -inf alone: for when the first is a mask (below).
         self._loss_origin_past_masks: str | None = None
         # Layers whose output held -inf alone in a recorded step whose loss was finite:
         # masks, whatever else their figures say; not where a NaN/inf loss came from.
@@ -150,7 +150,7 @@ class StepFolder:
                 self._loss_origin = (step, origin, input_bad)
                 if not input_bad:
                     self._loss_origin_past_masks = self._forward_origin(
-                        hs, layers, fmt, formats, neg_inf_only)
+                        hs, layers, fmt, formats, neg_inf_only, overflowed=True)
         if "lp_with_grad" in hs.scalars:
             self._lp_counts[0] += hs.scalars["lp_with_grad"]
             self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
@@ -216,9 +216,11 @@ class StepFolder:
 
     def _forward_origin(self, hs: HostCopy, layers: StepTable, fmt: FormatLimits,
                         formats: Mapping[str, FormatLimits] | None = None,
-                        leave_out: set[str] | None = None) -> str | None:
+                        leave_out: set[str] | None = None, overflowed: bool = False
+                        ) -> str | None:
         """The first layer to finish its forward with an overflowed or non-finite output
-        (not one of ``leave_out``).
+        (not one of ``leave_out``; ``overflowed``: one with +inf or finite values beyond
+        its format's max, not only NaN).
 
         Hooks run in completion order (children before parents), so the first
         such output produced the problem; the ones after it only passed it on. A layer
@@ -246,7 +248,9 @@ class StepFolder:
         fmax = torch.tensor([(formats or {}).get(n, fmt).max for _, n in cells],
                             dtype=torch.float64)
         ext = hs.matrix.index_select(0, rows)[:, MIN:MAX + 1]
-        hit = ((~ext.isfinite()) | (ext.abs() > fmax[:, None])).any(1).tolist()
+        beyond = (ext.isfinite() & (ext.abs() > fmax[:, None])).any(1)
+        hit = (((ext[:, 1] == math.inf) | beyond) if overflowed
+               else ((~ext.isfinite()) | (ext.abs() > fmax[:, None])).any(1)).tolist()
         # The earliest bad output, and of the layers it is, the first to finish (the
         # child, not the container that returned it).
         found = [(r, metas[n].order, n) for (r, n), h in zip(cells, hit, strict=True) if h]
