@@ -103,10 +103,11 @@ DETECTORS: list[Callable[[Session], Iterable[Finding]]] = [
 
 
 def _masks_are_no_origin(session: Session) -> Session:
-    """The session with no GradScaler backoff traced to a layer whose only non-finite
-    output is a -inf mask (``neg_inf_mask``): a step's first layer to go non-finite
-    in the forward pass is read while recording, before a mask can be told from an
-    overflow; the backoff is then the gradients' to explain (its culprits)."""
+    """The session with no GradScaler backoff, and no NaN/inf loss
+    (:func:`_loss_not_from_a_mask`), traced to a layer whose only non-finite output is a
+    -inf mask (``neg_inf_mask``): a step's first layer to go non-finite in the forward
+    pass is read while recording, before a mask can be told from an overflow; the
+    backoff is then the gradients' to explain (its culprits)."""
     session = _loss_not_from_a_mask(session)
     fmt = low_format(session)
     masks = {lay.name for lay in session.layers
