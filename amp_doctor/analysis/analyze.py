@@ -31,6 +31,7 @@ from amp_doctor.analysis.detect_layers import (
     autocast_findings,
     layer_findings,
     low_format,
+    neg_inf_alone,
     neg_inf_mask,
     run_findings,
 )
@@ -136,7 +137,8 @@ def _loss_not_from_a_mask(session: Session) -> Session:
             return e
         to = e.data.get("origin_past_masks")
         if e.module in (e.data.get("masks_beside_finite_loss") or []) or (
-                to is not None and to != e.module and _neg_inf_only(session, e.module)):
+                to is not None and to != e.module and any(
+                    lay.name == e.module and neg_inf_alone(lay) for lay in session.layers)):
             return replace(e, module=to, data={**e.data, "origin": to,
                                                "mask_before": e.module})
         return e
@@ -145,12 +147,6 @@ def _loss_not_from_a_mask(session: Session) -> Session:
     if all(a is b for a, b in zip(events, session.events, strict=True)):
         return session
     return replace(session, events=events)
-
-
-def _neg_inf_only(session: Session, name: str) -> bool:
-    """Whether the layer's non-finite outputs were -inf alone in every recorded step."""
-    lay = next((x for x in session.layers if x.name == name), None)
-    return lay is not None and 0 < lay.nonfinite_steps == lay.neg_inf_steps
 
 
 def analyze(session: Session) -> list[Finding]:

@@ -17,7 +17,11 @@ from amp_doctor.analysis.detect_layers import (
     loss_reaching_mask,
     low_format,
 )
-from amp_doctor.analysis.detect_scaler import loss_steps_not_skipped, normal_backoff_steps
+from amp_doctor.analysis.detect_scaler import (
+    loss_bad_steps,
+    loss_steps_not_skipped,
+    normal_backoff_steps,
+)
 from amp_doctor.analysis.messages import event_message, zero_denominator
 from amp_doctor.analysis.thresholds import (
     LOWP_UNCHANGED_WARN,
@@ -119,9 +123,7 @@ def event_findings(session: Session) -> Iterable[Finding]:
         if kind == "nonfinite_loss" and module is not None and module in session.run.models:
             first = dataclasses.replace(first, data={**first.data, "root": True})
         if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):
-            bad = set(next((e.data.get("bad_steps") or [] for e in session.events
-                            if e.kind == "nonfinite_loss"), []))
-            if bad.intersection(first.data.get("steps") or []):
+            if set(loss_bad_steps(session)).intersection(first.data.get("steps") or []):
                 # Not scaled gradients overflowing: the loss itself was NaN/inf there.
                 first = dataclasses.replace(first, data={**first.data, "loss_nonfinite": True})
         if kind == "nonfinite_loss" and module is not None and loss_reaching_mask(

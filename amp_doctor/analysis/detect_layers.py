@@ -81,6 +81,12 @@ def _grads_only_skipped(session: Session, lay: LayerSummary) -> bool:
     return lay.param_grad_nonfinite_steps == 0 and lay.grad_nonfinite_steps <= skips
 
 
+def neg_inf_alone(lay: LayerSummary) -> bool:
+    """Whether the layer's output went non-finite, and with -inf alone (no +inf, no NaN),
+    in every recorded step it did."""
+    return 0 < lay.nonfinite_steps == lay.neg_inf_steps
+
+
 def neg_inf_mask(lay: LayerSummary, fmt: str, session: Session | None = None) -> float | None:
     """The largest finite |output| of a layer whose only non-finite values are a mask's
     -inf, written on purpose (``masked_fill(~legal, -inf)``); None for any other layer.
@@ -93,7 +99,7 @@ def neg_inf_mask(lay: LayerSummary, fmt: str, session: Session | None = None) ->
     256x below the max to beyond it), so that an output overflowing to -inf alone is
     not one.
     """
-    if not (lay.nonfinite_steps and lay.neg_inf_steps == lay.nonfinite_steps):
+    if not neg_inf_alone(lay):
         return None
     if lay.grad_nonfinite_steps and not (
             session is not None and _grads_only_skipped(session, lay)):

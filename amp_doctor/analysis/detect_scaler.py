@@ -348,6 +348,12 @@ def _all_loss_nonfinite(session: Session, backoffs: list[ScalerEvent]) -> bool:
     return bool(rest) and all(e.loss_nonfinite for e in rest) and _loss_counts(session)
 
 
+def loss_bad_steps(session: Session) -> list[int]:
+    """The steps whose loss was NaN/inf (the first ones, as the loss's event keeps them)."""
+    return next((e.data.get("bad_steps") or [] for e in session.events
+                 if e.kind == "nonfinite_loss"), [])
+
+
 def loss_steps_not_skipped(session: Session) -> list[int]:
     """Steps whose loss was NaN/inf that an enabled GradScaler did not skip: their
     gradients were finite (an inf term whose gradient is finite), so a NaN loss does not
@@ -355,8 +361,7 @@ def loss_steps_not_skipped(session: Session) -> list[int]:
     sc = session.scaler
     if sc is None or not sc.enabled:
         return []
-    bad = next((e.data.get("bad_steps") or [] for e in session.events
-                if e.kind == "nonfinite_loss"), [])
+    bad = loss_bad_steps(session)
     skipped = set(sc.skipped_steps)
     return [s for s in bad if s not in skipped]
 

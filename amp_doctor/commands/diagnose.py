@@ -326,6 +326,9 @@ def _diagnose(
                     progress.unwrap_std_streams()
                     progress.clear()
                     failed = hook[0].import_failed if hook else None
+                    # Nothing asked for, nothing to say: a report of nothing in a folder
+                    # nobody named is litter (`diagnose train.py --help`).
+                    litter = throwaway and ranks is None and runner.exit_code(exc) == 0
                     if not watching and failed is not None:
                         finished.append(_finish_unwatched(
                             exc, command, ranks, run_dir, json_out, report_out, fail_on,
@@ -339,17 +342,14 @@ def _diagnose(
                                "nothing to watch. If it starts the training in another "
                                "process (subprocess, a launcher), run amp-doctor on that "
                                "script instead.")
-                        if throwaway and ranks is None and runner.exit_code(exc) == 0:
-                            # `diagnose train.py --help`: a report of nothing, in a folder
-                            # nobody asked for, is litter.
+                        if litter:
                             console.echo(why[:-1] + "; no report was written.")
                             finished.append(0)
                         else:
                             finished.append(_finish_unwatched(
                                 exc, command, ranks, run_dir, json_out, report_out,
                                 fail_on, console, why))
-                    elif (throwaway and ranks is None and runner.exit_code(exc) == 0
-                          and HELP_FLAGS.intersection(target.args)
+                    elif (litter and HELP_FLAGS.intersection(target.args)
                           and not watching[0].models and watching[0].step_index == 0):
                         # The script imported torch, then printed its help and exited.
                         watching[0]._discard()

@@ -242,21 +242,17 @@ class StepFolder:
         # less those of the layers left out (a mask's row, shared by the model's output).
         masked = {r for n in leave_out or () for r in hs.act_rows.get(n, [])}
         cells = [(r, n) for n in bad for r in hs.act_rows.get(n, []) if r not in masked]
-        if not cells:
-            return min(bad, key=lambda n: metas[n].order)
-        rows = torch.tensor([r for r, _ in cells], dtype=torch.long)
+        ext = hs.matrix.index_select(0, torch.tensor([r for r, _ in cells], dtype=torch.long))
+        lo_hi = ext[:, MIN:MAX + 1]
         fmax = torch.tensor([(formats or {}).get(n, fmt).max for _, n in cells],
                             dtype=torch.float64)
-        ext = hs.matrix.index_select(0, rows)[:, MIN:MAX + 1]
-        beyond = (ext.isfinite() & (ext.abs() > fmax[:, None])).any(1)
-        hit = (((ext[:, 1] == math.inf) | beyond) if overflowed
-               else ((~ext.isfinite()) | (ext.abs() > fmax[:, None])).any(1)).tolist()
+        beyond = lo_hi.isfinite() & (lo_hi.abs() > fmax[:, None])
+        hit = ((lo_hi[:, 1] == math.inf) | beyond.any(1) if overflowed
+               else (~lo_hi.isfinite() | beyond).any(1)).tolist()
         # The earliest bad output, and of the layers it is, the first to finish (the
-        # child, not the container that returned it).
+        # child, not the container that returned it); without rows, forward order.
         found = [(r, metas[n].order, n) for (r, n), h in zip(cells, hit, strict=True) if h]
-        if not found:
-            return min(bad, key=lambda n: metas[n].order)
-        return min(found)[2]
+        return min(found)[2] if found else min(bad, key=lambda n: metas[n].order)
 
     def _culprits(self, hs: HostCopy, layers: StepTable) -> list[str]:
         """The step's layers with non-finite gradients, in the order the non-finite ones
