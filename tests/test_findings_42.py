@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -56,15 +58,18 @@ class Net(nn.Module):
         return self.head(self.moe(F.relu(self.inp(x))))
 
 
-def _train(model: Net, anomaly: bool = False, steps: int = 6,
-           every: int = 1) -> amp_doctor.Session:
-    torch.manual_seed(1)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+def _classify(model: nn.Module, steps: int, shape: tuple[int, int, int],
+              before: Callable[[int], None] = lambda step: None, lr: float = 1e-3,
+              **watch: Any) -> amp_doctor.Session:
+    """The seed recipe on random (batch, features, classes) ``shape`` batches, in float16
+    with a GradScaler, under a watch; ``before(step)`` runs first in each step."""
+    batch, features, classes = shape
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler("cpu")
-    with amp_doctor.watch(model, every=every, anomaly=anomaly, tensorboard=False) as doctor:
+    with amp_doctor.watch(model, tensorboard=False, **watch) as doctor:
         for step in range(steps):
-            model.moe.step = step
-            x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+            before(step)
+            x, y = torch.randn(batch, features), torch.randint(0, classes, (batch,))
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
@@ -72,6 +77,13 @@ def _train(model: Net, anomaly: bool = False, steps: int = 6,
             scaler.step(opt)
             scaler.update()
     return doctor.session
+
+
+def _train(model: Net, anomaly: bool = False, steps: int = 6,
+           every: int = 1) -> amp_doctor.Session:
+    torch.manual_seed(1)
+    return _classify(model, steps, (6, 8, 3), lambda step: setattr(model.moe, "step", step),
+                     lr=1e-2, every=every, anomaly=anomaly)
 
 
 def test_an_expert_first_seen_in_a_later_step_takes_its_place_in_forward_order() -> None:
@@ -246,27 +258,22 @@ def test_a_module_called_twice_keeps_forward_order_and_the_origin() -> None:
     for name in ("A", "B", "E", "D", "act"):
         getattr(model, name).register_forward_hook(
             lambda m, i, o, name=name: done.append(name) if name not in done else None)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
-        for step in range(6):
-            if step == 3:
-                with torch.no_grad():
-                    model.B.weight.mul_(1e6)
-            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+    s = _classify(model, 6, (16, 8, 2), _blow_up_at(3, model.B), every=1)
     assert done == ["A", "act", "B", "E", "D"]  # the first completions, as python saw them
-    s = doctor.session
     order = [lay.name for lay in sorted(s.layers, key=lambda lay: lay.order)]
     assert order == ["A", "act", "B", "E", "D", "SharedAct"]
     (loss_f,) = s.findings_of("nonfinite_loss")
     assert loss_f.module == "B" and "It first appeared in B's output" in \
         " ".join(loss_f.message.split())
+
+
+def _blow_up_at(step: int, layer: nn.Linear) -> Callable[[int], None]:
+    """Multiply ``layer``'s weights by 1e6 at ``step``: it overflows float16 from then on."""
+    def before(i: int) -> None:
+        if i == step:
+            with torch.no_grad():
+                layer.weight.mul_(1e6)
+    return before
 
 
 class _Boom(torch.autograd.Function):
@@ -404,25 +411,12 @@ def test_a_module_called_twice_is_not_the_origin_of_what_its_second_call_carried
     two calls, and its first call came before fc2."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), BasicBlock(), nn.Linear(32, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
     first_bad: list[str] = []
     for name, m in model.named_modules():
         m.register_forward_hook(
             lambda m, i, o, name=name: first_bad.append(name)
             if not torch.isfinite(o).all() and len(first_bad) == 0 else None)
-    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
-        for step in range(5):
-            if step == 3:
-                with torch.no_grad():
-                    model[1].fc2.weight.mul_(1e6)
-            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+    s = _classify(model, 5, (16, 8, 2), _blow_up_at(3, model[1].fc2), every=1)
     assert first_bad[0] == "1.fc2"
-    errors = [f for f in doctor.session.findings if f.severity == "error"]
+    errors = [f for f in s.findings if f.severity == "error"]
     assert [f.module for f in errors] == ["1.fc2"], errors
