@@ -81,9 +81,17 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
     errors = [f for f in out if f.severity == "error" and f.kind in ROOT_KINDS
               and id(f) not in backward_of]
 
+    # Layers whose non-finite output anomaly mode saw come from an op that ran before
+    # them (an op in their parent's own code: ``self.proj(h * scale)``), in the step it
+    # searched: the op's finding holds them, however their statistics rank them.
+    carried_from = {name: e for e in errors if e.kind == "nonfinite_forward" and e.op
+                    for name in e.data.get("carriers") or ()}
+
     def root_for_module(module: str | None) -> Finding | None:
         if module is None:
             return None
+        if module in carried_from:
+            return carried_from[module]
         for f in errors:
             if f.module == module:
                 return f
@@ -102,11 +110,12 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
         # A headroom warning on a layer that carried the NaN on is one too: its absmax
         # was read off the histogram of a NaN-laden output (the top bin's upper edge).
         if (f.kind == "activation_overflow" and f.op is None and lay is not None
-                and lay.overflow_origin_steps == 0 and (
+                and (lay.overflow_origin_steps == 0 or lay.name in carried_from) and (
                     f.severity == "error"
                     or (f.severity == "warning" and lay.nonfinite_steps > 0))):
             before = [o for o in origin_layers if o.order < lay.order]
-            root = root_for_module(before[-1].name) if before else None
+            root = carried_from.get(lay.name) or (
+                root_for_module(before[-1].name) if before else None)
             if root is None:
                 root = next((e for e in errors if e.kind in ("nonfinite_input",
                                                              "nonfinite_forward")), None)

@@ -509,5 +509,9 @@ def _nonfinite_forward(a: MessageArgs) -> str:
     elif inputs_held_inf(d):
         tail = (" An inf came in (a -inf mask, or an inf passed on), and this op made "
                 "NaN of it (inf - inf, 0 * inf)." + tail)
+    own = d.get("later_origins") or []
+    after = ("every op after it only passed it on" if not own else
+             "later in that step an op in " + ", ".join(F.layer(m) for m in own)
+             + " made NaN/inf from finite inputs too (a separate origin)")
     return (f"{e.op} {_where(e)} was the first op to produce {nonfinite_what(d)}"
-            f"{_op_range(d)}, {_op_steps(a)}; every op after it only passed it on.{tail}")
+            f"{_op_range(d)}, {_op_steps(a)}; {after}.{tail}")

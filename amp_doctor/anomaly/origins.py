@@ -155,11 +155,34 @@ def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, tor
 
 
 class _Needs(NamedTuple):
-    """The summary indices an event reports: the op's outputs and inputs, its module's."""
+    """The summary indices an event reports: the op's outputs and inputs, its module's,
+    and the outputs of the later module calls that may have carried its values on."""
 
     outs: list[int]
     ins: list[int]
     call: list[int]
+    later: list[int]
+
+
+def _in_subtree(module: str | None, top: str) -> bool:
+    return module is not None and (module == top or module.startswith(top + "."))
+
+
+def _later_calls(w: OpWindow, i: int, flagged: list[int]) -> tuple[list[ModuleCall], list[str]]:
+    """The module calls of forward origin ``i``'s step that ended after it, before any
+    later origin of that step, and do not hold it (so a non-finite output of theirs can
+    only have come from it); and the modules whose own op made NaN/inf later in that step
+    (independent origins: the report keeps only a step's first)."""
+    entries = w.entries
+    step = entries[i].step
+    end = next((j for j in range(i + 1, len(entries)) if entries[j].step != step), len(entries))
+    later = [j for j in flagged if i < j < end and entries[j].kind == "forward"]
+    calls = [c for c in w.calls
+             if i < c.end <= end and not _in_subtree(entries[i].module, c.name)
+             and not any(j < c.end for j in later)]
+    own = list(dict.fromkeys(m for j in later if (m := entries[j].module) is not None
+                             and m != entries[i].module))
+    return calls, own
 
 
 def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
@@ -205,21 +228,31 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
     # One host copy for everything the chosen events report: their outputs, their
     # inputs and, in the forward pass, the output of the module they ran in.
     needs: list[_Needs] = []
+    later: list[tuple[list[ModuleCall], list[str]]] = []
     for i in chosen:
         e = w.entries[i]
         call = _module_call(w, e.module, i) if e.kind == "forward" else None
-        needs.append(_Needs(e.outs, e.ins, call.outs if call is not None else []))
+        after = _later_calls(w, i, idx) if e.kind == "forward" else ([], [])
+        later.append(after)
+        needs.append(_Needs(e.outs, e.ins, call.outs if call is not None else [],
+                            [j for c in after[0] for j in c.outs]))
     wanted = [j for need in needs for part in need for j in part]
     host = rows[torch.tensor(wanted, dtype=torch.long, device=rows.device)].cpu()
     count_sync()
     first: Event | None = None
     pos = 0
-    for i, (key, members), need in zip(chosen, groups.items(), needs, strict=False):
+    for i, (key, members), need, (calls, own) in zip(chosen, groups.items(), needs, later,
+                                                      strict=False):
         parts = []
         for part in need:
             parts.append(host[pos:pos + len(part)])
             pos += len(part)
-        ev = _event_for(w.entries[i], *parts)
+        ev = _event_for(w.entries[i], *parts[:3])
+        carriers = _carriers(calls, parts[3])
+        if carriers:
+            ev.data["carriers"] = carriers
+        if own:
+            ev.data["later_origins"] = own[:MAX_ORIGINS_PER_CHECK]
         # An overflow its module's output hid keeps its kind unless nothing went non-finite
         # after it: its own backward is where its harm shows (a cube inside a GELU).
         if key[3] == 2 or (key[3] and ev.kind == "nonfinite_forward"):
@@ -263,6 +296,19 @@ def _event_for(e: OpEntry, o: torch.Tensor, x: torch.Tensor, call: torch.Tensor)
             data["hidden"] = True
     frame = data["frames"][0] if data["frames"] else None
     return Event(kind=kind, step=e.step, module=e.module, op=e.op, frame=frame, data=data)
+
+
+def _carriers(calls: list[ModuleCall], rows: torch.Tensor) -> list[str]:
+    """The modules among ``calls`` (see :func:`_later_calls`) whose output was non-finite:
+    they only carried the origin's values on, in the step it was found in."""
+    names: dict[str, None] = {}
+    pos = 0
+    for c in calls:
+        part = rows[pos:pos + len(c.outs)]
+        pos += len(c.outs)
+        if not bool(torch.isfinite(part).all()):
+            names[c.name] = None
+    return list(names)
 
 
 def _module_call(w: OpWindow, module: str | None, i: int) -> ModuleCall | None:
