@@ -287,6 +287,7 @@ class Watch:
                     backward_done=self._on_backward_done,
                     optimizer_done=self._on_optimizer_done,
                     scaled_grads=self._loop.note_scaled_grads,
+                    grads_taken=self._on_grads_taken,
                     root_params=lambda: [list(m.parameters())
                                          for m in self._set.models.values()]),
                 autocast_dtype=self._precision.scaler_dtype,
@@ -695,6 +696,17 @@ class Watch:
             # Only where no optimizer or scaler ends the steps: does this backward
             # reach the watched parameters (a training step), or another model's?
             self._loop.backward_done(roots, self._owns, self._set.first_grad)
+
+    def _on_grads_taken(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        """``torch.autograd.grad(loss, params)``: where no optimizer or scaler ends the
+        steps and it took the watched weights' gradients, a training step's backward (a
+        loop that updates them by hand: ``p -= lr * g``). One for the inputs of a
+        gradient penalty, or inside a step an optimizer ends, is none."""
+        if not self._implicit_candidate() or not any(self._owns(p) for p in inputs):
+            return
+        self._on_backward(outputs)
+        self._on_backward_done(outputs)
+        self._loop.grads_taken([p for p in inputs if self._owns(p)])
 
     def _implicit_candidate(self) -> bool:
         """No optimizer step, scaler update or ``doctor.step()`` ends the steps."""

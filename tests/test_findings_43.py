@@ -93,3 +93,79 @@ def test_a_child_that_overflowed_by_itself_after_the_op_stays_an_error() -> None
     assert "every op after it only passed it on" not in err.message
     # D carried B's inf, not the multiply's.
     assert s.findings_of("activation_overflow")[0].data["also_affected"] == ["D"]
+
+
+def _manual_sgd(model: nn.Module, steps: int, **watch: Any) -> tuple[amp_doctor.Session,
+                                                                     list[float]]:
+    """A loop with no optimizer and no ``.grad``: ``torch.autograd.grad`` of the loss with
+    respect to the weights, then ``p -= lr * g`` by hand (meta-learning code, textbooks)."""
+    params = list(model.parameters())
+    losses = []
+    with amp_doctor.watch(model, tensorboard=False, **watch) as doctor:
+        for _ in range(steps):
+            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), y)
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                for p, g in zip(params, grads, strict=True):
+                    p -= 0.1 * g
+            losses.append(loss.item())
+    return doctor.session, losses
+
+
+def test_a_loop_that_updates_from_autograd_grad_by_hand_counts_its_steps() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    s, _ = _manual_sgd(model, 6, every=2)
+    assert (s.steps, s.recorded_steps) == (6, 3)
+    assert not s.findings_of("no_step_boundary")
+    assert [r.step for r in s.history] == [0, 2, 4]
+    # The activation gradients of each recorded step were filed.
+    assert s.layer("2").grad_absmax is not None and s.layer("2").grad_absmax > 0
+    assert s.findings_of("steps_from_backward")
+
+
+def test_gradients_of_a_penalty_on_the_inputs_do_not_end_a_step() -> None:
+    """A gradient penalty takes ``autograd.grad`` of the inputs, not of the weights: the
+    loop's optimizer ends each step, once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with amp_doctor.watch(model, tensorboard=False, every=1) as doctor:
+        for _ in range(4):
+            x = torch.randn(16, 8, requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            loss = out.float().mean() + 0.1 * gx.float().pow(2).sum(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert (doctor.session.steps, doctor.session.recorded_steps) == (4, 4)
+    assert not doctor.session.findings_of("steps_from_backward")
+
+
+def test_watching_a_hand_written_update_leaves_its_numerics_bit_identical() -> None:
+    def run(watched: bool) -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+        if watched:
+            _, losses = _manual_sgd(model, 5, every=1, anomaly=True)
+        else:
+            params = list(model.parameters())
+            losses = []
+            for _ in range(5):
+                x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x), y)
+                grads = torch.autograd.grad(loss, params)
+                with torch.no_grad():
+                    for p, g in zip(params, grads, strict=True):
+                        p -= 0.1 * g
+                losses.append(loss.item())
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    plain, watched = run(False), run(True)
+    assert plain[0] == watched[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1], strict=True))

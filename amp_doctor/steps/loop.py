@@ -49,7 +49,7 @@ class LoopSignals:
         # A backward of this step reached the watched parameters.
         self.backward_reached = False
         # A parameter's gradient and weight versions after the last backward.
-        self._sentinel: tuple[torch.Tensor, int, int, int] | None = None
+        self._sentinel: tuple[torch.Tensor, int | None, int | None, int] | None = None
         # Sampled low-precision parameter elements before the update: (param, sample
         # index, values, element had a gradient, its gradient was finite).
         self._lp_snap: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -174,6 +174,12 @@ class LoopSignals:
             self._sentinel = None if q is None or q.grad is None else (
                 q, id(q.grad), q.grad._version, q._version)
 
+    def grads_taken(self, params: list[torch.Tensor]) -> None:
+        """``torch.autograd.grad`` took these watched weights' gradients: the step ends
+        once the loop changed them (a hand-written ``p -= lr * g`` under no_grad)."""
+        self.backward_reached = True
+        self._sentinel = (params[0], None, None, params[0]._version)
+
     def updated(self) -> bool:
         """Since the last backward, did the loop update the weights or reset the grads?
 
@@ -184,6 +190,8 @@ class LoopSignals:
         if sn is None:
             return False
         p, gid, gver, pver = sn
+        if gid is None:  # gradients taken by torch.autograd.grad: only the weights tell
+            return p._version != pver
         g = p.grad
         return g is None or id(g) != gid or g._version != gver or p._version != pver
 

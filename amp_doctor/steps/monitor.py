@@ -60,6 +60,9 @@ class LoopCallbacks:
     optimizer_done: Callable[[Params], None]
     # torch.autograd.grad of a scaled output returned these (still scaled) gradients.
     scaled_grads: Callable[[Params], None]
+    # torch.autograd.grad(outputs, inputs) returned (a loop that updates by hand from
+    # these gradients has no .grad, no optimizer and no backward() to end its steps).
+    grads_taken: Callable[[Params, Params], None]
     # The watched root models' parameters, one list per root.
     root_params: Callable[[], list[Params]]
 
@@ -366,6 +369,9 @@ class AmpMonitor:
 
     def on_scaled_grads(self, grads: Any) -> None:
         self._cb.scaled_grads(list(iter_tensors(grads)))
+
+    def on_grads_taken(self, outputs: Any, inputs: Any) -> None:
+        self._cb.grads_taken(list(iter_tensors(outputs)), list(iter_tensors(inputs)))
 
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None:
         ts = list(iter_tensors(tensors))
