@@ -168,6 +168,10 @@ class ScalerEvent:
     # The step's loss was already NaN/inf (the trouble began in the forward pass), when
     # known: read in the same host copy that names the culprits.
     loss_nonfinite: bool | None = None
+    # A recorded step: its culprits are every layer with non-finite gradients in the order
+    # they arrived. An unrecorded one's are the layers with parameters, in reverse forward
+    # order (their gradients' flags, read once at the skip).
+    recorded: bool = False
 
 
 @dataclass(frozen=True)

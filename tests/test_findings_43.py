@@ -169,3 +169,53 @@ def test_watching_a_hand_written_update_leaves_its_numerics_bit_identical() -> N
     plain, watched = run(False), run(True)
     assert plain[0] == watched[0]
     assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1], strict=True))
+
+
+class TiedLM(nn.Module):
+    """An embedding, an MLP block and an output head whose weight is the embedding's
+    (weight tying, as in GPT-2): the head owns no parameter of its own."""
+
+    def __init__(self, vocab: int = 11, d: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        return self.head(x + self.c_proj(self.gelu(self.c_fc(x))))
+
+
+def test_backoff_culprits_follow_a_recorded_steps_backward_order() -> None:
+    """The first backoffs were not recorded (their culprits: the layers with parameters,
+    in reverse forward order); a later recorded one saw every layer's gradient arrive.
+    The culprit list takes the recorded order: the model's output and the tied head
+    first, the GELU between the two Linears around it."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, every=5) as doctor:
+        for step in range(8):
+            if step == 3:
+                with torch.no_grad():
+                    model.c_fc.weight.mul_(1e5)
+            idx = torch.randint(0, 11, (4, 8))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None
+    assert [e.step for e in s.scaler.events if e.kind == "backoff"] == [3, 4, 5, 6, 7]
+    assert [e.recorded for e in s.scaler.events] == [False, False, True, False, False]
+    (backoff,) = s.findings_of("scaler_backoff")
+    culprits = backoff.data["culprits"]
+    assert set(culprits[:2]) == {"TiedLM", "head"}  # one gradient: the model's output
+    assert culprits.index("c_proj") < culprits.index("gelu") < culprits.index("c_fc")
+    assert culprits.index("c_fc") < culprits.index("wte")

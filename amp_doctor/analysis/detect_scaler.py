@@ -42,12 +42,13 @@ def _scale(x: float | None) -> str:
 
 
 def _culprits_of(group: list[ScalerEvent]) -> list[str]:
-    out: list[str] = []
-    for e in group:
-        for c in e.culprits:
-            if c not in out:
-                out.append(c)
-    return out
+    """Every culprit of the group once: a recorded step's first, in the order its gradients
+    arrived (layers without parameters too: an unrecorded step's list holds only the layers
+    with parameters, in reverse forward order), then the others'."""
+    out: dict[str, None] = {}
+    for e in sorted(group, key=lambda e: not e.recorded):
+        out.update(dict.fromkeys(e.culprits))
+    return list(out)
 
 
 def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[ScalerEvent],

@@ -292,7 +292,8 @@ class ScaleTimeline:
         after = _nan(out.scale_after)
         if out.backoff:
             self._event(step, "backoff", before, after, culprits=culprits,
-                        forward_origin=forward_origin, loss_nonfinite=loss_nonfinite)
+                        forward_origin=forward_origin, loss_nonfinite=loss_nonfinite,
+                        recorded=recorded)
         if out.growth:
             self._event(step, "growth", before, after)
 
