@@ -179,6 +179,9 @@ def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
     """
     known: dict[int, tuple[str, str]] = {}
     op_modules = {m for m, _ in origins.values()}
+    # Layers the op search saw only carry an op's inf on (self.B(h * 1e5): B).
+    carried_from = {c: ev.module for ev in session.events if ev.kind == "nonfinite_forward"
+                    and ev.module for c in ev.data.get("carriers") or ()}
     for e in backoffs:
         if e.step in origins:
             known[e.step] = (origins[e.step][0], "anomaly")
@@ -186,8 +189,9 @@ def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
             # A child of a module where anomaly mode found the op, in a step it did not
             # search (its cool-down): the inf its parent's own code made, passed on. One
             # origin, not a second backoff finding of its own.
-            parent = max((m for m in op_modules if e.forward_origin.startswith(m + ".")),
-                         key=len, default=None)
+            parent = carried_from.get(e.forward_origin) or max(
+                (m for m in op_modules if e.forward_origin.startswith(m + ".")),
+                key=len, default=None)
             known[e.step] = (parent or e.forward_origin, "recorded")
     with_params = {lay.name for lay in session.layers if lay.param_dtypes}
     refs = [(set(e.culprits), known[e.step][0]) for e in backoffs
