@@ -60,7 +60,7 @@ from amp_doctor.hooks.discovery import (
     unwrap,
 )
 from amp_doctor.hooks.patching import Subscription, in_closure_step, subscribe
-from amp_doctor.hooks.probes import COMPILED_NOTE, Probes
+from amp_doctor.hooks.probes import COMPILED_NOTE, Probes, own_params
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
 from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir, reused_run_note
 from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
@@ -678,7 +678,7 @@ class Watch:
                 meta = probes.layers.get(name) if name else None
                 if meta is None:
                     continue
-                meta.params = list(mod.parameters(recurse=False))
+                meta.params = own_params(mod)
                 for q in meta.params:
                     probes.param_owner.setdefault(id(q), name)  # type: ignore[arg-type]
 

@@ -219,3 +219,32 @@ def test_backoff_culprits_follow_a_recorded_steps_backward_order() -> None:
     assert set(culprits[:2]) == {"TiedLM", "head"}  # one gradient: the model's output
     assert culprits.index("c_proj") < culprits.index("gelu") < culprits.index("c_fc")
     assert culprits.index("c_fc") < culprits.index("wte")
+
+
+def test_a_weights_parametrization_is_part_of_its_layer_not_a_layer() -> None:
+    """weight_norm and spectral_norm (a GAN discriminator's) compute a layer's weight: the
+    parametrization modules are not layers, and their parameters' gradients are the
+    parametrized layer's; one added during the watch is left out too."""
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(8, 32)), nn.ReLU(), nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, every=1) as doctor:
+        for step in range(3):
+            if step == 1:
+                spectral_norm(model[2])
+            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert [lay.name for lay in s.layers] == ["0", "1", "2", "Sequential"]
+    assert s.layer("0").type == "ParametrizedLinear"
+    assert s.layer("0").param_dtypes == ["float32"]
+    assert s.layer("0").param_grad_absmax is not None and s.layer("0").param_grad_absmax > 0
+    assert s.layer("2").param_grad_absmax is not None

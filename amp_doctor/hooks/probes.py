@@ -29,7 +29,10 @@ Design choices that keep the cost low and the user's run untouched:
   per (layer, kind) in an ``unsummarized`` event, without a host sync;
 * tensor hooks live in ``RemovableHandle`` objects that are removed at the
   next step boundary: a module returning one of its own parameters does not
-  pile up hooks on it.
+  pile up hooks on it;
+* the modules of a parametrization (``weight_norm``, ``spectral_norm``,
+  ``register_parametrization``) compute a layer's weight, not an activation: they
+  are not layers, and their parameters are the parametrized layer's.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from amp_doctor.hooks.weakhooks import Unwatched, WeakHook
 from amp_doctor.records import Event
 
 __all__ = ["LayerMeta", "Probes", "Unwatched", "unsummarizable",
-           "run_eagerly_when_called_by_dynamo", "COMPILED_NOTE"]
+           "run_eagerly_when_called_by_dynamo", "COMPILED_NOTE", "own_params"]
 
 # Deeply nested outputs are rare and walking them is pure overhead.
 MAX_TENSORS_PER_OUTPUT = 64
@@ -145,6 +148,31 @@ class LayerMeta:
     qual: str = ""
     # Calls whose output was the very tensor a sublayer returned (a container).
     passthrough_calls: int = 0
+
+
+# The attribute torch.nn.utils.parametrize keeps a parametrized module's parametrizations
+# in (a ModuleDict of ParametrizationList modules).
+_PARAMETRIZATIONS = "parametrizations"
+
+
+def own_params(mod: nn.Module) -> list[nn.Parameter]:
+    """The parameters a layer's name stands for: its own, and those of its
+    parametrizations (``weight_norm``'s ``original0``/``original1``)."""
+    params = list(mod.parameters(recurse=False))
+    if torch.nn.utils.parametrize.is_parametrized(mod):
+        params += list(getattr(mod, _PARAMETRIZATIONS).parameters())
+    return params
+
+
+def _parametrization_parts(model: nn.Module) -> tuple[str, ...]:
+    """The qualified names of ``model``'s parametrization subtrees."""
+    return tuple(".".join(q for q in (qual, _PARAMETRIZATIONS) if q)
+                 for qual, mod in model.named_modules()
+                 if torch.nn.utils.parametrize.is_parametrized(mod))
+
+
+def _within(qual: str, tops: tuple[str, ...]) -> bool:
+    return any(qual == t or qual.startswith(t + ".") for t in tops)
 
 
 def _first_tensors(obj: Any) -> list[torch.Tensor]:
@@ -267,13 +295,14 @@ class Probes:
             return False
         self._roots.add(id(model))
         self._root_prefix[id(model)] = prefix
+        parts = _parametrization_parts(model)
         for qual, mod in model.named_modules():
-            if id(mod) in self._names:
-                continue  # shared submodule: first name wins
+            if id(mod) in self._names or _within(qual, parts):
+                continue  # shared submodule: first name wins; a weight's parametrization
             name = self._layer_name(prefix, qual, mod)
             meta = LayerMeta(name=name, type=type(mod).__name__, order=-1, root=id(model),
                              qual=qual)
-            meta.params = list(mod.parameters(recurse=False))
+            meta.params = own_params(mod)
             meta.param_dtypes = {dtype_name(p.dtype) for p in meta.params}
             for p in meta.params:
                 self.param_owner.setdefault(id(p), name)
@@ -295,13 +324,18 @@ class Probes:
         if pname is None or id(new) in self._names:
             return
         pmeta = self.layers[pname]
+        if name == _PARAMETRIZATIONS and isinstance(new, nn.ModuleDict):
+            # register_parametrization (weight_norm) on a watched layer: what it adds
+            # computes the layer's weight; its parameters are read at the next boundary.
+            return
         old = parent._modules.get(name)
         if old is not None:
             self._forget_subtree(old)
         base = ".".join(q for q in (pmeta.qual, name) if q)
         prefix = self._root_prefix.get(pmeta.root, "")
+        parts = tuple(".".join(q for q in (base, p) if q) for p in _parametrization_parts(new))
         for qual, mod in new.named_modules(prefix=base):
-            if id(mod) in self._names:
+            if id(mod) in self._names or _within(qual, parts):
                 continue  # shared with a watched module: first name wins
             lname = self._layer_name(prefix, qual, mod)
             meta = self.layers.get(lname)
@@ -309,7 +343,7 @@ class Probes:
                 meta = self.layers[lname] = LayerMeta(
                     name=lname, type=type(mod).__name__, order=-1, root=pmeta.root, qual=qual)
             meta.type = type(mod).__name__
-            meta.params = list(mod.parameters(recurse=False))
+            meta.params = own_params(mod)
             meta.param_dtypes = {dtype_name(p.dtype) for p in meta.params}
             for p in meta.params:
                 self.param_owner[id(p)] = lname
