@@ -248,3 +248,32 @@ def test_a_weights_parametrization_is_part_of_its_layer_not_a_layer() -> None:
     assert s.layer("0").param_dtypes == ["float32"]
     assert s.layer("0").param_grad_absmax is not None and s.layer("0").param_grad_absmax > 0
     assert s.layer("2").param_grad_absmax is not None
+
+
+def test_a_shallow_copy_of_a_watched_model_shares_its_hook_dicts_as_unwatched() -> None:
+    """``copy.copy(module)`` shares the original's hook dicts: a hook registered on the
+    copy runs for the original too. Watching must not change that; the copy is not
+    watched itself, and the watch's hooks leave both at its end."""
+    import copy
+
+    def check(watched: bool) -> tuple[bool, int, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2))
+        doctor = amp_doctor.watch(model, tensorboard=False, every=1) if watched else None
+        twin = copy.copy(model)
+        calls: list[int] = []
+        twin.register_forward_hook(lambda *a: calls.append(1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(3, 2)).float().sum() + twin(torch.randn(3, 2)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if doctor is not None:
+            s = doctor.close()
+            assert [lay.name for lay in s.layers] == ["0", "1", "2", "Sequential"]
+            assert s.steps == 2
+        return twin._forward_hooks is model._forward_hooks, len(calls), len(model._forward_hooks)
+
+    assert check(True) == check(False) == (True, 4, 1)

@@ -35,6 +35,7 @@ checkpointing running backward inside backward are one call to the subscribers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import signal
@@ -503,12 +504,22 @@ def _wrap_jit_script(orig: Callable[..., Any]) -> Callable[..., Any]:
 _GETSTATE_MARK = "_amp_doctor_leaves_out_its_hooks"
 
 
+# copy.copy calls __reduce_ex__, whose C code calls __getstate__: copy.copy's frame is the
+# caller's. (copy.deepcopy and pickle's callers are other frames.)
+_SHALLOW_COPY = copy.copy.__code__
+
+
 def _wrap_getstate(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def __getstate__(self: torch.nn.Module) -> Any:
         # A copy or a checkpoint of a watched model: without amp-doctor's hooks, so that
         # torch.save(model) loads where amp_doctor is not installed.
         state = orig(self)
+        if sys._getframe(1).f_code is _SHALLOW_COPY:
+            # copy.copy(model) shares the original's hook dicts, as it does unwatched (a
+            # hook registered on the copy is the original's too); amp-doctor's hooks do
+            # nothing for the copy, which is not a watched module.
+            return state
         if isinstance(state, dict):
             if state is self.__dict__:  # a subclass's own __getstate__, not a copy
                 state = dict(state)
