@@ -181,7 +181,7 @@ def test_the_backward_of_sqrt_at_zero_is_the_one_error_with_the_backoffs_folded_
     assert f.frame is not None and f.frame.startswith(f"{THIS_FILE}:{_line_of('SQRT_LINE')}")
     assert "Its denominator was exactly 0" in f.message
     assert "GradScaler backed off" in f.message  # the backoffs folded in
-    assert "torch.sqrt(x + eps)" in f.advice and "do not help" in f.advice
+    assert "torch.sqrt(x + eps)" in f.advice and "does not help" in f.advice
 
 
 def test_a_learning_rate_spike_is_told_to_be_a_divergence_not_a_precision_problem() -> None:

@@ -9,6 +9,7 @@ itself after the op (its own op made inf from finite inputs) stays an error.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -277,3 +278,141 @@ def test_a_shallow_copy_of_a_watched_model_shares_its_hook_dicts_as_unwatched() 
         return twin._forward_hooks is model._forward_hooks, len(calls), len(model._forward_hooks)
 
     assert check(True) == check(False) == (True, 4, 1)
+
+
+class BertLayerNorm(nn.Module):
+    """The hand-written layer norm of early BERT code, with eps=1e-12 (0 in float16)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+        self.eps = 1e-12
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = x.mean(-1, keepdim=True)
+        s = (x - u).pow(2).mean(-1, keepdim=True)
+        return self.weight * (x - u) / torch.sqrt(s + self.eps) + self.bias
+
+
+def test_a_float16_division_by_an_underflowed_zero_is_not_called_format_independent() -> None:
+    """Padding rows are all 0, so their variance is 0, and eps=1e-12 is 0 in float16:
+    sqrt(0) divides. In float32 (or bfloat16) the epsilon keeps the denominator above 0,
+    so "float32 and bfloat16 would make inf too" was false."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), BertLayerNorm(16), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, anomaly=True, every=1) as doctor:
+        for _ in range(3):
+            x = torch.randn(8, 8)
+            x[4:] = 0  # padding rows
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = F.cross_entropy(out.float(), torch.randint(0, 3, (8,)))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    back = [f for f in s.findings if f.kind == "nonfinite_backward"]
+    assert back and back[0].data["input_dtypes"] == ["float32", "float16"]
+    assert "exactly 0 in float16" in back[0].message
+    assert "would make inf too" not in back[0].message
+    assert "does not help" not in back[0].advice and "do not help" not in back[0].advice
+    assert ">= 1e-5" in back[0].advice
+
+
+class CLIP(nn.Module):
+    """Contrastive image-text model whose embeddings are not L2-normalised: its logits come
+    near float16's max, and the backward of the similarity matmul overflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img = nn.Sequential(nn.Linear(96, 128), nn.GELU(), nn.Linear(128, 64))
+        self.txt = nn.Sequential(nn.Linear(80, 128), nn.GELU(), nn.Linear(128, 64))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.01)))
+
+    def forward(self, im: torch.Tensor, tx: torch.Tensor) -> torch.Tensor:
+        return self.logit_scale.exp() * self.img(im) @ self.txt(tx).t()
+
+
+def _clip_run(steps: int, **watch: Any) -> amp_doctor.Session:
+    torch.manual_seed(0)
+    model = CLIP()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    w = torch.randn(96, 80) / 10
+    with amp_doctor.watch(model, tensorboard=False, **watch) as doctor:
+        for _ in range(steps):
+            im = 14 * torch.randn(64, 96)
+            tx = im @ w + torch.randn(64, 80)
+            y = torch.arange(64)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(im, tx)
+                loss = (F.cross_entropy(logits, y) + F.cross_entropy(logits.t(), y)) / 2
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+def test_recorded_backoffs_whose_gradients_leave_the_origin_out_are_not_inferred_to_it() -> None:
+    """Every step recorded: the first backoffs begin in the backward of CLIP's similarity
+    matmul (anomaly mode saw step 0); later ones (8-11) in the encoders' weight gradients,
+    with CLIP's own parameter's gradient finite. They were "inferred" to CLIP, and called
+    unrecorded steps to record with every=1, which the run had."""
+    s = _clip_run(14, anomaly=True, every=1)
+    assert s.scaler is not None
+    late = [e for e in s.scaler.events if e.kind == "backoff" and "CLIP" not in e.culprits]
+    assert late and all(e.recorded for e in late)
+    (collapse,) = s.findings_of("scale_collapse")
+    assert collapse.severity == "error" and collapse.module == "CLIP"
+    n = len([e for e in s.scaler.events if e.kind == "backoff"])
+    assert f"started at CLIP in {n - len(late)} of {n} backoffs" in collapse.message
+    assert f"{len(late)} recorded backoff(s)" in collapse.message
+    assert "had no forward origin" in collapse.message
+    assert "every=1" not in collapse.message
+    # The backoffs' own finding is the collapse's detail, not a second warning.
+    assert [f.severity for f in s.findings_of("scaler_backoff")] == ["info"]
+
+
+class QKVAttention(nn.Module):
+    """Unscaled attention on q, k, v split from one projection (a UNet's attention block)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        w = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+        return self.out((w @ v).mean(1))
+
+
+def test_a_matmul_overflow_gets_matmul_advice_and_each_inputs_own_range() -> None:
+    """q and k are views of one qkv tensor: each had the whole tensor's range in the report.
+    And a matmul was advised about log(softmax) and divisions."""
+    torch.manual_seed(0)
+    model = QKVAttention()
+    with torch.no_grad():
+        model.qkv.weight[:16].mul_(2e4)  # q alone: q @ k^T overflows float16
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, anomaly=True, every=1) as doctor:
+        for _ in range(2):
+            x = torch.randn(4, 8, 16)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x).float(), torch.randint(0, 3, (4,)))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    (f,) = [f for f in doctor.session.findings if f.severity == "error"]
+    assert (f.kind, f.op) == ("nonfinite_forward", "aten.bmm")
+    q_range, k_range = f.data["input_ranges"]
+    assert max(map(abs, q_range)) > 20 * max(map(abs, k_range))
+    assert "scaled_dot_product_attention" in f.advice
+    assert "log_softmax" not in f.advice and "epsilon" not in f.advice

@@ -12,7 +12,12 @@ import re
 from dataclasses import replace
 
 from amp_doctor import format as F
-from amp_doctor.analysis.messages import SOFTMAX_OPS, inputs_held_inf, zero_denominator
+from amp_doctor.analysis.messages import (
+    SOFTMAX_OPS,
+    denominator_dtype,
+    inputs_held_inf,
+    zero_denominator,
+)
 from amp_doctor.analysis.thresholds import DIVERGED_INPUT_ABSMAX
 from amp_doctor.records import Event, Finding
 
@@ -310,8 +315,20 @@ OP_ADVICE: dict[str, str] = {
                   "in float32",
     "aten.pow": "compute the power in float32: `torch.pow(x.float(), p)` inside "
                 "`with torch.autocast(device_type, enabled=False):`",
-    "aten.exp": "subtract the max before exp (or use `torch.softmax`/`logsumexp`), or compute "
-                "it in float32",
+    "aten.exp": "compute it in float32 (`torch.exp(x.float())`; float16's exp overflows "
+                "past x = 11.1); an exp of a log-variance (a VAE's KL term) also wants its "
+                "input clamped (`logvar.clamp(max=...)`), a softmax-like one the max "
+                "subtracted (`torch.softmax`, `torch.logsumexp`)",
+    # Reductions: a float16 accumulator overflows at 65504.
+    **dict.fromkeys(("aten.sum", "aten.mean", "aten.cumsum", "aten.prod"),
+                    "accumulate in float32: `x.sum(dtype=torch.float32)` or `x.float().sum()`"
+                    " (float16 holds no sum beyond 65504), or keep the values summed small"),
+    # Products: each output sums many products of the inputs.
+    **dict.fromkeys(("aten.mm", "aten.bmm", "aten.matmul", "aten.addmm", "aten.baddbmm",
+                     "aten.mv", "aten.einsum"),
+                    "scale an input down before the product (attention: `q * d**-0.5` before "
+                    "`q @ k.transpose(-2, -1)`, or `F.scaled_dot_product_attention`; a "
+                    "similarity matrix: `F.normalize` the embeddings first)"),
     # autocast's cast of a float32 input: the values were beyond the format before it.
     "aten._to_copy": "the values it cast were beyond the format's max already: normalise or "
                      "clip them where they are made (the data, if this is the model's first "
@@ -384,8 +401,9 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
         return (ADVICE_BF16 if weights == ["bfloat16"] else ADVICE)["lowp_updates_lost"]
     if e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix:
         where = f" in {F.layer(e.module)}" if e.module else ""
-        f32 = ("" if "autocast" in op_fix else " Or keep the op in float32 with `with "
-               "torch.autocast(device_type, enabled=False):` around it and `.float()` inputs.")
+        f32 = ("" if "autocast" in op_fix or "in float32" in op_fix else " Or keep the op in "
+               "float32 with `with torch.autocast(device_type, enabled=False):` around it and "
+               "`.float()` inputs.")
         return (f"For {e.op}{where}: {op_fix}.{f32}"
                 + ("" if bf16 else " Or train with `dtype=torch.bfloat16`."))
     if (e.kind in ("nonfinite_forward", "nonfinite_backward") and not op_fix
@@ -405,11 +423,25 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "norm is not finite.")
     if e.kind == "nonfinite_backward" and zero_denominator(e.op, e.data):
         node = str(e.data.get("node") or "")
+        fwd = e.data.get("forward_op")
+        if denominator_dtype(e.data) == "float16":
+            # The 0 may be float16's own: a value below its smallest subnormal (6e-8), such
+            # as a softmax probability or an epsilon of 1e-12, is 0 there.
+            log = (", use `torch.log_softmax` instead of `softmax(...).log()`"
+                   if str(fwd).startswith("aten.log") else "")
+            return (f"A division by exactly 0 in float16 in the backward of {fwd}: the "
+                    "denominator is the forward op's input, and in float16 it may be a value "
+                    "that underflowed to 0 (a float16 softmax's small probabilities, an "
+                    "epsilon such as 1e-12, which float16 rounds to 0). Compute that input and "
+                    "the op in float32 (`with torch.autocast(device_type, enabled=False):` "
+                    f"and `.float()`){log}, or use an epsilon float16 holds (>= 1e-5) and "
+                    "clamp the input away from 0 (`x.clamp_min(eps)`); bfloat16 keeps such "
+                    "small values too.")
         what = ("the gradient of sqrt at 0 is infinite: take `torch.sqrt(x + eps)` or "
                 "`x.clamp_min(eps).sqrt()`" if node.startswith("Sqrt") else
                 "add an epsilon to the denominator, or clamp it away from 0, before the op")
-        return (f"A division by exactly 0 in the backward of {e.data.get('forward_op')}: "
-                f"{what}. float32 and bfloat16 do not help here.")
+        return (f"A division by exactly 0 in the backward of {fwd}: {what}. A wider "
+                "format does not help here: the 0 is not an underflow of a narrow one.")
     if e.kind == "nonfinite_backward" and not e.module:
         return ("The gradient went non-finite where the loss is computed, outside the model: "
                 "keep the loss O(1) (a mean rather than a sum reduction, targets normalised "

@@ -201,10 +201,33 @@ def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
             continue
         mine = set(e.culprits)
         for theirs, where in refs:
-            if mine <= theirs and 2 * len(mine) >= len(theirs & with_params):
+            # Not a layer with parameters that this step's gradients leave out: the origin's
+            # own gradients go non-finite with everything downstream of it.
+            if (mine <= theirs and 2 * len(mine) >= len(theirs & with_params)
+                    and (where in mine or where not in with_params)):
                 known[e.step] = (where, "inferred")
                 break
     return known
+
+
+def _untraced_text(backoffs: list[ScalerEvent], known: dict[int, tuple[str, str]]) -> str:
+    """The backoffs no origin was found for: unrecorded ones want ``every=1``; a recorded
+    one's gradients went non-finite where no forward output did (in a backward)."""
+    lost = [e for e in backoffs if e.step not in known]
+    if not lost:
+        return ""
+    recorded = [e for e in lost if e.recorded]
+    out = ""
+    if recorded:
+        leads = list(dict.fromkeys(e.culprits[0] for e in recorded if e.culprits))
+        out += (f"; {len(recorded)} recorded backoff(s) (steps "
+                f"{F.steps_list([e.step for e in recorded])}) had no forward origin: their "
+                "gradients went non-finite in the backward pass"
+                + (f", first in {', '.join(leads[:3])}" if leads else ""))
+    if len(lost) > len(recorded):
+        out += (f"; {len(lost) - len(recorded)} backoff(s) on unrecorded steps could not be "
+                "traced (record every step with `every=1` to see them)")
+    return out
 
 
 def _lead(e: ScalerEvent, with_params: set[str]) -> str | None:
@@ -551,7 +574,6 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             hows = [known[e.step][1] for e in backoffs if e.step in known
                     and known[e.step][0] == top]
             seen_n = sum(h != "inferred" for h in hows)
-            untraced = len(backoffs) - len(traced)
             where = (f"; the non-finite values started at {top} in {len(hows)} of "
                      f"{len(backoffs)} backoffs ({seen_n} seen in that step"
                      + (f", {len(hows) - seen_n} inferred for "
@@ -559,8 +581,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                         + " steps whose gradients went non-finite in the same layers"
                         if len(hows) > seen_n
                         else "") + ")"
-                     + (f"; {untraced} backoff(s) on unrecorded steps could not be traced "
-                        "(record every step with `every=1` to see them)" if untraced else ""))
+                     + _untraced_text(backoffs, known))
         else:
             top, n_top = _top_lead(backoffs, with_params)
             where = (f"; the first layer with non-finite gradients was {top} in "

@@ -233,7 +233,20 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                 extra += (" " if extra else "") + "Consequences: " + "; ".join(cons) + "."
             f = _with(f, extra=extra, also_affected=names, consequences=cons)
         result.append(f)
-    return result
+    return _backoffs_of_the_collapse(result)
+
+
+def _backoffs_of_the_collapse(out: list[Finding]) -> list[Finding]:
+    """A backoff finding whose steps are all the collapse's is that error's detail (its
+    culprits in backward order, per optimizer), not a second warning: info."""
+    collapse = next((f for f in out if f.kind == "scale_collapse" and f.severity == "error"),
+                    None)
+    if collapse is None:
+        return out
+    steps = set(_steps_of(collapse))
+    return [_with(f, "info", follow_on_of=collapse.module or collapse.kind)
+            if f.kind == "scaler_backoff" and f.severity in ("error", "warning")
+            and set(_steps_of(f)) <= steps else f for f in out]
 
 
 # What a NaN in the weights makes next: outputs, loss, gradients, skipped steps.

@@ -360,6 +360,12 @@ def inputs_held_inf(d: dict[str, object]) -> bool:
 DIVISION_OPS = ("aten.div", "aten.div_", "aten.true_divide")
 
 
+def denominator_dtype(d: dict[str, object]) -> object:
+    """A division's denominator's dtype (the op's output's when its inputs' are unknown)."""
+    dtypes = d.get("input_dtypes")
+    return dtypes[1] if isinstance(dtypes, list) and len(dtypes) > 1 else d.get("dtype")
+
+
 def zero_denominator(op: str | None, d: dict[str, object]) -> bool:
     """A division whose denominator held an exact 0 (its min or max is 0): the inf it
     made is x/0, not a value grown past the format's max. The backward of ``sqrt`` at
@@ -471,8 +477,13 @@ def _nonfinite_backward(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
     of = (f"the backward of {d.get('forward_op')} {_where(e)}" if d.get("forward_op")
           else f"a backward {_where(e)}")
-    zero = (" Its denominator was exactly 0: a division by zero, which float32 or "
-            "bfloat16 would make inf too, not an overflow." if zero_denominator(e.op, d) else "")
+    zero = ""
+    if zero_denominator(e.op, d):
+        zero = (" Its denominator was exactly 0 in float16: a value that may have underflowed "
+                "to 0 there (float16 holds nothing below 6e-8), not an overflow."
+                if denominator_dtype(d) == "float16" else
+                " Its denominator was exactly 0: a division by zero, which float32 or "
+                "bfloat16 would make inf too, not an overflow.")
     return (f"In the backward pass, {e.op} (part of {d.get('node')}, {of}) produced "
             f"{nonfinite_what(d)}{_op_range(d)}, "
             f"{_op_steps(a)}. This is the first backward op to go non-finite; the layers "

@@ -73,6 +73,9 @@ class _Cached(NamedTuple):
         return self.ref() is t and not t.is_inference() and self.version == t._version
 
 
+_DIVISIONS = frozenset({"aten.div", "aten.div_", "aten.true_divide"})
+
+
 class _PreOp(NamedTuple):
     """What :meth:`OpRecorder._before` learnt of an op's inputs, for :meth:`_after`."""
 
@@ -82,6 +85,9 @@ class _PreOp(NamedTuple):
     allowed: bool  # never an origin (an infinity came in as a constant; uninitialized)
     args: tuple[Any, ...] | None  # a view's arguments: it shares its base's summary
     step: int
+    # A division's input dtypes: a float16 denominator of exactly 0 may be an underflow
+    # (eps=1e-12 is 0 there), a float32 one is not.
+    in_dtypes: tuple[str, ...] = ()
 
 
 class _ToTag(NamedTuple):
@@ -237,7 +243,9 @@ class OpRecorder:
             elif isinstance(a, float) and not math.isfinite(a):
                 constant_inf = True
         allowed = constant_inf or name in _UNINITIALIZED
-        return _PreOp(name, ins, False, allowed, None, step)
+        in_dtypes = (tuple(dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor))
+                     if name in _DIVISIONS else ())
+        return _PreOp(name, ins, False, allowed, None, step, in_dtypes)
 
     def _after(self, pre: _PreOp, out: Any) -> None:
         name = pre.name
@@ -277,16 +285,18 @@ class OpRecorder:
             return
         self.add(OpEntry(kind=kind, op=name, module=module, step=pre.step, dtype=dtype,
                          outs=summaries, ins=pre.ins, frames=frames, node=node_name,
-                         forward_op=fwd_op))
+                         forward_op=fwd_op, in_dtypes=pre.in_dtypes))
 
     def _after_view(self, pre: _PreOp, outs: list[torch.Tensor], forward: bool) -> None:
-        # Same values as the viewed tensor: share its summary, record nothing.
+        # Same values as the viewed tensor: share its summary, record nothing. A part of it
+        # (q, k and v split from one qkv) gets its own range when an op reads it: the
+        # report gives each input's range.
         args = pre.args
         base = args[0] if args and isinstance(args[0], torch.Tensor) else None
         known = self._cache.get(id(base)) if base is not None else None
         if base is not None and known is not None and known.valid_for(base):
             for t in outs:
-                if not t.is_inference():
+                if not t.is_inference() and t.numel() == base.numel():
                     self._cache[id(t)] = known._replace(version=t._version, ref=weakref.ref(t))
         if forward and torch.is_grad_enabled():
             self._to_tag = _ToTag(outs, OpTag(self._module_of(), pre.name, ()))

@@ -56,6 +56,7 @@ class OpEntry:
     frames: tuple[Frame, ...]
     node: str | None = None
     forward_op: str | None = None
+    in_dtypes: tuple[str, ...] = ()  # a division's input dtypes
 
 
 @dataclass(slots=True)
@@ -274,6 +275,8 @@ def _event_for(e: OpEntry, o: torch.Tensor, x: torch.Tensor, call: torch.Tensor)
         "dtype": e.dtype, "nan": has_nan, "pos_inf": has_pos_inf, "neg_inf": has_neg_inf,
         "frames": format_frames(e.frames),
     }
+    if e.in_dtypes:
+        data["input_dtypes"] = list(e.in_dtypes)
     if len(x):
         lo, hi = float(x[:, 0].min()), float(x[:, 1].max())
         data.update(input_min=lo, input_max=hi, input_absmax=max(abs(lo), abs(hi)))
