@@ -150,6 +150,9 @@ class LayerSummary:
     neg_inf_steps: int = 0
     # Multi-process runs: the rank whose figures these are (the worst one).
     worst_rank: int | None = None
+    # Its output was (part of) the watched model's output, so its output gradient is the
+    # loss's gradient (times the GradScaler's scale).
+    model_output: bool = False
     ops: dict[str, dict[str, int]] = field(default_factory=dict)  # op -> dtype -> count
     act_exp_hist: list[int] = field(default_factory=list)  # summed float32-exponent bins
     grad_exp_hist: list[int] = field(default_factory=list)

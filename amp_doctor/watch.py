@@ -833,7 +833,7 @@ class Watch:
             input_module = self._loop.input_module
             flags = self._loop.end_step()
             if loss_bad is not None:
-                self._folder.note_loss(step, loss_bad)
+                self._folder.note_loss(step, loss_bad, skipped)
             origin = None
             if buf is not None:
                 for key, flag in flags.items():
@@ -933,7 +933,11 @@ class Watch:
 
     def _loop_events(self) -> list[Event]:
         """What the loop itself showed: NaN losses, how steps were counted, frozen weights."""
-        out = self._folder.loss_events(self.step_index, anomaly=self._anomaly is not None)
+        # The exact count costs a sync: only in a run whose loss went NaN/inf.
+        total = self._loop.loss_bad_total() if self._folder.any_loss_bad else None
+        out = self._folder.loss_events(
+            self.step_index, anomaly=self._anomaly is not None,
+            counted=None if total is None else (total, self._loop.loss_steps))
         mon = self._monitor
         metas = self._probes.layers.values() if self._probes else []
         if (self._probes is not None and (self.step_index or self._loop.backward)

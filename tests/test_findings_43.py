@@ -416,3 +416,55 @@ def test_a_matmul_overflow_gets_matmul_advice_and_each_inputs_own_range() -> Non
     assert max(map(abs, q_range)) > 20 * max(map(abs, k_range))
     assert "scaled_dot_product_attention" in f.advice
     assert "log_softmax" not in f.advice and "epsilon" not in f.advice
+
+
+def test_a_collapse_from_a_loss_too_large_for_float16_blames_the_loss_not_the_output_layer(
+) -> None:
+    """Regression targets in the tens of thousands and a summed squared error: the loss's
+    gradient at the model's output, times the scale, is beyond float16, so the scale falls
+    to about 1. The first non-finite gradient is the output layer's, and "run it in float32"
+    only moved the overflow to the layer before it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, every=4) as doctor:
+        for _ in range(24):
+            x = torch.randn(32, 8)
+            y = 2e4 + 1e3 * x[:, :1]
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = F.mse_loss(out.float(), y, reduction="sum")
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.layer("2").model_output and not s.layer("0").model_output
+    (collapse,) = s.findings_of("scale_collapse")
+    assert collapse.severity == "error" and collapse.module == "2"
+    assert "the loss is too large for float16, not 2" in collapse.message
+    assert collapse.advice.startswith("Keep the loss O(1)")
+    assert [f.kind for f in s.findings if f.severity == "error"] == ["scale_collapse"]
+
+
+def test_nan_losses_of_unrecorded_steps_are_counted_without_a_sync_of_their_own() -> None:
+    """An inf term whose gradient is 0 (nothing skips the step) in steps 1, 2, 4, 5 and 7,
+    recorded every 4th step: only step 4's was seen, and the report said "1 of the 3
+    steps checked". The device counts every step's loss; the run reads it once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    bad = {1, 2, 4, 5, 7}
+    with amp_doctor.watch(model, tensorboard=False, every=4) as doctor:
+        for step in range(12):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(torch.randn(8, 8))
+            loss = out.float().pow(2).mean() + (math.inf if step in bad else 0.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = doctor.session.findings_of("nonfinite_loss")
+    assert (f.data["steps_bad"], f.data["checked"], f.step) == (5, 12, 4)
+    assert "in 5 of the 12 steps with a loss (12 steps in all), first seen at step 4" in \
+        f.message

@@ -395,8 +395,10 @@ def test_nan_loss_from_a_fully_masked_row_is_always_a_finding() -> None:
     s = doctor.session
     f = s.findings_of("nonfinite_loss")[0]
     assert f.severity == "error" and f.module is None
-    # Checked on the recorded steps (0 and 2), from their one host copy each.
-    assert (f.data["steps_bad"], f.data["checked"], f.step) == (2, 2, 0)
+    # Seen on the recorded steps (0 and 2), from their one host copy each; counted on the
+    # device in every step (all 4 were NaN), read once at the end.
+    assert (f.data["steps_bad"], f.data["checked"], f.step) == (4, 4, 0)
+    assert f.data["every_step"] and "in 4 of the 4 steps with a loss" in f.message
     assert "outside the watched layers' outputs" in f.message
     assert "looks healthy" not in doctor.report()
 

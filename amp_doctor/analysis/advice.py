@@ -116,6 +116,12 @@ ADVICE: dict[str, str] = {
         "use bfloat16); do not just lower `init_scale`. If the model was trained in bf16, "
         "fine-tune it in bf16 (`dtype=torch.bfloat16`) rather than float16."
     ),
+    "scale_collapse_loss_gradient": (
+        "Keep the loss O(1): normalise the data and targets to unit scale, take a mean rather "
+        "than a sum over elements, or divide the loss by its typical size before "
+        "`scaler.scale(loss)`. Running the output layer in float32 only moves the overflow to "
+        "the layer before it: every gradient the model gets is the loss's."
+    ),
     "scale_stuck": (
         "The scale cannot grow because some scaled gradient keeps reaching float16's max. "
         "Look at the layer named in the message (least gradient headroom, or first culprit): "

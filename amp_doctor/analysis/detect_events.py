@@ -138,10 +138,15 @@ def event_findings(session: Session) -> Iterable[Finding]:
             first = dataclasses.replace(first, data={
                 **first.data, "advice": ADVICE["scaled_backward_probe"]})
         if kind == "nonfinite_loss":
-            unskipped = loss_steps_not_skipped(session)
+            unskipped = len(loss_steps_not_skipped(session))
+            d = first.data
+            if unskipped and d.get("every_step") and session.scaler is not None:
+                # Every step's loss was counted: the bad ones the scaler did not skip.
+                unskipped = max(unskipped, int(d.get("steps_bad") or 0)
+                                - int(d.get("bad_skipped") or 0))
             if unskipped:
                 first = dataclasses.replace(first, data={
-                    **first.data, "unskipped": len(unskipped),
+                    **first.data, "unskipped": unskipped,
                     "advice": ADVICE["nonfinite_loss_finite_grads"]})
         yield Finding(
             kind=kind, severity=_severity(session, kind, es, n), module=module, op=op,

@@ -210,6 +210,24 @@ def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
     return known
 
 
+def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
+                            ) -> tuple[str, str] | None:
+    """(layer, words) when most recorded backoffs' first non-finite gradient is the output
+    gradient of a layer that returns the model's output (not the model's own code): the
+    loss's gradient, times the scale, is beyond float16. The loss is too large."""
+    outputs = {lay.name for lay in session.layers
+               if lay.model_output and lay.name not in session.run.models}
+    rec = [e for e in backoffs if e.recorded and e.culprits]
+    first = [e.culprits[0] for e in rec if e.culprits[0] in outputs]
+    if not first or 2 * len(first) < len(rec):
+        return None
+    top = max(dict.fromkeys(first), key=first.count)
+    return top, (f"; in {len(first)} of {len(rec)} recorded backoffs the first non-finite "
+                 f"gradient was the one {top} returns as the model's output, which is the "
+                 f"loss's own gradient times the scale: the loss is too large for float16, "
+                 f"not {top}")
+
+
 def _untraced_text(backoffs: list[ScalerEvent], known: dict[int, tuple[str, str]]) -> str:
     """The backoffs no origin was found for: unrecorded ones want ``every=1``; a recorded
     one's gradients went non-finite where no forward output did (in a backward)."""
@@ -586,12 +604,18 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             top, n_top = _top_lead(backoffs, with_params)
             where = (f"; the first layer with non-finite gradients was {top} in "
                      f"{n_top} of {len(backoffs)} backoffs" if top else "")
+        from_loss = None if traced else _loss_gradient_overflow(session, backoffs)
+        if from_loss is not None:
+            top, where = from_loss[0], where + from_loss[1]
         yield Finding(
             kind="scale_collapse", severity="error", module=top, op=None,
-            step=backoffs[0].step if backoffs else None,
+            # Where the collapse began: its longest run of backoffs, else the first after the
+            # scaler's start-up (a backoff at step 0 is its calibration).
+            step=(max(runs, key=len)[0].step if runs else post[0].step if post
+                  else backoffs[0].step if backoffs else None),
             message=(f"Loss scale collapsed: {'; '.join(reasons)}. "
                      f"{_skipped_of_steps(session)}; final scale {_scale(final)}{where}."),
-            advice=ADVICE["scale_collapse"],
+            advice=ADVICE["scale_collapse_loss_gradient" if from_loss else "scale_collapse"],
             steps=[e.step for e in backoffs][:MAX_STEPS_KEPT],
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
                   "skipped": len(sc.skipped_steps), "culprit": top,

@@ -253,6 +253,11 @@ def _nonfinite_loss(a: MessageArgs) -> str:
             "stayed finite (the inf is in a term whose gradient is finite, the square of a "
             "large value), so the optimizer stepped on them, but the loss you see is inf."
             if unskipped else "")
+    if d.get("every_step"):
+        first = (f"first seen at step {e.step}" if d.get("first_known", True) else
+                 "none of them a recorded or skipped step, so which ones is not known")
+        return (f"The loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
+                f"steps with a loss ({d.get('steps')} steps in all), {first}. {where}.{tail}")
     return (f"The loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
             f"step(s) whose loss was checked (recorded or skipped steps; "
             f"{d.get('steps')} steps in all), first at step {e.step}. {where}.{tail}")

@@ -148,6 +148,8 @@ class LayerMeta:
     qual: str = ""
     # Calls whose output was the very tensor a sublayer returned (a container).
     passthrough_calls: int = 0
+    # Its output was (part of) its model's output: its gradient is the loss's own.
+    model_output: bool = False
 
 
 # The attribute torch.nn.utils.parametrize keeps a parametrized module's parametrizations
@@ -721,6 +723,9 @@ class Probes:
                     continue  # same tensor returned twice in one output
                 owners.append(name)
                 meta.passthrough_calls += 1
+                if id(module) in self._roots:
+                    for owner in owners:
+                        self.layers[owner].model_output = True
             buf.assign(name, "act", idx)
 
     def _recomputed(self, name: str, output: Any) -> None:

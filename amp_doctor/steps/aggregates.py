@@ -179,7 +179,7 @@ class LayerAggregates:
     def summary(self, name: str, meta_type: str, order: int, calls: int,
                 input_dtypes: set[str], output_dtypes: set[str], param_dtypes: set[str],
                 ops: dict[str, dict[str, int]], hists: tuple[list[int], list[int]],
-                passthrough: bool = False) -> LayerSummary:
+                passthrough: bool = False, model_output: bool = False) -> LayerSummary:
         """The layer's :class:`LayerSummary`: its aggregates and what the hooks saw."""
         figs = self.figures(name) or _NEVER
         ran_low = bool(output_dtypes & LOW_PRECISION_NAMES)
@@ -188,7 +188,8 @@ class LayerAggregates:
             name=name, type=meta_type, order=order, calls=calls,
             input_dtypes=sorted(input_dtypes), output_dtypes=sorted(output_dtypes),
             param_dtypes=sorted(param_dtypes), ran_low_precision=ran_low,
-            what_if=bool(floats) and not ran_low, passthrough=passthrough, ops=ops,
+            what_if=bool(floats) and not ran_low, passthrough=passthrough,
+            model_output=model_output, ops=ops,
             # Sampled tensors give scaled, fractional counts.
             act_exp_hist=hists[0], grad_exp_hist=hists[1],
             **figs,

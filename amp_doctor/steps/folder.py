@@ -27,7 +27,7 @@ from amp_doctor.records import Event, LayerSummary, StepRecord
 from amp_doctor.steps.aggregates import LayerAggregates
 from amp_doctor.steps.history import History
 from amp_doctor.steps.listeners import StepListener, StepRows
-from amp_doctor.steps.loop import INPUT_ABSMAX, PLAIN_LOSS_KEY
+from amp_doctor.steps.loop import INPUT_ABSMAX, LOSS_BAD_TOTAL_KEY, PLAIN_LOSS_KEY
 from amp_doctor.steps.table import (
     ACT,
     GRAD,
@@ -84,6 +84,9 @@ class StepFolder:
         # in the skip's one sync), and those of them where it was NaN/inf.
         self._loss_checked: set[int] = set()
         self._loss_bad: set[int] = set()
+        self._loss_bad_skipped: set[int] = set()
+        # NaN/inf losses counted on the device up to the last recorded step.
+        self.loss_bad_so_far = 0
         # The first recorded step with a bad loss: its forward origin, and whether the
         # batch itself was non-finite there (a later one's may be the first's doing:
         # weights the bad update made NaN).
@@ -96,11 +99,18 @@ class StepFolder:
         self._neg_inf_beside_finite_loss: set[str] = set()
         self._lp_counts = [0.0, 0.0]  # sampled elements with a gradient, unchanged of those
 
-    def note_loss(self, step: int, bad: bool) -> None:
+    @property
+    def any_loss_bad(self) -> bool:
+        """A NaN/inf loss was seen, in a checked step or in the device count so far."""
+        return bool(self._loss_bad) or self.loss_bad_so_far > 0
+
+    def note_loss(self, step: int, bad: bool, skipped: bool = False) -> None:
         # Host flags only, from copies made anyway: no sync of its own.
         self._loss_checked.add(step)
         if bad:
             self._loss_bad.add(step)
+            if skipped:
+                self._loss_bad_skipped.add(step)
 
     def fold(self, hs: HostCopy, *, fmt: FormatLimits, param_grads_scaled: bool,
              skipped: bool, scale: float | None, check_input: bool,
@@ -139,9 +149,11 @@ class StepFolder:
         if origin is not None:
             self.aggregates.note_origin(origin)
         loss_bad: bool | None = None
+        self.loss_bad_so_far = max(self.loss_bad_so_far,
+                                   int(hs.scalars.get(LOSS_BAD_TOTAL_KEY, 0)))
         if "loss_bad" in hs.scalars:
             loss_bad = bool(hs.scalars["loss_bad"])
-            self.note_loss(step, loss_bad)
+            self.note_loss(step, loss_bad, skipped)
             neg_inf_only = set(layers.where((layers.column(ACT, MIN) == -math.inf)
                                             & (layers.column(ACT, MAX) < math.inf)))
             if not loss_bad:
@@ -304,19 +316,30 @@ class StepFolder:
             out.append(self.aggregates.summary(
                 name, meta.type, meta.order, meta.calls, meta.input_dtypes,
                 meta.output_dtypes, meta.param_dtypes, ops.get(name, {}), self.hists.of(name),
-                passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls))
+                passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls,
+                model_output=getattr(meta, "model_output", False)))
         return sorted(out, key=lambda x: (x.order < 0, x.order))
 
-    def loss_events(self, steps: int, anomaly: bool = False) -> list[Event]:
+    def loss_events(self, steps: int, anomaly: bool = False,
+                    counted: tuple[int, int] | None = None) -> list[Event]:
         """The steps whose loss was NaN/inf, over the whole run (``anomaly``: anomaly
-        mode was on, so the message does not propose it)."""
-        if not self._loss_bad:
+        mode was on, so the message does not propose it). ``counted``: (NaN/inf losses,
+        steps with a loss) over every step, from the device count."""
+        if not self._loss_bad and not (counted and counted[0]):
             return []
         seen = self._loss_origin
-        return [Event(kind="nonfinite_loss", step=min(self._loss_bad),
+        bad, checked = len(self._loss_bad), len(self._loss_checked)
+        every = counted is not None and counted[0] >= bad and counted[1] >= checked
+        if every and counted is not None:
+            bad, checked = counted
+        first = min(self._loss_bad) if self._loss_bad else None
+        return [Event(kind="nonfinite_loss", step=first if first is not None else 0,
                       module=seen[1] if seen else None, data={
-                          "steps_bad": len(self._loss_bad),
-                          "checked": len(self._loss_checked), "steps": steps,
+                          "steps_bad": bad, "checked": checked, "steps": steps,
+                          # Every step's loss was counted: the steps named are the ones seen
+                          # (recorded or skipped), and that many of the bad ones were skipped.
+                          "every_step": every, "first_known": first is not None,
+                          "bad_skipped": len(self._loss_bad_skipped),
                           "recorded_at": seen[0] if seen else None,
                           "origin": seen[1] if seen else None,
                           "origin_past_masks": self._loss_origin_past_masks,

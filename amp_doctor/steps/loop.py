@@ -17,7 +17,7 @@ import torch
 
 from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.device.stats import bad_batch, merged_extremes
-from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.devicework import host_scalars, iter_tensors, own_ops
 from amp_doctor.dtypes import LOW_PRECISION_DTYPES
 from amp_doctor.hooks.probes import unsummarizable
 from amp_doctor.steps.misuse import reaches_params
@@ -34,6 +34,8 @@ PLAIN_LOSS_KEY = "loss_plain"
 
 # The step flag of the largest |value| given to a model: this prefix, then its name.
 INPUT_ABSMAX = "input_absmax:"
+# The running count of NaN/inf losses, in a recorded step's scalars.
+LOSS_BAD_TOTAL_KEY = "loss_bad_total"
 
 
 class LoopSignals:
@@ -49,6 +51,10 @@ class LoopSignals:
         # A backward of this step reached the watched parameters.
         self.backward_reached = False
         # A parameter's gradient and weight versions after the last backward.
+        # Steps whose loss was NaN/inf, counted on the device at every step's end (one
+        # in-place add, no sync), and the steps that had a loss: read once, at the end.
+        self._loss_bad_total: torch.Tensor | None = None
+        self.loss_steps = 0
         self._sentinel: tuple[torch.Tensor, int | None, int | None, int] | None = None
         # Sampled low-precision parameter elements before the update: (param, sample
         # index, values, element had a gradient, its gradient was finite).
@@ -71,10 +77,29 @@ class LoopSignals:
         self.train_forward = False
 
     def end_step(self) -> dict[str, torch.Tensor]:
-        """The step's device flags, handed over; the step's samples dropped."""
+        """The step's device flags, handed over; the step's samples dropped. With them the
+        run's count of NaN/inf losses so far (:data:`LOSS_BAD_TOTAL_KEY`), for a recorded
+        step's host copy."""
         flags, self._flags = self._flags, {}
         self._lp_snap = []
+        bad = flags.get("loss_bad")
+        if bad is not None:
+            self.loss_steps += 1
+            if self._loss_bad_total is None:
+                self._loss_bad_total = bad.to(torch.int64)
+            else:
+                self._loss_bad_total.add_(bad.to(self._loss_bad_total.device))
+        if self._loss_bad_total is not None:
+            flags[LOSS_BAD_TOTAL_KEY] = self._loss_bad_total
         return flags
+
+    def loss_bad_total(self) -> int | None:
+        """How many steps' loss was NaN/inf, over the whole run (a sync: call it once, at
+        the end, and only in a run that had one), or None when no step had a loss."""
+        if self._loss_bad_total is None:
+            return None
+        (n,) = host_scalars([self._loss_bad_total])
+        return int(n)
 
     def release(self) -> None:
         """Leave no reference to the user's tensors behind."""
