@@ -468,3 +468,23 @@ def test_nan_losses_of_unrecorded_steps_are_counted_without_a_sync_of_their_own(
     assert (f.data["steps_bad"], f.data["checked"], f.step) == (5, 12, 4)
     assert "in 5 of the 12 steps with a loss (12 steps in all), first seen at step 4" in \
         f.message
+
+
+def test_a_float16_what_if_of_underflow_alone_is_not_told_to_keep_overflowing_layers() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-6)
+        model[0].bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with amp_doctor.watch(model, tensorboard=False, every=1) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(torch.randn(8, 8)).float(),
+                                       torch.randint(0, 2, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = doctor.session.findings_of("whatif_float16")
+    assert "below float16's smallest normal" in f.message and "beyond" not in f.message
+    assert "overflowing" not in f.advice and "GradScaler" in f.advice

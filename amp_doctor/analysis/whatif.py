@@ -218,6 +218,21 @@ def _listed(items: Iterable[str]) -> str:
     return ", ".join(items[:MAX_LISTED]) + more
 
 
+def _fp16_advice(over: bool, under: bool) -> str:
+    """What to do before moving to float16, for what the simulation found."""
+    parts = ["Stay on bfloat16, or before moving to float16"]
+    if over:
+        parts.append(" keep the overflowing layers in float32")
+    if under:
+        parts.append((" and" if over else "") + " use a GradScaler for the gradients (its "
+                     "scale grows past 2^16 while they stay small, which this simulation "
+                     "does not model) and keep layers whose outputs fall below float16's "
+                     "normal range in float32 or normalise them")
+    elif over:
+        parts.append(" and use a GradScaler for the gradients")
+    return "".join(parts) + "."
+
+
 def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
     """``info`` findings for float16 (bfloat16 runs) and FP8; ``warning`` for ``target``."""
     out: list[Finding] = []
@@ -241,8 +256,7 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
                 message=("Simulated from the recorded histograms (gradients as a GradScaler at "
                          f"2^{FP16_GRAD_SCALE_LOG2} would hold them), in float16 this bfloat16 "
                          "run would put values " + "; ".join(parts) + "."),
-                advice=("Stay on bfloat16, or before moving to float16 keep the overflowing "
-                        "layers in float32 and use a GradScaler for the gradients."),
+                advice=_fp16_advice(bool(over), bool(under)),
                 data={"rows": [asdict(r) for r in rows]},
             ))
     rows8 = fp8_rows(s)
