@@ -13,10 +13,12 @@ a model import what they need inside the command.
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from amp_doctor._version import __version__
-from amp_doctor.commands.common import OWNS_PROCESS, fail
+from amp_doctor.commands.common import OWNS_PROCESS, EndAsKeyboardInterrupt, fail
 from amp_doctor.commands.diagnose import diagnose
 from amp_doctor.commands.fixing import fix
 from amp_doctor.commands.saved import compare, report
@@ -45,3 +47,8 @@ def main(argv: list[str] | None = None) -> None:
                  obj={OWNS_PROCESS: argv is None})
     except AmpDoctorError as e:
         fail(str(e))
+    except EndAsKeyboardInterrupt:
+        # The user's traceback is printed already: the interpreter's own printing of this
+        # KeyboardInterrupt is silenced, the rest of its exit is python's.
+        sys.excepthook = lambda *args: None
+        raise KeyboardInterrupt from None

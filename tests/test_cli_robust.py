@@ -959,3 +959,29 @@ def test_the_terminal_guard_keeps_the_streams_protocols() -> None:
     with guard as f:
         f.write("written\n")
     assert inner.closed  # closed by the with, as python's own stream would be
+
+
+def test_a_ctrl_c_the_script_did_not_catch_runs_its_atexit_handlers(work: Path) -> None:
+    """python runs a script's atexit handlers (a last checkpoint) after an uncaught
+    KeyboardInterrupt; amp-doctor killed itself by SIGINT once the report was out, and
+    they never ran."""
+    (work / "t.py").write_text("""
+import atexit, pathlib, torch
+atexit.register(lambda: pathlib.Path("saved_at_exit").write_text("ok"))
+model = torch.nn.Linear(4, 2)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    loss = model(torch.randn(3, 4)).float().sum()
+loss.backward()
+raise KeyboardInterrupt
+""")
+    plain = subprocess.run([sys.executable, "t.py"], cwd=work, capture_output=True, text=True,
+                           timeout=120)
+    assert (work / "saved_at_exit").read_text() == "ok"
+    (work / "saved_at_exit").unlink()
+    r = subprocess.run([AMP_DOCTOR, "diagnose", "--logdir", "out", "t.py"], cwd=work,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == plain.returncode == -signal.SIGINT, r.stderr
+    assert (work / "saved_at_exit").read_text() == "ok"
+    assert r.stderr.count("Traceback (most recent call last)") == 1, r.stderr
+    assert "Aborted" not in r.stderr
+    assert Session.load(work / "out" / "amp_doctor.json").run.outcome == "interrupted"

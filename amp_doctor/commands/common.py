@@ -63,6 +63,14 @@ class RunsAScript(click.Command):
         return args
 
 
+class EndAsKeyboardInterrupt(BaseException):  # noqa: N818 - a control-flow signal, not an error
+    """The script ended by a Ctrl-C it did not catch, and the report is out. Raised to
+    the entry point (past click, which would print "Aborted!" and exit 1), which ends
+    the process as python ends such a script: the uncaught KeyboardInterrupt at the top,
+    then the script's threads and its ``atexit`` handlers, then death by SIGINT (or the
+    status python gives when a handler intervenes)."""
+
+
 def owns_process() -> bool:
     """The running command is this process's entry point (see :data:`OWNS_PROCESS`)."""
     ctx = click.get_current_context(silent=True)

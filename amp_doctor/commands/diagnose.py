@@ -27,6 +27,7 @@ from amp_doctor.commands.aftertorch import after_torch_import
 from amp_doctor.commands.common import (
     EXIT_USAGE,
     LAUNCHER_ENV,
+    EndAsKeyboardInterrupt,
     RunsAScript,
     fail,
     owns_process,
@@ -242,6 +243,8 @@ def diagnose(
         # The report is out and the process ends: the script's atexit handlers (a last
         # checkpoint of a class defined in the script) see its state, as under python.
         script[0].enter()
+    if signum == signal.SIGINT and owns_process():
+        raise EndAsKeyboardInterrupt  # python runs the atexit handlers before SIGINT
     if signum is not None:
         die_by_signal(signum)  # the report is out: end as python would have
     sys.exit(code)
