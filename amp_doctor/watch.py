@@ -98,10 +98,9 @@ _LIVE: weakref.WeakSet[Watch] = weakref.WeakSet()
 
 def _forget_in_child() -> None:
     """A child made by ``fork`` (a ``multiprocessing.Pool`` worker, a DataLoader worker, an
-    ``os.fork``) inherits the parent's watches, but not the TensorBoard writer's thread: a
-    write there fills its queue and blocks forever. The parent's watch is the parent's: in
-    the child each one lets go of everything at once, writes nothing, and the child runs
-    unwatched, as under python."""
+    ``os.fork``) inherits the parent's watches and its TensorBoard event file. The parent's
+    watch is the parent's: in the child each one lets go of everything at once, writes
+    nothing, and the child runs unwatched, as under python."""
     for w in list(_LIVE):
         w._forget()
     _LIVE.clear()
@@ -352,7 +351,7 @@ class Watch:
     def _forget(self) -> None:
         """In a forked child: remove the hooks and patches, write nothing (see
         :func:`_forget_in_child`); a later :meth:`close` returns what was gathered."""
-        self._tb = None  # never touched again: its writer thread is the parent's
+        self._tb = None  # never touched again: its event file is the parent's
         self._listeners = []
         self.logdir = None
         self.closed = True
@@ -960,7 +959,7 @@ class Watch:
 
     def _write_outputs(self, session: Session) -> None:
         """The JSON report, then TensorBoard's last parts; what TensorBoard could not
-        write is one warning (its writer thread's traceback was held back)."""
+        write is one warning, not a traceback in the user's output."""
         from amp_doctor.sinks.jsonfile import write_json
 
         assert self.logdir is not None

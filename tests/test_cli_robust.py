@@ -985,3 +985,37 @@ raise KeyboardInterrupt
     assert r.stderr.count("Traceback (most recent call last)") == 1, r.stderr
     assert "Aborted" not in r.stderr
     assert Session.load(work / "out" / "amp_doctor.json").run.outcome == "interrupted"
+
+
+def test_the_script_sees_no_thread_of_amp_doctors(work: Path) -> None:
+    """TensorBoard's writer thread ran from the script's `import torch` on: a script that
+    waits until `threading.active_count() == 1` for its own workers waited forever, and
+    its threads were numbered one further (Thread-2)."""
+    (work / "t.py").write_text("""
+import threading, time, torch
+m = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu")
+def work():
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = m(torch.randn(2, 4)).float().sum()
+        opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+print(threading.active_count(), [t.name for t in threading.enumerate()])
+t = threading.Thread(target=work)
+print(t.name)
+t.start()
+while threading.active_count() > 1:
+    time.sleep(0.05)
+print("all workers done")
+""")
+    plain = subprocess.run([sys.executable, "t.py"], cwd=work, capture_output=True, text=True,
+                           timeout=120)
+    r = subprocess.run([AMP_DOCTOR, "diagnose", "--logdir", "out", "t.py"], cwd=work,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout == "1 ['MainThread']\nThread-1 (work)\nall workers done\n"
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.steps == 3
+    events = list((work / "out").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 1000

@@ -102,7 +102,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -132,6 +131,7 @@ from amp_doctor.sinks.tb_session import (
     scaler_series,
     scaler_tag_prefix,
 )
+from amp_doctor.sinks.tbfile import ThreadlessSummaryWriter
 from amp_doctor.sinks.text import render_markdown, risk_order
 from amp_doctor.steps.listeners import StepRows
 from amp_doctor.steps.table import ACT, GRAD, StepTable
@@ -152,11 +152,10 @@ __all__ = [
     "live_stride",
 ]
 
-# SummaryWriter's own background thread flushes this often, so a live dashboard trails
-# the run by at most this much without a flush (a file sync) in the training loop.
+# The event file is written at least this often (buffered on the training thread, see
+# sinks.tbfile), so a live dashboard trails the run by at most this much.
 FLUSH_SECS = 20
-# Events queued before an ``add_*`` call hands them to the writer thread. A recorded
-# step of a 16-layer model makes ~160 events; a larger queue means fewer wake-ups.
+# SummaryWriter's queue size (unused by the threadless event file, which buffers by size).
 MAX_QUEUE = 1000
 # Judge against float16 when the run's format is unknown: it is what watch() uses for
 # what-if figures when autocast never ran (see watch.WHAT_IF_DTYPE).
@@ -371,30 +370,19 @@ class TensorBoardSink:
         self._backoffs = 0
         self._finished = False
         # Why the event file could not be written (a full disk, the folder deleted by the
-        # script): its writer thread's error, said once at the end instead of a traceback
-        # in the middle of the user's output.
-        self.error: str | None = None
-        # The writer's thread is not known until its constructor returns, and that
-        # already writes a first record: a thread started meanwhile is taken for it, so
-        # that a full disk is one line at the start, not a thread traceback.
-        self._before: set[threading.Thread] | None = set(threading.enumerate())
-        self._threads: set[threading.Thread] = set()
-        self._prev_hook = threading.excepthook
-        threading.excepthook = self._thread_error
+        # script), said once at the end instead of a traceback in the user's output.
+        self._error: str | None = None
         files = set(self.logdir.glob("events.out.tfevents.*"))
         try:
-            self._writer: SummaryWriter | None = SummaryWriter(
+            # No writer thread: the script would see it (threading.active_count()).
+            self._writer: ThreadlessSummaryWriter | None = ThreadlessSummaryWriter(
                 log_dir=str(self.logdir), flush_secs=flush_secs, max_queue=MAX_QUEUE)
         except BaseException:
-            if threading.excepthook == self._thread_error:
-                threading.excepthook = self._prev_hook
             for f in set(self.logdir.glob("events.out.tfevents.*")) - files:
                 with contextlib.suppress(OSError):
                     if f.stat().st_size == 0:
                         f.unlink()  # nothing in it: no empty run for TensorBoard to list
             raise
-        self._threads = set(threading.enumerate()) - self._before
-        self._before = None
         self._files = set(self.logdir.glob("events.out.tfevents.*")) - files  # its own
         self._writer.add_custom_scalars(LAYOUT)
 
@@ -580,6 +568,13 @@ class TensorBoardSink:
             warnings.warn("amp-doctor: some TensorBoard output was not written: "
                           + "; ".join(failed), RuntimeWarning, stacklevel=2)
 
+    @property
+    def error(self) -> str | None:
+        """Why the event file could not be written, if it could not (said once, at the
+        end, by the caller)."""
+        w = self._writer
+        return self._error or (w.error if w is not None else None)
+
     def close(self) -> None:
         """Flush and close the event file (idempotent). ``finish`` calls it. A write that
         fails is kept in :attr:`error`, not raised."""
@@ -592,9 +587,8 @@ class TensorBoardSink:
                 finally:
                     w.close()
             except Exception as e:  # noqa: BLE001 - said by the caller, from self.error
-                self.error = self.error or f"{type(e).__name__}: {e}"
-        if threading.excepthook == self._thread_error:
-            threading.excepthook = self._prev_hook
+                self._error = self._error or f"{type(e).__name__}: {e}"
+            self._error = self._error or w.error
 
     def discard(self) -> None:
         """Close, and remove the event files this writer made: a run with nothing to
@@ -603,14 +597,6 @@ class TensorBoardSink:
         for f in self._files:
             with contextlib.suppress(OSError):
                 f.unlink()
-
-    def _thread_error(self, args: threading.ExceptHookArgs) -> None:
-        ours = args.thread in self._threads or (
-            self._before is not None and args.thread not in self._before)
-        if ours and args.exc_value is not None:
-            self.error = self.error or f"{args.exc_type.__name__}: {args.exc_value}"
-            return
-        self._prev_hook(args)
 
     def _session_format(self, session: Session) -> FormatLimits:
         if session.amp.dtype:
