@@ -19,6 +19,7 @@ boundary state machine further would spread one decision over several files.
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 import os
 import sys
 import time
@@ -94,6 +95,20 @@ def _warn_at_user(message: str) -> None:
 
 # The watches started and not closed, for a fork of the process (see _forget_in_child).
 _LIVE: weakref.WeakSet[Watch] = weakref.WeakSet()
+
+
+def _module_hidden_by_a_file(name: str) -> str | None:
+    """The path of a plain module that an ``import name`` of a package would find first
+    (the script's own ``tensorboard.py``), without importing either; None otherwise."""
+    if name in sys.modules:
+        return None
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.submodule_search_locations is not None or not spec.origin:
+        return None
+    return spec.origin
 
 
 def _forget_in_child() -> None:
@@ -334,6 +349,15 @@ class Watch:
         """The TensorBoard sink, or None with a one-line warning when it cannot start (a
         disk too full for its first record, tensorboard not importable): the run is
         watched all the same, and its JSON and text reports are written."""
+        hidden = _module_hidden_by_a_file("tensorboard")
+        if hidden is not None:
+            # Importing it would run the user's file (and then fail): python imports that
+            # file for the script too, so it is left to the script.
+            _warn_at_user(f"amp-doctor: TensorBoard is off for this run: {hidden} hides the "
+                          "tensorboard package (the script's folder comes first on "
+                          "sys.path); the reports are written as usual. To keep it: rename "
+                          "that file.")
+            return None
         try:
             from amp_doctor.sinks.tensorboard import TensorBoardSink
 

@@ -1019,3 +1019,28 @@ print("all workers done")
     assert s.steps == 3
     events = list((work / "out").glob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0].stat().st_size > 1000
+
+
+def test_a_tensorboard_py_beside_the_script_is_not_imported_by_amp_doctor(work: Path) -> None:
+    """The script's folder is first on sys.path: amp-doctor imported the user's own
+    tensorboard.py (running it: its output in the script's stdout), then failed and
+    advised `pip install tensorboard`."""
+    (work / "tensorboard.py").write_text("print('USER MODULE tensorboard IMPORTED')\n")
+    (work / "t.py").write_text("""
+import torch
+m = torch.nn.Linear(4, 2)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    loss = m(torch.randn(2, 4)).float().sum()
+loss.backward()
+print("done")
+""")
+    plain = subprocess.run([sys.executable, "t.py"], cwd=work, capture_output=True, text=True,
+                           timeout=120)
+    r = subprocess.run([AMP_DOCTOR, "diagnose", "--logdir", "out", "t.py"], cwd=work,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == plain.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout == "done\n"
+    assert (f"amp-doctor: TensorBoard is off for this run: {work / 'tensorboard.py'} hides the "
+            "tensorboard package") in r.stderr
+    assert "pip install" not in r.stderr
+    assert (work / "out" / "amp_doctor.json").exists()
