@@ -1044,3 +1044,46 @@ print("done")
             "tensorboard package") in r.stderr
     assert "pip install" not in r.stderr
     assert (work / "out" / "amp_doctor.json").exists()
+
+
+def test_a_sigterm_to_the_job_with_persistent_dataloader_workers_is_no_internal_error(
+        work: Path) -> None:
+    """A scheduler's SIGTERM to the whole job (`timeout`, Slurm) while persistent workers
+    are busy: their SIGCHLD came while amp-doctor closed the run, torch's handler raised
+    there, and that was reported as an internal error of amp-doctor's."""
+    (work / "t.py").write_text("""
+import time, torch
+from torch import nn
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10 ** 6
+    def __getitem__(self, i):
+        time.sleep(0.002)
+        return torch.randn(16), i % 4
+if __name__ == "__main__":
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    data = torch.utils.data.DataLoader(Slow(), batch_size=8, num_workers=2,
+                                       persistent_workers=True)
+    for step, (x, y) in enumerate(data):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+        if step % 20 == 0:
+            print("step", step, flush=True)
+""")
+    p = subprocess.Popen([AMP_DOCTOR, "diagnose", "--logdir", "out", "t.py"], cwd=work,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    assert p.stdout is not None
+    for line in p.stdout:
+        if line.startswith("step 60"):
+            break
+    os.killpg(p.pid, signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGTERM, err
+    assert "internal error" not in err and "Traceback" not in err, err
+    assert "amp-doctor: the script was stopped by SIGTERM" in err
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.run.outcome == "interrupted" and s.steps >= 60

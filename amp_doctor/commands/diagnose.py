@@ -536,6 +536,23 @@ def _run_script(state: Any) -> BaseException | None:
     return None
 
 
+@contextlib.contextmanager
+def _workers_ending_quietly() -> Iterator[None]:
+    """While the run is finished: a DataLoader's SIGCHLD handler (it raises "DataLoader
+    worker ... is killed by signal" in whatever code runs) is not called. Its workers end
+    with the script (a SIGTERM to the process group ended them too); that is the script's
+    business, not an error of amp-doctor's closing."""
+    sigchld = getattr(signal, "SIGCHLD", None)
+    if sigchld is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(sigchld, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(sigchld, previous)
+
+
 def _finish(doctor: Any, exc: BaseException | None, command: list[str],
             ranks: tuple[int, int] | None, speaks: bool, run_dir: Path, logdir: Path,
             json_out: Path | None, report_out: Path | None, fail_on: str, tensorboard: bool,
@@ -552,7 +569,7 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
         meta["outcome"] = "stopped"  # by --stop-after: the script did not end on its own
     doctor.set_run_meta(**meta)
     try:
-        with warnings.catch_warnings(record=True) as said:
+        with warnings.catch_warnings(record=True) as said, _workers_ending_quietly():
             warnings.simplefilter("always")
             try:
                 session = doctor.close()
