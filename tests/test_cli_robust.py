@@ -961,6 +961,22 @@ def test_the_terminal_guard_keeps_the_streams_protocols() -> None:
     assert inner.closed  # closed by the with, as python's own stream would be
 
 
+def _plain(work: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "t.py"], cwd=work, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _diagnosed(work: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([AMP_DOCTOR, "diagnose", "--logdir", "out", "t.py"], cwd=work,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _plain_and_diagnosed(work: Path) -> tuple[subprocess.CompletedProcess,
+                                              subprocess.CompletedProcess]:
+    """``t.py`` in ``work`` run by python, then by ``amp-doctor diagnose --logdir out``."""
+    return _plain(work), _diagnosed(work)
+
+
 def test_a_ctrl_c_the_script_did_not_catch_runs_its_atexit_handlers(work: Path) -> None:
     """python runs a script's atexit handlers (a last checkpoint) after an uncaught
     KeyboardInterrupt; amp-doctor killed itself by SIGINT once the report was out, and
@@ -974,12 +990,10 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
 loss.backward()
 raise KeyboardInterrupt
 """)
-    plain = subprocess.run([sys.executable, "t.py"], cwd=work, capture_output=True, text=True,
-                           timeout=120)
+    plain = _plain(work)
     assert (work / "saved_at_exit").read_text() == "ok"
     (work / "saved_at_exit").unlink()
-    r = subprocess.run([AMP_DOCTOR, "diagnose", "--logdir", "out", "t.py"], cwd=work,
-                       capture_output=True, text=True, timeout=120)
+    r = _diagnosed(work)
     assert r.returncode == plain.returncode == -signal.SIGINT, r.stderr
     assert (work / "saved_at_exit").read_text() == "ok"
     assert r.stderr.count("Traceback (most recent call last)") == 1, r.stderr
@@ -1009,10 +1023,7 @@ while threading.active_count() > 1:
     time.sleep(0.05)
 print("all workers done")
 """)
-    plain = subprocess.run([sys.executable, "t.py"], cwd=work, capture_output=True, text=True,
-                           timeout=120)
-    r = subprocess.run([AMP_DOCTOR, "diagnose", "--logdir", "out", "t.py"], cwd=work,
-                       capture_output=True, text=True, timeout=120)
+    plain, r = _plain_and_diagnosed(work)
     assert r.returncode == plain.returncode == 0, r.stderr
     assert r.stdout == plain.stdout == "1 ['MainThread']\nThread-1 (work)\nall workers done\n"
     s = Session.load(work / "out" / "amp_doctor.json")
@@ -1034,10 +1045,7 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
 loss.backward()
 print("done")
 """)
-    plain = subprocess.run([sys.executable, "t.py"], cwd=work, capture_output=True, text=True,
-                           timeout=120)
-    r = subprocess.run([AMP_DOCTOR, "diagnose", "--logdir", "out", "t.py"], cwd=work,
-                       capture_output=True, text=True, timeout=120)
+    plain, r = _plain_and_diagnosed(work)
     assert r.returncode == plain.returncode == 0, r.stderr
     assert r.stdout == plain.stdout == "done\n"
     assert (f"amp-doctor: TensorBoard is off for this run: {work / 'tensorboard.py'} hides the "

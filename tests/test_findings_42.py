@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_doctor
+from tests.helpers import classify
 
 
 class MoE(nn.Module):
@@ -58,31 +58,10 @@ class Net(nn.Module):
         return self.head(self.moe(F.relu(self.inp(x))))
 
 
-def _classify(model: nn.Module, steps: int, shape: tuple[int, int, int],
-              before: Callable[[int], None] = lambda step: None, lr: float = 1e-3,
-              **watch: Any) -> amp_doctor.Session:
-    """The seed recipe on random (batch, features, classes) ``shape`` batches, in float16
-    with a GradScaler, under a watch; ``before(step)`` runs first in each step."""
-    batch, features, classes = shape
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler("cpu")
-    with amp_doctor.watch(model, tensorboard=False, **watch) as doctor:
-        for step in range(steps):
-            before(step)
-            x, y = torch.randn(batch, features), torch.randint(0, classes, (batch,))
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    return doctor.session
-
-
 def _train(model: Net, anomaly: bool = False, steps: int = 6,
            every: int = 1) -> amp_doctor.Session:
     torch.manual_seed(1)
-    return _classify(model, steps, (6, 8, 3), lambda step: setattr(model.moe, "step", step),
+    return classify(model, steps, (6, 8, 3), lambda step: setattr(model.moe, "step", step),
                      lr=1e-2, every=every, anomaly=anomaly)
 
 
@@ -258,7 +237,7 @@ def test_a_module_called_twice_keeps_forward_order_and_the_origin() -> None:
     for name in ("A", "B", "E", "D", "act"):
         getattr(model, name).register_forward_hook(
             lambda m, i, o, name=name: done.append(name) if name not in done else None)
-    s = _classify(model, 6, (16, 8, 2), _blow_up_at(3, model.B), every=1)
+    s = classify(model, 6, (16, 8, 2), _blow_up_at(3, model.B), every=1)
     assert done == ["A", "act", "B", "E", "D"]  # the first completions, as python saw them
     order = [lay.name for lay in sorted(s.layers, key=lambda lay: lay.order)]
     assert order == ["A", "act", "B", "E", "D", "SharedAct"]
@@ -416,7 +395,7 @@ def test_a_module_called_twice_is_not_the_origin_of_what_its_second_call_carried
         m.register_forward_hook(
             lambda m, i, o, name=name: first_bad.append(name)
             if not torch.isfinite(o).all() and len(first_bad) == 0 else None)
-    s = _classify(model, 5, (16, 8, 2), _blow_up_at(3, model[1].fc2), every=1)
+    s = classify(model, 5, (16, 8, 2), _blow_up_at(3, model[1].fc2), every=1)
     assert first_bad[0] == "1.fc2"
     errors = [f for f in s.findings if f.severity == "error"]
     assert [f.module for f in errors] == ["1.fc2"], errors

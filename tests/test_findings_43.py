@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_doctor
+from tests.helpers import classify
 
 
 class Parent(nn.Module):
@@ -47,21 +48,8 @@ class Parent(nn.Module):
 
 
 def _train(model: Parent, steps: int = 5, **watch: Any) -> amp_doctor.Session:
-    torch.manual_seed(0)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    with amp_doctor.watch(model, tensorboard=False, **watch) as doctor:
-        for step in range(steps):
-            if step == 2:
-                model.break_at_step_2()
-            x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    return doctor.session
+    return classify(model, steps, (16, 8, 3),
+                    lambda step: model.break_at_step_2() if step == 2 else None, **watch)
 
 
 def _errors(s: amp_doctor.Session) -> list[tuple[str, str | None, str | None]]:
@@ -96,22 +84,27 @@ def test_a_child_that_overflowed_by_itself_after_the_op_stays_an_error() -> None
     assert s.findings_of("activation_overflow")[0].data["also_affected"] == ["D"]
 
 
-def _manual_sgd(model: nn.Module, steps: int, **watch: Any) -> tuple[amp_doctor.Session,
-                                                                     list[float]]:
+def _manual_steps(model: nn.Module, steps: int) -> list[float]:
     """A loop with no optimizer and no ``.grad``: ``torch.autograd.grad`` of the loss with
     respect to the weights, then ``p -= lr * g`` by hand (meta-learning code, textbooks)."""
     params = list(model.parameters())
     losses = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                p -= 0.1 * g
+        losses.append(loss.item())
+    return losses
+
+
+def _manual_sgd(model: nn.Module, steps: int, **watch: Any) -> tuple[amp_doctor.Session,
+                                                                     list[float]]:
     with amp_doctor.watch(model, tensorboard=False, **watch) as doctor:
-        for _ in range(steps):
-            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y)
-            grads = torch.autograd.grad(loss, params)
-            with torch.no_grad():
-                for p, g in zip(params, grads, strict=True):
-                    p -= 0.1 * g
-            losses.append(loss.item())
+        losses = _manual_steps(model, steps)
     return doctor.session, losses
 
 
@@ -151,20 +144,8 @@ def test_watching_a_hand_written_update_leaves_its_numerics_bit_identical() -> N
     def run(watched: bool) -> tuple[list[float], list[torch.Tensor]]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
-        if watched:
-            _, losses = _manual_sgd(model, 5, every=1, anomaly=True)
-        else:
-            params = list(model.parameters())
-            losses = []
-            for _ in range(5):
-                x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = F.cross_entropy(model(x), y)
-                grads = torch.autograd.grad(loss, params)
-                with torch.no_grad():
-                    for p, g in zip(params, grads, strict=True):
-                        p -= 0.1 * g
-                losses.append(loss.item())
+        losses = (_manual_sgd(model, 5, every=1, anomaly=True)[1] if watched
+                  else _manual_steps(model, 5))
         return losses, [p.detach().clone() for p in model.parameters()]
 
     plain, watched = run(False), run(True)
