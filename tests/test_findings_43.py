@@ -211,20 +211,8 @@ def test_a_weights_parametrization_is_part_of_its_layer_not_a_layer() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(weight_norm(nn.Linear(8, 32)), nn.ReLU(), nn.Linear(32, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu")
-    with amp_doctor.watch(model, tensorboard=False, every=1) as doctor:
-        for step in range(3):
-            if step == 1:
-                spectral_norm(model[2])
-            x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    s = doctor.session
+    s = classify(model, 3, (16, 8, 2), lambda step: spectral_norm(model[2]) if step == 1
+                 else None, lr=1e-2, every=1)
     assert [lay.name for lay in s.layers] == ["0", "1", "2", "Sequential"]
     assert s.layer("0").type == "ParametrizedLinear"
     assert s.layer("0").param_dtypes == ["float32"]
