@@ -215,10 +215,16 @@ def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
     """(layer, words) when most recorded backoffs' first non-finite gradient is the output
     gradient of a layer that returns the model's output (not the model's own code): the
     loss's gradient, times the scale, is beyond float16. The loss is too large."""
+    models = set(session.run.models)
     outputs = {lay.name for lay in session.layers
-               if lay.model_output and lay.name not in session.run.models}
-    rec = [e for e in backoffs if e.recorded and e.culprits]
-    first = [e.culprits[0] for e in rec if e.culprits[0] in outputs]
+               if lay.model_output and lay.name not in models}
+    # The model itself first is its output layer's gradient too when it returns that
+    # layer's tensor (a Sequential); then its own code made the output (CLIP's logits),
+    # and the next culprit is no output layer.
+    leads = [next((c for c in e.culprits if c not in models), None)
+             for e in backoffs if e.recorded and e.culprits]
+    rec = [c for c in leads if c is not None]
+    first = [c for c in rec if c in outputs]
     if not first or 2 * len(first) < len(rec):
         return None
     top = max(dict.fromkeys(first), key=first.count)
