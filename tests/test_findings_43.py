@@ -413,6 +413,8 @@ def test_a_collapse_from_a_loss_too_large_for_float16_blames_the_loss_not_the_ou
     (collapse,) = s.findings_of("scale_collapse")
     assert collapse.severity == "error" and collapse.module == "2"
     assert "the loss is too large for float16, not 2" in collapse.message
+    assert "first non-finite gradients were those of 2, which returns the model" in \
+        collapse.message
     assert collapse.advice.startswith("Keep the loss O(1)")
     assert [f.kind for f in s.findings if f.severity == "error"] == ["scale_collapse"]
 
@@ -457,3 +459,62 @@ def test_a_float16_what_if_of_underflow_alone_is_not_told_to_keep_overflowing_la
     (f,) = doctor.session.findings_of("whatif_float16")
     assert "below float16's smallest normal" in f.message and "beyond" not in f.message
     assert "overflowing" not in f.advice and "GradScaler" in f.advice
+
+
+class ScoresAttn(nn.Module):
+    """Attention scores made in the module's own code (no 1/sqrt(d) scale), then a child
+    Linear; ``second`` calls that child again on a finite input it overflows by itself."""
+
+    def __init__(self, d: int = 32, t: int = 16) -> None:
+        super().__init__()
+        self.q, self.k, self.proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(t, d)
+        self.second = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(self.q(x) @ self.k(x).transpose(-2, -1))
+        if self.second:
+            big = 6e4 * self.proj.weight[0].detach().sign().expand(*x.shape[:-1], 16)
+            h = h + self.proj(big) * 1e-3
+        return h
+
+
+def _scores_run(bad_steps: set[int], second: bool) -> amp_doctor.Session:
+    torch.manual_seed(0)
+    model = nn.Sequential(ScoresAttn(), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, anomaly=True, every=1) as doctor:
+        for step in range(8):
+            model[0].second = second and step in bad_steps
+            x = torch.randn(4, 16, 32) * (100.0 if step in bad_steps else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+def test_a_child_that_also_overflows_by_itself_later_in_the_step_is_not_a_carrier() -> None:
+    """proj carried the scores' inf in its first call, and made inf of its own from a
+    finite input in its second: two causes, two errors (it was listed as a carrier)."""
+    s = _scores_run(set(range(4, 8)), second=True)
+    errors = _errors(s)
+    assert ("nonfinite_forward", "0", "aten.bmm") in errors
+    assert ("activation_overflow", "0.proj", None) in errors
+    op = next(f for f in s.findings if f.op == "aten.bmm")
+    assert "0.proj" in op.data["later_origins"] and "0.proj" not in op.data.get("carriers", [])
+
+
+def test_a_one_off_overflow_anomaly_mode_could_not_locate_says_its_layer_is_unconfirmed(
+) -> None:
+    """The scores overflow in step 4 only: the op search, armed for step 5, saw nothing.
+    proj is the first watched output with the inf, and whether it came in with proj's
+    input is not known; the error said proj overflowed, full stop."""
+    s = _scores_run({4}, second=False)
+    assert s.findings_of("nonfinite_unlocated")
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert (f.kind, f.module) == ("activation_overflow", "0.proj")
+    assert "did not see it recur, so whether it began here or came in with the layer's " \
+        "input (made in 0's own forward code" in f.message

@@ -198,6 +198,23 @@ def _input_beyond_format(session: Session, told: set[str]) -> Iterable[Finding]:
         )
 
 
+def _unconfirmed(session: Session, lay: LayerSummary) -> str:
+    """What anomaly mode could not say about a layer's overflow: its op search ran in the
+    steps after and saw no op make NaN/Inf (a one-off), so the input, which is not
+    checked, may have brought the inf (made in its parent's own code)."""
+    if not any(e.kind == "nonfinite_unlocated" for e in session.events) or any(
+            e.kind in ("nonfinite_forward", "activation_overflow") and e.module
+            and (e.module == lay.name or e.module.startswith(lay.name + "."))
+            for e in session.events):
+        return ""
+    parent = (f"{lay.name.rsplit('.', 1)[0]}'s" if "." in lay.name else "the model's")
+    return (" Anomaly mode's op search ran in the steps after and did not see it recur, so "
+            "whether it began here or came in with the layer's input (made in "
+            f"{parent} own forward code before it, such as attention scores without the "
+            "1/sqrt(d) scale) is not known: `--anomaly --on-nonfinite raise` stops at the op "
+            "that made it.")
+
+
 def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                     source: LayerSummary | None = None) -> Iterable[Finding]:
     if lay.recorded_steps == 0:
@@ -280,7 +297,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             message=(f"{F.layer(lay.name)} ({lay.type}) output overflows {fmt}: "
                      f"{F.pct(lay.overflow_frac)} of values beyond the format's max "
                      f"(worst step), non-finite in {lay.nonfinite_steps} of "
-                     f"{lay.recorded_steps} recorded steps."),
+                     f"{lay.recorded_steps} recorded steps." + _unconfirmed(session, lay)),
             advice=ADVICE["activation_overflow"],
             data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
         )

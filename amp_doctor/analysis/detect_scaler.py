@@ -229,8 +229,9 @@ def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
         return None
     top = max(dict.fromkeys(first), key=first.count)
     return top, (f"; in {len(first)} of {len(rec)} recorded backoffs the first non-finite "
-                 f"gradient was the one {top} returns as the model's output, which is the "
-                 f"loss's own gradient times the scale: the loss is too large for float16, "
+                 f"gradients were those of {top}, which returns the model's output: the "
+                 "gradient it gets is the loss's own times the scale (and its weights' "
+                 "gradients that times its input), so the loss is too large for float16, "
                  f"not {top}")
 
 

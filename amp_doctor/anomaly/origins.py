@@ -249,7 +249,10 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
             parts.append(host[pos:pos + len(part)])
             pos += len(part)
         ev = _event_for(w.entries[i], *parts[:3])
-        carriers = _carriers(calls, parts[3])
+        # A module whose own op made NaN/inf later in the step (a second call of it) is an
+        # origin of its own, whatever an earlier call of it carried.
+        carriers = [c for c in _carriers(calls, parts[3])
+                    if not any(_in_subtree(m, c) for m in own)]
         if carriers:
             ev.data["carriers"] = carriers
         if own:
