@@ -720,16 +720,27 @@ class Watch:
             # reach the watched parameters (a training step), or another model's?
             self._loop.backward_done(roots, self._owns, self._set.first_grad)
 
-    def _on_grads_taken(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    def _on_grads_taken(self, outputs: list[torch.Tensor], inputs: list[Any],
+                        grads: list[Any], scaled: bool) -> None:
         """``torch.autograd.grad(loss, params)``: where no optimizer or scaler ends the
         steps and it took the watched weights' gradients, a training step's backward (a
-        loop that updates them by hand: ``p -= lr * g``). One for the inputs of a
-        gradient penalty, or inside a step an optimizer ends, is none."""
-        if not self._implicit_candidate() or not any(self._owns(p) for p in inputs):
+        loop that updates them by hand: ``p -= lr * g``), and on a recorded step those
+        gradients are the weights' gradients. One for the inputs of a gradient penalty,
+        or inside a step an optimizer ends, is none."""
+        pairs = [(p, g) for p, g in zip(inputs, grads, strict=True)
+                 if isinstance(p, torch.Tensor) and self._owns(p)
+                 and (g is None or isinstance(g, torch.Tensor))]
+        if not self._implicit_candidate() or not pairs:
             return
         self._on_backward(outputs)
         self._on_backward_done(outputs)
-        self._loop.grads_taken([p for p in inputs if self._owns(p)])
+        self._loop.grads_taken([p for p, _ in pairs])
+        buf = self._buffer
+        if buf is not None and self._probes is not None:
+            if not buf.param_grads_done:
+                buf.param_grads_scaled = scaled
+            self._probes.summarize_param_grads([p for p, _ in pairs], buf,
+                                               [g for _, g in pairs])
 
     def _implicit_candidate(self) -> bool:
         """No optimizer step, scaler update or ``doctor.step()`` ends the steps."""

@@ -118,6 +118,9 @@ def test_a_loop_that_updates_from_autograd_grad_by_hand_counts_its_steps() -> No
     # The activation gradients of each recorded step were filed.
     assert s.layer("2").grad_absmax is not None and s.layer("2").grad_absmax > 0
     assert s.findings_of("steps_from_backward")
+    # The weights' gradients are what autograd.grad returned for them: no .grad to read.
+    assert all(s.layer(n).param_grad_absmax for n in ("0", "2"))
+    assert s.layer("1").param_grad_absmax is None
 
 
 def test_gradients_of_a_penalty_on_the_inputs_do_not_end_a_step() -> None:

@@ -764,8 +764,10 @@ class Probes:
         buf.note_backward(owners[0])
 
     # -- parameter gradients --------------------------------------------
-    def summarize_param_grads(self, params: list[torch.Tensor], buf: StepBuffer) -> None:
-        """Summaries of the gradients of ``params``, once per layer and step.
+    def summarize_param_grads(self, params: list[torch.Tensor], buf: StepBuffer,
+                              grads: list[torch.Tensor | None] | None = None) -> None:
+        """Summaries of the gradients of ``params`` (their ``.grad``, or ``grads``: what
+        ``torch.autograd.grad`` returned for them), once per layer and step.
 
         One row per gradient, merged per layer on the host (as repeated calls are):
         concatenating a layer's gradients first would copy them all, a transient
@@ -774,11 +776,11 @@ class Probes:
         (``StepBuffer.add_many``).
         """
         by_layer: dict[str, list[torch.Tensor]] = {}
-        for p in params:
+        for p, g in zip(params, grads if grads is not None else [p.grad for p in params],
+                        strict=True):
             name = self.param_owner.get(id(p))
-            if name is None or p.grad is None or name in buf.param_grads_done:
+            if name is None or g is None or name in buf.param_grads_done:
                 continue
-            g = p.grad
             if not g.is_floating_point() or g.numel() == 0:
                 continue
             why = unsummarizable(g)

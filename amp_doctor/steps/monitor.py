@@ -60,9 +60,10 @@ class LoopCallbacks:
     optimizer_done: Callable[[Params], None]
     # torch.autograd.grad of a scaled output returned these (still scaled) gradients.
     scaled_grads: Callable[[Params], None]
-    # torch.autograd.grad(outputs, inputs) returned (a loop that updates by hand from
-    # these gradients has no .grad, no optimizer and no backward() to end its steps).
-    grads_taken: Callable[[Params, Params], None]
+    # torch.autograd.grad(outputs, inputs) returned these gradients of the inputs (a loop
+    # that updates by hand from them has no .grad, no optimizer and no backward() to end
+    # its steps); True when they are of a GradScaler's scaled output.
+    grads_taken: Callable[[Params, list[Any], list[Any], bool], None]
     # The watched root models' parameters, one list per root.
     root_params: Callable[[], list[Params]]
 
@@ -370,8 +371,12 @@ class AmpMonitor:
     def on_scaled_grads(self, grads: Any) -> None:
         self._cb.scaled_grads(list(iter_tensors(grads)))
 
-    def on_grads_taken(self, outputs: Any, inputs: Any) -> None:
-        self._cb.grads_taken(list(iter_tensors(outputs)), list(iter_tensors(inputs)))
+    def on_grads_taken(self, outputs: Any, inputs: Any, grads: Any, scaled: bool) -> None:
+        ins = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+        outs = list(grads) if isinstance(grads, (list, tuple)) else [grads]
+        if len(outs) != len(ins):
+            return  # not (inputs, their gradients) as torch.autograd.grad returns them
+        self._cb.grads_taken(list(iter_tensors(outputs)), ins, outs, scaled)
 
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None:
         ts = list(iter_tensors(tensors))
