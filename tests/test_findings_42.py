@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_doctor
-from tests.helpers import classify
+from tests.recipes import classify
 
 
 class MoE(nn.Module):
