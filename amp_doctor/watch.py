@@ -727,10 +727,12 @@ class Watch:
         loop that updates them by hand: ``p -= lr * g``), and on a recorded step those
         gradients are the weights' gradients. One for the inputs of a gradient penalty,
         or inside a step an optimizer ends, is none."""
+        if not self._implicit_candidate():
+            return
         pairs = [(p, g) for p, g in zip(inputs, grads, strict=True)
                  if isinstance(p, torch.Tensor) and self._owns(p)
                  and (g is None or isinstance(g, torch.Tensor))]
-        if not self._implicit_candidate() or not pairs:
+        if not pairs:
             return
         self._on_backward(outputs)
         self._on_backward_done(outputs)

@@ -308,12 +308,12 @@ def _carriers(calls: list[ModuleCall], rows: torch.Tensor) -> list[str]:
     """The modules among ``calls`` (see :func:`_later_calls`) whose output was non-finite:
     they only carried the origin's values on, in the step it was found in."""
     names: dict[str, None] = {}
+    bad = (~torch.isfinite(rows).all(1)).tolist() if len(rows) else []  # host rows: no sync
     pos = 0
     for c in calls:
-        part = rows[pos:pos + len(c.outs)]
-        pos += len(c.outs)
-        if not bool(torch.isfinite(part).all()):
+        if any(bad[pos:pos + len(c.outs)]):
             names[c.name] = None
+        pos += len(c.outs)
     return list(names)
 
 

@@ -50,11 +50,12 @@ class LoopSignals:
         self.input_module: str | None = None
         # A backward of this step reached the watched parameters.
         self.backward_reached = False
-        # A parameter's gradient and weight versions after the last backward.
         # Steps whose loss was NaN/inf, counted on the device at every step's end (one
         # in-place add, no sync), and the steps that had a loss: read once, at the end.
         self._loss_bad_total: torch.Tensor | None = None
         self.loss_steps = 0
+        # A parameter's gradient and weight versions after the last backward (gradient
+        # None: taken by torch.autograd.grad, only the weights' version tells).
         self._sentinel: tuple[torch.Tensor, int | None, int | None, int] | None = None
         # Sampled low-precision parameter elements before the update: (param, sample
         # index, values, element had a gradient, its gradient was finite).
