@@ -308,6 +308,7 @@ class Watch:
                 scaler=self._opts.scaler,
                 optimizers=self._opts.optimizers,
                 param_layer=self._param_layer,
+                layer_model=self._layer_model,
             )
             self._sub = subscribe(self._monitor)
             if self._opts.discover:
@@ -670,7 +671,11 @@ class Watch:
         found = skip_culprits(params, probes.param_owner, lambda n: probes.layers[n].order,
                               self._loop.loss_flag())
         if found is not None:
-            self._pending_culprits, loss_bad = found
+            culprits, loss_bad = found
+            # Two scalers skipping in one step (a GAN's): both skips' layers, each timeline
+            # keeps its own models' (AmpMonitor._own_culprits).
+            self._pending_culprits = list(dict.fromkeys(
+                [*(self._pending_culprits or []), *culprits]))
             if loss_bad is not None:
                 self._pending_loss_bad = loss_bad
 
@@ -682,6 +687,11 @@ class Watch:
         if not 0 <= i < len(params):
             return None, ""
         return self._param_layer(params[i]), dtype_name(params[i].dtype)
+
+    def _layer_model(self, name: str) -> int | None:
+        """The watched model (its id) that layer ``name`` belongs to."""
+        meta = self._probes.layers.get(name) if self._probes is not None else None
+        return meta.root if meta is not None else None
 
     def _param_layer(self, p: torch.Tensor) -> str | None:
         """The layer that holds parameter ``p``, by its name now."""

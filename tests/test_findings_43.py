@@ -521,3 +521,47 @@ def test_a_one_off_overflow_anomaly_mode_could_not_locate_says_its_layer_is_unco
     assert (f.kind, f.module) == ("activation_overflow", "0.proj")
     assert "did not see it recur, so whether it began here or came in with the layer's " \
         "input (made in 0's own forward code" in f.message
+
+
+def test_each_gradscaler_of_a_gan_names_culprits_of_its_own_model() -> None:
+    """A GAN with a GradScaler per network: the step's culprits (all its non-finite
+    gradients) went to both scalers, so the discriminator's collapse was blamed on the
+    generator's layer, which its backward (on a detached fake) never reaches."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(8, 64), nn.LeakyReLU(0.2), nn.Linear(64, 16))
+    disc = nn.Sequential(nn.Linear(16, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+    og = torch.optim.Adam(gen.parameters(), lr=2e-4)
+    od = torch.optim.Adam(disc.parameters(), lr=2e-4)
+    sg, sd = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    bce = nn.BCEWithLogitsLoss()
+    with amp_doctor.watch({"gen": gen, "disc": disc}, tensorboard=False, every=2) as doctor:
+        for step in range(12):
+            if step == 5:
+                with torch.no_grad():
+                    gen[2].weight.mul_(2e4)
+            real, z = torch.randn(32, 16) + 1.0, torch.randn(32, 8)
+            with torch.autocast("cpu", dtype=torch.float16):
+                fake = gen(z)
+                ld = bce(disc(real), torch.ones(32, 1)) + bce(disc(fake.detach()),
+                                                            torch.zeros(32, 1))
+            od.zero_grad()
+            sd.scale(ld).backward()
+            sd.step(od)
+            sd.update()
+            with torch.autocast("cpu", dtype=torch.float16):
+                lg = bce(disc(fake), torch.ones(32, 1))
+            og.zero_grad()
+            sg.scale(lg).backward()
+            sg.step(og)
+            sg.update()
+    s = doctor.session
+    timelines = [t for t in (s.scaler, *s.other_scalers) if t is not None]
+    assert sorted(t.stepping for t in timelines) == ["disc", "gen"]
+    for t in timelines:
+        culprits = {c for e in t.events if e.kind == "backoff" for c in e.culprits}
+        assert culprits, t.label
+        assert all(c == t.stepping or c.startswith(t.stepping + ".") for c in culprits), \
+            (t.label, culprits)
+    disc_collapse = [f for f in s.findings_of("scale_collapse") if "params of disc" in f.message]
+    assert disc_collapse and disc_collapse[0].module is not None
+    assert disc_collapse[0].module.startswith("disc.")

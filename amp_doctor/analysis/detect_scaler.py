@@ -216,8 +216,10 @@ def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
     gradient of a layer that returns the model's output (not the model's own code): the
     loss's gradient, times the scale, is beyond float16. The loss is too large."""
     models = set(session.run.models)
+    # Its output gradient itself went non-finite: the loss's. Its weights' alone is its
+    # input's size times a finite gradient (a GAN discriminator given a huge fake).
     outputs = {lay.name for lay in session.layers
-               if lay.model_output and lay.name not in models}
+               if lay.model_output and lay.name not in models and lay.grad_nonfinite_steps}
     # The model itself first is its output layer's gradient too when it returns that
     # layer's tensor (a Sequential); then its own code made the output (CLIP's logits),
     # and the next culprit is no output layer.

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from amp_doctor.devicework import iter_tensors
 from amp_doctor.hooks.patching import in_scaler_step
-from amp_doctor.records import Event, ScalerTimeline
+from amp_doctor.records import Event, ScalerEvent, ScalerTimeline
 from amp_doctor.steps.misuse import MisuseChecks
 from amp_doctor.steps.registry import (
     AmpRegistry,
@@ -93,9 +93,12 @@ class AmpMonitor:
         scaler: GradScaler | None = None,
         optimizers: Iterable[Optimizer] = (),
         param_layer: Callable[[torch.Tensor], str | None] = lambda p: None,
+        layer_model: Callable[[str], int | None] = lambda name: None,
     ) -> None:
         self._cb = callbacks
         self._param_layer = param_layer
+        # The watched model (its id) a layer belongs to, by the layer's name now.
+        self._layer_model = layer_model
         # Optimizers whose step() is running: a closure's forward and backward passes
         # (LBFGS evaluates it several times in one step) belong to that step.
         self.stepping: set[int] = set()
@@ -481,7 +484,20 @@ class AmpMonitor:
         parameters sit."""
         name = ", ".join(sorted(self.registry.opt_name_of(i) for i in st.opt_ids))
         layers = {n for key in st.opt_ids for n in self._opt_layers.get(key, (0, set()))[1]}
-        return replace(tl, name=name, stepping=_where_layers_sit(layers))
+        return replace(tl, name=name, stepping=_where_layers_sit(layers),
+                       events=self._own_culprits(tl.events, layers))
+
+    def _own_culprits(self, events: list[ScalerEvent], layers: set[str]) -> list[ScalerEvent]:
+        """Each backoff's culprits, kept to the watched models whose parameters the
+        scaler's optimizers step: a step's culprits are all of its non-finite gradients,
+        and with a GAN's two scalers the discriminator's backward (on a detached fake)
+        cannot have made the generator's. One model watched: unchanged."""
+        models = {self._layer_model(n) for n in layers} - {None}
+        if not models:
+            return events
+        return [replace(e, culprits=[c for c in e.culprits
+                                     if self._layer_model(c) in (models | {None})])
+                if e.culprits else e for e in events]
 
     def other_timelines(self) -> list[ScalerTimeline]:
         """The other relevant, enabled scalers' timelines, named after the optimizers they
