@@ -183,7 +183,7 @@ def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
     carried_from = {c: ev.module for ev in session.events if ev.kind == "nonfinite_forward"
                     and ev.module for c in ev.data.get("carriers") or ()}
     for e in backoffs:
-        if e.step in origins:
+        if e.step in origins and _same_models(session, origins[e.step][0], e.culprits):
             known[e.step] = (origins[e.step][0], "anomaly")
         elif e.forward_origin:
             # A child of a module where anomaly mode found the op, in a step it did not
@@ -235,6 +235,23 @@ def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
                  "gradient it gets is the loss's own times the scale (and its weights' "
                  "gradients that times its input), so the loss is too large for float16, "
                  f"not {top}")
+
+
+def _model_of(session: Session, name: str) -> str | None:
+    """The watched model a layer's name belongs to, when several are watched."""
+    return next((m for m in session.run.models if name == m or name.startswith(m + ".")),
+                None)
+
+
+def _same_models(session: Session, origin: str, culprits: list[str]) -> bool:
+    """Whether an op origin anomaly mode found in a step can be this backoff's: with several
+    models watched (a GAN's, one GradScaler each), not when it is in another model than
+    every culprit of the backoff (the step's first origin, in the discriminator's backward,
+    is not the generator's scaler's)."""
+    if len(session.run.models) < 2 or not culprits:
+        return True
+    mine = {_model_of(session, c) for c in culprits}
+    return _model_of(session, origin) in mine or None in mine
 
 
 def _untraced_text(backoffs: list[ScalerEvent], known: dict[int, tuple[str, str]]) -> str:
