@@ -495,8 +495,8 @@ class AmpMonitor:
         models = {self._layer_model(n) for n in layers} - {None}
         if not models:
             return events
-        return [replace(e, culprits=[c for c in e.culprits
-                                     if self._layer_model(c) in (models | {None})])
+        keep = models | {None}  # a culprit of no known model stays
+        return [replace(e, culprits=[c for c in e.culprits if self._layer_model(c) in keep])
                 if e.culprits else e for e in events]
 
     def other_timelines(self) -> list[ScalerTimeline]:
