@@ -250,6 +250,15 @@ ADVICE: dict[str, str] = {
         "give the optimizer an eps the format holds (`eps=1e-4` for float16) or keep a "
         "float32 master copy."
     ),
+    "nonfinite_grads_applied": (
+        "Train float16 with a GradScaler: `scaler = torch.amp.GradScaler(device_type)`, "
+        "`scaler.scale(loss).backward()`, `scaler.step(optimizer)`, `scaler.update()`; it "
+        "skips a step whose gradients are NaN/inf and lowers the scale until they fit. "
+        "Keep the loss O(1) (a mean, not a sum; normalised targets), and find the op with "
+        "anomaly mode (`--anomaly`). Without a scaler, skip an update whose gradient norm is "
+        "not finite: `norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, "
+        "then step only `if torch.isfinite(norm)`."
+    ),
     "run_ended_early": (
         "Fix the error that stopped the script (see the outcome above), then run again: "
         "amp-doctor judges training steps, and none finished."
@@ -263,6 +272,14 @@ ADVICE: dict[str, str] = {
 
 # The same advice for a run that already trains in bfloat16: never "use bfloat16".
 ADVICE_BF16: dict[str, str] = {
+    "nonfinite_grads_applied": (
+        "bfloat16 gradients do not overflow below float32's range: a backward op made NaN/inf "
+        "(the gradient of sqrt or a norm at 0, of log or a division near 0), or the loss's "
+        "gradient grew without bound. Find the op with anomaly mode (`--anomaly`), and skip "
+        "an update whose gradient norm is not finite: `norm = "
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, then step only "
+        "`if torch.isfinite(norm)`."
+    ),
     "activation_overflow": (
         "bfloat16 has float32's range, so this is not the format overflowing: an op made "
         "inf/NaN (log(0), x/0, exp of a large value) or the weights diverged. Find the op "

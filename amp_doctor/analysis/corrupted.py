@@ -106,14 +106,16 @@ def _loss_note(f: Finding, c: Corruption) -> Finding:
     """A NaN loss first checked after the corruption: its 'origin' is only the first
     layer to use a corrupted weight."""
     d = f.data
+    shown = f.module or d.get("shown_in")
     msg = (f"The loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
            f"step(s) whose loss was checked ({d.get('steps')} steps in all), first at "
            f"step {f.step}. By then the parameters were already non-finite (the optimizer "
            f"applied step {c.first}'s non-finite gradients), so "
-           + (f"{F.layer(f.module)}, the first layer to use them, is where it showed, not where it "
-              "began." if f.module else "where it showed says nothing of where it began."))
+           + (f"{F.layer(shown)}, the first layer to use them, is where it showed, not where it "
+              "began." if shown else "where it showed says nothing of where it began."))
     return replace(f, module=None, message=msg,
-                   data={**d, "origin": None, "origin_after_corruption": d.get("origin")})
+                   data={**d, "origin": None,
+                         "origin_after_corruption": d.get("origin") or d.get("shown_in")})
 
 
 def fold_corrupted_weights(session: Session, out: list[Finding]) -> list[Finding]:

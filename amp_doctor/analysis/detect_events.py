@@ -45,6 +45,7 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "nonfinite_forward": "error",
     "nonfinite_discarded": "info",
     "nonfinite_backward": "error",
+    "nonfinite_grads_applied": "error",
     "nonfinite_input": "error",
     "activation_overflow": "warning",
     "scaled_grads_stepped": "error",
@@ -137,6 +138,11 @@ def event_findings(session: Session) -> Iterable[Finding]:
             # skips by design (its backoff finding says "nothing to fix" too).
             first = dataclasses.replace(first, data={
                 **first.data, "advice": ADVICE["scaled_backward_probe"]})
+        if kind == "nonfinite_loss" and first.data.get("began_unrecorded"):
+            # Where it began was not recorded: how to see it, not a fix for where it showed.
+            first = dataclasses.replace(first, data={**first.data, "advice": unlocated_advice(
+                session.run.every, session.run.command is not None,
+                bool(first.data.get("raise_mode")), session.amp.scaler)})
         if kind == "nonfinite_loss":
             unskipped = len(loss_steps_not_skipped(session))
             d = first.data

@@ -256,11 +256,13 @@ _AFTER_NAN_WEIGHTS = ("nonfinite_loss", "activation_overflow", "nonfinite_unloca
 
 
 def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
-    """The optimizer's update made the weights NaN (float16 Adam state), or stepped on
-    gradients still multiplied by the loss scale (every update 65536x too large): what
-    went non-finite from the next step on is its consequence, said in its finding."""
+    """The optimizer's update made the weights NaN (float16 Adam state), stepped on
+    gradients still multiplied by the loss scale (every update 65536x too large), or took
+    NaN/inf gradients that nothing skipped: what went non-finite from the next step on is
+    its consequence, said in its finding."""
     root = next((f for f in out if f.kind == "lowp_update_nonfinite"), None) or next(
-        (f for f in out if f.kind == "scaled_grads_stepped" and f.severity == "error"), None)
+        (f for f in out if f.kind in ("scaled_grads_stepped", "nonfinite_grads_applied")
+         and f.severity == "error"), None)
     if root is None or root.step is None:
         return out
     # A layer's finding (no step: the run's aggregate) goes too: from the next step on

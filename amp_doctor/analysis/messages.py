@@ -209,7 +209,25 @@ def _scaled_grads_stepped(a: MessageArgs) -> str:
 @message_for("nonfinite_loss")
 def _nonfinite_loss(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
-    if e.module:
+    shown = d.get("shown_in")
+    showed = (f"{F.layer(shown)}'s output, the first watched layer to go non-finite on "
+              f"recorded step {d.get('recorded_at')}, is only where it showed"
+              if shown else f"recorded step {d.get('recorded_at')} only shows it")
+    if d.get("after_grads_applied") is not None:
+        where = (f"It began before: step {d['after_grads_applied']}'s update took NaN/inf "
+                 "gradients (see that finding), which make the weights non-finite, and "
+                 f"from then on every step's forward with them: {showed}, not where it began")
+    elif d.get("began_unrecorded"):
+        last = d.get("last_recorded_before")
+        where = (f"It began before the first recorded step that shows it: the loss was "
+                 f"already NaN/inf in {d['began_unrecorded']} step(s) "
+                 + (f"after recorded step {last} " if last is not None else "")
+                 + "that were neither recorded nor skipped by a GradScaler. Their updates "
+                 "took its NaN/inf gradients, which make the weights non-finite, and from "
+                 f"then on every step's forward with them: {showed}, which may not be where "
+                 "it began. Record every step (`--every 1`) to see the step it began in"
+                 + ("" if d.get("anomaly") else ", or use anomaly mode (`--anomaly`)"))
+    elif e.module:
         where = (f"It first appeared in {F.layer(e.module)}'s output, the first watched "
                  f"layer to go non-finite (seen on recorded step {d.get('recorded_at')})")
         if d.get("neg_inf_only"):
@@ -475,6 +493,25 @@ def _nonfinite_input(a: MessageArgs) -> str:
                 "it on.")
     return (f"The batch passed to {F.layer(e.module)} already holds {nonfinite_what(d)} "
             f"({_op_steps(a)}): it came from the data, not from a layer.")
+
+
+@message_for("nonfinite_grads_applied")
+def _nonfinite_grads_applied(a: MessageArgs) -> str:
+    e, d = a.event, a.event.data
+    culprits = [c for c in d.get("culprits") or [] if c != e.module]
+    loss = d.get("loss")
+    again = int(d.get("occurrences") or 1) - 1
+    return (f"The gradients went NaN/inf in the backward pass of step {e.step}, first in "
+            f"{F.layer(e.module)}'s gradients (in backward order"
+            + (f"; then {', '.join(culprits[:6])}" if culprits else "") + "), while the "
+            "forward pass and the loss"
+            + (f" ({F.num(loss)})" if isinstance(loss, float) else "")
+            + " were finite. Nothing skipped that step (no GradScaler is on): its update "
+            "took them, which makes the weights it touched NaN/inf unless the loop drops "
+            "such gradients itself. A layer's output gradient is made by the backward of "
+            "the layer that uses its output, so the op that made it is there or in the "
+            "loss's gradient."
+            + (f" It happened in {again} later recorded step(s) too." if again else ""))
 
 
 @message_for("nonfinite_backward")

@@ -47,6 +47,8 @@ __all__ = ["StepRows", "StepListener", "FoldedStep", "StepFolder", "skip_culprit
 MAX_BAD_STEPS_KEPT = 256
 # Layers named in the NaN/inf loss's event as holding -inf beside a finite loss, at most.
 MAX_MASKS_KEPT = 64
+# Layers named in a step's non-finite gradients event, at most.
+MAX_CULPRITS_KEPT = 16
 # The step scalar that holds the scale the loss was multiplied by.
 GRAD_SCALE_KEY = "grad_scale"
 
@@ -56,6 +58,8 @@ class LayerMetaView(Protocol):
 
     order: int
     output_dtypes: set[str]
+    calls: int
+    passthrough_calls: int
 
 
 class FoldedStep(NamedTuple):
@@ -98,6 +102,11 @@ class StepFolder:
         # masks, whatever else their figures say; not where a NaN/inf loss came from.
         self._neg_inf_beside_finite_loss: set[str] = set()
         self._lp_counts = [0.0, 0.0]  # sampled elements with a gradient, unchanged of those
+        # The last recorded step folded, and the NaN/inf losses counted before the first
+        # recorded step with one that no host check saw (unrecorded, unskipped steps):
+        # (that count, the last recorded step before them).
+        self._last_recorded: int | None = None
+        self._bad_before_unseen: tuple[int, int | None] | None = None
 
     @property
     def any_loss_bad(self) -> bool:
@@ -149,10 +158,12 @@ class StepFolder:
         if origin is not None:
             self.aggregates.note_origin(origin)
         loss_bad: bool | None = None
-        self.loss_bad_so_far = max(self.loss_bad_so_far,
-                                   int(hs.scalars.get(LOSS_BAD_TOTAL_KEY, 0)))
+        total_bad = int(hs.scalars.get(LOSS_BAD_TOTAL_KEY, 0))
+        self.loss_bad_so_far = max(self.loss_bad_so_far, total_bad)
         if "loss_bad" in hs.scalars:
             loss_bad = bool(hs.scalars["loss_bad"])
+            if loss_bad and self._loss_origin is None:
+                self._note_bad_before(step, total_bad - 1)
             self.note_loss(step, loss_bad, skipped)
             neg_inf_only = set(layers.where((layers.column(ACT, MIN) == -math.inf)
                                             & (layers.column(ACT, MAX) < math.inf)))
@@ -168,10 +179,46 @@ class StepFolder:
             self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
             self._note_update_nonfinite(step, hs.scalars, lp_param)
         loss = hs.scalars.get("loss", hs.scalars.get(PLAIN_LOSS_KEY))
+        if (check_input and not skipped and grad_scale is None and origin is None
+                and not input_bad and not loss_bad):
+            # No loss scale: a GradScaler would skip such a step (or raise in it), and
+            # optimizer.step() on scaled gradients is a misuse with a finding of its own.
+            self._note_grads_applied(step, hs, layers, loss)
+        self._last_recorded = step
         rec = StepRecord(step=step, loss=loss, scale=scale, skipped=skipped,
                          layers=layers)
         self.history.add(rec)
         return FoldedStep(rec, origin, culprits, loss_bad)
+
+    def _note_bad_before(self, step: int, earlier: int) -> None:
+        """The first recorded step with a NaN/inf loss: were there ``earlier`` bad losses
+        (the device's count) that no host check saw? Those steps were neither recorded nor
+        skipped (a skip's sync checks its loss): with nothing to skip them, their updates
+        may have made the weights NaN, and this step only shows where that surfaces."""
+        unseen = earlier - sum(s < step for s in self._loss_bad)
+        if unseen > 0:
+            self._bad_before_unseen = (unseen, self._last_recorded)
+
+    def _note_grads_applied(self, step: int, hs: HostCopy, layers: StepTable,
+                            loss: float | None) -> None:
+        """A recorded step that nothing skipped, whose forward and loss were finite, but
+        whose gradients went NaN/inf in backward: the update took them (no GradScaler,
+        or a disabled one), unless the loop drops them itself. One event per run, its
+        layers in the order their gradients went non-finite; later steps are counted."""
+        metas = self._layers()
+        # Not a container that only returned its child's output: the child is the layer.
+        culprits = [n for n in self._culprits(hs, layers) if n not in metas
+                    or not 0 < metas[n].calls <= metas[n].passthrough_calls]
+        if not culprits:
+            return
+        e = next((e for e in self._events if e.kind == "nonfinite_grads_applied"), None)
+        if e is not None:
+            e.data["occurrences"] = int(e.data["occurrences"]) + 1
+            return
+        self._events.append(Event(kind="nonfinite_grads_applied", step=step,
+                                  module=culprits[0], data={
+                                      "culprits": culprits[:MAX_CULPRITS_KEPT], "loss": loss,
+                                      "occurrences": 1}))
 
     def _note_input_beyond(self, step: int, scalars: dict[str, float], fmt: FormatLimits,
                            origin: str, in_output: bool) -> None:
@@ -333,15 +380,30 @@ class StepFolder:
         if every and counted is not None:
             bad, checked = counted
         first = min(self._loss_bad) if self._loss_bad else None
+        module = seen[1] if seen else None
+        # Where a recorded step showed it, when it began before: in a step whose update
+        # took NaN/inf gradients, or in steps nobody checked. Weights it made NaN show it
+        # in the first layer that uses them, which is not its origin.
+        applied = next((e for e in self._events if e.kind == "nonfinite_grads_applied"
+                        and seen is not None and e.step < seen[0]), None)
+        before: dict[str, Any] = {}
+        if applied is not None:
+            before = {"after_grads_applied": applied.step, "shown_in": module}
+            module = None
+        elif seen is not None and self._bad_before_unseen is not None:
+            unseen, last = self._bad_before_unseen
+            before = {"began_unrecorded": unseen, "last_recorded_before": last,
+                      "shown_in": module}
+            module = None
         return [Event(kind="nonfinite_loss", step=first if first is not None else 0,
-                      module=seen[1] if seen else None, data={
+                      module=module, data={**before,
                           "steps_bad": bad, "checked": checked, "steps": steps,
                           # Every step's loss was counted: the steps named are the ones seen
                           # (recorded or skipped), and that many of the bad ones were skipped.
                           "every_step": every, "first_known": first is not None,
                           "bad_skipped": len(self._loss_bad_skipped),
                           "recorded_at": seen[0] if seen else None,
-                          "origin": seen[1] if seen else None,
+                          "origin": module,
                           "origin_past_masks": self._loss_origin_past_masks,
                           "masks_beside_finite_loss": sorted(
                               self._neg_inf_beside_finite_loss)[:MAX_MASKS_KEPT],
