@@ -324,6 +324,7 @@ class Watch:
                     allow=self._opts.anomaly_allow,
                     module_name=self._probes.name_of,
                     training_forward=self._probes.in_training_forward,
+                    recomputing=self._probes.recomputing,
                 )
                 self._anomaly.start()
             if self.logdir is not None:

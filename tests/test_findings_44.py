@@ -117,3 +117,207 @@ def test_bfloat16_gradients_that_a_backward_op_made_nan_are_named_without_a_scal
     # bfloat16 does not overflow there: the advice is the op, not a GradScaler.
     assert "GradScaler" not in f.advice and "sqrt" in f.advice
     assert s.findings_of("nonfinite_loss")[0].severity == "info"
+
+
+class LoudNorm(nn.Module):
+    """A float32 LayerNorm output scaled past float16's max from step 3 (a residual stream
+    grown too large), into a Linear that autocast runs in float16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc, self.head = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 4)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc(self.ln(x) * self.gain)))
+
+
+def test_a_float32_input_cast_to_inf_is_not_called_an_op_far_from_the_max() -> None:
+    """Review 44a: every output of the failing step was inf/NaN (the matmul spreads the
+    cast's inf), so "its finite values stayed below 2" came from the healthy steps."""
+    torch.manual_seed(0)
+    model = LoudNorm()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for step in range(6):
+            model.gain = 4e4 if step >= 3 else 1.0
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    fc = next(lay for lay in s.layers if lay.name == "fc")
+    assert fc.input_dtypes == ["float32"] and fc.nonfinite_steps == 3
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module) for f in errors] == [("activation_overflow", "fc")], s.findings
+    assert "not values growing past the max" not in errors[0].message
+    assert "Its input came in float32" in errors[0].message
+
+
+class ActorCritic(nn.Module):
+    """Returns the value head's output squeezed (``v(h).squeeze(-1)``), as actor-critic
+    code does, and the policy head's cast to float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.ReLU())
+        self.pi, self.v = nn.Linear(32, 3), nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.pi(h).float(), self.v(h).squeeze(-1)
+
+
+def test_an_output_layer_seen_through_a_view_or_cast_is_the_models_output() -> None:
+    """Review 44b: value targets in the tens of thousands collapse the scale at the value
+    head; returned squeezed, it was not the model's output layer, and the advice was to run
+    it in float32 instead of keeping the loss O(1)."""
+    torch.manual_seed(0)
+    model = ActorCritic()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, every=4) as doctor:
+        for _ in range(24):
+            x = torch.randn(32, 8)
+            ret = 2e4 + 1e3 * x[:, 0]
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits, value = model(x)
+            loss = nn.functional.mse_loss(value.float(), ret, reduction="sum") \
+                + nn.functional.cross_entropy(logits, torch.randint(0, 3, (32,)))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.layer("v").model_output and s.layer("pi").model_output
+    assert not s.layer("trunk.0").model_output
+    (collapse,) = s.findings_of("scale_collapse")
+    assert collapse.module == "v" and "the loss is too large for float16, not v" in \
+        collapse.message
+    assert collapse.advice.startswith("Keep the loss O(1)")
+
+
+def _checkpointed_session(reentrant: bool | None) -> amp_doctor.Session:
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            x = torch.randn(8, 16, generator=g).requires_grad_()
+            y = torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x) if reentrant is None else checkpoint(
+                    model, x, use_reentrant=reentrant)
+                loss = nn.functional.cross_entropy(out.float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+def test_a_model_checkpointed_whole_with_reentrant_checkpoint_is_recorded() -> None:
+    """Review 44a: ``checkpoint(model, x, use_reentrant=True)`` runs the model's first pass
+    under no_grad, which read as validation: "model_not_run" and an empty layer table."""
+    plain = _checkpointed_session(None)
+    for reentrant in (True, False):
+        s = _checkpointed_session(reentrant)
+        assert not s.findings_of("model_not_run"), s.findings
+        for name in ("0", "1", "2"):
+            lay, ref = s.layer(name), plain.layer(name)
+            assert (lay.calls, lay.recorded_steps) == (ref.calls, ref.recorded_steps) == (4, 4)
+            assert lay.absmax == ref.absmax and lay.grad_absmax == ref.grad_absmax
+            assert lay.grad_absmax is not None and lay.grad_absmax > 0
+
+
+class Embedder(nn.Module):
+    """Fourier features made in the model's own forward, then a Sequential MLP: the
+    features' inf shows first in the Sequential's first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmlp = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 32))
+        self.head = nn.Linear(32, 4)
+        self.freq = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feats = x.half() * self.freq  # float16: inf once freq is large
+        return self.head(self.tmlp(feats))
+
+
+def test_the_code_before_a_sequentials_first_layer_is_its_callers() -> None:
+    """Review 44b: "the op that made it is in tmlp's own forward code before tmlp.0", but
+    a Sequential has no code of its own; the op is in the model's forward."""
+    torch.manual_seed(0)
+    model = Embedder()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for step in range(4):
+            model.freq = 1e5 if step >= 2 else 1.0
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (loss_f,) = doctor.session.findings_of("nonfinite_loss")
+    assert loss_f.module == "tmlp.0", doctor.session.findings
+    assert "in the model's own forward code before tmlp.0" in loss_f.message
+
+
+class LogBlock(nn.Module):
+    """``log(softmax(300 z))``: the softmax underflows to 0 in float16, and its log is -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(self.fc1(x) * 300.0, dim=-1)
+        return self.fc2(torch.log(p) * p)
+
+
+class CheckpointedNet(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.block, self.head = LogBlock(), nn.Linear(16, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+def test_a_checkpoints_recomputed_forward_is_not_a_backward_op_in_anomaly_mode() -> None:
+    """Review 44a: a non-reentrant checkpoint reruns the block's forward inside the backward
+    node that unpacks its saved input (fc2's AddmmBackward0): its log was reported as a
+    backward op of that node, at fc2's line."""
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = CheckpointedNet(reentrant)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+            for _ in range(3):
+                x = torch.randn(8, 16).requires_grad_()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(x).float().pow(2).mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        s = doctor.session
+        errors = [(f.kind, f.module, f.op) for f in s.findings if f.severity == "error"]
+        assert errors == [("nonfinite_forward", "block", "aten.log")], (reentrant, s.findings)
+        for f in s.findings_of("nonfinite_backward"):
+            # The backward of a forward op: its node is that op's, never fc2's matmul.
+            assert f.data.get("node") != "AddmmBackward0", (reentrant, f)

@@ -94,12 +94,17 @@ def _recorded(session: Session, step: int) -> bool:
     return any(r.step == step for r in session.history)
 
 
-def _corruption_text(c: Corruption) -> str:
-    return (f"With no GradScaler to skip step {c.first}, its optimizer step applied the "
-            f"non-finite gradients: the parameters were non-finite from then on (anomaly "
-            f"mode found them so at step {c.found_at}), so every later step is NaN/inf "
-            "too, and anomaly mode's op-level search, which needs finite inputs, could not "
-            "name the op")
+def _corruption_text(c: Corruption, scaled: bool) -> str:
+    skip = (f"The GradScaler did not skip step {c.first} for every optimizer: one whose "
+            "gradients were finite when the scaler checked them (at `unscale_`) stepped on "
+            "gradients made non-finite after that (a `clip_grad_norm_` over several "
+            "optimizers' parameters whose total norm was NaN/inf multiplies every gradient "
+            "by NaN; clip each optimizer's parameters apart), so an optimizer step "
+            if scaled else f"With no GradScaler to skip step {c.first}, its optimizer step ")
+    return (f"{skip}applied the non-finite gradients: the parameters were non-finite from "
+            f"then on (anomaly mode found them so at step {c.found_at}), so every later "
+            "step is NaN/inf too, and anomaly mode's op-level search, which needs finite "
+            "inputs, could not name the op")
 
 
 def _loss_note(f: Finding, c: Corruption) -> Finding:
@@ -166,7 +171,7 @@ def fold_corrupted_weights(session: Session, out: list[Finding]) -> list[Finding
     ops = _ops_hint(session, origin)
     text = (f"NaN/inf first appeared at step {c.first} in {F.layer(origin)}'s output (the first "
             f"layer, in forward order, to go non-finite in that recorded step). "
-            + _corruption_text(c)
+            + _corruption_text(c, session.amp.scaler)
             + (f"; the ops that ran in {origin}: {', '.join(ops[:6])}" if ops else "") + "."
             + (f" Layers that went non-finite only after that, from the corrupted weights: "
                f"{', '.join(after[:8])}." if after else ""))
@@ -196,7 +201,7 @@ def _unlocated_error(session: Session, f: Finding, c: Corruption,
            f"in step {c.first} every watched layer's output was finite: it appeared in "
            "backward, or outside the watched layers")
     msg = (f"NaN/inf first appeared at step {c.first}, and anomaly mode could not say "
-           f"where: {why}. " + _corruption_text(c) + ".")
+           f"where: {why}. " + _corruption_text(c, session.amp.scaler) + ".")
     if consequences:
         msg += " Consequences: " + "; ".join(consequences) + "."
     return replace(f, severity="error", message=msg, data={

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from amp_doctor.analysis.advice import ADVICE, event_advice, unlocated_advice
 from amp_doctor.analysis.detect_layers import (
+    code_before,
     input_cast,
     largest_finite,
     loss_reaching_mask,
@@ -123,6 +124,9 @@ def event_findings(session: Session) -> Iterable[Finding]:
             first = dataclasses.replace(first, data={**first.data, "made_here": True})
         if kind == "nonfinite_loss" and module is not None and module in session.run.models:
             first = dataclasses.replace(first, data={**first.data, "root": True})
+        elif kind == "nonfinite_loss" and module is not None:
+            first = dataclasses.replace(first, data={
+                **first.data, "code_before": code_before(session, module)})
         if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):
             if set(loss_bad_steps(session)).intersection(first.data.get("steps") or []):
                 # Not scaled gradients overflowing: the loss itself was NaN/inf there.

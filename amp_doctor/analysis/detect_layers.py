@@ -24,12 +24,14 @@ from amp_doctor.analysis.thresholds import (
     HEADROOM_WARN_BITS,
     MADE_INF_HEADROOM_BITS,
     OVERFLOW_FRAC_ERROR,
+    WHOLLY_NONFINITE_FRAC,
 )
 from amp_doctor.dtypes import FORMAT_MAX, judged_format
 from amp_doctor.records import Event, Finding, LayerSummary, Session
 
 __all__ = ["layer_findings", "run_findings", "autocast_findings", "low_format", "input_cast",
-           "grad_underflow", "largest_finite", "all_nonfinite", "shown_grad_underflow"]
+           "grad_underflow", "largest_finite", "all_nonfinite", "shown_grad_underflow",
+           "code_before"]
 
 
 def _scale(x: float | None) -> str:
@@ -198,6 +200,24 @@ def _input_beyond_format(session: Session, told: set[str]) -> Iterable[Finding]:
         )
 
 
+# Containers whose forward only chains their children: no code of their own runs before
+# their first child.
+_CHAINING = frozenset({"Sequential"})
+
+
+def code_before(session: Session, name: str) -> str:
+    """Whose forward code runs just before layer ``name`` gets its input: the nearest
+    ancestor that is a layer with code of its own ("x's"), or "the model's". A
+    ``Sequential`` runs none (the op is in the code that calls it), and a ``ModuleList``
+    is never called (the code that loops over it is its parent's)."""
+    types = {lay.name: lay.type for lay in session.layers}
+    while "." in name:
+        name = name.rsplit(".", 1)[0]
+        if name in types and types[name] not in _CHAINING:
+            return f"{name}'s"
+    return "the model's"
+
+
 def _unconfirmed(session: Session, lay: LayerSummary) -> str:
     """What anomaly mode could not say about a layer's overflow: its op search ran in the
     steps after and saw no op make NaN/Inf (a one-off), so the input, which is not
@@ -207,12 +227,35 @@ def _unconfirmed(session: Session, lay: LayerSummary) -> str:
             and (e.module == lay.name or e.module.startswith(lay.name + "."))
             for e in session.events):
         return ""
-    parent = (f"{lay.name.rsplit('.', 1)[0]}'s" if "." in lay.name else "the model's")
+    parent = code_before(session, lay.name)
     return (" Anomaly mode's op search ran in the steps after and did not see it recur, so "
             "whether it began here or came in with the layer's input (made in "
             f"{parent} own forward code before it, such as attention scores without the "
             "1/sqrt(d) scale) is not known: `--anomaly --on-nonfinite raise` stops at the op "
             "that made it.")
+
+
+def _wholly_nonfinite(session: Session, lay: LayerSummary) -> bool:
+    """In every kept step where its output went non-finite, (nearly) all of it did: its
+    finite values then come from other steps, and say nothing of how near the max the
+    failing step's values were (a matmul spreads one inf in its input to every output)."""
+    fracs = [ls.act.nonfinite_frac for r in session.history
+             if (ls := r.layers.get(lay.name)) is not None and ls.act is not None
+             and ls.act.nonfinite_frac > 0]
+    return bool(fracs) and min(fracs) >= WHOLLY_NONFINITE_FRAC
+
+
+def _cast_input(session: Session, lay: LayerSummary, fmt: str) -> str:
+    """A layer that autocast fed a float32 input: values of it past the format's max are
+    inf once cast, before the layer computes anything (review 44a: a float32 LayerNorm
+    output past 65504 into a Linear)."""
+    if "float32" not in lay.input_dtypes or not _wholly_nonfinite(session, lay):
+        return ""
+    return (f" Its input came in float32 and autocast casts it to {fmt}: input values past "
+            f"{fmt}'s max are inf before the layer computes anything (a float32 residual "
+            "stream or LayerNorm output that grew too large), and one inf in a matmul's input "
+            "makes its whole output row inf/NaN, as here. Anomaly mode (`--anomaly`) names the "
+            "op: the cast, or one in the layer.")
 
 
 def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
@@ -276,7 +319,8 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                   "input_absmax": d.get("absmax")},
         )
     elif lay.ran_low_precision and lay.overflow_frac > OVERFLOW_FRAC_ERROR and (
-            made := _inf_made_by_an_op(lay, fmt)) is not None:
+            made := _inf_made_by_an_op(lay, fmt)) is not None and not _wholly_nonfinite(
+                session, lay):
         yield Finding(
             kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
             message=(f"{F.layer(lay.name)} ({lay.type}) output went non-finite (inf/NaN) in "
@@ -297,7 +341,8 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             message=(f"{F.layer(lay.name)} ({lay.type}) output overflows {fmt}: "
                      f"{F.pct(lay.overflow_frac)} of values beyond the format's max "
                      f"(worst step), non-finite in {lay.nonfinite_steps} of "
-                     f"{lay.recorded_steps} recorded steps." + _unconfirmed(session, lay)),
+                     f"{lay.recorded_steps} recorded steps." + _unconfirmed(session, lay)
+                     + _cast_input(session, lay, fmt)),
             advice=ADVICE["activation_overflow"],
             data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
         )

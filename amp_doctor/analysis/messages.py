@@ -245,8 +245,8 @@ def _nonfinite_loss(a: MessageArgs) -> str:
                         "parameters (a matmul, a softmax, a division, the exp of a "
                         "parameter)")
             else:
-                parent = (f"{e.module.rsplit('.', 1)[0]}'s" if "." in e.module
-                          else "the model's")
+                parent = d.get("code_before") or (
+                    f"{e.module.rsplit('.', 1)[0]}'s" if "." in e.module else "the model's")
                 code = (f"in {parent} own forward code before {F.layer(e.module)} (a matmul, a "
                         "softmax, a division)")
             where += (f". Its input is not checked: if it was non-finite already, the op "

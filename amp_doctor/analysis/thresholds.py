@@ -11,6 +11,7 @@ __all__ = [
     "HEADROOM_WARN_BITS",
     "ACT_UNDERFLOW_WARN",
     "DIVERGED_LOSS_RISE",
+    "WHOLLY_NONFINITE_FRAC",
     "GRAD_RELEVANT_BITS",
     "ACT_RELEVANT_BITS",
     "GRAD_UNDERFLOW_WARN",
@@ -48,6 +49,9 @@ GRAD_UNDERFLOW_WARN = 0.10
 # its first non-finite value is a run diverging (a learning rate too high): its overflow
 # is the divergence's end, not its cause (see analysis.divergence).
 DIVERGED_LOSS_RISE = 10.0
+# A layer whose output was at least this share non-finite in every step it went
+# non-finite in: its finite values (of other steps) say nothing of the failing step's.
+WHOLLY_NONFINITE_FRAC = 0.99
 # An output gradient's float16 subnormals count toward its underflow only within this
 # many bits of its largest value: backward sums each element into products with the
 # others (a matmul), and a value 2**-24 below the largest term of a float32 sum is below

@@ -153,6 +153,7 @@ class AnomalyMode:
         allow: Iterable[str] = (),
         module_name: Callable[[nn.Module], str | None] | None = None,
         training_forward: Callable[[], bool] = lambda: False,
+        recomputing: Callable[[], bool] = lambda: False,
     ) -> None:
         self._current_module = current_module
         self._module_name = module_name
@@ -160,7 +161,7 @@ class AnomalyMode:
         self._raise = mode == "raise"
         self._log = EventLog()
         self._recorder = OpRecorder(self._module, step_of, allow, self._on_entry,
-                                    self._log.note_internal, training_forward)
+                                    self._log.note_internal, training_forward, recomputing)
         self._check = StepCheck()
         self._mode: OpMode | None = None
         self._handle: moduleends.Listening | None = None

@@ -132,9 +132,11 @@ class OpRecorder:
         on_entry: Callable[[], None],
         on_error: Callable[[Exception], None],
         training_forward: Callable[[], bool] = lambda: False,
+        recomputing: Callable[[], bool] = lambda: False,
     ) -> None:
         self._module_of = module_of
         self._training_forward = training_forward
+        self._recomputing = recomputing
         self._step_of = step_of
         self._allow = tuple(allow)
         self._allow_cache: dict[str, bool] = {}
@@ -252,12 +254,13 @@ class OpRecorder:
         outs = [t for t in (out if isinstance(out, (list, tuple)) else (out,))
                 if isinstance(t, torch.Tensor)]
         node = torch._C._current_autograd_node()
-        # A reentrant checkpoint recomputes its layers' forward inside its backward node:
-        # those are the layers' forward ops (tagged as such, for their own backward).
-        # (The module stack first: it is empty in a plain backward, so no op there pays
-        # for the node's name.)
-        forward = node is None or (self._module_of() is not None
-                                   and node.name() == _REENTRANT_RECOMPUTE)
+        # A checkpoint recomputes its layers' forward inside backward: a reentrant one in
+        # its own node, a non-reentrant one in the node that unpacks a saved tensor (an
+        # AddmmBackward0, review 44a). Those are the layers' forward ops, tagged as such
+        # for their own backward, not that node's. (The module stack first: it is empty in
+        # a plain backward, so no op there pays for the node's name.)
+        forward = node is None or (self._module_of() is not None and (
+            self._recomputing() or node.name() == _REENTRANT_RECOMPUTE))
         if pre.is_view:
             self._after_view(pre, outs, forward)
             return

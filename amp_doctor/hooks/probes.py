@@ -37,6 +37,7 @@ Design choices that keep the cost low and the user's run untouched:
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -177,6 +178,39 @@ def _within(qual: str, tops: tuple[str, ...]) -> bool:
     return any(qual == t or qual.startswith(t + ".") for t in tops)
 
 
+# Autograd nodes of views and casts (their class names less the version digits): a
+# model output made by them from a layer's output is that layer's output, reshaped.
+_VIEW_NODES = frozenset({
+    "SqueezeBackward", "UnsqueezeBackward", "ViewBackward", "ReshapeAliasBackward",
+    "ToCopyBackward", "CloneBackward", "TBackward", "TransposeBackward", "PermuteBackward",
+    "SelectBackward", "SliceBackward", "ExpandBackward", "AsStridedBackward",
+    "UnsafeViewBackward", "AliasBackward", "ContiguousBackward",
+})
+# View and cast nodes walked back from a model's output, at most.
+MAX_VIEW_HOPS = 6
+
+
+# Frames walked up from a forward pre-hook to find a reentrant checkpoint's forward.
+CHECKPOINT_FRAMES = 12
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Is this call inside ``torch.utils.checkpoint``'s reentrant forward (its first
+    pass, run under no_grad: training work, not validation)? Asked only of an outermost
+    watched call under no_grad."""
+    mod = sys.modules.get("torch.utils.checkpoint")  # not imported: not in one
+    fn = getattr(getattr(mod, "CheckpointFunction", None), "forward", None)
+    code = getattr(fn, "__code__", None)
+    f = sys._getframe(1)
+    for _ in range(CHECKPOINT_FRAMES):
+        if f is None or code is None:
+            return False
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
 def _first_tensors(obj: Any) -> list[torch.Tensor]:
     # Most modules take and return one plain tensor: skip the walker's generator.
     if type(obj) is torch.Tensor:
@@ -202,6 +236,9 @@ class _ForwardCalls(threading.local):
         # forward, in which a no_grad part (a reentrant checkpoint's first pass, a teacher
         # or EMA call) still ran in the step and is recorded.
         self.training = False
+        # The outermost watched call began inside a backward: a checkpoint recomputing it
+        # (an autograd.grad taken in a forward runs inside that forward's call instead).
+        self.in_backward = False
         # Names of the modules whose forward is running, innermost last.
         self.stack: list[str] = []
 
@@ -248,6 +285,11 @@ class Probes:
         # Per recorded step: root calls made while armed, and sublayer calls, by root.
         self._armed_root_calls: dict[int, int] = {}
         self._sub_calls: dict[int, int] = {}
+        # The autograd node of each output filed during the outermost watched forward
+        # running, with its layers: a model output reshaped or cast from one is found by
+        # walking back to it (_viewed_output). Strong keys (nodes take no weak reference),
+        # dropped when that forward returns: the graph holds the nodes until then anyway.
+        self._out_nodes: dict[Any, list[str]] = {}
         self.armed = False
         self._want_armed = False
         self._buffer = buffer_provider
@@ -527,6 +569,7 @@ class Probes:
         self._leaf_hooks = WeakIdKeyDictionary()
         self.armed = self._want_armed = False
         self._seen.clear()
+        self._out_nodes.clear()
         self._step_owners = []
         self._calls.stack.clear()
         self._calls.depth = 0
@@ -538,6 +581,11 @@ class Probes:
         stack = self._calls.stack
         return stack[-1] if stack else None
 
+    def recomputing(self) -> bool:
+        """A watched forward is running again inside backward (activation checkpointing)."""
+        calls = self._calls
+        return calls.depth > 0 and calls.in_backward
+
     def in_training_forward(self) -> bool:
         """A watched layer below the root is running inside a forward whose outermost
         watched call had grad enabled (so a ``no_grad`` block in it, e.g. a reentrant
@@ -548,6 +596,7 @@ class Probes:
 
     def new_step(self) -> None:
         self._seen.clear()
+        self._out_nodes.clear()
         self._reached = -1
         self._trained_this_step.clear()
         self._step_owners = []
@@ -646,10 +695,13 @@ class Probes:
         calls.depth += 1
         calls.stack.append(name)
         if calls.depth == 1:
-            calls.training = torch.is_grad_enabled() or self._companion(module)
+            calls.in_backward = torch._C._current_graph_task_id() != -1
+            # A model run whole through a reentrant checkpoint trains under no_grad.
+            ckpt = not torch.is_grad_enabled() and _in_reentrant_checkpoint()
+            calls.training = torch.is_grad_enabled() or ckpt or self._companion(module)
             self._roots_called.add(self._root_of(id(module)))
             if id(module) in self._roots:
-                if torch.is_grad_enabled():
+                if torch.is_grad_enabled() or ckpt:
                     self._roots_trained.add(id(module))
                     self._trained_this_step[id(module)] = threading.get_ident()
                 self._on_root_forward(module, args)
@@ -717,6 +769,11 @@ class Probes:
                 self._seen[t] = (idx, owners, version)
                 if t.requires_grad:
                     self._hook_grad(t, owners, buf)
+                    if id(module) in self._roots:
+                        for owner in self._viewed_output(t):
+                            self.layers[owner].model_output = True
+                    elif t.grad_fn is not None:
+                        self._out_nodes[t.grad_fn] = owners
             else:
                 idx, owners, _ = entry
                 if name in owners:
@@ -727,6 +784,23 @@ class Probes:
                     for owner in owners:
                         self.layers[owner].model_output = True
             buf.assign(name, "act", idx)
+        if calls.depth == 0:
+            self._out_nodes.clear()
+
+    def _viewed_output(self, t: torch.Tensor) -> list[str]:
+        """The layers whose output the model's output ``t`` is a view or a cast of
+        (``self.v(h).squeeze(-1)``, ``self.head(h).float()``): their gradient is the
+        loss's own, as when the model returns their output itself (review 44b). Walks
+        back through single-input view and cast nodes of the autograd graph, only."""
+        node = t.grad_fn
+        hops = 0
+        while (node is not None and hops < MAX_VIEW_HOPS
+               and type(node).__name__.rstrip("0123456789") in _VIEW_NODES):
+            node = node.next_functions[0][0] if node.next_functions else None
+            hops += 1
+        if hops == 0 or node is None:
+            return []
+        return self._out_nodes.get(node, [])
 
     def _recomputed(self, name: str, output: Any) -> None:
         """A forward run again inside backward (activation checkpointing): its outputs
