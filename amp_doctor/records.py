@@ -114,7 +114,7 @@ class LayerSummary:
     type: str
     order: int  # first-call order in the forward pass
     calls: int
-    recorded_steps: int
+    recorded_steps: int  # recorded steps it ran in (had an output; else any figure)
     input_dtypes: list[str]
     output_dtypes: list[str]
     param_dtypes: list[str]
@@ -153,6 +153,8 @@ class LayerSummary:
     # Its output was (part of) the watched model's output, so its output gradient is the
     # loss's gradient (times the GradScaler's scale).
     model_output: bool = False
+    # The layers that took its output as input (their backward makes its output gradient).
+    consumers: list[str] = field(default_factory=list)
     ops: dict[str, dict[str, int]] = field(default_factory=dict)  # op -> dtype -> count
     act_exp_hist: list[int] = field(default_factory=list)  # summed float32-exponent bins
     grad_exp_hist: list[int] = field(default_factory=list)

@@ -321,3 +321,161 @@ def test_a_checkpoints_recomputed_forward_is_not_a_backward_op_in_anomaly_mode()
         for f in s.findings_of("nonfinite_backward"):
             # The backward of a forward op: its node is that op's, never fc2's matmul.
             assert f.data.get("node") != "AddmmBackward0", (reentrant, f)
+
+
+class TwoExperts(nn.Module):
+    """Top-1 routing of each row to one of two experts; expert 1 gets rows only when
+    ``self.route_some`` (otherwise it is called on an empty batch, as MoE loops do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.route_some = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        to_1 = torch.zeros(x.shape[0], dtype=torch.bool)
+        if self.route_some:
+            to_1[::2] = True
+        out = torch.zeros(x.shape[0], 8)
+        for e, mask in enumerate((~to_1, to_1)):
+            idx = mask.nonzero().squeeze(1)
+            out = out.index_add(0, idx, self.experts[e](x.index_select(0, idx)).float())
+        return out
+
+
+def test_an_expert_called_on_no_rows_counts_only_the_steps_it_ran() -> None:
+    """Review 44a: an expert that got tokens in 3 of 16 steps read as "non-finite in 3 of
+    16 recorded steps", and its weights' exact-zero gradients of the other 13 made 90% of
+    its weight gradients "zero"."""
+    torch.manual_seed(0)
+    model = TwoExperts()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for step in range(8):
+            model.route_some = step in (2, 5)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(16, 8)).pow(2).mean()
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    e0, e1 = s.layer("experts.0"), s.layer("experts.1")
+    assert (e0.calls, e0.recorded_steps) == (8, 8)
+    assert (e1.calls, e1.recorded_steps) == (8, 2)
+    # Its weight gradients, from the two steps it had rows: not mostly zeros.
+    assert e1.param_grad_zero_frac is not None and e1.param_grad_zero_frac < 0.1
+
+
+class LoRA(nn.Module):
+    """A frozen base model with a trainable low-rank ``B(A(h))`` added to its residual
+    stream (B zero-initialised, as LoRA does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ln, self.head = nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 10)
+        self.A = nn.Linear(64, 4, bias=False)
+        self.B = nn.Linear(4, 64, bias=False)
+        nn.init.zeros_(self.B.weight)
+        for m in (self.emb, self.ln, self.head):
+            m.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        return self.head(h + self.B(self.A(self.ln(h))) * 2.0)
+
+
+def test_a_culprit_whose_gradient_overflowed_in_the_next_layers_backward_says_so() -> None:
+    """Review 44a: B's weights grown to 3e3 overflow float16 in B's backward (the gradient
+    times B's weights), which is A's output gradient: A was named, with no word of B."""
+    torch.manual_seed(0)
+    model = LoRA()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    with amp_doctor.watch(model, every=3, tensorboard=False) as doctor:
+        for step in range(16):
+            if step == 4:
+                with torch.no_grad():
+                    model.B.weight.fill_(3e3)
+            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.layer("A").consumers == ["B"]
+    (collapse,) = s.findings_of("scale_collapse")
+    assert collapse.module == "A", s.findings
+    assert "A's output gradient is computed in the backward of B" in collapse.message
+
+
+class Router(nn.Module):
+    """An entropy bonus on a float16 softmax kept on the module (an auxiliary loss): one
+    expert's probability underflows to 0, and p * log(p) is 0 * -inf = NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router, self.out = nn.Linear(16, 4), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.router.bias[3] = -50.0
+        self.aux = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(self.router(x), dim=-1)  # float16 under autocast
+        self.aux = -(p * torch.log(p)).sum(-1).mean()
+        return self.out(x)
+
+
+def test_the_log_of_an_underflowed_zero_is_not_called_an_overflow() -> None:
+    """Review 44a: "aten.log overflowed to -inf ... The backward of this op is where NaN
+    usually appears next", where log(0) is no overflow and the NaN came at once."""
+    torch.manual_seed(0)
+    model = Router()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().pow(2).mean() + 0.01 * model.aux
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    f = next(f for f in doctor.session.findings if f.op == "aten.log")
+    assert (f.kind, f.severity, f.module) == ("activation_overflow", "error", "Router")
+    assert "the log of exactly 0" in f.message and "not an overflow" in f.message
+    assert "is NaN at once" in f.message
+    assert "where NaN usually appears next" not in f.message
+
+
+def test_a_batch_an_op_in_the_data_code_made_nan_is_one_error_the_ops() -> None:
+    """Review 44b: ``x / x.std()`` of a blank image made the batch NaN; anomaly mode gave
+    "nonfinite_input" and the division's "nonfinite_forward" (outside the model, with its
+    line), two errors for one cause."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+
+    def batch(step: int) -> torch.Tensor:
+        x = torch.randn(8, 16, generator=g) * (0.0 if step % 5 == 3 else 1.0)
+        return x / x.std(dim=1, keepdim=True)  # 0 / 0 for a blank batch
+
+    with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+        for step in range(20):
+            x = batch(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module, f.op) for f in errors] == [
+        ("nonfinite_forward", None, "aten.div")], s.findings
+    assert "It made the batch given to Sequential non-finite" in errors[0].message
+    assert errors[0].frame is not None and "in batch" in errors[0].frame
+    (inp,) = s.findings_of("nonfinite_input")
+    assert inp.severity == "info" and "made by aten.div" in inp.message

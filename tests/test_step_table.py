@@ -168,8 +168,10 @@ def _reference_summary(steps: list[dict[str, LayerStep]], name: str) -> dict[str
     g_abs = [v for v in vals(fld(grad, "absmax")) if math.isfinite(v)]
     p_abs = [v for v in vals(fld(pu, "absmax")) if math.isfinite(v)]
     g_head = vals(fld(grad, "headroom"))
+    # The steps it ran in (had an output); a layer that never had one: every step it is in.
+    ran = sum(1 for ls in seen if ls.act is not None)
     return dict(
-        recorded_steps=len(seen),
+        recorded_steps=ran or len(seen),
         absmax=max([0.0, *vals(fld(act, "absmax"))]),
         min=min([math.inf, *vals(fld(act, "min"))]),
         max=max([-math.inf, *vals(fld(act, "max"))]),

@@ -310,6 +310,25 @@ def _top_lead(evs: list[ScalerEvent], with_params: set[str]) -> tuple[str | None
     return top, leads.count(top)
 
 
+def made_in(session: Session, name: str) -> str:
+    """Where a culprit's non-finite output gradient was computed, when that is another
+    layer: the backward of the layer that took its output, which multiplies the gradient
+    it got by its weights (review 44a: a LoRA B weight grown to 3000 overflowed in B's
+    backward, and A, the layer before it, was blamed)."""
+    by = {lay.name: lay for lay in session.layers}
+    lay = by.get(name)
+    if lay is None or not lay.grad_nonfinite_steps:
+        return ""  # its weights' gradients alone: made in its own backward
+    users = [c for c in lay.consumers if c in by and by[c].param_dtypes]
+    if len(users) != 1:
+        return ""
+    c = by[users[0]]
+    grad = "" if c.grad_nonfinite_steps else " (its own output gradient stayed finite)"
+    return (f"; {name}'s output gradient is computed in the backward of {c.name}, which "
+            f"takes {name}'s output and multiplies the gradient it got{grad} by its weights: "
+            f"an overflow there (weights grown large) shows first in {name}")
+
+
 def unplaced_culprits(session: Session, culprits: list[str]) -> list[str]:
     """Culprits after the first whose place in backward order is not known: only their
     weights' gradients went non-finite (never their output gradient), and they ran more
@@ -629,7 +648,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
         else:
             top, n_top = _top_lead(backoffs, with_params)
             where = (f"; the first layer with non-finite gradients was {top} in "
-                     f"{n_top} of {len(backoffs)} backoffs" if top else "")
+                     f"{n_top} of {len(backoffs)} backoffs" + made_in(session, top)
+                     if top else "")
         from_loss = None if traced else _loss_gradient_overflow(session, backoffs)
         if from_loss is not None:
             top, where = from_loss[0], where + from_loss[1]

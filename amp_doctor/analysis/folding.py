@@ -73,6 +73,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
       consequence: the backward of a non-finite value is non-finite.
     """
     out = _one_error_per_op(out)
+    out = _batch_made_by_an_op(out)
     out = _after_a_bad_update(out)
     lay_by = {lay.name: lay for lay in session.layers}
     origin_layers = sorted((lay for lay in session.layers if lay.overflow_origin_steps > 0),
@@ -181,6 +182,13 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             steps = set(_steps_of(f))
             root = next((e for e in errors if e.kind == "nonfinite_backward"
                          and e.step in steps), None)
+        if root is None and f.kind == "nonfinite_loss" and f.data.get("began_unrecorded"):
+            # It began in steps nobody recorded: an origin found in a step before the first
+            # recorded one that shows it (the batch an op made NaN, anomaly mode's op).
+            seen_at = f.data.get("recorded_at")
+            root = next((e for e in errors if isinstance(seen_at, int) and any(
+                s < seen_at for s in _steps_of(e) + list(e.data.get("batch_steps") or ()))),
+                None)
         if root is None and f.kind == "nonfinite_loss":
             # No recorded step showed where it began, or only a layer downstream of the op
             # anomaly mode's search named in one of its steps (an op whose output no
@@ -292,6 +300,30 @@ def _loss_made_aside(out: list[Finding]) -> tuple[Finding, Finding] | None:
     op = next((f for f in out if f.kind == "activation_overflow" and f.op is not None
                and f.data.get("hidden") and f.step == loss.step), None)
     return (loss, op) if op is not None else None
+
+
+def _batch_made_by_an_op(out: list[Finding]) -> list[Finding]:
+    """A non-finite batch, and anomaly mode's op outside the model that made NaN/inf in
+    steps where the batch was non-finite (``x / x.std()`` of a blank image in the data
+    code): one cause. The op names its line; the batch's finding is its consequence
+    (review 44b: two errors)."""
+    batch = next((f for f in out if f.kind == "nonfinite_input" and f.severity == "error"),
+                 None)
+    if batch is None:
+        return out
+    bad = set(_steps_of(batch))
+    op = next((f for f in out if f.kind == "nonfinite_forward" and f.severity == "error"
+               and f.op and not f.module and set(_steps_of(f)) <= bad), None)
+    if op is None:
+        return out
+    said = (f"It made the batch given to {F.layer(batch.module)} non-finite"
+            if batch.module else "It made the batch non-finite")
+    said += f" (in {batch.count} step(s), first at step {batch.step})."
+    return [_with(f, extra=said, batch_made=batch.count, batch_steps=_steps_of(batch))
+            if f is op else
+            _with(f, "info", follow_on_of=op.op,
+                  extra=f"It was made by {op.op} (see that finding).") if f is batch else f
+            for f in out]
 
 
 def _one_error_per_op(out: list[Finding]) -> list[Finding]:

@@ -437,6 +437,15 @@ def cast_overflow(op: str | None, d: dict[str, object]) -> str | None:
     return f"cast values up to {_num(top)} to {dtype}, beyond its max {limit:g}"
 
 
+# Logarithms: -inf at an input of exactly 0, which is no overflow.
+LOG_OPS = ("aten.log", "aten.log_", "aten.log2", "aten.log10")
+
+
+def log_of_zero(op: str | None, d: dict[str, object]) -> bool:
+    """A logarithm that made -inf from an input whose least value was exactly 0."""
+    return op in LOG_OPS and bool(d.get("neg_inf")) and d.get("input_min") == 0.0
+
+
 def _num(x: object) -> str:
     return F.num(x if isinstance(x, (int, float)) else None)
 
@@ -538,13 +547,19 @@ def _hidden_overflow(a: MessageArgs) -> str | None:
     if not d.get("hidden"):
         return None
     cast = cast_overflow(e.op, d)
+    zero = log_of_zero(e.op, d)
     made = (f"overflowed to {nonfinite_what(d)}: it {cast}" if cast is not None
+            else f"made -inf{_op_range(d)}: the log of exactly 0 (a {d.get('dtype')} "
+            "probability that underflowed to 0), not an overflow" if zero
             else f"overflowed to {nonfinite_what(d)}{_op_range(d)}")
+    nxt = ("0 * log(0), as in an entropy p * log(p), is NaN at once, and the backward of "
+           "log at 0 is inf" if zero else
+           "The backward of this op is where NaN usually appears next")
     return (f"{e.op} {_where(e)} {made}, "
             f"{_op_steps(a)}, while {F.layer(e.module)}'s output stayed finite: a later op in it "
             "saturated the inf (a clamp, a softmax, a masked fill), or it was kept aside (an "
-            "auxiliary loss on the module), so module-level stats miss it. The backward of "
-            "this op is where NaN usually appears next.")
+            f"auxiliary loss on the module), so module-level stats miss it. {nxt[0].upper()}"
+            f"{nxt[1:]}.")
 
 
 @message_for("nonfinite_forward")

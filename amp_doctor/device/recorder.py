@@ -46,6 +46,9 @@ class StepBuffer:
         self.backward_order: list[str] = []
         self.param_grads_done: set[str] = set()
         self.param_grads_scaled = False
+        # Layers called in this step on empty inputs only (an MoE expert no token chose):
+        # their weights' gradients are exact zeros that say nothing of their values.
+        self.empty_outputs: set[str] = set()
 
     def add(self, x: torch.Tensor) -> int:
         """Summarise ``x`` (floating point, non-empty, strided); returns its row."""

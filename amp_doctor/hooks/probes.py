@@ -151,6 +151,9 @@ class LayerMeta:
     passthrough_calls: int = 0
     # Its output was (part of) its model's output: its gradient is the loss's own.
     model_output: bool = False
+    # The watched layers that took its output as their input, first seen first (at most
+    # MAX_CONSUMERS): their backward computes its output gradient.
+    consumers: list[str] = field(default_factory=list)
 
 
 # The attribute torch.nn.utils.parametrize keeps a parametrized module's parametrizations
@@ -190,6 +193,8 @@ _VIEW_NODES = frozenset({
 MAX_VIEW_HOPS = 6
 
 
+# Consumers kept per layer (see LayerMeta.consumers).
+MAX_CONSUMERS = 4
 # Frames walked up from a forward pre-hook to find a reentrant checkpoint's forward.
 CHECKPOINT_FRAMES = 12
 
@@ -547,6 +552,7 @@ class Probes:
         self.layers = {mapping.get(k, k): v for k, v in self.layers.items()}
         for meta in self.layers.values():
             meta.name = mapping.get(meta.name, meta.name)
+            meta.consumers = [mapping.get(c, c) for c in meta.consumers]
         self._names = {k: mapping.get(v, v) for k, v in self._names.items()}
         self.param_owner = {k: mapping.get(v, v) for k, v in self.param_owner.items()}
         self._calls.stack = [mapping.get(v, v) for v in self._calls.stack]
@@ -716,6 +722,12 @@ class Probes:
         for t in _first_tensors((args, kwargs)):
             if t.is_floating_point():
                 meta.input_dtypes.add(dtype_name(t.dtype))
+                entry = self._seen.get(t)
+                if entry is not None:
+                    for owner in entry[1]:
+                        cons = self.layers[owner].consumers
+                        if name not in cons and len(cons) < MAX_CONSUMERS:
+                            cons.append(name)
 
     def _post(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -757,6 +769,7 @@ class Probes:
                 self._note_skipped(name, why, buf.step)
                 continue
             if t.numel() == 0:
+                buf.empty_outputs.add(name)
                 continue
             # Inference tensors (made under torch.inference_mode) have no version counter.
             version = -1 if t.is_inference() else t._version
@@ -857,6 +870,8 @@ class Probes:
                 continue
             if not g.is_floating_point() or g.numel() == 0:
                 continue
+            if name in buf.empty_outputs and (name, "act") not in buf.assigned:
+                continue  # it ran on nothing this step: its gradient is zeros by design
             why = unsummarizable(g)
             if why is not None:
                 self._note_skipped(name, why + " gradient", buf.step)

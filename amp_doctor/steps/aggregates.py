@@ -150,8 +150,12 @@ class LayerAggregates:
                 return max(hi[col], 0.0) if hi[col] > -math.inf else None
 
             steps = int(s[C_STEPS])
+            # The steps it ran in: those with an output. A layer that got no input in a
+            # step (an MoE expert no token chose) files no output, only its weights' zero
+            # gradients, and "non-finite in 3 of 16 recorded steps" would undercount.
+            ran = int(s[C_COUNTS + M_ZERO])
             out[name] = dict(
-                recorded_steps=steps,
+                recorded_steps=ran or steps,
                 absmax=hi[H_ABSMAX],
                 min=lo[L_MIN] if steps else math.nan,
                 max=hi[H_MAX] if steps else math.nan,
@@ -179,7 +183,8 @@ class LayerAggregates:
     def summary(self, name: str, meta_type: str, order: int, calls: int,
                 input_dtypes: set[str], output_dtypes: set[str], param_dtypes: set[str],
                 ops: dict[str, dict[str, int]], hists: tuple[list[int], list[int]],
-                passthrough: bool = False, model_output: bool = False) -> LayerSummary:
+                passthrough: bool = False, model_output: bool = False,
+                consumers: list[str] | None = None) -> LayerSummary:
         """The layer's :class:`LayerSummary`: its aggregates and what the hooks saw."""
         figs = self.figures(name) or _NEVER
         ran_low = bool(output_dtypes & LOW_PRECISION_NAMES)
@@ -189,7 +194,7 @@ class LayerAggregates:
             input_dtypes=sorted(input_dtypes), output_dtypes=sorted(output_dtypes),
             param_dtypes=sorted(param_dtypes), ran_low_precision=ran_low,
             what_if=bool(floats) and not ran_low, passthrough=passthrough,
-            model_output=model_output, ops=ops,
+            model_output=model_output, consumers=list(consumers or ()), ops=ops,
             # Sampled tensors give scaled, fractional counts.
             act_exp_hist=hists[0], grad_exp_hist=hists[1],
             **figs,

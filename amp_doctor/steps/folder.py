@@ -364,7 +364,7 @@ class StepFolder:
                 name, meta.type, meta.order, meta.calls, meta.input_dtypes,
                 meta.output_dtypes, meta.param_dtypes, ops.get(name, {}), self.hists.of(name),
                 passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls,
-                model_output=meta.model_output))
+                model_output=meta.model_output, consumers=meta.consumers))
         return sorted(out, key=lambda x: (x.order < 0, x.order))
 
     def loss_events(self, steps: int, anomaly: bool = False,
