@@ -479,3 +479,30 @@ def test_a_batch_an_op_in_the_data_code_made_nan_is_one_error_the_ops() -> None:
     assert errors[0].frame is not None and "in batch" in errors[0].frame
     (inp,) = s.findings_of("nonfinite_input")
     assert inp.severity == "info" and "made by aten.div" in inp.message
+
+
+def test_a_loop_that_skips_updates_on_a_nonfinite_norm_is_not_told_they_were_applied() -> None:
+    """The advice's own recipe: step only if clip_grad_norm_'s norm is finite. The
+    gradients of that iteration overflowed, but the optimizer never took them."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    skipped = 0
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for step in range(20):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = nn.functional.mse_loss(out.float(), y) * (1e6 if step == BAD_STEP else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if torch.isfinite(norm):
+                opt.step()
+            else:
+                skipped += 1
+    assert skipped == 1
+    s = doctor.session
+    assert not s.findings_of("nonfinite_grads_applied"), s.findings
+    assert not [f for f in s.findings if f.severity == "error"]

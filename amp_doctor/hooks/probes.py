@@ -41,6 +41,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -206,7 +207,7 @@ def _in_reentrant_checkpoint() -> bool:
     mod = sys.modules.get("torch.utils.checkpoint")  # not imported: not in one
     fn = getattr(getattr(mod, "CheckpointFunction", None), "forward", None)
     code = getattr(fn, "__code__", None)
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     for _ in range(CHECKPOINT_FRAMES):
         if f is None or code is None:
             return False

@@ -205,6 +205,12 @@ class StepFolder:
         whose gradients went NaN/inf in backward: the update took them (no GradScaler,
         or a disabled one), unless the loop drops them itself. One event per run, its
         layers in the order their gradients went non-finite; later steps are counted."""
+        pg = layers.column(PG, NONFINITE)
+        if bool((pg == pg).any()) and not bool((pg > 0).any()):
+            # The gradients the optimizer stepped on were finite (the loop skipped the
+            # update of the iteration whose gradients were not, or cleaned them first):
+            # the non-finite ones never reached the weights.
+            return
         metas = self._layers()
         # Not a container that only returned its child's output: the child is the layer.
         culprits = [n for n in self._culprits(hs, layers) if n not in metas
