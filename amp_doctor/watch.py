@@ -61,7 +61,7 @@ from amp_doctor.hooks.discovery import (
     unwrap,
 )
 from amp_doctor.hooks.patching import Subscription, in_closure_step, subscribe
-from amp_doctor.hooks.probes import COMPILED_NOTE, Probes, own_params
+from amp_doctor.hooks.probes import COMPILED_NOTE, Probes, in_reentrant_checkpoint, own_params
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
 from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir, reused_run_note
 from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
@@ -606,7 +606,9 @@ class Watch:
     def _on_root_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """A forward starts at ``module``: a watched model, or a submodule of one that
         the loop calls itself (counted as its model's call)."""
-        training = torch.is_grad_enabled() and module.training and not _in_backward()
+        # (A model run whole through a reentrant checkpoint trains under no_grad.)
+        training = ((torch.is_grad_enabled() or in_reentrant_checkpoint()) and module.training
+                    and not _in_backward())
         if not training and self._probes is not None and self._probes.in_companion_call():
             # A frozen teacher run first in the iteration: the step starts with it, or
             # its work would be filed into the step before.
@@ -669,8 +671,10 @@ class Watch:
         probes = self._probes
         if self._buffer is not None or probes is None:
             return  # a recorded step names culprits from its own summaries
+        mon = self._monitor
         found = skip_culprits(params, probes.param_owner, lambda n: probes.layers[n].order,
-                              self._loop.loss_flag())
+                              self._loop.loss_flag(),
+                              mon.clip_norms() if mon is not None else [])
         if found is not None:
             culprits, loss_bad = found
             # Two scalers skipping in one step (a GAN's): both skips' layers, each timeline

@@ -9,12 +9,17 @@ told to run its first layer in float32).
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import amp_doctor
+from tests.helpers import console_script
 
 BAD_STEP = 12
 
@@ -386,7 +391,8 @@ class LoRA(nn.Module):
 
 def test_a_culprit_whose_gradient_overflowed_in_the_next_layers_backward_says_so() -> None:
     """Review 44a: B's weights grown to 3e3 overflow float16 in B's backward (the gradient
-    times B's weights), which is A's output gradient: A was named, with no word of B."""
+    times B's weights), which is A's output gradient: A was named, with no word of B.
+    Review 44d: the same with a float32 LayerNorm before an overflowing head."""
     torch.manual_seed(0)
     model = LoRA()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -407,7 +413,9 @@ def test_a_culprit_whose_gradient_overflowed_in_the_next_layers_backward_says_so
     s = doctor.session
     assert s.layer("A").consumers == ["B"]
     (collapse,) = s.findings_of("scale_collapse")
-    assert collapse.module == "A", s.findings
+    # The finding is about B, where the product overflowed; A is where it showed.
+    assert collapse.module == "B", s.findings
+    assert "the first layer with non-finite gradients was A" in collapse.message
     assert "A's output gradient is computed in the backward of B" in collapse.message
 
 
@@ -506,3 +514,129 @@ def test_a_loop_that_skips_updates_on_a_nonfinite_norm_is_not_told_they_were_app
     s = doctor.session
     assert not s.findings_of("nonfinite_grads_applied"), s.findings
     assert not [f for f in s.findings if f.severity == "error"]
+
+
+def test_a_script_that_checkpoints_its_model_whole_is_recorded_from_step_0(tmp_path: Path
+                                                                          ) -> None:
+    """Review 44c: under the CLI the model is found inside its first call, which a
+    reentrant checkpoint makes under no_grad: step 0's outputs were not recorded, and a
+    short healthy run was told the model never ran."""
+    (tmp_path / "t.py").write_text("""
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(3):
+    x = torch.randn(8, 16).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = checkpoint(model, x, use_reentrant=True)
+        loss = nn.functional.cross_entropy(out.float(), torch.randint(0, 4, (8,)))
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+""")
+    r = subprocess.run([console_script(), "diagnose", "--every", "1", "--no-tensorboard",
+                        "--logdir", "out", "t.py"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "out" / "amp_doctor.json").read_text())
+    assert not [f for f in s["findings"] if f["kind"] == "model_not_run"], s["findings"]
+    layers = {lay["name"]: lay for lay in s["layers"]}
+    assert layers["0"]["recorded_steps"] == layers["0"]["calls"] == 3
+    step0 = next(r for r in s["history"] if r["step"] == 0)
+    assert step0["layers"]["0"]["act"] is not None
+
+
+class LoudInput(nn.Module):
+    """The output layer's input is 3e3 times too large: its weights' gradient (the
+    gradient times that input) overflows float16, its output gradient does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)) * 3e3)
+
+
+def test_an_output_layer_whose_weight_gradient_alone_overflows_is_not_a_loss_too_large(
+) -> None:
+    """Review 44c: "the loss is too large for float16, not head_b" when head_b's output
+    gradient was finite and only its weights' overflowed, from an input grown large."""
+    torch.manual_seed(0)
+    model = LoudInput()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(24):
+            x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                # Summed: at the first scales the output gradient overflows too; later
+                # only the weights' gradient does, from the large input.
+                loss = nn.functional.cross_entropy(model(x).float(), y, reduction="sum")
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    head = s.layer("head")
+    assert head.model_output and 0 < head.grad_nonfinite_steps < head.param_grad_nonfinite_steps
+    (collapse,) = s.findings_of("scale_collapse")
+    assert collapse.module == "head", s.findings
+    assert "the loss is too large" not in collapse.message
+    assert not collapse.advice.startswith("Keep the loss O(1)")
+
+
+class _NanBackward(torch.autograd.Function):
+    """Identity whose backward is NaN (a backward op that made 0 * inf)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g * math.nan
+
+
+class Poisoned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.poison = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.poison:
+            h = _NanBackward.apply(h)
+        return self.head(torch.relu(self.b(h)))
+
+
+def test_a_clip_with_a_nan_norm_does_not_make_every_layer_a_culprit() -> None:
+    """Review 44d: after ``unscale_``, ``clip_grad_norm_`` with a NaN total norm multiplies
+    every gradient by NaN; an unrecorded skip's check then found every layer non-finite
+    and named the last one (ln_f), whose gradients were finite."""
+    torch.manual_seed(0)
+    model = Poisoned()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=100, tensorboard=False) as doctor:
+        for step in range(6):
+            model.poison = step >= 3
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            assert math.isnan(norm.item()) == (step >= 3)
+            scaler.step(opt)
+            scaler.update()
+    events = {e.step: e for e in doctor.session.scaler.events if e.kind == "backoff"}
+    assert sorted(events) == [3, 4, 5]
+    # Which layer overflowed is not known (the clip made them all NaN): none is named.
+    assert all(not e.recorded and e.culprits == [] for e in events.values()), events

@@ -10,7 +10,7 @@ an unrecorded step is only blamed on a layer its own gradients point at.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from amp_doctor import format as F
@@ -223,10 +223,20 @@ def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
     # The model itself first is its output layer's gradient too when it returns that
     # layer's tensor (a Sequential); then its own code made the output (CLIP's logits),
     # and the next culprit is no output layer.
-    leads = [next((c for c in e.culprits if c not in models), None)
+    recs = {r.step: r for r in session.history}
+
+    def own_output_gradient(e: ScalerEvent, name: str) -> bool:
+        # In that very backoff, its output gradient itself went non-finite, not only its
+        # weights' (an input grown large times a finite gradient: review 44c). A step the
+        # history left it out of is taken at the run's word.
+        ls = recs[e.step].layers.get(name) if e.step in recs else None
+        return ls is None or ls.grad is None or ls.grad.nonfinite_frac > 0
+
+    leads = [(e, next((c for c in e.culprits if c not in models), None))
              for e in backoffs if e.recorded and e.culprits]
-    rec = [c for c in leads if c is not None]
-    first = [c for c in rec if c in outputs]
+    rec = [c for _, c in leads if c is not None]
+    first = [c for e, c in leads if c is not None and c in outputs
+             and own_output_gradient(e, c)]
     if not first or 2 * len(first) < len(rec):
         return None
     top = max(dict.fromkeys(first), key=first.count)
@@ -310,23 +320,37 @@ def _top_lead(evs: list[ScalerEvent], with_params: set[str]) -> tuple[str | None
     return top, leads.count(top)
 
 
-def made_in(session: Session, name: str) -> str:
-    """Where a culprit's non-finite output gradient was computed, when that is another
-    layer: the backward of the layer that took its output, which multiplies the gradient
-    it got by its weights (review 44a: a LoRA B weight grown to 3000 overflowed in B's
-    backward, and A, the layer before it, was blamed)."""
+def made_by(session: Session, name: str) -> str | None:
+    """The layer whose backward made culprit ``name``'s non-finite output gradient, when
+    that is another layer: the one layer with weights that took its output, whose own
+    output gradient stayed finite. Its backward multiplies that gradient by its weights;
+    the product overflowed (review 44a: a LoRA B weight grown to 3000, and A, the layer
+    before it, was blamed; review 44d: a float32 LayerNorm before an overflowing head)."""
     by = {lay.name: lay for lay in session.layers}
     lay = by.get(name)
     if lay is None or not lay.grad_nonfinite_steps:
-        return ""  # its weights' gradients alone: made in its own backward
+        return None  # its weights' gradients alone: made in its own backward
     users = [c for c in lay.consumers if c in by and by[c].param_dtypes]
-    if len(users) != 1:
+    if len(users) != 1 or by[users[0]].grad_nonfinite_steps:
+        return None
+    return users[0]
+
+
+def made_in(session: Session, name: str) -> str:
+    """The words for :func:`made_by`, or ""."""
+    c = made_by(session, name)
+    if c is None:
         return ""
-    c = by[users[0]]
-    grad = "" if c.grad_nonfinite_steps else " (its own output gradient stayed finite)"
-    return (f"; {name}'s output gradient is computed in the backward of {c.name}, which "
-            f"takes {name}'s output and multiplies the gradient it got{grad} by its weights: "
-            f"an overflow there (weights grown large) shows first in {name}")
+    return (f"; {name}'s output gradient is computed in the backward of {c}, which takes "
+            f"{name}'s output and multiplies the gradient it got (finite) by its weights: the "
+            f"overflow is in {c}'s backward (its weights grown large, or a gradient too large "
+            f"for float16 times them), and shows first in {name}")
+
+
+def blamed(session: Session, name: str | None) -> str | None:
+    """The layer a finding about culprit ``name`` is about: the one whose backward made
+    its gradient (see :func:`made_by`), else itself."""
+    return (made_by(session, name) or name) if name else name
 
 
 def unplaced_culprits(session: Session, culprits: list[str]) -> list[str]:
@@ -347,7 +371,8 @@ def unplaced_culprits(session: Session, culprits: list[str]) -> list[str]:
 def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
                   lead: tuple[str | None, int, int] = (None, 0, 0),
                   loss_bad: bool = False, every: int = 0,
-                  unplaced: list[str] | None = None) -> str:
+                  unplaced: list[str] | None = None,
+                  made: Callable[[str], str] = lambda n: "") -> str:
     if loss_bad and not origin:
         # The loss itself was NaN/inf: the first layer with non-finite gradients is only
         # where it entered the backward pass (the layer the loss is computed from), not
@@ -374,15 +399,17 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
         top, n, total = lead
         if not origin and unplaced and (top is None or top == culprits[0]):
             text += (f". The first with a non-finite output gradient is "
-                     f"{F.layer(culprits[0])}; only the weights' gradients of "
+                     f"{F.layer(culprits[0])}{made(culprits[0])}; only the weights' gradients of "
                      f"{', '.join(unplaced[:4])} went non-finite, in one of the step's "
                      "backward calls, so whether they came before it is not known: look at "
                      "each (anomaly mode names the first op)")
         elif not origin and (top is None or top == culprits[0]):
-            text += f". The first, {F.layer(culprits[0])}, is where they appeared: look there"
+            text += (f". The first, {F.layer(culprits[0])}, is where they appeared"
+                     + (made(culprits[0]) or ": look there"))
         elif not origin:
             text += (f". {F.layer(top)} came first in {n} of {total} of these backoffs (the layers "
-                     "before it stopped overflowing as the scale fell): look there")
+                     "before it stopped overflowing as the scale fell)"
+                     + ((made(top) if top else "") or ": look there"))
     if origin:
         text += f". They began at {F.layer(origin[0])}: {origin[1]}; look there"
     return text
@@ -537,13 +564,15 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
         yield Finding(
             kind="scaler_backoff", severity="warning",
             # Where the non-finite values began, when known, is where to look.
-            module=origin[0] if origin else (top_lead or (culprits[0] if culprits else None)),
+            module=origin[0] if origin else blamed(session, top_lead or (
+                culprits[0] if culprits else None)),
             op=None,
             step=first.step,
             message=(f"{head}{_skips_per_optimizer(session, steps)}"
                      + _culprit_text(culprits, origin, (top_lead, n_lead, len(evs)),
                                      loss_bad, session.run.every,
-                                     unplaced_culprits(session, culprits)) + "."),
+                                     unplaced_culprits(session, culprits),
+                                     lambda n: made_in(session, n)) + "."),
             advice=ADVICE["nonfinite_loss" if loss_bad and not origin else "scaler_backoff"],
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "scale_before": first.scale_before,
@@ -650,6 +679,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             where = (f"; the first layer with non-finite gradients was {top} in "
                      f"{n_top} of {len(backoffs)} backoffs" + made_in(session, top)
                      if top else "")
+            top = blamed(session, top)
         from_loss = None if traced else _loss_gradient_overflow(session, backoffs)
         if from_loss is not None:
             top, where = from_loss[0], where + from_loss[1]

@@ -67,7 +67,8 @@ from amp_doctor.hooks.weakhooks import Unwatched, WeakHook
 from amp_doctor.records import Event
 
 __all__ = ["LayerMeta", "Probes", "Unwatched", "unsummarizable",
-           "run_eagerly_when_called_by_dynamo", "COMPILED_NOTE", "own_params"]
+           "run_eagerly_when_called_by_dynamo", "COMPILED_NOTE", "own_params",
+           "in_reentrant_checkpoint"]
 
 # Deeply nested outputs are rare and walking them is pure overhead.
 MAX_TENSORS_PER_OUTPUT = 64
@@ -152,9 +153,15 @@ class LayerMeta:
     passthrough_calls: int = 0
     # Its output was (part of) its model's output: its gradient is the loss's own.
     model_output: bool = False
-    # The watched layers that took its output as their input, first seen first (at most
-    # MAX_CONSUMERS): their backward computes its output gradient.
-    consumers: list[str] = field(default_factory=list)
+    # The watched layers that took its output itself as their input, with how many of its
+    # recorded calls' outputs they took (at most MAX_CONSUMERS, first seen first): one
+    # that took every one computes its output gradient in its backward (see consumers()).
+    consumer_calls: dict[str, int] = field(default_factory=dict)
+
+    def consumers(self) -> list[str]:
+        """The layers that took the output of every recorded call of this one directly
+        (no op of the parent's code between: ``B(A(x))``, not ``B(f(A(x)))``)."""
+        return [c for c, n in self.consumer_calls.items() if 0 < self.calls <= n]
 
 
 # The attribute torch.nn.utils.parametrize keeps a parametrized module's parametrizations
@@ -200,7 +207,7 @@ MAX_CONSUMERS = 4
 CHECKPOINT_FRAMES = 12
 
 
-def _in_reentrant_checkpoint() -> bool:
+def in_reentrant_checkpoint() -> bool:
     """Is this call inside ``torch.utils.checkpoint``'s reentrant forward (its first
     pass, run under no_grad: training work, not validation)? Asked only of an outermost
     watched call under no_grad."""
@@ -472,7 +479,8 @@ class Probes:
         """``model``'s forward is running, though its hooks were not called (discovery
         found it during the call)."""
         calls = self._calls
-        calls.training = torch.is_grad_enabled()
+        calls.training = torch.is_grad_enabled() or in_reentrant_checkpoint()
+        calls.in_backward = torch._C._current_graph_task_id() != -1
         if calls.training:
             self._roots_trained.add(id(model))
             self._trained_this_step[id(model)] = threading.get_ident()
@@ -553,7 +561,7 @@ class Probes:
         self.layers = {mapping.get(k, k): v for k, v in self.layers.items()}
         for meta in self.layers.values():
             meta.name = mapping.get(meta.name, meta.name)
-            meta.consumers = [mapping.get(c, c) for c in meta.consumers]
+            meta.consumer_calls = {mapping.get(c, c): n for c, n in meta.consumer_calls.items()}
         self._names = {k: mapping.get(v, v) for k, v in self._names.items()}
         self.param_owner = {k: mapping.get(v, v) for k, v in self.param_owner.items()}
         self._calls.stack = [mapping.get(v, v) for v in self._calls.stack]
@@ -704,7 +712,7 @@ class Probes:
         if calls.depth == 1:
             calls.in_backward = torch._C._current_graph_task_id() != -1
             # A model run whole through a reentrant checkpoint trains under no_grad.
-            ckpt = not torch.is_grad_enabled() and _in_reentrant_checkpoint()
+            ckpt = not torch.is_grad_enabled() and in_reentrant_checkpoint()
             calls.training = torch.is_grad_enabled() or ckpt or self._companion(module)
             self._roots_called.add(self._root_of(id(module)))
             if id(module) in self._roots:
@@ -724,11 +732,11 @@ class Probes:
             if t.is_floating_point():
                 meta.input_dtypes.add(dtype_name(t.dtype))
                 entry = self._seen.get(t)
-                if entry is not None:
+                if entry is not None and entry[2] == (-1 if t.is_inference() else t._version):
                     for owner in entry[1]:
-                        cons = self.layers[owner].consumers
-                        if name not in cons and len(cons) < MAX_CONSUMERS:
-                            cons.append(name)
+                        cons = self.layers[owner].consumer_calls
+                        if name in cons or len(cons) < MAX_CONSUMERS:
+                            cons[name] = cons.get(name, 0) + 1
 
     def _post(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any

@@ -370,7 +370,7 @@ class StepFolder:
                 name, meta.type, meta.order, meta.calls, meta.input_dtypes,
                 meta.output_dtypes, meta.param_dtypes, ops.get(name, {}), self.hists.of(name),
                 passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls,
-                model_output=meta.model_output, consumers=meta.consumers))
+                model_output=meta.model_output, consumers=meta.consumers()))
         return sorted(out, key=lambda x: (x.order < 0, x.order))
 
     def loss_events(self, steps: int, anomaly: bool = False,
@@ -430,12 +430,17 @@ class StepFolder:
 
 
 def skip_culprits(params: list[torch.Tensor], param_owner: Mapping[int, str],
-                  order: Callable[[str], int], loss_flag: torch.Tensor | None
+                  order: Callable[[str], int], loss_flag: torch.Tensor | None,
+                  clip_norms: list[torch.Tensor] | None = None
                   ) -> tuple[list[str], bool | None] | None:
     """A skipped step that was not recorded: its layers with non-finite gradients.
 
     One host copy (the skip's one sync) for every layer's flag and the loss's.
     Returns (culprits, the loss was NaN/inf or None), or None when nothing to check.
+    A ``clip_grad_norm_`` of the step whose total norm was NaN (``clip_norms``) multiplied
+    every gradient it clipped by NaN before this check: unless the loss was NaN/inf (then
+    every gradient was anyway), which layers overflowed is not known, and no culprit is
+    named (review 44d: every layer, the last first).
     """
     by_layer: dict[str, list[torch.Tensor]] = {}
     for p in params:
@@ -450,9 +455,17 @@ def skip_culprits(params: list[torch.Tensor], param_owner: Mapping[int, str],
     if loss_flag is not None:
         dev = parts[0].device if parts else loss_flag.device
         parts.append(loss_flag.to(dev))
+    norms = clip_norms or []
+    if norms:
+        dev = parts[0].device if parts else norms[0].device
+        parts.append(torch.stack([n.to(dev).isnan().reshape(()) for n in norms]).any())
     bad = torch.stack(parts).tolist()  # the one sync of an unrecorded skipped step
     count_sync()
+    poisoned = bool(bad.pop()) if norms else False
     loss_bad = bool(bad.pop()) if loss_flag is not None else None
+    if poisoned and not loss_bad:
+        # (A NaN/inf loss makes every gradient non-finite anyway: the list stands.)
+        return [], loss_bad
     ranks = {n: order(n) for n in names}
     culprits = sorted((n for n, b in zip(names, bad, strict=True) if b), key=lambda n: -ranks[n])
     return culprits, loss_bad

@@ -363,6 +363,13 @@ class AmpMonitor:
     # -- clipping, schedulers, backward ------------------------------------
     def on_clip(self, func: str, parameters: list[torch.Tensor], info: dict[str, Any]) -> None:
         self._misuse.clip(func, parameters, info)
+        norm = info.get("total_norm")
+        if isinstance(norm, torch.Tensor) and norm.numel() == 1:
+            self._outcome.clip_norms.append(norm.detach())
+
+    def clip_norms(self) -> list[torch.Tensor]:
+        """The total norms clipping computed in the current step (see StepOutcome)."""
+        return self._outcome.clip_norms
 
     def on_scheduler_step(self, scheduler: Any) -> None:
         self._misuse.scheduler_step(scheduler)

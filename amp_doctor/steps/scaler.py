@@ -252,6 +252,9 @@ class StepOutcome:
     skipped_optimizers: list[str] = field(default_factory=list)
     backoff: bool = False
     growth: bool = False
+    # The total norms clip_grad_norm_ computed in the step (0-d device tensors; read only
+    # in a skip's one sync): a NaN one multiplied every gradient by NaN.
+    clip_norms: list[torch.Tensor] = field(default_factory=list)
 
 
 class ScaleTimeline:
