@@ -9,6 +9,7 @@ told to run its first layer in float32).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -205,6 +206,13 @@ def test_an_output_layer_seen_through_a_view_or_cast_is_the_models_output() -> N
     assert collapse.module == "v" and "the loss is too large for float16, not v" in \
         collapse.message
     assert collapse.advice.startswith("Keep the loss O(1)")
+    # Review 44c: nothing beside it says to run v in float32.
+    (backoff,) = s.findings_of("scaler_backoff")
+    assert backoff.severity == "info" and backoff.advice == collapse.advice
+    from amp_doctor.commands.publish import next_steps
+
+    as_cli = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
+    assert not [line for line in next_steps(as_cli) if "--fp32" in line or "--anomaly" in line]
 
 
 def _checkpointed_session(reentrant: bool | None) -> amp_doctor.Session:

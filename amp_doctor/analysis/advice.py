@@ -92,7 +92,8 @@ ADVICE: dict[str, str] = {
         "`with torch.autocast(device_type='cuda' or 'cpu', dtype=torch.float16):` and check "
         "that `enabled=` is True and the device_type matches where the model lives "
         "(`torch.cuda.amp.autocast()` on a machine without CUDA disables itself: use "
-        "`torch.autocast(device_type, ...)`)."
+        "`torch.autocast(device_type, ...)`). With the Hugging Face Trainer, `fp16=True` "
+        "needs a GPU: on a CPU set `bf16=True`; with Lightning, `precision=\"bf16-mixed\"`."
     ),
     "autocast_float64": (
         "Autocast casts only float32 tensors, so a float64 model or input runs in float64 "

@@ -385,7 +385,9 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
     flushed = (source is not None and source is not lay and lay.order < source.order
                and lay.ran_low_precision and bool(lay.param_dtypes)
                and (lay.grad_zero_frac or 0.0) > GRAD_FLUSHED_WARN)
-    if session.amp.dtype and fmt == "float16" and (
+    # A layer that ran in float32 (a LayerNorm under autocast) computes its gradients in
+    # float32: its figures are a what-if, and nothing of them flushed (review 44d).
+    if session.amp.dtype and fmt == "float16" and lay.ran_low_precision and (
             (gu is not None and gu > GRAD_UNDERFLOW_WARN) or flushed):
         scaled = session.amp.scaler
         kind = "missing_scaler" if not scaled else "gradient_underflow"

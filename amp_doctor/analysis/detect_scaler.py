@@ -696,6 +696,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
                   "skipped": len(sc.skipped_steps), "culprit": top,
                   "origin": top if traced else None,
+                  # The loss is too large, not the culprit layer: no layer to run in float32.
+                  "loss_too_large": from_loss is not None,
                   # Every backoff but GradScaler's own (calibration, probes) in a step whose
                   # loss was NaN/inf: the loss's doing.
                   "loss_nonfinite": _all_loss_nonfinite(session, backoffs)},

@@ -252,9 +252,16 @@ def _backoffs_of_the_collapse(out: list[Finding]) -> list[Finding]:
     if collapse is None:
         return out
     steps = set(_steps_of(collapse))
-    return [_with(f, "info", follow_on_of=collapse.module or collapse.kind)
-            if f.kind == "scaler_backoff" and f.severity in ("error", "warning")
-            and set(_steps_of(f)) <= steps else f for f in out]
+    too_large = bool(collapse.data.get("loss_too_large"))
+    out = [_with(f, "info", follow_on_of=collapse.module or collapse.kind)
+           if f.kind == "scaler_backoff" and f.severity in ("error", "warning")
+           and set(_steps_of(f)) <= steps else f for f in out]
+    if not too_large:
+        return out
+    # The loss is too large: its backoffs' layer is no layer to keep in float32 either.
+    return [replace(f, advice=collapse.advice) if f.kind == "scaler_backoff"
+            and f.data.get("follow_on_of") == (collapse.module or collapse.kind) else f
+            for f in out]
 
 
 # What a NaN in the weights makes next: outputs, loss, gradients, skipped steps.

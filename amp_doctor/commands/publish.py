@@ -117,6 +117,7 @@ def next_steps(session: Session) -> list[str]:
     roots = set(session.run.models)
     layer = next((f.module for f in errors
                   if f.kind in ERROR_KINDS_FIXED_BY_FP32 and f.module and f.module not in roots
+                  and not f.data.get("loss_too_large")
                   and not (f.kind == "nonfinite_forward" and inputs_held_inf(f.data))
                   and not (f.kind in ("nonfinite_forward", "nonfinite_backward")
                            and f.data.get("dtype") in WIDE_FORMATS)
@@ -128,7 +129,8 @@ def next_steps(session: Session) -> list[str]:
         out.append(f"amp-doctor: next: or search the smallest such set of layers: "
                    f"amp-doctor fix {script}")
     if not any(f.op for f in session.findings) and any(
-            f.kind in ERROR_KINDS_FIXED_BY_FP32 for f in errors):
+            f.kind in ERROR_KINDS_FIXED_BY_FP32 and not f.data.get("loss_too_large")
+            for f in errors):
         out.append("amp-doctor: next: to name the op and the line that made the first "
                    f"inf/NaN: amp-doctor diagnose --anomaly {script}")
     return out

@@ -205,8 +205,12 @@ class StepFolder:
         whose gradients went NaN/inf in backward: the update took them (no GradScaler,
         or a disabled one), unless the loop drops them itself. One event per run, its
         layers in the order their gradients went non-finite; later steps are counted."""
+        # Host figures read through the table (its own host-side reads, no tensor truth
+        # values here): the usual step has no non-finite gradient and stops at once.
         pg = layers.column(PG, NONFINITE)
-        if bool((pg == pg).any()) and not bool((pg > 0).any()):
+        if not layers.where((layers.column(GRAD, NONFINITE) > 0) | (pg > 0)):
+            return
+        if layers.where(pg == pg) and not layers.where(pg > 0):
             # The gradients the optimizer stepped on were finite (the loop skipped the
             # update of the iteration whose gradients were not, or cleaned them first):
             # the non-finite ones never reached the weights.
