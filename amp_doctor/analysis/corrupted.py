@@ -114,8 +114,9 @@ def _loss_note(f: Finding, c: Corruption) -> Finding:
     shown = f.module or d.get("shown_in")
     msg = (f"The loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
            f"step(s) whose loss was checked ({d.get('steps')} steps in all), first checked "
-           f"at step {f.step}; it began after step {c.first}'s update. By then the parameters were already non-finite (the optimizer "
-           f"applied step {c.first}'s non-finite gradients), so "
+           f"at step {f.step}; it began after step {c.first}'s update. By then the "
+           f"parameters were already non-finite (the optimizer applied step {c.first}'s "
+           "non-finite gradients), so "
            + (f"{F.layer(shown)}, the first layer to use them, is where it showed, not where it "
               "began." if shown else "where it showed says nothing of where it began."))
     return replace(f, module=None, message=msg,
