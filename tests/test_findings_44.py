@@ -648,3 +648,18 @@ def test_a_clip_with_a_nan_norm_does_not_make_every_layer_a_culprit() -> None:
     assert sorted(events) == [3, 4, 5]
     # Which layer overflowed is not known (the clip made them all NaN): none is named.
     assert all(not e.recorded and e.culprits == [] for e in events.values()), events
+
+
+def test_a_group_of_findings_counts_the_layers_the_cap_left_out() -> None:
+    """Review 44d: "missing_scaler on 8 layers", then "(and 8 more like it)": 16 in all."""
+    from amp_doctor.analysis.folding import cap_per_kind
+    from amp_doctor.records import Finding
+    from amp_doctor.sinks.text import _group_block, group_findings
+
+    found = [Finding(kind="missing_scaler", severity="warning", module=f"l{i}", op=None,
+                     step=None, message=f"l{i} underflows.", advice="Use a GradScaler.")
+             for i in range(16)]
+    (group,) = group_findings(cap_per_kind(found))
+    assert len(group.findings) == 8 and group.unlisted == 8
+    text = _group_block(group)
+    assert "missing_scaler  on 16 layers" in text and "and 8 more not listed" in text

@@ -424,5 +424,6 @@ def cap_per_kind(findings: list[Finding]) -> list[Finding]:
             last = fs[MAX_PER_KIND - 1]
             rest = len(fs) - MAX_PER_KIND + 1
             out[-1] = Finding(**{**last.__dict__, "count": rest,
-                                  "message": last.message + f" (and {rest - 1} more like it)"})
+                                  "message": last.message + f" (and {rest - 1} more like it)",
+                                  "data": {**last.data, "more_like_it": rest - 1}})
     return out

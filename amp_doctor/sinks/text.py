@@ -101,6 +101,11 @@ class FindingGroup:
     def modules(self) -> list[str]:
         return list(dict.fromkeys(f.module for f in self.findings if f.module))
 
+    @property
+    def unlisted(self) -> int:
+        """Layers with the same finding that the cap per kind left out of the report."""
+        return sum(int(f.data.get("more_like_it") or 0) for f in self.findings)
+
 
 def group_findings(findings: list[Finding],
                    layers: list[LayerSummary] | None = None) -> list[FindingGroup]:
@@ -151,8 +156,10 @@ def _group_block(g: FindingGroup) -> str:
         lines = [f"{_SEV_LABEL[f.severity]:<6} {f.kind}" + (f"  {where}" if where else "")]
         lines.append(_wrap(f.message, 7))
     else:
-        lines = [f"{_SEV_LABEL[f.severity]:<6} {f.kind}  on {len(mods)} layers"]
-        lines.append(_wrap(f"layers (worst first): {_listed(mods)}", 7))
+        more = g.unlisted
+        lines = [f"{_SEV_LABEL[f.severity]:<6} {f.kind}  on {len(mods) + more} layers"]
+        lines.append(_wrap(f"layers (worst first): {_listed(mods)}"
+                           + (f", and {more} more not listed" if more else ""), 7))
         lines.append(_wrap(f"worst: {f.message}", 7))
     if f.frame:
         lines.append(_wrap(f"at {f.frame}", 7))
@@ -328,7 +335,7 @@ def _md_group(g: FindingGroup) -> str:
     mods = g.modules
     head = f"#### {_SEV_LABEL[f.severity]} · `{f.kind}`"
     if len(g.findings) > 1:
-        head += f" · on {len(mods)} layers"
+        head += f" · on {len(mods) + g.unlisted} layers"
     else:
         if f.module:
             head += f" · `{f.module}`"
@@ -338,7 +345,8 @@ def _md_group(g: FindingGroup) -> str:
             head += f" · step {f.step}"
     lines = [head, ""]
     if len(g.findings) > 1:
-        lines += [f"Layers, worst first: {_listed(mods, code=True)}.", "",
+        lines += [f"Layers, worst first: {_listed(mods, code=True)}"
+                  + (f", and {g.unlisted} more not listed" if g.unlisted else "") + ".", "",
                   f"Worst: {_md(f.message)}", ""]
     else:
         lines += [_md(f.message), ""]
