@@ -266,6 +266,8 @@ class Watch:
         self._pending_culprits: list[str] | None = None
         self._pending_loss_bad: bool | None = None
         self._bounds = _Boundaries()
+        # The step being ended had its update dropped by the loop (see _on_root_forward).
+        self._update_dropped = False
 
     @property
     def models(self) -> dict[str, nn.Module]:
@@ -629,6 +631,17 @@ class Watch:
             elif (self._implicit_candidate() and self._loop.backward_reached
                   and self._loop.updated()):
                 self._implicit_boundary()
+            elif self._skip_candidate() and self._loop.dropped_update():
+                # The loop dropped the last iteration's update (no optimizer step since its
+                # backward, and its gradients were reset: `if torch.isfinite(norm):
+                # opt.step()`). That iteration was a step all the same.
+                self._update_dropped = True
+                try:
+                    self._boundary()
+                finally:
+                    self._update_dropped = False
+                if self._probes is not None:
+                    self._probes.apply_armed()  # before any sublayer ran
             self._loop.train_forward = True
             self._bounds.idle = False
             if self._buffer is not None:
@@ -650,6 +663,7 @@ class Watch:
             buf.put_scalar("loss", ts[0].detach().float().mean())
 
     def _on_param_grads(self, params: list[torch.Tensor], scale: float | None) -> None:
+        self._loop.optimizer_stepped()
         if self._anomaly is not None and not in_closure_step():
             # (A closure computes them inside the step: the boundary's check reads them.)
             self._anomaly.note_stepped(params)
@@ -734,6 +748,8 @@ class Watch:
             # Only where no optimizer or scaler ends the steps: does this backward
             # reach the watched parameters (a training step), or another model's?
             self._loop.backward_done(roots, self._owns, self._set.first_grad)
+        elif self._skip_candidate():
+            self._loop.backward_since_update(self._set.first_grad)
 
     def _on_grads_taken(self, outputs: list[torch.Tensor], inputs: list[Any],
                         grads: list[Any], scaled: bool) -> None:
@@ -764,6 +780,13 @@ class Watch:
         mon = self._monitor
         return (mon is not None and not self.closed and not mon.manual_steps
                 and not mon.drives_steps and not mon.stepping)
+
+    def _skip_candidate(self) -> bool:
+        """An optimizer or scaler ends the steps, and nothing else does (no
+        ``doctor.step()``, no closure running)."""
+        mon = self._monitor
+        return (mon is not None and not self.closed and not mon.manual_steps
+                and mon.drives_steps and not mon.stepping)
 
     def _implicit_boundary(self) -> None:
         # A hand-written update (``p.add_(p.grad, alpha=-lr)``): a new training
@@ -910,7 +933,7 @@ class Watch:
                     param_grads_scaled=buf.param_grads_scaled, skipped=skipped,
                     scale=outcome.scale_after if outcome else None,
                     check_input=self._anomaly is None, input_module=input_module,
-                    lp_param=self._lp_param)
+                    lp_param=self._lp_param, update_dropped=self._update_dropped)
                 if folded.loss_bad is not None:
                     loss_bad = folded.loss_bad
                 if skipped:

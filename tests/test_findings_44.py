@@ -499,7 +499,8 @@ def test_a_batch_an_op_in_the_data_code_made_nan_is_one_error_the_ops() -> None:
 
 def test_a_loop_that_skips_updates_on_a_nonfinite_norm_is_not_told_they_were_applied() -> None:
     """The advice's own recipe: step only if clip_grad_norm_'s norm is finite. The
-    gradients of that iteration overflowed, but the optimizer never took them."""
+    gradients of that iteration overflowed, but the optimizer never took them; and that
+    iteration, with no optimizer step to end it, was merged into the next one."""
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -520,6 +521,9 @@ def test_a_loop_that_skips_updates_on_a_nonfinite_norm_is_not_told_they_were_app
                 skipped += 1
     assert skipped == 1
     s = doctor.session
+    # The iteration whose update the loop dropped is a step of its own, not merged with
+    # the next one (there was no optimizer step to end it).
+    assert s.steps == 20 and s.recorded_steps == 20
     assert not s.findings_of("nonfinite_grads_applied"), s.findings
     assert not [f for f in s.findings if f.severity == "error"]
 
@@ -663,3 +667,36 @@ def test_a_group_of_findings_counts_the_layers_the_cap_left_out() -> None:
     assert len(group.findings) == 8 and group.unlisted == 8
     text = _group_block(group)
     assert "missing_scaler  on 16 layers" in text and "and 8 more not listed" in text
+
+
+def test_sams_two_passes_per_update_stay_one_step() -> None:
+    """Sharpness-aware minimisation: a backward, a hand-made move of the weights with the
+    gradients reset (its first step), a second forward and backward, then the optimizer.
+    The gradients were reset between the two forwards, but the weights moved: no update
+    was dropped, and the iteration is one step."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(6):
+            x, y = torch.randn(8, 16), torch.randn(8, 4)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            with torch.no_grad():  # SAM's first step: climb, reset the gradients
+                eps = [0.05 * p.grad / (p.grad.norm() + 1e-12) for p in model.parameters()]
+                for p, e in zip(model.parameters(), eps, strict=True):
+                    p.add_(e)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                nn.functional.mse_loss(model(x).float(), y).backward()
+            with torch.no_grad():
+                for p, e in zip(model.parameters(), eps, strict=True):
+                    p.sub_(e)
+            opt.step()
+            opt.zero_grad()
+    # 6 iterations, 7 steps: until the first optimizer step is seen, steps are counted
+    # from the loop's backward passes and weight changes, and the first iteration's two
+    # passes are two (a known limit, the same before this change). Counting a reset of
+    # the gradients as a dropped update, whatever the weights did, made it 12.
+    assert doctor.session.steps == 7

@@ -125,14 +125,16 @@ class StepFolder:
              skipped: bool, scale: float | None, check_input: bool,
              input_module: str | None = None,
              formats: Mapping[str, FormatLimits] | None = None,
-             lp_param: Callable[[int], tuple[str | None, str]] | None = None) -> FoldedStep:
+             lp_param: Callable[[int], tuple[str | None, str]] | None = None,
+             update_dropped: bool = False) -> FoldedStep:
         """One recorded step's host copy -> its record, folded into the run's aggregates.
 
         ``fmt``: the run's low-precision format; ``formats``: the layers judged against
         another (see ``dtypes.judged_format``).
 
         ``check_input``: report a NaN/inf batch here (anomaly mode reports it otherwise),
-        as given to ``input_module`` (default: the model).
+        as given to ``input_module`` (default: the model). ``update_dropped``: the loop
+        took no update in this step (it skipped the optimizer on a non-finite norm).
         """
         step = hs.step
         grad_scale = hs.scalars.get(GRAD_SCALE_KEY)
@@ -179,8 +181,8 @@ class StepFolder:
             self._lp_counts[1] += hs.scalars.get("lp_unchanged", 0.0)
             self._note_update_nonfinite(step, hs.scalars, lp_param)
         loss = hs.scalars.get("loss", hs.scalars.get(PLAIN_LOSS_KEY))
-        if (check_input and not skipped and grad_scale is None and origin is None
-                and not input_bad and not loss_bad):
+        if (check_input and not skipped and not update_dropped and grad_scale is None
+                and origin is None and not input_bad and not loss_bad):
             # No loss scale: a GradScaler would skip such a step (or raise in it), and
             # optimizer.step() on scaled gradients is a misuse with a finding of its own.
             self._note_grads_applied(step, hs, layers, loss)

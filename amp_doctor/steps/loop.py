@@ -200,6 +200,30 @@ class LoopSignals:
             self._sentinel = None if q is None or q.grad is None else (
                 q, id(q.grad), q.grad._version, q._version)
 
+    def backward_since_update(self, first_grad: Callable[[], torch.Tensor | None]) -> None:
+        """A backward where an optimizer ends the steps: until the next optimizer step, a
+        reset of the gradients (or a change of the weights) before the next training
+        forward means the loop dropped that iteration's update (see :meth:`updated`)."""
+        q = first_grad()
+        self._sentinel = None if q is None or q.grad is None else (
+            q, id(q.grad), q.grad._version, q._version)
+
+    def dropped_update(self) -> bool:
+        """Since the last backward (where an optimizer ends the steps), the gradients were
+        reset while the weights stayed as they were: the loop dropped that iteration's
+        update. Weights that changed without an optimizer step are something else (SAM's
+        first step moves them to the perturbed point and back), not a dropped update."""
+        sn = self._sentinel
+        if sn is None:
+            return False
+        p, gid, gver, pver = sn
+        g = p.grad
+        return p._version == pver and (g is None or id(g) != gid or g._version != gver)
+
+    def optimizer_stepped(self) -> None:
+        """An optimizer stepped: the iteration's update was taken."""
+        self._sentinel = None
+
     def grads_taken(self, params: list[torch.Tensor]) -> None:
         """``torch.autograd.grad`` took these watched weights' gradients: the step ends
         once the loop changed them (a hand-written ``p -= lr * g`` under no_grad)."""
