@@ -209,8 +209,8 @@ CHECKPOINT_FRAMES = 12
 
 def in_reentrant_checkpoint() -> bool:
     """Is this call inside ``torch.utils.checkpoint``'s reentrant forward (its first
-    pass, run under no_grad: training work, not validation)? Asked only of an outermost
-    watched call under no_grad."""
+    pass, run under no_grad: training work, not validation)? Asked only of a model's
+    forward that starts with grad disabled."""
     mod = sys.modules.get("torch.utils.checkpoint")  # not imported: not in one
     fn = getattr(getattr(mod, "CheckpointFunction", None), "forward", None)
     code = getattr(fn, "__code__", None)

@@ -196,17 +196,18 @@ class LoopSignals:
                 [t.grad_fn for t in roots if t.grad_fn is not None], owns)
         if self.backward_reached:
             # After every backward: accumulation changes the grads in place.
-            q = first_grad()
-            self._sentinel = None if q is None or q.grad is None else (
-                q, id(q.grad), q.grad._version, q._version)
+            self._set_sentinel(first_grad)
 
-    def backward_since_update(self, first_grad: Callable[[], torch.Tensor | None]) -> None:
-        """A backward where an optimizer ends the steps: until the next optimizer step, a
-        reset of the gradients (or a change of the weights) before the next training
-        forward means the loop dropped that iteration's update (see :meth:`updated`)."""
+    def _set_sentinel(self, first_grad: Callable[[], torch.Tensor | None]) -> None:
         q = first_grad()
         self._sentinel = None if q is None or q.grad is None else (
             q, id(q.grad), q.grad._version, q._version)
+
+    def backward_since_update(self, first_grad: Callable[[], torch.Tensor | None]) -> None:
+        """A backward where an optimizer ends the steps: until the next optimizer step, a
+        reset of the gradients before the next training forward means the loop dropped
+        that iteration's update (see :meth:`dropped_update`)."""
+        self._set_sentinel(first_grad)
 
     def dropped_update(self) -> bool:
         """Since the last backward (where an optimizer ends the steps), the gradients were
