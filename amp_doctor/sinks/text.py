@@ -312,8 +312,10 @@ def render_verdict(s: Session) -> str:
         if s.recorded_steps == 0 or not s.layers:
             return "**Verdict: nothing recorded.** No watched model ran a training step."
         return "**Verdict: healthy.** No AMP problem in the recorded steps."
-    f = s.findings[0]
-    culprit = next((x.module for x in s.findings if x.module), None)
+    # The top group's worst finding: the one its block shows as "worst" (review 44d: the
+    # verdict named another layer of a group than the one the group put first).
+    f = group_findings(s.findings, s.layers)[0].lead
+    culprit = f.module or next((x.module for x in s.findings if x.module), None)
     bits = [f"**Verdict: {_SEV_LABEL[f.severity]} `{f.kind}`**"]
     if culprit:
         bits.append(f"**culprit** `{culprit}`")
