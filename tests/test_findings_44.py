@@ -667,6 +667,14 @@ def test_a_group_of_findings_counts_the_layers_the_cap_left_out() -> None:
     assert len(group.findings) == 8 and group.unlisted == 8
     text = _group_block(group)
     assert "missing_scaler  on 16 layers" in text and "and 8 more not listed" in text
+    # The worst layer may be the one that carries the cap's count: the block counts those
+    # layers once, in its list, not again after the worst one's message.
+    from amp_doctor.sinks.text import FindingGroup, _md_group
+    worst_capped = FindingGroup(tuple(reversed(group.findings)))
+    assert worst_capped.lead.data["more_like_it"] == 8
+    for block in (_group_block(worst_capped), _md_group(worst_capped)):
+        assert "more like it" not in block and "8 more not listed" in block, block
+        assert "l7 underflows." in block
 
 
 def test_sams_two_passes_per_update_stay_one_step() -> None:

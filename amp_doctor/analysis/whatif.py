@@ -218,6 +218,15 @@ def _listed(items: Iterable[str]) -> str:
     return ", ".join(items[:MAX_LISTED]) + more
 
 
+# The simulation's blind spot, in every float16 what-if: it reads layers' outputs only.
+_FP16_UNSEEN = (
+    "Values made inside a layer's own forward code, between its sub-layers, are not "
+    "simulated (hand-written attention scores `q @ k.transpose(-2, -1)`, an `exp`, a "
+    "variance): they can overflow float16 while every layer's output fits. Before "
+    "switching, run a few steps in float16 under `amp-doctor diagnose --anomaly`: it "
+    "names such an op and its line.")
+
+
 def _fp16_advice(over: bool, under: bool) -> str:
     """What to do before moving to float16, for what the simulation found."""
     parts = ["Stay on bfloat16, or before moving to float16"]
@@ -256,8 +265,18 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
                 message=("Simulated from the recorded histograms (gradients as a GradScaler at "
                          f"2^{FP16_GRAD_SCALE_LOG2} would hold them), in float16 this bfloat16 "
                          "run would put values " + "; ".join(parts) + "."),
-                advice=_fp16_advice(bool(over), bool(under)),
+                advice=_fp16_advice(bool(over), bool(under)) + " " + _FP16_UNSEEN,
                 data={"rows": [asdict(r) for r in rows]},
+            ))
+        elif target == "float16":
+            # Asked, and nothing found: say so, and what the simulation cannot see.
+            out.append(Finding(
+                kind="whatif_float16", severity="info", module=None, op=None, step=None,
+                message=("Simulated from the recorded histograms (gradients as a GradScaler at "
+                         f"2^{FP16_GRAD_SCALE_LOG2} would hold them), no watched layer's "
+                         "outputs or output gradients would leave float16's range."),
+                advice=_FP16_UNSEEN,
+                data={"rows": []},
             ))
     rows8 = fp8_rows(s)
     bad = [r for r in rows8 if r.zero_share >= AFFECTED_SHARE or r.steps_amax_beyond_scale > 0]
@@ -266,12 +285,12 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
         sev8: Severity = "warning" if target == "float8" else "info"
         if bad:
             listed = _listed(
-                f"{F.layer(r.layer)} ({r.tensor}s, {r.format}: {F.pct(r.zero_share)} to zero"
-                + (f", amax outran the scale in {F.counted(r.steps_amax_beyond_scale, 'step')}"
-                   if r.steps_amax_beyond_scale else "") + ")" for r in bad)
+                f"{F.layer(r.layer)} ({r.tensor}s, {r.format}: " + ", ".join(_fp8_losses(r)) + ")"
+                for r in bad)
             msg = (f"FP8 simulation (per-tensor delayed scaling, amax window "
                    f"{FP8_AMAX_WINDOW} recorded steps; not FP8 training): {len(bad)} of "
-                   f"{len(rows8)} tensors would lose values: {listed}.")
+                   f"{len(rows8)} tensors would lose values (to zero, or beyond the format's "
+                   f"max in steps whose amax outran the delayed scale): {listed}.")
         else:
             msg = (f"FP8 simulation (per-tensor delayed scaling; not FP8 training): all "
                    f"{len(rows8)} low-precision tensors keep at least "
@@ -285,4 +304,16 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
                     "amax that outruns the scale needs a shorter amax window."),
             data={"rows": [asdict(r) for r in rows8], "window": FP8_AMAX_WINDOW},
         ))
+    return out
+
+
+def _fp8_losses(r: Fp8Row) -> list[str]:
+    """How a tensor would lose values in FP8: flushed to zero, or beyond the format's max
+    in the steps whose amax outran the delayed scale (only what applies: "0% to zero"
+    beside a loss at the top read as a contradiction)."""
+    out = []
+    if r.zero_share >= AFFECTED_SHARE:
+        out.append(f"{F.pct(r.zero_share)} to zero")
+    if r.steps_amax_beyond_scale:
+        out.append(f"beyond the max in {F.counted(r.steps_amax_beyond_scale, 'step')}")
     return out

@@ -106,6 +106,15 @@ class FindingGroup:
         """Layers with the same finding that the cap per kind left out of the report."""
         return sum(int(f.data.get("more_like_it") or 0) for f in self.findings)
 
+    @property
+    def worst_message(self) -> str:
+        """The lead's message without the cap's "(and N more like it)": a group's block
+        counts those layers in its list of layers already."""
+        f = self.lead
+        n = int(f.data.get("more_like_it") or 0)
+        suffix = f" (and {n} more like it)"
+        return f.message[: -len(suffix)] if n and f.message.endswith(suffix) else f.message
+
 
 def group_findings(findings: list[Finding],
                    layers: list[LayerSummary] | None = None) -> list[FindingGroup]:
@@ -160,7 +169,7 @@ def _group_block(g: FindingGroup) -> str:
         lines = [f"{_SEV_LABEL[f.severity]:<6} {f.kind}  on {len(mods) + more} layers"]
         lines.append(_wrap(f"layers (worst first): {_listed(mods)}"
                            + (f", and {more} more not listed" if more else ""), 7))
-        lines.append(_wrap(f"worst: {f.message}", 7))
+        lines.append(_wrap(f"worst: {g.worst_message}", 7))
     if f.frame:
         lines.append(_wrap(f"at {f.frame}", 7))
     if f.advice:  # an info finding may have nothing to advise
@@ -349,7 +358,7 @@ def _md_group(g: FindingGroup) -> str:
     if len(g.findings) > 1:
         lines += [f"Layers, worst first: {_listed(mods, code=True)}"
                   + (f", and {g.unlisted} more not listed" if g.unlisted else "") + ".", "",
-                  f"Worst: {_md(f.message)}", ""]
+                  f"Worst: {_md(g.worst_message)}", ""]
     else:
         lines += [_md(f.message), ""]
     if f.frame:
