@@ -581,13 +581,18 @@ class Watch:
         # ("model.enc.fc2"). It is found if it ever runs a forward with grad.
         return torch.is_grad_enabled() or self.step_index == 0 or not probes.trained_any()
 
-    def _found(self, module: nn.Module, name: str | None, args: tuple[Any, ...] | None) -> None:
+    def _found(self, module: nn.Module, name: str | None,
+               args: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+        """Watch a model the loop called; returns the inputs its call under way should
+        take instead (a forced ``fp32`` model's, cast up), or None."""
         self.add_model(module, name)
-        if args is not None:
-            # This call's own pre-hooks were collected before we added ours.
-            if self._probes is not None:
-                self._probes.note_root_call(module)
-            self._on_root_forward(module, args)
+        if args is None:
+            return None
+        # This call's own pre-hooks were collected before we added ours.
+        if self._probes is not None:
+            self._probes.note_root_call(module)
+        self._on_root_forward(module, args)
+        return self._fp32.enter_call(module, args) if self._fp32 is not None else None
 
     # -- hook callbacks ------------------------------------------------------
     def _layer_formats(self, run_format: str) -> dict[str, FormatLimits]:

@@ -80,3 +80,132 @@ def test_an_asked_float16_what_if_that_finds_nothing_says_so() -> None:
     _, quiet = _train(_Attention(temperature=0.25), torch.bfloat16, target_dtype=None)
     assert quiet is not None
     assert not [f for f in quiet.findings if f.kind == "whatif_float16"]
+
+
+class _Towers(nn.Module):
+    """Review 45b's two towers: each tower's fc2 overflows float16 on its own input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64))
+        self.item = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64))
+        for tower in (self.user, self.item):
+            with torch.no_grad():
+                tower[2].weight.normal_(0, 60.0)
+        self.norm = nn.LayerNorm(128)
+        self.head = nn.Linear(128, 1)
+
+    def forward(self, u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.cat([self.user(u), self.item(i)], -1)))
+
+
+def _towers_losses(steps: int = 3, **watch_kw: object) -> tuple[list[float],
+                                                                amp_doctor.Session | None]:
+    torch.manual_seed(0)
+    model = _Towers()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    losses: list[float] = []
+
+    def loop() -> None:
+        for _ in range(steps):
+            u, i = 1000 * torch.randn(64, 16, generator=g), 1000 * torch.randn(64, 16, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(u, i).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+
+    if not watch_kw:
+        loop()
+        return losses, None
+    with amp_doctor.watch(None, every=1, tensorboard=False, **watch_kw) as doctor:
+        loop()
+    return losses, doctor.session
+
+
+def test_fp32_on_a_model_found_inside_its_first_call_applies_from_step_0() -> None:
+    """Review 45b: `diagnose --fp32 Net` (or '*') found the model in its first forward,
+    after torch had collected that call's pre-hooks: step 0 ran in float16 and went NaN."""
+    plain, _ = _towers_losses()
+    assert plain[0] != plain[0]  # unwatched, float16 overflows at step 0
+    forced, s = _towers_losses(discover=True, fp32=["_Towers"])
+    assert s is not None and s.run.fp32_modules == ["_Towers"]
+    assert all(v == v for v in forced), forced
+    # Autocast was on and every layer ran in float32, as asked: nothing to warn of.
+    assert not [f for f in s.findings if f.kind == "autocast_inactive"]
+    assert not [f for f in s.findings if f.severity == "error"]
+
+
+def test_two_layers_that_overflow_apart_are_two_errors_and_both_are_tried() -> None:
+    """Review 45b: two towers whose last layers overflow float16 on their own inputs. The
+    second to finish was folded into the first as "only carried its inf/NaN on", so the
+    `next:` line and `fix` tried the first alone, which cannot work. A layer is its own
+    origin when every input it took was a watched layer's finite output."""
+    import dataclasses
+
+    from amp_doctor.commands.publish import next_steps
+
+    torch.manual_seed(0)
+    model = _Towers()
+    _, s = _towers_losses_of(model)
+    errors = {f.module: f for f in s.findings if f.severity == "error"}
+    assert set(errors) == {"user.2", "item.2"}, [(f.kind, f.module) for f in s.findings]
+    assert all(f.kind == "activation_overflow" for f in errors.values())
+    lays = {lay.name: lay for lay in s.layers}
+    assert lays["user.2"].overflow_origin_steps == lays["item.2"].overflow_origin_steps == 3
+    # What only carried an inf on stays folded: the LayerNorm takes the concatenation.
+    assert lays["norm"].overflow_origin_steps == 0
+    # Each took its input from its ReLU, finite: the input is known, and so is the origin.
+    assert "user.2" in lays["user.1"].consumers and "item.2" in lays["item.1"].consumers
+    s = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
+    (first, *_) = next_steps(s)
+    assert first.endswith("amp-doctor diagnose --fp32 user.2 --fp32 item.2 t.py"), first
+
+
+def _towers_losses_of(model: nn.Module) -> tuple[list[float], amp_doctor.Session]:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    losses: list[float] = []
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            u, i = 1000 * torch.randn(64, 16, generator=g), 1000 * torch.randn(64, 16, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(u, i).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    return losses, doctor.session
+
+
+def test_a_nan_loss_first_seen_after_its_parents_code_tries_the_parent() -> None:
+    """Review 45b: the NaN loss was first seen in `attn.proj`, whose input the attention's
+    own scores (`q @ k^T`, beyond float16's max) had made NaN; `--fp32 attn.proj` cannot
+    fix that, `--fp32 attn` (the parent, whose code made it) does."""
+    import dataclasses
+
+    from amp_doctor.commands.publish import next_steps
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = _Attention(temperature=3e5)
+            self.head = nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attn(x))
+
+    torch.manual_seed(0)
+    net = Net()
+    _, s = _train(net, torch.float16, steps=2, anomaly=False)
+    assert s is not None
+    (loss,) = [f for f in s.findings if f.kind == "nonfinite_loss"]
+    assert loss.severity == "error" and loss.module == "attn.proj", loss
+    s = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
+    assert next_steps(s)[0].endswith("amp-doctor diagnose --fp32 attn t.py"), next_steps(s)

@@ -591,6 +591,10 @@ def autocast_findings(session: Session) -> Iterable[Finding]:
     ran = [lay for lay in session.layers if lay.output_dtypes]
     if not ran:
         return  # nothing recorded to judge by (e.g. the whole model compiled)
+    forced = session.run.fp32_modules
+    if forced and (set(forced) & set(session.run.models) or all(
+            any(lay.name == m or lay.name.startswith(m + ".") for m in forced) for lay in ran)):
+        return  # `--fp32` put every layer in float32, as asked
     wide = sorted({d for lay in ran for d in lay.output_dtypes})
     f64 = any("float64" in lay.input_dtypes for lay in ran)
     low = session.amp.dtype or "low precision"

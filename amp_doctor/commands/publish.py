@@ -17,7 +17,7 @@ from amp_doctor.commands.terminal import Console, usable
 from amp_doctor.runfiles import JSON_NAME, TEXT_NAME, text_report_path
 
 if TYPE_CHECKING:
-    from amp_doctor.records import Session
+    from amp_doctor.records import Finding, Session
 
 __all__ = ["MAX_PRINTED_LINES", "print_user_exit", "publish", "render_report", "view_hint",
            "write_or_warn"]
@@ -96,6 +96,23 @@ def publish(session: Session, logdir: Path, json_out: Path | None, report_out: P
     return code
 
 
+# The layers at most one `next:` line puts in float32.
+MAX_NEXT_FP32 = 4
+
+
+def _fp32_target(f: Finding) -> str:
+    """The layer to put in float32 for an error: its own, or, for a NaN loss first seen in
+    a layer whose output never overflowed (its input may have come in non-finite, made
+    by its parent's own code: attention scores before the output projection), the
+    parent, whose float32 covers that code and the layer."""
+    assert f.module is not None
+    before = f.data.get("code_before")
+    if (f.kind == "nonfinite_loss" and not f.data.get("made_here") and isinstance(before, str)
+            and before.endswith("'s") and before != "the model's"):
+        return before[:-2]
+    return f.module
+
+
 def next_steps(session: Session) -> list[str]:
     """What to run next when the report has an error: try the fix on the culprit without
     editing code (--fp32), have amp-doctor search the smallest one (fix), and, when no
@@ -115,17 +132,23 @@ def next_steps(session: Session) -> list[str]:
     # Nor does float32 help an op that ran in float32 already, nor a std of one sample;
     # and a whole model in float32 is no mixed precision left to try.
     roots = set(session.run.models)
-    layer = next((f.module for f in errors
-                  if f.kind in ERROR_KINDS_FIXED_BY_FP32 and f.module and f.module not in roots
-                  and not f.data.get("loss_too_large")
-                  and not (f.kind == "nonfinite_forward" and inputs_held_inf(f.data))
-                  and not (f.kind in ("nonfinite_forward", "nonfinite_backward")
-                           and f.data.get("dtype") in WIDE_FORMATS)
-                  and not (f.kind == "nonfinite_forward" and spread_nan(f.op, f.data))),
-                 None)
-    if layer is not None:
-        out.append(f"amp-doctor: next: try {layer} in float32 without editing the code: "
-                   f"amp-doctor diagnose --fp32 {shlex.quote(layer)} {script}")
+    layers = list(dict.fromkeys(
+        _fp32_target(f) for f in errors
+        if f.kind in ERROR_KINDS_FIXED_BY_FP32 and f.module and f.module not in roots
+        and not f.data.get("loss_too_large")
+        and not (f.kind == "nonfinite_forward" and inputs_held_inf(f.data))
+        and not (f.kind in ("nonfinite_forward", "nonfinite_backward")
+                 and f.data.get("dtype") in WIDE_FORMATS)
+        and not (f.kind == "nonfinite_forward" and spread_nan(f.op, f.data))))
+    # Each error is an independent cause (follow-ons were folded): try them together.
+    layers = [n for n in layers if not any(n.startswith(m + ".") for m in layers)]
+    layers = layers[:MAX_NEXT_FP32]
+    if layers:
+        names = " and ".join(layers) if len(layers) < 3 else \
+            ", ".join(layers[:-1]) + " and " + layers[-1]
+        flags = " ".join(f"--fp32 {shlex.quote(n)}" for n in layers)
+        out.append(f"amp-doctor: next: try {names} in float32 without editing the code: "
+                   f"amp-doctor diagnose {flags} {script}")
         out.append(f"amp-doctor: next: or search the smallest such set of layers: "
                    f"amp-doctor fix {script}")
     if not any(f.op for f in session.findings) and any(

@@ -247,11 +247,13 @@ class GlobalDiscovery:
 
     ``wanted(module)`` says whether a module is a new root model (not watched,
     with parameters); ``found(module, name, args)`` adds it, ``args`` being the
-    call's inputs when the call is already under way (None: before the call).
+    call's inputs when the call is already under way (None: before the call), and
+    returns the inputs that call should take instead, or None.
     """
 
     def __init__(self, wanted: Callable[[nn.Module], bool],
-                 found: Callable[[nn.Module, str | None, tuple[Any, ...] | None], None]) -> None:
+                 found: Callable[[nn.Module, str | None, tuple[Any, ...] | None],
+                                 tuple[Any, ...] | None]) -> None:
         self._wanted = wanted
         self._found = found
         self._handles: list[Any] = []
@@ -285,18 +287,18 @@ class GlobalDiscovery:
         )
 
         self._handles = [
-            register_module_forward_pre_hook(self._pre),
+            register_module_forward_pre_hook(self._pre),  # type: ignore[arg-type]
             register_module_forward_hook(self._post, always_call=True),
         ]
 
-    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if capturing():
-            return  # traced into a graph: do nothing, so the graph holds only the user's ops
+            return None  # traced into a graph: do nothing, so the graph holds only the user's ops
         self._depth += 1
         if self._depth != 1 or self._stopped:
-            return
+            return None
         if not self._wanted(module):
-            return  # loss functions and other parameter-free callables are not models
+            return None  # loss functions and other parameter-free callables are not models
         if isinstance(module, nn.Sequential | nn.ModuleList):
             # (Before its own name: `g1 = gen[:2]` in the loop is a new slice each time.)
             source = slice_source(module)
@@ -305,9 +307,10 @@ class GlobalDiscovery:
                 # own hooks then see every slice's call), not each new slice.
                 if self._wanted(source[0]):
                     self._found(source[0], source[1], args)
-                return
-        # This call's own pre-hooks were collected before we added ours: pass its inputs.
-        self._found(module, variable_name(module), args)
+                return None
+        # This call's own pre-hooks were collected before we added ours: pass its inputs
+        # (a global pre-hook's return value replaces them).
+        return self._found(module, variable_name(module), args)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if capturing():

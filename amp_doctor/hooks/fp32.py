@@ -109,6 +109,7 @@ class Fp32Islands:
         self.refused: list[str] = []
         self.names: list[str] = []  # every name seen, for near-name hints
         self._handles: list[RemovableHandle] = []
+        self._forced_ids: set[int] = set()
         # The autocast contexts of the forced calls in flight, per thread.
         self._local = threading.local()
 
@@ -133,6 +134,7 @@ class Fp32Islands:
                 continue
             inside_forced.update(id(m) for m in mod.modules())
             forced_here.append(name)
+            self._forced_ids.add(id(mod))
             self._handles.append(mod.register_forward_pre_hook(
                 WeakMethodHook(self, Fp32Islands._pre), with_kwargs=True, prepend=True))
             self._handles.append(mod.register_forward_hook(
@@ -155,6 +157,19 @@ class Fp32Islands:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._forced_ids.clear()
+
+    def enter_call(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """``module``'s call is under way and its pre-hook was not called: the CLI found
+        the model inside its own first call, after torch had collected the call's
+        pre-hooks (its post-hook, registered by then, still runs at the end). Force
+        the call as the pre-hook would have; returns the inputs to call it with (None:
+        as they are). Without this, ``--fp32`` on the top-level model (or ``'*'``)
+        missed the first step."""
+        if id(module) not in self._forced_ids:
+            return None
+        got = self._pre(module, args, {})
+        return None if got is None else got[0]
 
     # -- hooks --------------------------------------------------------------
     def _frames(self) -> list[Any]:

@@ -157,6 +157,14 @@ class LayerMeta:
     # recorded calls' outputs they took (at most MAX_CONSUMERS, first seen first): one
     # that took every one computes its output gradient in its backward (see consumers()).
     consumer_calls: dict[str, int] = field(default_factory=dict)
+    # Floating inputs (in recorded training calls) that were not a watched layer's output
+    # as that layer returned it: the batch, or a tensor the parent's code made. A layer
+    # without any took only watched outputs, whose values the step recorded.
+    untraced_input_calls: int = 0
+
+    def producers_known(self) -> bool:
+        """Every floating input it took was a watched layer's output, unchanged."""
+        return self.untraced_input_calls == 0
 
     def consumers(self) -> list[str]:
         """The layers that took the output of every recorded call of this one directly
@@ -728,7 +736,10 @@ class Probes:
         if not self.recording or not (calls.training or torch.is_grad_enabled()):
             return
         meta = self.layers[name]
-        for t in _first_tensors((args, kwargs)):
+        ins = _first_tensors((args, kwargs))
+        if len(ins) >= MAX_TENSORS_PER_OUTPUT:
+            meta.untraced_input_calls += 1  # some inputs were not looked at
+        for t in ins:
             if t.is_floating_point():
                 meta.input_dtypes.add(dtype_name(t.dtype))
                 entry = self._seen.get(t)
@@ -737,6 +748,12 @@ class Probes:
                         cons = self.layers[owner].consumer_calls
                         if name in cons or len(cons) < MAX_CONSUMERS:
                             cons[name] = cons.get(name, 0) + 1
+                        else:
+                            meta.untraced_input_calls += 1
+                else:
+                    # Not a watched layer's output as it left the layer (the batch, or
+                    # made by code between layers): its values are not known.
+                    meta.untraced_input_calls += 1
 
     def _post(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any

@@ -60,6 +60,10 @@ class LayerMetaView(Protocol):
     output_dtypes: set[str]
     calls: int
     passthrough_calls: int
+    # The layers that took its output directly, with how many calls' outputs they took.
+    consumer_calls: dict[str, int]
+
+    def producers_known(self) -> bool: ...
 
 
 class FoldedStep(NamedTuple):
@@ -143,7 +147,8 @@ class StepFolder:
         self.aggregates.add(layers)
         for h in hists:
             self.hists.add(h)
-        origin = self._forward_origin(hs, layers, fmt, formats)
+        bad_outputs = self._bad_outputs(hs, layers, fmt, formats)
+        origin = bad_outputs[0] if bad_outputs else None
         input_bad = bool(hs.scalars.get("input_nan") or hs.scalars.get("input_inf"))
         if input_bad:
             # The batch was already non-finite: no layer is the origin.
@@ -159,6 +164,8 @@ class StepFolder:
                                     first_bad, in_output=origin is not None)
         if origin is not None:
             self.aggregates.note_origin(origin)
+            for other in self._independent_origins(bad_outputs, layers):
+                self.aggregates.note_origin(other)
         loss_bad: bool | None = None
         total_bad = int(hs.scalars.get(LOSS_BAD_TOTAL_KEY, 0))
         self.loss_bad_so_far = max(self.loss_bad_so_far, total_bad)
@@ -290,8 +297,17 @@ class StepFolder:
                         leave_out: set[str] | None = None, overflowed: bool = False
                         ) -> str | None:
         """The first layer to finish its forward with an overflowed or non-finite output
+        (see :meth:`_bad_outputs`), or None."""
+        got = self._bad_outputs(hs, layers, fmt, formats, leave_out, overflowed)
+        return got[0] if got else None
+
+    def _bad_outputs(self, hs: HostCopy, layers: StepTable, fmt: FormatLimits,
+                     formats: Mapping[str, FormatLimits] | None = None,
+                     leave_out: set[str] | None = None, overflowed: bool = False
+                     ) -> list[str]:
+        """The layers that finished their forward with an overflowed or non-finite output
         (not one of ``leave_out``; ``overflowed``: one with +inf or finite values beyond
-        its format's max, not only NaN).
+        its format's max, not only NaN), the first to finish first.
 
         Hooks run in completion order (children before parents), so the first
         such output produced the problem; the ones after it only passed it on. A layer
@@ -308,7 +324,7 @@ class StepFolder:
             and not (leave_out and n in leave_out)
         ]
         if not bad:
-            return None
+            return []
         # Each candidate's output rows (one per call; a container shares its child's),
         # less those of the layers left out (a mask's row, shared by the model's output).
         masked = {r for n in leave_out or () for r in hs.act_rows.get(n, [])}
@@ -323,7 +339,35 @@ class StepFolder:
         # The earliest bad output, and of the layers it is, the first to finish (the
         # child, not the container that returned it); without rows, forward order.
         found = [(r, metas[n].order, n) for (r, n), h in zip(cells, hit, strict=True) if h]
-        return min(found)[2] if found else min(bad, key=lambda n: metas[n].order)
+        if not found:
+            return [min(bad, key=lambda n: metas[n].order)]
+        return list(dict.fromkeys(n for _, _, n in sorted(found)))
+
+    def _independent_origins(self, ordered: list[str], layers: StepTable) -> list[str]:
+        """The layers after the step's first origin (``ordered[0]``) that overflowed on
+        their own: every input they took was a watched layer's output, and none of those
+        was non-finite or beyond its format in this step (two towers whose last layers
+        overflow apart). The order of completion alone would make the second one a
+        carrier of the first's inf."""
+        if len(ordered) < 2:
+            return []
+        metas = self._layers()
+        bad = set(layers.where(layers.flagged((ACT,)))) | set(
+            layers.where(layers.column(ACT, NONFINITE) > 0))
+        producers: dict[str, list[str]] = {}
+        for x, m in metas.items():
+            for y in m.consumer_calls:
+                producers.setdefault(y, []).append(x)
+        found = [ordered[0]]
+        for y in ordered[1:]:
+            meta = metas.get(y)
+            if (meta is None or not meta.producers_known() or not producers.get(y)
+                    or any(p in bad for p in producers[y])
+                    # A container returns its child's output: the child is the origin.
+                    or any(o.startswith(y + ".") or y.startswith(o + ".") for o in found)):
+                continue
+            found.append(y)
+        return found[1:]
 
     def _culprits(self, hs: HostCopy, layers: StepTable) -> list[str]:
         """The step's layers with non-finite gradients, in the order the non-finite ones
