@@ -209,3 +209,44 @@ def test_a_nan_loss_first_seen_after_its_parents_code_tries_the_parent() -> None
     assert loss.severity == "error" and loss.module == "attn.proj", loss
     s = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
     assert next_steps(s)[0].endswith("amp-doctor diagnose --fp32 attn t.py"), next_steps(s)
+
+
+def test_the_suggested_fix_runs_past_the_step_where_the_problem_began() -> None:
+    """Review 45b: an overflow that began at step 24 (a curriculum growing the inputs) was
+    followed by `amp-doctor fix script.py`, whose trials stop after 20 steps: it found no
+    error to fix. The suggested command now runs its trials past the first NaN loss."""
+    import dataclasses
+
+    from amp_doctor.commands.publish import next_steps
+    from amp_doctor.fix import DEFAULT_MAX_STEPS
+
+    torch.manual_seed(0)
+    _, s = _towers_losses_of(_Towers())
+    s = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
+    # As the run began: the NaN loss at step 0, inside the trials' 20 steps.
+    assert any(line.endswith("amp-doctor fix t.py") for line in next_steps(s))
+    late = [dataclasses.replace(f, step=None, steps=[]) if f.severity == "error" else
+            dataclasses.replace(f, step=24, steps=[24]) if f.kind == "nonfinite_loss" else f
+            for f in s.findings]
+    assert 24 >= DEFAULT_MAX_STEPS
+    lines = next_steps(dataclasses.replace(s, findings=late))
+    assert any(line.endswith("amp-doctor fix --stop-after 34 t.py") for line in lines), lines
+
+
+def test_after_a_search_that_missed_the_next_step_is_not_the_same_search() -> None:
+    """Review 45b: `diagnose --anomaly` of a one-off NaN batch ended with `nonfinite_unlocated`
+    and suggested `diagnose --anomaly` again, which misses it again. The next step then is
+    the check of every op, which stops at the op (`--on-nonfinite raise`)."""
+    import dataclasses
+
+    from amp_doctor.commands.publish import next_steps
+
+    torch.manual_seed(0)
+    _, s = _towers_losses_of(_Towers())
+    s = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
+    assert next_steps(s)[-1].endswith("amp-doctor diagnose --anomaly t.py")
+    searched = [dataclasses.replace(f, data={**f.data, "anomaly": True})
+                if f.kind == "nonfinite_loss" else f for f in s.findings]
+    last = next_steps(dataclasses.replace(s, findings=searched))[-1]
+    assert last.endswith("amp-doctor diagnose --on-nonfinite raise t.py"), last
+    assert "--anomaly t.py" not in last

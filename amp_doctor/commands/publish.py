@@ -100,6 +100,14 @@ def publish(session: Session, logdir: Path, json_out: Path | None, report_out: P
 MAX_NEXT_FP32 = 4
 
 
+# How many steps past the first error's step a suggested `fix` trial runs.
+FIX_STEPS_PAST_FIRST_ERROR = 10
+
+
+def _steps_of_error(f: Finding) -> list[int]:
+    return [*([f.step] if f.step is not None else []), *(f.steps or [])]
+
+
 def _fp32_target(f: Finding) -> str:
     """The layer to put in float32 for an error: its own, or, for a NaN loss first seen in
     a layer whose output never overflowed (its input may have come in non-finite, made
@@ -119,7 +127,7 @@ def next_steps(session: Session) -> list[str]:
     finding names an op yet, find the op and the line (--anomaly)."""
     from amp_doctor.analysis.advice import WIDE_FORMATS, spread_nan
     from amp_doctor.analysis.messages import inputs_held_inf
-    from amp_doctor.fix import ERROR_KINDS_FIXED_BY_FP32
+    from amp_doctor.fix import DEFAULT_MAX_STEPS, ERROR_KINDS_FIXED_BY_FP32
 
     cmd = list(session.run.command or [])
     errors = [f for f in session.findings if f.severity == "error"]
@@ -149,13 +157,31 @@ def next_steps(session: Session) -> list[str]:
         flags = " ".join(f"--fp32 {shlex.quote(n)}" for n in layers)
         out.append(f"amp-doctor: next: try {names} in float32 without editing the code: "
                    f"amp-doctor diagnose {flags} {script}")
+        # The trials stop after DEFAULT_MAX_STEPS steps: a problem that begins later
+        # needs longer ones, or the baseline shows no error to fix.
+        # (An overflow error spans its recorded steps; the NaN loss it led to says when.)
+        first = min((st for f in errors for st in _steps_of_error(f)), default=None)
+        if first is None:
+            first = min((st for f in session.findings if f.kind == "nonfinite_loss"
+                         for st in _steps_of_error(f)), default=0)
+        longer = (f"--stop-after {first + FIX_STEPS_PAST_FIRST_ERROR} "
+                  if first + 1 > DEFAULT_MAX_STEPS else "")
         out.append(f"amp-doctor: next: or search the smallest such set of layers: "
-                   f"amp-doctor fix {script}")
+                   f"amp-doctor fix {longer}{script}")
     if not any(f.op for f in session.findings) and any(
             f.kind in ERROR_KINDS_FIXED_BY_FP32 and not f.data.get("loss_too_large")
             for f in errors):
-        out.append("amp-doctor: next: to name the op and the line that made the first "
-                   f"inf/NaN: amp-doctor diagnose --anomaly {script}")
+        searched = any(f.kind == "nonfinite_unlocated" or (
+            f.kind == "nonfinite_loss" and f.data.get("anomaly")) for f in session.findings)
+        if searched:
+            # Anomaly mode ran and its search, armed after the fact, missed a one-off:
+            # the same command would miss it again; checking every op stops at it.
+            out.append("amp-doctor: next: the op search ran after the NaN and did not see it "
+                       "again; to check every op and stop at the one that made it, with its "
+                       f"line: amp-doctor diagnose --on-nonfinite raise {script}")
+        else:
+            out.append("amp-doctor: next: to name the op and the line that made the first "
+                       f"inf/NaN: amp-doctor diagnose --anomaly {script}")
     return out
 
 
