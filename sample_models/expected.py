@@ -66,13 +66,19 @@ EXPECTED: dict[str, tuple[Finding, ...]] = {
         ("scale_collapse", None, None),
     ),
     "gradient_underflow_no_scaler.py": (
+        # The error: the gradient underflows in head's backward (99% of its output gradient
+        # below float16's smallest normal) and reaches body.0 as exact zeros in every step:
+        # body.0 does not train. One cause, one error, at head, listing body.0.
+        ("missing_scaler", "head", None),
         # 100% of body.0's weight-grad entries are exactly 0 in float16 (0% in float32).
         ("missing_scaler", "body.0", None),
         # Same for body.2 (~98-100%).
         ("missing_scaler", "body.2", None),
     ),
     "gradient_underflow_low_init_scale.py": (
-        # GradScaler(init_scale=1.0): body.0's grads still 100% zero; scale stays 1.
+        # GradScaler(init_scale=1.0) lifts nothing: the same flush, the same error at head.
+        ("gradient_underflow", "head", None),
+        # body.0's grads still 100% zero; scale stays 1.
         ("gradient_underflow", "body.0", None),
         # Same for body.2.
         ("gradient_underflow", "body.2", None),

@@ -21,8 +21,10 @@ copies of the weights and ``torch.autograd.grad``) so a profiler that hooks
 modules, parameters or optimizers globally does not see a second model.
 
 Expected amp-doctor finding: ``gradient_underflow`` (a scaler is in use, but
-gradients still underflow) on ``body.0`` and ``body.2`` (also ``body.4``,
-``body.6``, where underflow is partial).
+gradients still underflow), an error at ``head``, where they underflow first,
+listing ``body.0``, whose weights get no gradient at all; and on ``body.0``
+(its consequence, info) and ``body.2`` (also ``body.4``, ``body.6``, where
+underflow is partial).
 
 Module names: ``body`` (``body.0``/``.2``/``.4``/``.6`` are ``nn.Linear``,
 ``body.1``/``.3``/``.5``/``.7`` are ``nn.Tanh``) and ``head``.

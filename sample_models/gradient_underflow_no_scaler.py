@@ -24,7 +24,9 @@ copies of the weights and ``torch.autograd.grad``) so a profiler that hooks
 modules, parameters or optimizers globally does not see a second model.
 
 Expected amp-doctor finding: ``missing_scaler`` (gradient underflow with no
-GradScaler) on ``body.0`` and ``body.2`` (also ``body.4``, ``body.6``,
+GradScaler), an error at ``head``, where the gradient underflows first, listing
+``body.0``, whose weights get no gradient at all; and ``missing_scaler`` on
+``body.0`` (its consequence, info) and ``body.2`` (also ``body.4``, ``body.6``,
 where underflow is partial).
 
 Module names: ``body`` (``body.0``/``.2``/``.4``/``.6`` are ``nn.Linear``,

@@ -250,3 +250,37 @@ def test_after_a_search_that_missed_the_next_step_is_not_the_same_search() -> No
     last = next_steps(dataclasses.replace(s, findings=searched))[-1]
     assert last.endswith("amp-doctor diagnose --on-nonfinite raise t.py"), last
     assert "--anomaly t.py" not in last
+
+
+def test_layers_a_flush_starves_of_every_gradient_are_one_error_at_its_source() -> None:
+    """Review 45b: a deep MLP in float16 without a GradScaler, with a small loss: the
+    gradient underflows in the last Linear and reaches the six before it as exact zeros,
+    so they never move. That was eight warnings; it is one error, at the layer where the
+    flush began, that lists the layers which do not train."""
+    torch.manual_seed(0)
+    hidden = [m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())]
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), *hidden, nn.Linear(64, 1))
+    before = {name: m.weight.detach().clone() for name, m in model.named_children()
+              if isinstance(m, nn.Linear)}
+    opt = torch.optim.SGD(model.parameters(), lr=50.0)
+    w = torch.randn(32, 1) * 1e-3
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            x = torch.randn(1024, 32)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = 0.01 * nn.functional.mse_loss(model(x).float(), x @ w)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    # The layers that never trained, read off their weights: the flush is real.
+    still = [n for n, w0 in before.items() if torch.equal(model.get_submodule(n).weight, w0)]
+    assert len(still) >= 3 and "14" not in still, still
+    s = doctor.session
+    (err,) = [f for f in s.findings if f.severity == "error"]
+    assert err.kind == "missing_scaler" and err.module == "14", err
+    assert err.data["starved_layers"] == still
+    assert "do not train" in err.message
+    # Their own warnings are its consequences: info, each pointing at it.
+    theirs = [f for f in s.findings if f.module in err.data["starved_layers"]]
+    assert {f.module for f in theirs} == set(still)
+    assert all(f.severity == "info" and f.data["follow_on_of"] == "14" for f in theirs)

@@ -7,6 +7,7 @@ them looks at events or the scaler's timeline.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -24,6 +25,7 @@ from amp_doctor.analysis.thresholds import (
     HEADROOM_WARN_BITS,
     MADE_INF_HEADROOM_BITS,
     OVERFLOW_FRAC_ERROR,
+    STARVED_ZERO_FRAC,
     WHOLLY_NONFINITE_FRAC,
 )
 from amp_doctor.dtypes import FORMAT_MAX, judged_format
@@ -157,12 +159,55 @@ def layer_findings(session: Session) -> Iterable[Finding]:
               if not any(u.order < c.order and same_output(u, c) for u in under)]
     source = max(leaves, key=lambda x: x.order) if leaves else None
     told: set[str] = set()
+    found: list[Finding] = []
     for lay in session.layers:
         for f in _layer_findings(session, lay, judged_format(lay.output_dtypes, fmt), source):
             if "input_absmax" in f.data:
                 told.add(lay.name)
-            yield f
+            found.append(f)
+    yield from _starved_by_the_flush(session, found, flushed is not None)
     yield from _input_beyond_format(session, told)
+
+
+def _starved_by_the_flush(session: Session, found: list[Finding],
+                          all_flushed: bool) -> list[Finding]:
+    """Layers whose weights got exactly zero gradient in every recorded step, because the
+    gradient had flushed to zero in a layer after them (in forward order): they do not
+    train, which breaks the run. That is one error, at the layer where the flush began,
+    listing them; their own warnings become its consequences, as info (review 45b: seven
+    layers of a deep MLP without a GradScaler never moved, and each got a warning)."""
+    if all_flushed:
+        return found
+    lays = {lay.name: lay for lay in session.layers}
+    starved = [f for f in found if f.data.get("flushed_after") and f.module in lays and (
+        lays[f.module].param_grad_zero_frac or 0.0) >= STARVED_ZERO_FRAC]
+    if not starved:
+        return found
+    source = str(starved[0].data["flushed_after"])
+    names = [str(f.module) for f in sorted(starved, key=lambda f: lays[str(f.module)].order)]
+    gone = {id(f) for f in starved}
+    out: list[Finding] = []
+    at_source = False
+    for f in found:
+        if id(f) in gone:
+            # Its consequence: kept, as info, for the layer's own figures.
+            out.append(dataclasses.replace(f, severity="info",
+                                           data={**f.data, "follow_on_of": source}))
+            continue
+        if f.module == source and f.kind in ("missing_scaler", "gradient_underflow"):
+            at_source = True
+            f = dataclasses.replace(
+                f, severity="error",
+                message=(f.message + f" On its way back, the gradient reached the "
+                         f"{F.counted(len(names), 'layer')} before it flushed to exactly zero in "
+                         f"every recorded step ({', '.join(names[:8])}"
+                         + (", ..." if len(names) > 8 else "") + "): their weights get no "
+                         "gradient and do not train."),
+                data={**f.data, "starved_layers": names})
+        out.append(f)
+    if not at_source:
+        return found  # no finding at the source to hold them: each keeps its own
+    return out
 
 
 def _input_beyond_format(session: Session, told: set[str]) -> Iterable[Finding]:

@@ -11,6 +11,7 @@ __all__ = [
     "HEADROOM_WARN_BITS",
     "ACT_UNDERFLOW_WARN",
     "DIVERGED_LOSS_RISE",
+    "STARVED_ZERO_FRAC",
     "WHOLLY_NONFINITE_FRAC",
     "GRAD_RELEVANT_BITS",
     "ACT_RELEVANT_BITS",
@@ -45,6 +46,9 @@ HEADROOM_WARN_BITS = 1.0
 ACT_UNDERFLOW_WARN = 0.05
 # Share of a layer's gradient values that flush to zero in the low-precision format.
 GRAD_UNDERFLOW_WARN = 0.10
+# A layer whose weight gradients were at least this share exact zeros, flushed on their
+# way back from a later layer, gets no update: it does not train (an error, not a warning).
+STARVED_ZERO_FRAC = 0.999
 # The recorded loss rising more than this many times above its running minimum before
 # its first non-finite value is a run diverging (a learning rate too high): its overflow
 # is the divergence's end, not its cause (see analysis.divergence).
