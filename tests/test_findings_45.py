@@ -284,3 +284,17 @@ def test_layers_a_flush_starves_of_every_gradient_are_one_error_at_its_source() 
     theirs = [f for f in s.findings if f.module in err.data["starved_layers"]]
     assert {f.module for f in theirs} == set(still)
     assert all(f.severity == "info" and f.data["follow_on_of"] == "14" for f in theirs)
+
+
+def test_two_errors_of_one_kind_in_one_module_are_both_shown() -> None:
+    """Review 45a: a VAE's `aten.mul` (step 0) and `aten.exp` (step 17), both in the root
+    module's own code: "2 error(s)", but the group "on 1 layers" showed the first alone."""
+    from amp_doctor.records import Finding
+    from amp_doctor.sinks.text import group_findings
+
+    def err(op: str, step: int) -> Finding:
+        return Finding(kind="nonfinite_forward", severity="error", module="VAE", op=op,
+                       step=step, message=f"{op} made inf.", advice="Keep it in float32.")
+
+    groups = group_findings([err("aten.mul", 0), err("aten.exp", 17)])
+    assert [[f.op for f in g.findings] for g in groups] == [["aten.mul"], ["aten.exp"]]

@@ -130,8 +130,11 @@ def group_findings(findings: list[Finding],
     for f in findings:
         # Another GradScaler's findings are its own group: a group shows one message.
         key = (f.kind, f.severity, str(f.data.get("scaler", "")))
-        if f.module is None or key not in index:
-            if f.module is not None:
+        # A group lists layers and shows one message: a second finding on a layer already
+        # in it (another op of the same module, at another step) would be hidden there.
+        if f.module is None or key not in index or any(
+                g.module == f.module for g in groups[index[key]]):
+            if f.module is not None and key not in index:
                 index[key] = len(groups)
             groups.append([f])
         else:
