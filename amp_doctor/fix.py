@@ -133,7 +133,9 @@ def _culprits(s: Session) -> list[str]:
         if f.kind in WHATIF_KINDS and isinstance(rows, list):
             cands.extend(r["layer"] for r in rows if isinstance(r, dict) and "layer" in r)
         for c in cands:
-            if c in names and c not in found:
+            # A whole model in float32 is AMP off, not a fix (and its snippet would look
+            # it up as a submodule of itself).
+            if c in names and c not in found and c not in s.run.models:
                 found.append(c)
     return sorted(found[:4], key=lambda n: order.get(n, 0))
 
@@ -155,7 +157,8 @@ def _blocks(s: Session) -> list[str]:
         best = max(groups.values(), key=len)
         if len(best) >= 2:
             return best
-    return [lay.name for lay in s.layers if "." not in lay.name and lay.order >= 0][1:]
+    return [lay.name for lay in s.layers if "." not in lay.name and lay.order >= 0
+            and lay.name not in s.run.models]
 
 
 def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,

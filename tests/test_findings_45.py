@@ -298,3 +298,32 @@ def test_two_errors_of_one_kind_in_one_module_are_both_shown() -> None:
 
     groups = group_findings([err("aten.mul", 0), err("aten.exp", 17)])
     assert [[f.op for f in g.findings] for g in groups] == [["aten.mul"], ["aten.exp"]]
+
+
+def test_fix_never_tries_a_whole_model_and_bisects_every_child() -> None:
+    """Review 45b/45a: `fix`'s "all blocks" trial was the root's children less the first,
+    plus the root itself (AMP off), and a culprit that is the root model got the snippet
+    `model.get_submodule('CLIP')`, which raises. A whole model is never a candidate."""
+    from amp_doctor.fix import _blocks, _culprits
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.user = nn.Linear(4, 4)
+            self.item = nn.Linear(4, 4)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.cat([self.user(u), self.item(i)], -1)) * 1e6
+
+    torch.manual_seed(0)
+    net = Net()
+    with amp_doctor.watch(net, every=1, tensorboard=False) as doctor:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = net(torch.randn(2, 4), torch.randn(2, 4))
+            out.float().sum().backward()
+    s = doctor.session
+    assert s.run.models == ["Net"]
+    assert _blocks(s) == ["user", "item", "head"]
+    assert "Net" not in _culprits(s)
