@@ -155,6 +155,9 @@ class LayerSummary:
     model_output: bool = False
     # The layers that took its output as input (their backward makes its output gradient).
     consumers: list[str] = field(default_factory=list)
+    # Every floating input it took (in recorded training calls) was a watched layer's
+    # output, as that layer returned it: none came from the batch or the parent's code.
+    inputs_known: bool = False
     ops: dict[str, dict[str, int]] = field(default_factory=dict)  # op -> dtype -> count
     act_exp_hist: list[int] = field(default_factory=list)  # summed float32-exponent bins
     grad_exp_hist: list[int] = field(default_factory=list)

@@ -265,7 +265,8 @@ def test_fix_trials_leave_the_users_files_alone_and_name_the_warnings(tmp_path: 
     # Each trial is a real run of the script: before, in the user's folder, so a trial
     # overwrote their checkpoint and appended to their log (review 36). The trials now
     # run in a copy of the folder. A run whose problems are warnings (here gradients
-    # flushed to zero by a GradScaler started at 1) was "nothing to fix".
+    # underflowing a GradScaler started at 1, partly: no layer starved of every gradient)
+    # was "nothing to fix".
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "x.txt").write_text("16\n")  # read by a relative path
     (tmp_path / "ckpt.pt").write_bytes(b"the user's 60-step checkpoint")
@@ -278,7 +279,7 @@ def test_fix_trials_leave_the_users_files_alone_and_name_the_warnings(tmp_path: 
         "scaler = torch.amp.GradScaler('cpu', init_scale=1.0, growth_interval=10**6)\n"
         "for _ in range(3):  # within a trial's --stop-after: it saves and logs\n"
         "    with torch.autocast('cpu', dtype=torch.float16):\n"
-        "        loss = model(torch.randn(32, d)).float().pow(2).mean() * 1e-6\n"
+        "        loss = model(torch.randn(32, d)).float().pow(2).mean() * 1e-4\n"
         "    opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()\n"
         "torch.save(model.state_dict(), 'ckpt.pt')\n"
         "open('train.log', 'a').write('done\\n')\n")

@@ -108,16 +108,24 @@ def _steps_of_error(f: Finding) -> list[int]:
     return [*([f.step] if f.step is not None else []), *(f.steps or [])]
 
 
-def _fp32_target(f: Finding) -> str:
-    """The layer to put in float32 for an error: its own, or, for a NaN loss first seen in
-    a layer whose output never overflowed (its input may have come in non-finite, made
-    by its parent's own code: attention scores before the output projection), the
-    parent, whose float32 covers that code and the layer."""
+def _fp32_target(session: Session, f: Finding) -> str:
+    """The layer to put in float32 for an error: its own, or its parent, whose float32
+    covers the parent's own code and the layer, when the inf may have come in with the
+    layer's input, made by that code (attention scores before the output projection, a
+    reparameterisation before a decoder): a NaN loss first seen in a layer whose output
+    never overflowed, or a layer without an op named whose inputs were not all watched
+    layers' outputs."""
+    from amp_doctor.analysis.detect_layers import code_before
+
     assert f.module is not None
-    before = f.data.get("code_before")
-    if (f.kind == "nonfinite_loss" and not f.data.get("made_here") and isinstance(before, str)
-            and before.endswith("'s") and before != "the model's"):
-        return before[:-2]
+    lay = next((x for x in session.layers if x.name == f.module), None)
+    if f.kind == "nonfinite_loss":
+        maybe_input = not f.data.get("made_here")
+    else:
+        maybe_input = f.op is None and lay is not None and not lay.inputs_known
+    before = code_before(session, f.module)
+    if maybe_input and before != "the model's":
+        return before[:-2]  # "x's" -> "x"
     return f.module
 
 
@@ -141,7 +149,7 @@ def next_steps(session: Session) -> list[str]:
     # and a whole model in float32 is no mixed precision left to try.
     roots = set(session.run.models)
     layers = list(dict.fromkeys(
-        _fp32_target(f) for f in errors
+        _fp32_target(session, f) for f in errors
         if f.kind in ERROR_KINDS_FIXED_BY_FP32 and f.module and f.module not in roots
         and not f.data.get("loss_too_large")
         and not (f.kind == "nonfinite_forward" and inputs_held_inf(f.data))

@@ -184,7 +184,8 @@ class LayerAggregates:
                 input_dtypes: set[str], output_dtypes: set[str], param_dtypes: set[str],
                 ops: dict[str, dict[str, int]], hists: tuple[list[int], list[int]],
                 passthrough: bool = False, model_output: bool = False,
-                consumers: list[str] | None = None) -> LayerSummary:
+                consumers: list[str] | None = None, inputs_known: bool = False
+                ) -> LayerSummary:
         """The layer's :class:`LayerSummary`: its aggregates and what the hooks saw."""
         figs = self.figures(name) or _NEVER
         ran_low = bool(output_dtypes & LOW_PRECISION_NAMES)
@@ -194,7 +195,8 @@ class LayerAggregates:
             input_dtypes=sorted(input_dtypes), output_dtypes=sorted(output_dtypes),
             param_dtypes=sorted(param_dtypes), ran_low_precision=ran_low,
             what_if=bool(floats) and not ran_low, passthrough=passthrough,
-            model_output=model_output, consumers=list(consumers or ()), ops=ops,
+            model_output=model_output, consumers=list(consumers or ()),
+            inputs_known=inputs_known, ops=ops,
             # Sampled tensors give scaled, fractional counts.
             act_exp_hist=hists[0], grad_exp_hist=hists[1],
             **figs,

@@ -420,7 +420,8 @@ class StepFolder:
                 name, meta.type, meta.order, meta.calls, meta.input_dtypes,
                 meta.output_dtypes, meta.param_dtypes, ops.get(name, {}), self.hists.of(name),
                 passthrough=meta.calls > 0 and meta.passthrough_calls >= meta.calls,
-                model_output=meta.model_output, consumers=meta.consumers()))
+                model_output=meta.model_output, consumers=meta.consumers(),
+                inputs_known=meta.calls > 0 and meta.producers_known()))
         return sorted(out, key=lambda x: (x.order < 0, x.order))
 
     def loss_events(self, steps: int, anomaly: bool = False,
