@@ -327,3 +327,34 @@ def test_fix_never_tries_a_whole_model_and_bisects_every_child() -> None:
     assert s.run.models == ["Net"]
     assert _blocks(s) == ["user", "item", "head"]
     assert "Net" not in _culprits(s)
+
+
+def test_a_mask_value_float16_cannot_hold_is_named() -> None:
+    """Review 45a: `scores.masked_fill(mask, -1e9)` on float16 attention scores raises
+    "value cannot be converted to type c10::Half without overflow" (the Annotated
+    Transformer's mask under autocast). That was "run_ended_early: fix the error"."""
+    import pytest
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qk = nn.Linear(8, 16)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            q, k = self.qk(x).chunk(2, -1)
+            scores = (q @ k.transpose(-2, -1)).masked_fill(mask == 0, -1e9)
+            return scores.softmax(-1).sum()
+
+    torch.manual_seed(0)
+    model = Masked()
+    x, mask = torch.randn(2, 4, 8), torch.ones(2, 4, 4)
+    with pytest.raises(RuntimeError, match="c10::Half without overflow"):
+        with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+            with torch.autocast("cpu", dtype=torch.float16):
+                model(x, mask).backward()
+    s = doctor.session
+    assert s.run.outcome == "exception"
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert f.kind == "constant_overflow" and f.data["dtype"] == "float16"
+    assert "masked_fill(mask, -1e9)" in f.message and "65504" in f.message
+    assert "torch.finfo(scores.dtype).min" in f.advice

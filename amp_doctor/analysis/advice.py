@@ -260,6 +260,12 @@ ADVICE: dict[str, str] = {
         "not finite: `norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, "
         "then step only `if torch.isfinite(norm)`."
     ),
+    "constant_overflow": (
+        "Write a value the format holds: `torch.finfo(scores.dtype).min` instead of -1e9 "
+        "(it is float16's -65504 under autocast and float32's in float32, so the mask "
+        "works in both), or mask in float32: `scores.float().masked_fill(mask, -1e9)`. "
+        "A row masked whole still gives NaN with -inf: keep at least one position."
+    ),
     "run_ended_early": (
         "Fix the error that stopped the script (see the outcome above), then run again: "
         "amp-doctor judges training steps, and none finished."

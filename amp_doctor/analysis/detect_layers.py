@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable
 
 from amp_doctor import format as F
@@ -578,8 +579,30 @@ def grad_underflow(lay: LayerSummary) -> float | None:
     return max(vals)
 
 
+# The end of the message torch raises when a Python number meets a float16 (or bfloat16)
+# tensor it does not fit: ``scores.masked_fill(mask, -1e9)`` on an autocast output.
+_CONSTANT_OVERFLOW = re.compile(r"cannot be converted to type c10::(Half|BFloat16) without "
+                                r"overflow")
+
+
 def run_findings(session: Session) -> Iterable[Finding]:
-    """A run that died before its first step finished is never "healthy"."""
+    """A run that died before its first step finished is never "healthy"; a run that died
+    of a constant float16 cannot hold is told why."""
+    err = session.run.error or ""
+    hit = _CONSTANT_OVERFLOW.search(err) if session.run.outcome == "exception" else None
+    if hit is not None:
+        fmt = "float16" if hit.group(1) == "Half" else "bfloat16"
+        yield Finding(
+            kind="constant_overflow", severity="error", module=None, op=None, step=None,
+            message=(f"The run raised {err!r} after {F.counted(session.steps, 'step')}: a "
+                     f"Python number too large for {fmt} (its max is "
+                     f"{FORMAT_MAX.get(fmt, 0):g}) was written into a {fmt} tensor, "
+                     "typically a mask value such as `scores.masked_fill(mask, -1e9)` on "
+                     "attention scores that autocast computed in " + fmt + "."),
+            advice=ADVICE["constant_overflow"],
+            data={"dtype": fmt, "error": err},
+        )
+        return  # the run's end is this finding's: not a second error for it
     if session.steps == 0 and session.run.outcome in ("exception", "interrupted", "exit") and (
             session.run.outcome != "exit" or session.run.exit_code not in (None, 0)):
         yield Finding(
