@@ -358,3 +358,17 @@ def test_a_mask_value_float16_cannot_hold_is_named() -> None:
     assert f.kind == "constant_overflow" and f.data["dtype"] == "float16"
     assert "masked_fill(mask, -1e9)" in f.message and "65504" in f.message
     assert "torch.finfo(scores.dtype).min" in f.advice
+
+
+def test_fp8_amax_outrunning_the_scale_is_judged_on_consecutive_steps_only() -> None:
+    """Review 45b: at `every=10` an activation amax that grew 2x over ten unrecorded steps
+    was counted as outrunning the delayed scale (which follows every step); at `every=1`
+    the claim was gone. Only a step recorded right after another is compared."""
+    from amp_doctor.analysis.whatif import _outran
+
+    growing = [(0, 1.0), (10, 2.5), (20, 6.0), (30, 15.0)]  # 2.5x per 10 steps
+    assert _outran(growing) == (0, 0)
+    # Consecutive recorded steps: a jump beyond 2x the window's amax is counted.
+    assert _outran([(0, 1.0), (1, 1.1), (2, 3.0), (3, 3.1)]) == (1, 3)
+    # The window is 16 training steps: an old large amax has left it.
+    assert _outran([(0, 10.0), (30, 1.0), (31, 2.5)]) == (1, 1)

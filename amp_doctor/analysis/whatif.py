@@ -31,8 +31,8 @@ __all__ = ["Format", "FORMATS", "Fp8Row", "fp8_rows", "float16_rows", "render_fp
 
 F32_BIAS = 127
 N_BINS = 256
-# Steps of amax history behind each delayed scale (TransformerEngine's amax_history_len
-# is longer; with one step in ten recorded, 16 recorded steps span 160 training steps).
+# Training steps of amax history behind each delayed scale (TransformerEngine's
+# amax_history_len is longer), of which the recorded ones are known.
 FP8_AMAX_WINDOW = 16
 # A layer is listed when at least this share of its values overflows, flushes to zero
 # (FP8), or falls below the smallest normal (float16; small outputs are common, so
@@ -105,16 +105,35 @@ class Fp8Row:
     amax_spread_bits: float | None  # log2(max amax / min amax) over recorded steps
     steps_amax_beyond_scale: int  # steps whose amax outran the delayed window's
     recorded: int
+    # Recorded steps right after another recorded step: only there is the amax compared
+    # with the delayed scale (it updates every step; `every=10` records one step in ten).
+    compared: int = 0
 
 
-def _amaxes(s: Session, name: str, grad: bool) -> list[float]:
+def _amaxes(s: Session, name: str, grad: bool) -> list[tuple[int, float]]:
+    """(step, amax) of the layer's recorded steps."""
     out = []
     for r in s.history:
         ls = r.layers.get(name)
         st = (ls.grad if grad else ls.act) if ls is not None else None
         if st is not None and math.isfinite(st.absmax) and st.absmax > 0:
-            out.append(st.absmax)
+            out.append((r.step, st.absmax))
     return out
+
+
+def _outran(steps: list[tuple[int, float]]) -> tuple[int, int]:
+    """(steps whose amax outran the delayed scale, steps compared). A step is compared
+    only right after a recorded step: the delayed scale follows every step's amax, and
+    an amax that doubled over ten unrecorded steps outran nothing."""
+    beyond = compared = 0
+    for i in range(1, len(steps)):
+        step, amax = steps[i]
+        if step - steps[i - 1][0] != 1:
+            continue
+        window = [a for st, a in steps[:i] if step - FP8_AMAX_WINDOW <= st < step]
+        compared += 1
+        beyond += amax > AMAX_OUTRUN_FACTOR * max(window)
+    return beyond, compared
 
 
 def _fp8_row(s: Session, lay: LayerSummary, grad: bool) -> Fp8Row | None:
@@ -122,18 +141,18 @@ def _fp8_row(s: Session, lay: LayerSummary, grad: bool) -> Fp8Row | None:
     if not hist or sum(hist[1:N_BINS - 1]) <= 0:
         return None
     fmt = FORMATS["e5m2" if grad else "e4m3"]
-    amaxes = _amaxes(s, lay.name, grad)
+    stepped = _amaxes(s, lay.name, grad)
+    amaxes = [a for _, a in stepped]
     amax = max(amaxes) if amaxes else (lay.grad_absmax if grad else lay.absmax)
     if amax is None or not math.isfinite(amax) or amax <= 0:
         return None
     # The most conservative scale the window ever had: the run's largest amax.
     shift = math.log2(fmt.max / amax)
     zero, sub, _ = _shares(hist, fmt, shift)
-    beyond = sum(1 for i in range(1, len(amaxes))
-                 if amaxes[i] > AMAX_OUTRUN_FACTOR * max(amaxes[max(0, i - FP8_AMAX_WINDOW):i]))
+    beyond, compared = _outran(stepped)
     spread = math.log2(max(amaxes) / min(amaxes)) if len(amaxes) >= 2 else None
     return Fp8Row(lay.name, "gradient" if grad else "activation", fmt.name, zero, sub,
-                  spread, beyond, len(amaxes))
+                  spread, beyond, len(amaxes), compared)
 
 
 def fp8_rows(s: Session) -> list[Fp8Row]:
@@ -202,14 +221,18 @@ def render_fp8_table(s: Session, max_rows: int = 24) -> str:
         return ""
     body = [[r.layer, r.tensor, r.format, F.pct(r.zero_share), F.pct(r.subnormal_share),
              "-" if r.amax_spread_bits is None else f"{r.amax_spread_bits:.1f}",
-             f"{r.steps_amax_beyond_scale}/{max(r.recorded - 1, 0)}"] for r in rows[:max_rows]]
+             f"{r.steps_amax_beyond_scale}/{r.compared}" if r.compared else "-"]
+            for r in rows[:max_rows]]
     table = tabulate(body, headers=["layer", "tensor", "format", "to zero", "subnormal",
                                     "amax spread (bits)", "amax > 2x scale"],
                      tablefmt="simple", disable_numparse=True)
     more = f"\n... {len(rows) - max_rows} more in the JSON report" if len(rows) > max_rows else ""
+    unmeasured = ("\namax > 2x scale: measured only on a recorded step right after "
+                  "another ('-': none here; `--every 1` records every step)"
+                  if not any(r.compared for r in rows) else "")
     return ("FP8 readiness, simulated from the recorded histograms (per-tensor delayed "
-            f"scaling over {FP8_AMAX_WINDOW} recorded steps; not FP8 training):\n"
-            + table + more)
+            f"scaling, amax window {FP8_AMAX_WINDOW} steps; not FP8 training):\n"
+            + table + more + unmeasured)
 
 
 def _listed(items: Iterable[str]) -> str:
@@ -288,7 +311,7 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
                 f"{F.layer(r.layer)} ({r.tensor}s, {r.format}: " + ", ".join(_fp8_losses(r)) + ")"
                 for r in bad)
             msg = (f"FP8 simulation (per-tensor delayed scaling, amax window "
-                   f"{FP8_AMAX_WINDOW} recorded steps; not FP8 training): {len(bad)} of "
+                   f"{FP8_AMAX_WINDOW} steps; not FP8 training): {len(bad)} of "
                    f"{len(rows8)} tensors would lose values (to zero, or beyond the format's "
                    f"max in steps whose amax outran the delayed scale): {listed}.")
         else:
