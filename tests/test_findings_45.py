@@ -372,3 +372,44 @@ def test_fp8_amax_outrunning_the_scale_is_judged_on_consecutive_steps_only() -> 
     assert _outran([(0, 1.0), (1, 1.1), (2, 3.0), (3, 3.1)]) == (1, 3)
     # The window is 16 training steps: an old large amax has left it.
     assert _outran([(0, 10.0), (30, 1.0), (31, 2.5)]) == (1, 1)
+
+
+def _mlp_run(bad_step: int | None, steps: int = 30) -> amp_doctor.Session:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=10**6)
+    with amp_doctor.watch(model, tensorboard=False) as doctor:  # every=10
+        for step in range(steps):
+            x = torch.randn(8, 8) * (1e6 if step == bad_step else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+def test_compare_counts_every_nan_loss_and_keeps_a_lone_backoff() -> None:
+    """Review 45b: `compare` said "non-finite losses 0 of 3" for a run whose one NaN loss was
+    in an unrecorded step (the device checks every step), and its scale table, thinned
+    evenly, dropped the run's only backoff."""
+    from amp_doctor.analysis.compare import _scale_rows, compare, render
+
+    clean, bad = _mlp_run(None), _mlp_run(13)
+    assert 13 in bad.scaler.backoff_steps and 13 not in [r.step for r in bad.history]
+    c = compare(clean, bad, "clean", "bad")
+    assert (c.a.loss_bad, c.a.loss_checked) == (0, 30)
+    assert (c.b.loss_bad, c.b.loss_checked) == (1, 30)
+    assert "1 of 30" in render(c)
+    assert "13" in [r[0] for r in _scale_rows(c)]
+    # A long run's table is thinned to 20 rows: a lone backoff (step 57) stays in it.
+    import dataclasses
+
+    long = dataclasses.replace(
+        c, a=dataclasses.replace(c.a, scale_points=[(i, 65536.0) for i in range(100)]),
+        b=dataclasses.replace(c.b, scale_points=[(i, 65536.0 if i < 57 else 32768.0)
+                                                 for i in range(100)]))
+    rows = _scale_rows(long)
+    assert len(rows) == 20 and ["57", "65536", "32768"] in rows, rows

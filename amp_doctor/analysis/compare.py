@@ -29,6 +29,9 @@ HEADROOM_CLIP = 64.0
 MAX_ROWS = 20
 # A layer change smaller than this (bits of headroom, or percentage points) is noise.
 MIN_CHANGE = 0.05
+# The score of a layer whose outputs went from some inf/NaN steps to none, or back: as
+# large as a full overflow share's change, so that it is listed among the first.
+NONFINITE_CHANGE = 100.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ class LayerDelta:
     # low-precision format), marked * as in the report.
     what_if_a: bool = False
     what_if_b: bool = False
+    # Recorded steps with inf/NaN in the output, and recorded steps (None: not seen):
+    # a NaN-carrying layer keeps a finite headroom (that of its finite values).
+    nonfinite_a: tuple[int, int] | None = None
+    nonfinite_b: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,10 @@ class RunSide:
     loss_min: float | None = None
     loss_nonfinite: int = 0
     loss_seen: int = 0
+    # Steps whose loss the device checked (every step, recorded or not), and how many
+    # of them had a NaN/inf loss: the recorded steps alone missed an unrecorded one.
+    loss_checked: int = 0
+    loss_bad: int = 0
     # The run's other GradScalers (a GAN with one per network): name -> its summary.
     other_scalers: dict[str, str] = field(default_factory=dict)
 
@@ -142,6 +153,12 @@ def _side(label: str, s: Session) -> RunSide:
     finite = [x for x in losses if math.isfinite(x)]
     sc = s.scaler if s.scaler is not None and s.scaler.enabled else None
     scales = [v for _, v in sc.scale] if sc else []
+    ev = next((e for e in s.events if e.kind == "nonfinite_loss"), None)
+    if ev is not None:
+        loss_bad = int(ev.data.get("steps_bad") or 0)
+        loss_checked = int(ev.data.get("checked") or s.steps)
+    else:
+        loss_bad, loss_checked = 0, s.steps if losses else 0
     return RunSide(
         label=label,
         dtype=s.amp.dtype,
@@ -164,6 +181,8 @@ def _side(label: str, s: Session) -> RunSide:
         loss_min=min(finite) if finite else None,
         loss_nonfinite=len(losses) - len(finite),
         loss_seen=len(losses),
+        loss_checked=loss_checked,
+        loss_bad=loss_bad,
         other_scalers={o.name: scaler_summary(o) for o in s.other_scalers if o.enabled},
     )
 
@@ -190,6 +209,12 @@ def _headroom(lay: LayerSummary | None) -> float | None:
     return -math.inf if all_nonfinite(lay) else lay.headroom
 
 
+def _nonfinite(lay: LayerSummary | None) -> tuple[int, int] | None:
+    if lay is None or not lay.output_dtypes:
+        return None
+    return lay.nonfinite_steps, lay.recorded_steps
+
+
 def _layer_deltas(a: Session, b: Session) -> list[LayerDelta]:
     la = {x.name: x for x in a.layers}
     lb = {x.name: x for x in b.layers}
@@ -201,12 +226,15 @@ def _layer_deltas(a: Session, b: Session) -> list[LayerDelta]:
         ua, ub = (x.underflow_frac if x else None), (y.underflow_frac if y else None)
         ga = shown_grad_underflow(x) if x else None
         gb = shown_grad_underflow(y) if y else None
+        na, nb = _nonfinite(x), _nonfinite(y)
         score = max(_diff(_clip(ha), _clip(hb)), _diff(oa, ob, 100.0), _diff(ua, ub, 100.0),
-                    _diff(ga, gb, 100.0) if ga is not None or gb is not None else 0.0)
+                    _diff(ga, gb, 100.0) if ga is not None or gb is not None else 0.0,
+                    # From some steps with inf/NaN to none (or back) is a change.
+                    NONFINITE_CHANGE if bool(na and na[0]) != bool(nb and nb[0]) else 0.0)
         if score < MIN_CHANGE:
             continue
         out.append(LayerDelta(name, ha, hb, oa, ob, ua, ub, ga, gb, score,
-                              bool(x and x.what_if), bool(y and y.what_if)))
+                              bool(x and x.what_if), bool(y and y.what_if), na, nb))
     # Largest change first; ties (e.g. appeared/vanished) in model order.
     order = {n: i for i, n in enumerate([*la, *lb])}
     out.sort(key=lambda d: (-d.score, order.get(d.name, 0)))
@@ -278,8 +306,8 @@ def _run_rows(c: Comparison) -> list[list[str]]:
         row("loss, recorded steps: first -> last (min)", lambda s: "not seen"
             if not s.loss_seen else
             f"{F.num(s.loss_first, 4)} -> {F.num(s.loss_last, 4)} ({F.num(s.loss_min, 4)})"),
-        row("non-finite losses", lambda s: f"{s.loss_nonfinite} of {s.loss_seen}"
-            if s.loss_seen else "-"),
+        row("non-finite losses (steps checked)", lambda s: f"{s.loss_bad} of {s.loss_checked}"
+            if s.loss_checked else "-"),
         *[row(f"GradScaler of {name}", lambda s, n=name: s.other_scalers.get(n, "-"))
           for name in dict.fromkeys([*c.a.other_scalers, *c.b.other_scalers])],
     ]
@@ -292,13 +320,27 @@ def _steps(steps: list[int]) -> str:
 def _scale_rows(c: Comparison) -> list[list[str]]:
     a, b = dict(c.a.scale_points), dict(c.b.scale_points)
     steps = sorted(set(a) | set(b))
-    if len(steps) > MAX_ROWS:  # keep the ends and an even spread between
-        stride = len(steps) / (MAX_ROWS - 1)
-        steps = sorted({steps[min(len(steps) - 1, round(i * stride))] for i in range(MAX_ROWS)})
+
+    def value(d: dict[int, float], step: int) -> float | None:
+        known = [k for k in d if k <= step]
+        return d[max(known)] if known else None
 
     def at(d: dict[int, float], step: int) -> str:
-        known = [k for k in d if k <= step]
-        return F.scale(d[max(known)]) if known else "-"
+        v = value(d, step)
+        return F.scale(v) if v is not None else "-"
+
+    if len(steps) > MAX_ROWS:
+        # The steps where either scale changed first (a lone backoff is the news), then
+        # the ends and an even spread between, up to MAX_ROWS.
+        changed = [st for i, st in enumerate(steps) if i == 0 or any(
+            value(d, st) != value(d, steps[i - 1]) for d in (a, b))]
+        keep = set(changed[:MAX_ROWS])
+        stride = len(steps) / (MAX_ROWS - 1)
+        for i in range(MAX_ROWS):
+            if len(keep) >= MAX_ROWS:
+                break
+            keep.add(steps[min(len(steps) - 1, round(i * stride))])
+        steps = sorted(keep)
 
     return [[str(s), at(a, s), at(b, s)] for s in steps]
 
@@ -322,8 +364,13 @@ def _layer_rows(c: Comparison) -> list[list[str]]:
              f"{star(d.what_if_b)}",
              f"{F.pct(d.underflow_a)}{star(d.what_if_a)} -> {F.pct(d.underflow_b)}"
              f"{star(d.what_if_b)}",
-             f"{F.pct(d.grad_underflow_a)} -> {F.pct(d.grad_underflow_b)}"]
+             f"{F.pct(d.grad_underflow_a)} -> {F.pct(d.grad_underflow_b)}",
+             f"{_steps_bad(d.nonfinite_a)} -> {_steps_bad(d.nonfinite_b)}"]
             for d in c.layers[:MAX_ROWS]]
+
+
+def _steps_bad(n: tuple[int, int] | None) -> str:
+    return "-" if n is None else f"{n[0]}/{n[1]}"
 
 
 def _verdict(c: Comparison) -> str:
@@ -371,12 +418,15 @@ def render(c: Comparison, fmt: str = "text") -> str:
         out += [h("Loss scale (after each update)"),
                 tabulate(_scale_rows(c), headers=["step", c.a.label, c.b.label],
                          tablefmt=table, disable_numparse=True), ""]
-    out.append(h("Layers that changed, largest change first (headroom in bits, -inf: inf/NaN "
-                 "outputs; shares of values beyond max / below smallest normal, * = what-if "
-                 "for a float32 layer; grad underflow as in the report)"))
+    out.append(h("Layers that changed, largest change first (headroom in bits, of the "
+                 "finite outputs, -inf: inf/NaN outputs only; shares of values beyond max / "
+                 "below smallest normal, * = what-if for a float32 layer; grad underflow as "
+                 "in the report; inf/NaN: recorded steps with inf/NaN outputs / recorded "
+                 "steps)"))
     if c.layers:
         out.append(tabulate(_layer_rows(c), headers=["layer", "headroom", "overflow",
-                                                     "underflow", "grad underflow"],
+                                                     "underflow", "grad underflow",
+                                                     "inf/NaN"],
                             tablefmt=table, disable_numparse=True))
         if len(c.layers) > MAX_ROWS:
             out.append(f"... {len(c.layers) - MAX_ROWS} more in --format json")
