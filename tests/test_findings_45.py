@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -413,3 +415,33 @@ def test_compare_counts_every_nan_loss_and_keeps_a_lone_backoff() -> None:
                                                  for i in range(100)]))
     rows = _scale_rows(long)
     assert len(rows) == 20 and ["57", "65536", "32768"] in rows, rows
+
+
+def test_ctrl_c_during_fix_says_where_the_trials_are_and_dies_by_sigint(tmp_path: Path) -> None:
+    """Review 45b: Ctrl-C during `fix` printed click's "Aborted!" and exited 1."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import console_script
+
+    (tmp_path / "slow.py").write_text(
+        "import time, torch\nfrom torch import nn\n"
+        "m = nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(50):\n"
+        "    with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+        "        loss = m(torch.randn(8, 4)).float().pow(2).mean()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step(); time.sleep(0.5)\n")
+    proc = subprocess.Popen([console_script(), "fix", "slow.py"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    assert proc.stderr is not None
+    seen = ""
+    while "--logdir" not in seen and time.monotonic() < deadline:  # a trial has begun
+        seen += proc.stderr.readline()
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, seen + err)
+    assert "amp-doctor fix: interrupted; the trials that ran are in /" in err
+    assert "Aborted!" not in err

@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
 import click
 
-from amp_doctor.commands.common import RunsAScript, fail
+from amp_doctor.commands.common import EXIT_INTERRUPTED, RunsAScript, fail
 from amp_doctor.commands.paths import check_writable, output_file_option
+from amp_doctor.commands.terminal import die_by_signal
 
 __all__ = ["fix"]
 
@@ -62,7 +65,7 @@ def fix(module: str | None, stop_after: int | None, old_max_steps: int | None,
         # python (and diagnose) report it, before any trial runs.
         sys.exit(runner.report_exit(e))
     if json_path is not None:
-        check_writable(json_path.absolute().parent)
+        check_writable(json_path.absolute().parent, "--json")
     workdir = fixing.default_workdir()
     here = Path.cwd()
     scratch = fixing.scratch_copy(here, workdir)
@@ -89,11 +92,22 @@ def fix(module: str | None, stop_after: int | None, old_max_steps: int | None,
         click.echo(f"amp-doctor fix: float32 [{', '.join(t.fp32) or 'none'}]: {verdict}",
                    err=True)
 
+    result: fixing.FixResult | None = None
     try:
         result = fixing.find_fix(run, max_trials=trials or fixing.DEFAULT_TRIALS, log=log)
+    except KeyboardInterrupt:
+        pass  # below, once the copy is removed
     finally:
         if scratch is not None:  # the copy of the user's folder; the trials' reports stay
             shutil.rmtree(scratch, ignore_errors=True)
+    if result is None:
+        # Ctrl-C: said, with where the trials that ran are, and the process ends by
+        # SIGINT as diagnose's does (click would print "Aborted!" and exit 1).
+        click.echo(f"\namp-doctor fix: interrupted; the trials that ran are in {workdir}",
+                   err=True)
+        if os.name == "posix":
+            die_by_signal(signal.SIGINT)
+        sys.exit(EXIT_INTERRUPTED)
     result.command = [*(["-m", module] if module else []), *script_and_args]
     click.echo("\n" + fixing.render_fix(result), nl=False)
     click.echo(f"amp-doctor fix: trial runs are in {workdir}", err=True)
