@@ -83,6 +83,8 @@ class FixResult:
     models: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     command: list[str] = field(default_factory=list)  # the user's script and arguments
+    # The format whose what-if warnings the search removes too (--target-dtype), or None.
+    target_dtype: str | None = None
 
 
 Runner = Callable[[tuple[str, ...]], tuple[Session | None, int]]
@@ -439,17 +441,22 @@ def render_fix(r: FixResult) -> str:
     out.extend(r.notes)
     if r.notes:
         out.append("")
+    gone = ("Every error finding" + (f" and {r.target_dtype} what-if warning"
+                                      if r.target_dtype else ""))
     if r.best is not None:
         n, mm, total = _cost(r.best.fp32, r.layer_types)
-        out.append(f"Smallest fix found: keep {', '.join(r.best.fp32)} in float32. Every error "
-                   "finding is gone in that run.")
+        order = {name: i for i, name in enumerate(r.layer_types)}
+        best = sorted(r.best.fp32, key=lambda x: order.get(x, len(order)))  # model order
+        out.append(f"Smallest fix found: keep {', '.join(best)} in float32. {gone} is gone in "
+                   "that run.")
         out.append(f"Cost: {n} layer(s) now run in float32, {mm} of the model's {total} "
                    "matmul/convolution layers.")
         script = " ".join(shlex.quote(c) for c in r.command) or "SCRIPT [ARGS]"
-        forced = " ".join(f"--fp32 {shlex.quote(x)}" for x in r.best.fp32)
+        forced = " ".join(f"--fp32 {shlex.quote(x)}" for x in best)
+        target = f"--target-dtype {r.target_dtype} " if r.target_dtype else ""
         out.append("Check it on the full run, then compare it with the run before:")
-        out.append(f"  amp-doctor diagnose --logdir runs/before {script}")
-        out.append(f"  amp-doctor diagnose --logdir runs/after {forced} {script}")
+        out.append(f"  amp-doctor diagnose --logdir runs/before {target}{script}")
+        out.append(f"  amp-doctor diagnose --logdir runs/after {target}{forced} {script}")
         out.append("  amp-doctor compare runs/before runs/after")
         out.append("")
         out.append("Apply it in code, after building the model:")
@@ -458,7 +465,12 @@ def render_fix(r: FixResult) -> str:
                    snippet(r.best.fp32, r.device_type, r.models).splitlines())
     elif r.baseline.errors and r.baseline.errors != ("no_report",) and r.baseline.steps > 0:
         budget = " within the trial budget (--trials)" if r.budget_exhausted else ""
-        out.append(f"No set of float32 layers removed every error{budget}. Next things to try:")
+        what = "every error" + (f" and {r.target_dtype} what-if warning"
+                                if r.target_dtype else "")
+        out.append(f"No set of float32 layers removed {what}{budget}. Next things to try:")
+        out.append("  - if the NaN is not an overflow (a softmax over a row masked whole, "
+                   "log(0), 0/0 are NaN in every format): `amp-doctor diagnose --anomaly` "
+                   "names the op and its line;")
         out.append("  - bfloat16 autocast (`torch.autocast(device_type, dtype=torch.bfloat16)`): "
                    "it has float32's range, so nothing overflows;")
         out.append("  - loss scaling: `GradScaler(init_scale=..., growth_interval=...)`, or "

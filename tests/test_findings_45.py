@@ -445,3 +445,27 @@ def test_ctrl_c_during_fix_says_where_the_trials_are_and_dies_by_sigint(tmp_path
     assert proc.returncode == -signal.SIGINT, (proc.returncode, seen + err)
     assert "amp-doctor fix: interrupted; the trials that ran are in /" in err
     assert "Aborted!" not in err
+
+
+def test_a_fix_for_a_target_format_says_so_and_keeps_it_in_its_commands() -> None:
+    """Review 45b: `fix --target-dtype float16` printed its before/after commands without
+    --target-dtype (so `compare` showed nothing resolved) and said "every error finding is
+    gone" of warnings; and it listed the layers in string order ("0, 10, 12, 14, 2")."""
+    from amp_doctor.fix import FixResult, Trial, render_fix
+
+    def trial(fp32: tuple[str, ...], errors: tuple[str, ...]) -> Trial:
+        return Trial(fp32=fp32, why="x", errors=errors, exit_code=0, steps=20,
+                     final_loss=0.5, skipped=0)
+
+    r = FixResult(baseline=trial((), ("whatif_float16@user.fc2",)),
+                  best=trial(("item.fc2", "user.fc2"), ()),
+                  layer_types={"user.fc2": "Linear", "item.fc2": "Linear"},
+                  device_type="cpu", models=["Net"], command=["t.py", "--dtype", "bfloat16"],
+                  target_dtype="float16")
+    text = render_fix(r)
+    assert "keep user.fc2, item.fc2 in float32" in text
+    assert "Every error finding and float16 what-if warning is gone" in text
+    assert ("amp-doctor diagnose --logdir runs/before --target-dtype float16 t.py --dtype "
+            "bfloat16") in text
+    assert ("amp-doctor diagnose --logdir runs/after --target-dtype float16 --fp32 user.fc2 "
+            "--fp32 item.fc2 t.py") in text

@@ -109,6 +109,7 @@ def fix(module: str | None, stop_after: int | None, old_max_steps: int | None,
             die_by_signal(signal.SIGINT)
         sys.exit(EXIT_INTERRUPTED)
     result.command = [*(["-m", module] if module else []), *script_and_args]
+    result.target_dtype = target_dtype
     click.echo("\n" + fixing.render_fix(result), nl=False)
     click.echo(f"amp-doctor fix: trial runs are in {workdir}", err=True)
     if json_path is not None:
