@@ -469,3 +469,26 @@ def test_a_fix_for_a_target_format_says_so_and_keeps_it_in_its_commands() -> Non
             "bfloat16") in text
     assert ("amp-doctor diagnose --logdir runs/after --target-dtype float16 --fp32 user.fc2 "
             "--fp32 item.fc2 t.py") in text
+
+
+def test_backoffs_of_a_nan_loss_say_nothing_of_the_loss_size() -> None:
+    """Review 45a: an LM whose entropy term made 0 * log(0) = NaN was told "the loss is too
+    large for float16" (its loss was ~0.02): a NaN loss's gradient is NaN at any scale.
+    Only backoffs with a finite loss count, and one (the scaler's calibration) is not
+    enough."""
+    import dataclasses
+
+    from amp_doctor.analysis.detect_scaler import _loss_gradient_overflow
+
+    torch.manual_seed(0)
+    _, s = _towers_losses_of(_Towers())
+    backoffs = [e for e in s.scaler.events if e.kind == "backoff"]
+    assert len(backoffs) == 3 and all(e.loss_nonfinite for e in backoffs)
+    assert all(e.culprits[0] == "head" for e in backoffs)
+    assert _loss_gradient_overflow(s, backoffs) is None
+    # The same backoffs with a finite loss are the loss's size ...
+    finite = [dataclasses.replace(e, loss_nonfinite=False) for e in backoffs]
+    got = _loss_gradient_overflow(s, finite)
+    assert got is not None and got[0] == "head"
+    # ... but not the first alone.
+    assert _loss_gradient_overflow(s, finite[:1]) is None

@@ -210,6 +210,11 @@ def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
     return known
 
 
+# Recorded backoffs, with a finite loss, that must show the output layer's own gradient
+# non-finite before a collapse is put on the loss's size.
+LOSS_TOO_LARGE_MIN_BACKOFFS = 2
+
+
 def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
                             ) -> tuple[str, str] | None:
     """(layer, words) when most recorded backoffs' first non-finite gradient is the output
@@ -232,12 +237,16 @@ def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
         ls = recs[e.step].layers.get(name) if e.step in recs else None
         return ls is None or ls.grad is None or ls.grad.nonfinite_frac > 0
 
+    # A backoff whose loss was NaN/inf already (0 * log(0) in an entropy term) says
+    # nothing of the loss's size: its gradient is NaN at any scale.
     leads = [(e, next((c for c in e.culprits if c not in models), None))
-             for e in backoffs if e.recorded and e.culprits]
+             for e in backoffs if e.recorded and e.culprits and not e.loss_nonfinite]
     rec = [c for _, c in leads if c is not None]
     first = [c for e, c in leads if c is not None and c in outputs
              and own_output_gradient(e, c)]
-    if not first or 2 * len(first) < len(rec):
+    # One backoff is the scaler's calibration at a scale too high for any loss: the size
+    # of the loss shows in the backoffs that keep coming.
+    if len(first) < LOSS_TOO_LARGE_MIN_BACKOFFS or 2 * len(first) < len(rec):
         return None
     top = max(dict.fromkeys(first), key=first.count)
     return top, (f"; in {len(first)} of {len(rec)} recorded backoffs the first non-finite "
