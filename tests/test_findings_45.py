@@ -492,3 +492,44 @@ def test_backoffs_of_a_nan_loss_say_nothing_of_the_loss_size() -> None:
     assert got is not None and got[0] == "head"
     # ... but not the first alone.
     assert _loss_gradient_overflow(s, finite[:1]) is None
+
+
+def test_an_overflow_whose_input_no_layer_made_says_its_input_is_unseen() -> None:
+    """Review 45a: a VAE's `mu + std * eps` (std = exp of a large logvar) made the decoder's
+    input inf in the model's own code; the decoder was called the overflowing layer, with
+    no word that its input is not checked. A layer fed only by watched layers' outputs
+    (a tower's second Linear after its ReLU) needs no such word."""
+
+    class Vae(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(16, 8)
+            self.dec = nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mu, logvar = self.enc(x).chunk(2, -1)
+            z = mu + torch.exp(0.5 * logvar * 40) * torch.randn_like(mu)  # inf in float16
+            return self.dec(z)
+
+    torch.manual_seed(0)
+    model = Vae()
+    with torch.no_grad():
+        model.enc.weight.mul_(4)
+    _, s = _train(model, torch.float16, steps=2, anomaly=False)
+    assert s is not None
+    lays = {lay.name: lay for lay in s.layers}
+    assert not lays["dec"].inputs_known
+    (err,) = [f for f in s.findings if f.severity == "error" and f.module == "dec"]
+    # Its finite values stayed far from the max: an op made the inf, in it or before it.
+    assert ("an op in it, or in the model's own forward code before it (its input was not a "
+            "watched layer's output), that made inf/NaN") in err.message, err.message
+    _, towers = _towers_losses_of(_Towers())
+    assert all("not a watched layer's output" not in f.message for f in towers.findings)
+    # The plain overflow's message says it too (review 45a's VAE: 3% inf, finite values
+    # near the max), and not of a layer fed by watched layers.
+    from amp_doctor.analysis.detect_layers import _input_unseen
+
+    assert _input_unseen(s, lays["dec"]).startswith(
+        " Its input was not a watched layer's output (made by the model's own forward code")
+    tl = {lay.name: lay for lay in towers.layers}
+    assert tl["user.2"].inputs_known and _input_unseen(towers, tl["user.2"]) == ""

@@ -281,6 +281,20 @@ def _unconfirmed(session: Session, lay: LayerSummary) -> str:
             "that made it.")
 
 
+def _input_unseen(session: Session, lay: LayerSummary) -> str:
+    """What the figures cannot say of a layer whose input no watched layer put out (made
+    by its parent's own code: a VAE's ``mu + std * eps`` before its decoder): whether the
+    inf came in with it. Anomaly mode's op-level findings say it when they ran."""
+    if lay.inputs_known or any(e.module and e.op and (
+            e.module == lay.name or lay.name.startswith(e.module + "."))
+            for e in session.events):
+        return ""
+    owner = code_before(session, lay.name)
+    return (f" Its input was not a watched layer's output (made by {owner} own forward "
+            "code, or the batch), so whether the inf came in with it is not known: anomaly "
+            "mode (`--anomaly`) names the op that made it.")
+
+
 def _wholly_nonfinite(session: Session, lay: LayerSummary) -> bool:
     """In every kept step where its output went non-finite, (nearly) all of it did: its
     finite values then come from other steps, and say nothing of how near the max the
@@ -375,8 +389,11 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                      + ("finite values were all 0" if made == 0 else
                         f"finite values stayed below {F.num(made)}")
                      + f", far from {fmt}'s max: not "
-                     "values growing past the max, but an op in it that made inf/NaN "
-                     "(log(0), x/0, exp of a large value)."),
+                     "values growing past the max, but an op "
+                     + ("in it" if lay.inputs_known else
+                        f"in it, or in {code_before(session, lay.name)} own forward code "
+                        "before it (its input was not a watched layer's output),")
+                     + " that made inf/NaN (log(0), x/0, exp of a large value)."),
             advice=ADVICE["activation_nonfinite"],
             data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt,
                   "largest_finite": made},
@@ -387,7 +404,8 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             message=(f"{F.layer(lay.name)} ({lay.type}) output overflows {fmt}: "
                      f"{F.pct(lay.overflow_frac)} of values beyond the format's max "
                      f"(worst step), non-finite in {lay.nonfinite_steps} of "
-                     f"{lay.recorded_steps} recorded steps." + _unconfirmed(session, lay)
+                     f"{lay.recorded_steps} recorded steps." + (
+                         _unconfirmed(session, lay) or _input_unseen(session, lay))
                      + _cast_input(session, lay, fmt)),
             advice=ADVICE["activation_overflow"],
             data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
