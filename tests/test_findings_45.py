@@ -533,3 +533,20 @@ def test_an_overflow_whose_input_no_layer_made_says_its_input_is_unseen() -> Non
         " Its input was not a watched layer's output (made by the model's own forward code")
     tl = {lay.name: lay for lay in towers.layers}
     assert tl["user.2"].inputs_known and _input_unseen(towers, tl["user.2"]) == ""
+
+
+def test_a_fp32_try_that_left_errors_points_at_the_search() -> None:
+    """Review 45b: a `--fp32` rerun that still had errors printed no `next:` line at all."""
+    import dataclasses
+
+    from amp_doctor.commands.publish import next_steps
+
+    torch.manual_seed(0)
+    _, s = _towers_losses_of(_Towers())
+    s = dataclasses.replace(s, run=dataclasses.replace(
+        s.run, command=["python", "t.py"], fp32_modules=["user.2"]))
+    assert next_steps(s) == [
+        "amp-doctor: next: errors remain with user.2 in float32; to search a set of float32 "
+        "layers that removes them: amp-doctor fix t.py",
+        "amp-doctor: next: to name the op and the line that made the first inf/NaN: "
+        "amp-doctor diagnose --anomaly t.py"]

@@ -139,10 +139,20 @@ def next_steps(session: Session) -> list[str]:
 
     cmd = list(session.run.command or [])
     errors = [f for f in session.findings if f.severity == "error"]
-    if not errors or len(cmd) < 2 or session.run.fp32_modules:
+    if not errors or len(cmd) < 2:
         return []
     script = shlex.join(cmd[1:])  # the command without its "python"
     out = []
+    if session.run.fp32_modules:
+        # A --fp32 try that left errors: not the same try again, but the search, and the
+        # op's line when no finding names one.
+        forced = ", ".join(session.run.fp32_modules)
+        out.append(f"amp-doctor: next: errors remain with {forced} in float32; to search a "
+                   f"set of float32 layers that removes them: amp-doctor fix {script}")
+        if not any(f.op for f in session.findings):
+            out.append("amp-doctor: next: to name the op and the line that made the first "
+                       f"inf/NaN: amp-doctor diagnose --anomaly {script}")
+        return out
     # An op that made NaN of an inf it received (a softmax over a row masked whole) makes
     # it in float32 too.
     # Nor does float32 help an op that ran in float32 already, nor a std of one sample;
