@@ -20,6 +20,7 @@ that applies the fix in code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -65,10 +66,12 @@ class Trial:
     steps: int
     final_loss: float | None
     skipped: int
+    # Why a trial without errors is still no fix (its loss ended far worse), or "".
+    rejected: str = ""
 
     @property
     def ok(self) -> bool:
-        return not self.errors and self.exit_code == 0
+        return not self.errors and self.exit_code == 0 and not self.rejected
 
 
 @dataclass
@@ -227,6 +230,11 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
             return None
         tried.add(key)
         t, _ = _trial(tuple(sorted(key, key=_order_key(bs))), why, run)
+        if not t.errors and t.exit_code == 0 and _loss_worse(t.final_loss, base.final_loss):
+            # Errors gone, and training with them: float32 let a corrupt batch that the
+            # GradScaler had skipped update the weights (review 45c).
+            t = dataclasses.replace(t, rejected=(
+                f"loss ended at {t.final_loss:.4g} against {base.final_loss:.4g} before"))
         result.trials.append(t)
         if log:
             log(t)
@@ -282,6 +290,17 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
                     improved = True
                     break
     return result
+
+
+# A trial whose last loss is more than this many times the baseline's (a finite, positive
+# one) traded the errors for a run that no longer trains: it is no fix.
+LOSS_WORSE_FACTOR = 4.0
+
+
+def _loss_worse(trial: float | None, base: float | None) -> bool:
+    if trial is None or base is None or not math.isfinite(base) or base <= 0:
+        return False
+    return not math.isfinite(trial) or trial > LOSS_WORSE_FACTOR * base
 
 
 def _same_loss(a: float | None, b: float | None) -> bool:
@@ -431,7 +450,8 @@ def render_fix(r: FixResult) -> str:
     def row(i: int, t: Trial) -> list[str]:
         loss = "-" if t.final_loss is None else f"{t.final_loss:.4g}"
         return [str(i), ", ".join(t.fp32) or "(none)", t.why, str(t.steps), str(t.skipped),
-                loss, "ok" if t.ok else (", ".join(t.errors) or f"exit {t.exit_code}")]
+                loss, "ok" if t.ok else (t.rejected or ", ".join(t.errors)
+                                         or f"exit {t.exit_code}")]
 
     rows = [row(0, r.baseline)] + [row(i + 1, t) for i, t in enumerate(r.trials)]
     out = ["Trials (each a real run of the script; float32 = layers forced with --fp32):",
@@ -468,6 +488,11 @@ def render_fix(r: FixResult) -> str:
         what = "every error" + (f" and {r.target_dtype} what-if warning"
                                 if r.target_dtype else "")
         out.append(f"No set of float32 layers removed {what}{budget}. Next things to try:")
+        if any(t.rejected for t in r.trials):
+            out.append("  - some trials removed them, but their loss ended far worse than "
+                       "before: in float32 the weights took a step the GradScaler had "
+                       "skipped (a corrupt batch, values beyond float16 in the data). Look "
+                       "at the data of the step the errors name, not at a layer;")
         out.append("  - if the NaN is not an overflow (a softmax over a row masked whole, "
                    "log(0), 0/0 are NaN in every format): `amp-doctor diagnose --anomaly` "
                    "names the op and its line;")

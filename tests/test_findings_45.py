@@ -550,3 +550,42 @@ def test_a_fp32_try_that_left_errors_points_at_the_search() -> None:
         "layers that removes them: amp-doctor fix t.py",
         "amp-doctor: next: to name the op and the line that made the first inf/NaN: "
         "amp-doctor diagnose --anomaly t.py"]
+
+
+def test_a_trial_that_trades_the_errors_for_a_ruined_loss_is_no_fix() -> None:
+    """Review 45c: one corrupt batch (1e5 times the data) that the GradScaler skipped gave an
+    error; `fix` found "keep 0, 3, 5 in float32", which let that batch update the weights:
+    the loss ended at 2.31 (chance) against 0.0015 before. Such a trial is no fix."""
+    from amp_doctor.fix import FixResult, Trial, _loss_worse, render_fix
+
+    assert _loss_worse(2.314, 0.001459) and _loss_worse(float("nan"), 0.5)
+    assert not _loss_worse(0.0015, 0.001459) and not _loss_worse(0.3, float("nan"))
+    assert not _loss_worse(-3.0, -1.0)  # a negative loss (a log-likelihood): no judgement
+    base = Trial(fp32=(), why="baseline", errors=("activation_overflow@0",), exit_code=0,
+                 steps=20, final_loss=0.001459, skipped=1)
+    ruined = Trial(fp32=("0", "3", "5"), why="all blocks", errors=(), exit_code=0, steps=20,
+                   final_loss=2.314, skipped=0,
+                   rejected="loss ended at 2.314 against 0.001459 before")
+    assert not ruined.ok
+    text = render_fix(FixResult(baseline=base, trials=[ruined], device_type="cpu"))
+    assert "Smallest fix found" not in text
+    assert "loss ended at 2.314 against 0.001459 before" in text
+    assert "Look at the data of the step the errors name" in text
+
+
+def test_fp32_on_every_layer_with_weights_is_not_autocast_inactive() -> None:
+    """Review 45c: `--fp32 0 --fp32 3 --fp32 5` (every matmul/conv layer) warned that
+    autocast looked inactive: the ReLUs between them follow their float32 inputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with amp_doctor.watch(model, every=1, tensorboard=False, fp32=["0", "2"]) as doctor:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 16)).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    assert {lay.name: lay.output_dtypes for lay in s.layers}["1"] == ["float32"]
+    assert not [f for f in s.findings if f.kind == "autocast_inactive"]

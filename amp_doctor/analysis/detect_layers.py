@@ -201,7 +201,7 @@ def _starved_by_the_flush(session: Session, found: list[Finding],
                 f, severity="error",
                 message=(f.message + f" On its way back, the gradient reached the "
                          f"{F.counted(len(names), 'layer')} before it flushed to exactly zero in "
-                         f"every recorded step ({', '.join(names[:8])}"
+                         f"every recorded step ({', '.join(F.layer(n) for n in names[:8])}"
                          + (", ..." if len(names) > 8 else "") + "): their weights get no "
                          "gradient and do not train."),
                 data={**f.data, "starved_layers": names})
@@ -679,8 +679,10 @@ def autocast_findings(session: Session) -> Iterable[Finding]:
         return  # nothing recorded to judge by (e.g. the whole model compiled)
     forced = session.run.fp32_modules
     if forced and (set(forced) & set(session.run.models) or all(
-            any(lay.name == m or lay.name.startswith(m + ".") for m in forced) for lay in ran)):
-        return  # `--fp32` put every layer in float32, as asked
+            any(lay.name == m or lay.name.startswith(m + ".") for m in forced)
+            # A layer without weights follows its input's dtype: float32 after them.
+            or not lay.param_dtypes for lay in ran)):
+        return  # `--fp32` put every layer with weights in float32, as asked
     wide = sorted({d for lay in ran for d in lay.output_dtypes})
     f64 = any("float64" in lay.input_dtypes for lay in ran)
     low = session.amp.dtype or "low precision"
