@@ -589,3 +589,25 @@ def test_fp32_on_every_layer_with_weights_is_not_autocast_inactive() -> None:
     s = doctor.session
     assert {lay.name: lay.output_dtypes for lay in s.layers}["1"] == ["float32"]
     assert not [f for f in s.findings if f.kind == "autocast_inactive"]
+
+
+def test_a_nan_loss_from_step_0_began_at_the_step_0_op() -> None:
+    """Review 45c: a VAE's loss was NaN from step 0, where anomaly mode found `aten.mul`;
+    it also found `aten.exp` at step 17, both carried on by the decoder. The loss's
+    finding said "It began at aten.exp" (the last one to name the decoder)."""
+    from amp_doctor.analysis.folding import fold_follow_ons
+    from amp_doctor.records import Finding
+
+    def op(name: str, step: int) -> Finding:
+        return Finding(kind="nonfinite_forward", severity="error", module="VAE", op=name,
+                       step=step, message=f"{name} made inf.", advice="float32.",
+                       data={"carriers": ["dec"]})
+
+    loss = Finding(kind="nonfinite_loss", severity="error", module="dec", op=None, step=0,
+                   message="The loss was NaN/inf from step 0.", advice="Look.",
+                   data={"origin": "dec", "bad_steps": list(range(20))})
+    torch.manual_seed(0)
+    _, s = _towers_losses_of(_Towers())
+    out = fold_follow_ons(s, [op("aten.mul", 0), op("aten.exp", 17), loss])
+    (folded,) = [f for f in out if f.kind == "nonfinite_loss"]
+    assert folded.severity == "info" and "It began at aten.mul in VAE" in folded.message

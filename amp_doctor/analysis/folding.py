@@ -10,6 +10,7 @@ of their origin, instead of errors and warnings with advice of their own.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import replace
 
 from amp_doctor import format as F
@@ -85,17 +86,22 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
     # Layers whose non-finite output anomaly mode saw come from an op that ran before
     # them (an op in their parent's own code: ``self.proj(h * scale)``), in the step it
     # searched: the op's finding holds them, however their statistics rank them.
-    carried_from = {name: e for e in errors if e.kind == "nonfinite_forward" and e.op
-                    for name in e.data.get("carriers") or ()}
+    carried_from: dict[str, Finding] = {}
+    for e in sorted(errors, key=lambda f: math.inf if f.step is None else f.step):
+        if e.kind == "nonfinite_forward" and e.op:
+            for name in e.data.get("carriers") or ():
+                carried_from.setdefault(name, e)  # the earliest op that reached it
 
     def root_for_module(module: str | None) -> Finding | None:
         if module is None:
             return None
         if module in carried_from:
             return carried_from[module]
-        for f in errors:
-            if f.module == module:
-                return f
+        # Of a module's errors (two ops of a VAE's own code), the earliest: the loss that
+        # was NaN from step 0 began at the step-0 op, not at one found at step 17.
+        own = [f for f in errors if f.module == module]
+        if own:
+            return min(own, key=lambda f: math.inf if f.step is None else f.step)
         # An op anomaly mode found in a module's own code (attention's q @ k^T) shows
         # first in the output of a child called after it (attention's output projection):
         # the loss and the scaler name that child, the op names its parent.
