@@ -360,6 +360,8 @@ def test_a_mask_value_float16_cannot_hold_is_named() -> None:
     assert f.kind == "constant_overflow" and f.data["dtype"] == "float16"
     assert "masked_fill(mask, -1e9)" in f.message and "65504" in f.message
     assert "torch.finfo(scores.dtype).min" in f.advice
+    # No step ended because the run did: not a loop without a step boundary (review 45c).
+    assert not [x for x in s.findings if x.kind == "no_step_boundary"]
 
 
 def test_fp8_amax_outrunning_the_scale_is_judged_on_consecutive_steps_only() -> None:
