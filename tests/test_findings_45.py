@@ -613,3 +613,19 @@ def test_a_nan_loss_from_step_0_began_at_the_step_0_op() -> None:
     out = fold_follow_ons(s, [op("aten.mul", 0), op("aten.exp", 17), loss])
     (folded,) = [f for f in out if f.kind == "nonfinite_loss"]
     assert folded.severity == "info" and "It began at aten.mul in VAE" in folded.message
+
+
+def test_the_layer_table_shows_a_gradient_flushed_whole_as_zeros_not_0_percent() -> None:
+    """Review 45b/45c: layers whose gradients were 100% exact zeros showed "grad underflow
+    0%" (no subnormal left to count), which read as healthy."""
+    import dataclasses
+
+    from amp_doctor.sinks.text import _grad_cell
+
+    torch.manual_seed(0)
+    _, s = _towers_losses_of(_Towers())
+    lay = next(x for x in s.layers if x.name == "user.0")
+    flushed = dataclasses.replace(lay, ran_low_precision=True, grad_zero_frac=1.0,
+                                  grad_underflow_frac=0.0)
+    assert _grad_cell(flushed, 0.0) == "100% zero"
+    assert _grad_cell(dataclasses.replace(flushed, grad_zero_frac=0.2), 0.0) == "0%"

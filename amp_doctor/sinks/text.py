@@ -48,6 +48,9 @@ MAX_LAYERS = 25
 MAX_LISTED = 12
 # The layer table's column of recorded steps with inf/NaN outputs / gradients.
 NONFINITE_HEADER = "inf/NaN out/grad"
+# A layer whose gradient values were at least this share exact zeros shows "N% zero" in
+# the 'grad underflow' column (flushed whole: no subnormal left to count).
+ALL_ZERO_SHOWN = 0.99
 _SEV_LABEL = {"error": "ERROR", "warning": "WARN", "info": "info"}
 
 
@@ -78,6 +81,16 @@ def summary_line(s: Session) -> str:
     if s.run.exit_code not in (None, 0):
         parts.append(f"exit code {s.run.exit_code}")
     return f"amp-doctor {s.version}: " + " | ".join(parts)
+
+
+def _grad_cell(lay: LayerSummary, gu: float | None) -> str:
+    """'grad underflow', or how many of its gradient values were exactly zero when nearly
+    all were: a gradient flushed whole (no GradScaler) has no subnormal left to count,
+    and "0%" read as healthy (review 45b)."""
+    zero = lay.grad_zero_frac if lay.ran_low_precision else lay.param_grad_zero_frac
+    if zero is not None and zero >= ALL_ZERO_SHOWN:
+        return f"{F.pct(zero)} zero"
+    return F.pct(gu)
 
 
 def _wrap(text: str, indent: int) -> str:
@@ -240,7 +253,8 @@ def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -
         else:
             absmax, head = F.num(lay.absmax), F.bits(lay.headroom)
         rows.append([
-            name, lay.type, _dtype_cell(lay), absmax, head, over, under, F.pct(gu), nonfinite,
+            name, lay.type, _dtype_cell(lay), absmax, head, over, under, _grad_cell(lay, gu),
+            nonfinite,
         ])
     headers = ["layer", "type", "in>out", "absmax", "headroom", "overflow", "underflow",
                "grad underflow", NONFINITE_HEADER]
@@ -256,7 +270,8 @@ _TABLE_KEY = (
     "max (< 0 = overflow). overflow / underflow: share of output values beyond the max / "
     "below the smallest normal (* = what-if for a float32 layer). grad underflow: the same "
     "for its output gradients, as scaled (a float32 layer: for its weight gradients; - if it "
-    f"has none). {NONFINITE_HEADER}: how many recorded steps had inf or "
+    "has none; 'N% zero' when nearly all were exactly zero, flushed or zero already). "
+    f"{NONFINITE_HEADER}: how many recorded steps had inf or "
     "NaN in the outputs / in the gradients."
 )
 _MASK_KEY = (" -inf mask: the output held -inf written on purpose (masked_fill), and no "
