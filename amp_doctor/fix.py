@@ -190,12 +190,15 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
         return result
     if base.ok:
         warned = [f for f in bs.findings if f.severity == "warning"]
+        # Trials stop after --stop-after steps: what begins later is not in them.
+        within = (f" in its {base.steps} steps (each trial stops there: a problem that "
+                  "begins later needs a larger `--stop-after`)")
         if not warned:
-            result.notes.append("The baseline has no error finding: nothing to fix.")
+            result.notes.append(f"The baseline has no error finding{within}: nothing to fix.")
             return result
         kinds = sorted({f"{f.kind}" + (f" ({f.module})" if f.module else "") for f in warned})
         result.notes.append(
-            f"The baseline has no error finding, so no float32 layer is searched for (fix "
+            f"The baseline has no error finding{within}, so no float32 layer is searched for (fix "
             f"removes errors). It has {len(warned)} warning(s): {', '.join(kinds[:6])}"
             + (" ..." if len(kinds) > 6 else "") + ". Their fix is not a float32 layer: "
             f"{warned[0].advice} Run `amp-doctor diagnose` on the script for the whole report.")

@@ -629,3 +629,18 @@ def test_the_layer_table_shows_a_gradient_flushed_whole_as_zeros_not_0_percent()
                                   grad_underflow_frac=0.0)
     assert _grad_cell(flushed, 0.0) == "100% zero"
     assert _grad_cell(dataclasses.replace(flushed, grad_zero_frac=0.2), 0.0) == "0%"
+
+
+def test_fix_with_nothing_to_fix_says_how_many_steps_its_trials_ran() -> None:
+    """Review 45c: `fix --target-dtype float8` said "nothing to fix" where the full run warns:
+    its trials stop after 20 steps, and nothing said so."""
+    from amp_doctor.fix import find_fix
+
+    healthy = _mlp_run(None, steps=12)
+    assert not [f for f in healthy.findings if f.severity in ("error", "warning")]
+    result = find_fix(lambda fp32: (healthy, 0))
+    assert result.best is None and not result.trials
+    (note,) = result.notes
+    assert note.startswith("The baseline has no error finding in its 12 steps (each trial "
+                           "stops there: a problem that begins later needs a larger "
+                           "`--stop-after`): nothing to fix."), note
