@@ -644,3 +644,23 @@ def test_fix_with_nothing_to_fix_says_how_many_steps_its_trials_ran() -> None:
     assert note.startswith("The baseline has no error finding in its 12 steps (each trial "
                            "stops there: a problem that begins later needs a larger "
                            "`--stop-after`): nothing to fix."), note
+
+
+def test_a_layer_inside_a_forced_module_ran_in_float32_by_fp32() -> None:
+    """Review 45c: `--fp32 user` left `user.2` told it "stayed in float32" (keep it there),
+    the advice for a layer autocast kept wide, not for one --fp32 forced."""
+    torch.manual_seed(0)
+    model = _Towers()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    with amp_doctor.watch(model, every=1, tensorboard=False, fp32=["user", "item"]) as doctor:
+        for _ in range(2):
+            u, i = 1000 * torch.randn(64, 16, generator=g), 1000 * torch.randn(64, 16, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(u, i).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    (f,) = [f for f in doctor.session.findings if f.module == "user.2"]
+    assert f.severity == "info" and "ran in float32 by --fp32" in f.message, f.message
+    assert f.advice.startswith("It ran in float32 here only because --fp32")

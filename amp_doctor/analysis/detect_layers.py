@@ -421,7 +421,9 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             data={"headroom": lay.headroom, "absmax": lay.absmax, "dtype": fmt},
         )
     elif lay.what_if and fmt == "float16" and lay.overflow_frac > 0 and session.amp.dtype:
-        forced = lay.name in session.run.fp32_modules
+        # Itself, or inside a module --fp32 forced (a whole model: every layer).
+        forced = any(lay.name == m or lay.name.startswith(m + ".")
+                     or m in session.run.models for m in session.run.fp32_modules)
         yield Finding(
             kind="activation_overflow", severity="info", module=lay.name, op=None, step=None,
             message=(f"{F.layer(lay.name)} ({lay.type}) "
