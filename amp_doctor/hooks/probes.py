@@ -160,11 +160,11 @@ class LayerMeta:
     # Floating inputs (in recorded training calls) that were not a watched layer's output
     # as that layer returned it: the batch, or a tensor the parent's code made. A layer
     # without any took only watched outputs, whose values the step recorded.
-    untraced_input_calls: int = 0
+    untraced_inputs: int = 0
 
     def producers_known(self) -> bool:
         """Every floating input it took was a watched layer's output, unchanged."""
-        return self.untraced_input_calls == 0
+        return self.untraced_inputs == 0
 
     def consumers(self) -> list[str]:
         """The layers that took the output of every recorded call of this one directly
@@ -738,7 +738,7 @@ class Probes:
         meta = self.layers[name]
         ins = _first_tensors((args, kwargs))
         if len(ins) >= MAX_TENSORS_PER_OUTPUT:
-            meta.untraced_input_calls += 1  # some inputs were not looked at
+            meta.untraced_inputs += 1  # some inputs were not looked at
         for t in ins:
             if t.is_floating_point():
                 meta.input_dtypes.add(dtype_name(t.dtype))
@@ -749,11 +749,11 @@ class Probes:
                         if name in cons or len(cons) < MAX_CONSUMERS:
                             cons[name] = cons.get(name, 0) + 1
                         else:
-                            meta.untraced_input_calls += 1
+                            meta.untraced_inputs += 1
                 else:
                     # Not a watched layer's output as it left the layer (the batch, or
                     # made by code between layers): its values are not known.
-                    meta.untraced_input_calls += 1
+                    meta.untraced_inputs += 1
 
     def _post(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
