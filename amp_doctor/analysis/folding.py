@@ -18,7 +18,7 @@ from amp_doctor.analysis.messages import CAST_OPS, loss_origin_named
 from amp_doctor.analysis.thresholds import MAX_PER_KIND
 from amp_doctor.records import Finding, Session, Severity
 
-__all__ = ["fold_follow_ons", "fold_early_end", "cap_per_kind", "EARLY_END_KINDS",
+__all__ = ["fold_follow_ons", "steps_of", "fold_early_end", "cap_per_kind", "EARLY_END_KINDS",
            "ROOT_KINDS"]
 
 
@@ -87,7 +87,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
     # them (an op in their parent's own code: ``self.proj(h * scale)``), in the step it
     # searched: the op's finding holds them, however their statistics rank them.
     carried_from: dict[str, Finding] = {}
-    for e in sorted(errors, key=lambda f: math.inf if f.step is None else f.step):
+    for e in sorted(errors, key=_first_step):
         if e.kind == "nonfinite_forward" and e.op:
             for name in e.data.get("carriers") or ():
                 carried_from.setdefault(name, e)  # the earliest op that reached it
@@ -101,7 +101,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
         # was NaN from step 0 began at the step-0 op, not at one found at step 17.
         own = [f for f in errors if f.module == module]
         if own:
-            return min(own, key=lambda f: math.inf if f.step is None else f.step)
+            return min(own, key=_first_step)
         # An op anomaly mode found in a module's own code (attention's q @ k^T) shows
         # first in the output of a child called after it (attention's output projection):
         # the loss and the scaler name that child, the op names its parent.
@@ -185,7 +185,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
         if root is None and f.kind in ("scaler_backoff", "scale_collapse"):
             # Backoffs no forward origin explains, in steps where a backward op made the
             # gradients non-finite (the backward of sqrt at 0): that op is their cause.
-            steps = set(_steps_of(f))
+            steps = set(steps_of(f))
             root = next((e for e in errors if e.kind == "nonfinite_backward"
                          and e.step in steps), None)
         if root is None and f.kind == "nonfinite_loss" and f.data.get("began_unrecorded"):
@@ -193,13 +193,13 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             # recorded one that shows it (the batch an op made NaN, anomaly mode's op).
             seen_at = f.data.get("recorded_at")
             root = next((e for e in errors if isinstance(seen_at, int) and any(
-                s < seen_at for s in _steps_of(e) + list(e.data.get("batch_steps") or ()))),
+                s < seen_at for s in steps_of(e) + list(e.data.get("batch_steps") or ()))),
                 None)
         if root is None and f.kind == "nonfinite_loss":
             # No recorded step showed where it began, or only a layer downstream of the op
             # anomaly mode's search named in one of its steps (an op whose output no
             # layer's statistics cover, such as a complex FFT's): the op is the cause.
-            bad = set(f.data.get("bad_steps") or _steps_of(f))
+            bad = set(f.data.get("bad_steps") or steps_of(f))
             root = next((e for e in errors if e.kind == "nonfinite_forward"
                          and e.step in bad), None)
         if root is not None:
@@ -257,11 +257,11 @@ def _backoffs_of_the_collapse(out: list[Finding]) -> list[Finding]:
                     None)
     if collapse is None:
         return out
-    steps = set(_steps_of(collapse))
+    steps = set(steps_of(collapse))
     too_large = bool(collapse.data.get("loss_too_large"))
     out = [_with(f, "info", follow_on_of=collapse.module or collapse.kind)
            if f.kind == "scaler_backoff" and f.severity in ("error", "warning")
-           and set(_steps_of(f)) <= steps else f for f in out]
+           and set(steps_of(f)) <= steps else f for f in out]
     if not too_large:
         return out
     # The loss is too large: its backoffs' layer is no layer to keep in float32 either.
@@ -324,15 +324,15 @@ def _batch_made_by_an_op(out: list[Finding]) -> list[Finding]:
                  None)
     if batch is None:
         return out
-    bad = set(_steps_of(batch))
+    bad = set(steps_of(batch))
     op = next((f for f in out if f.kind == "nonfinite_forward" and f.severity == "error"
-               and f.op and not f.module and set(_steps_of(f)) <= bad), None)
+               and f.op and not f.module and set(steps_of(f)) <= bad), None)
     if op is None:
         return out
     said = (f"It made the batch given to {F.layer(batch.module)} non-finite"
             if batch.module else "It made the batch non-finite")
     said += f" (in {batch.count} step(s), first at step {batch.step})."
-    return [_with(f, extra=said, batch_made=batch.count, batch_steps=_steps_of(batch))
+    return [_with(f, extra=said, batch_made=batch.count, batch_steps=steps_of(batch))
             if f is op else
             _with(f, "info", follow_on_of=op.op,
                   extra=f"It was made by {op.op} (see that finding).") if f is batch else f
@@ -374,8 +374,14 @@ def _one_error_per_op(out: list[Finding]) -> list[Finding]:
 FORWARD_ORIGIN_KINDS = ("nonfinite_input", "nonfinite_forward")
 
 
-def _steps_of(f: Finding) -> list[int]:
+def steps_of(f: Finding) -> list[int]:
+    """The steps a finding covers: its list, else its one step."""
     return f.steps or ([f.step] if f.step is not None else [])
+
+
+def _first_step(f: Finding) -> float:
+    """Sort key: the finding's step, a finding without one last."""
+    return math.inf if f.step is None else f.step
 
 
 def _backward_follow_ons(out: list[Finding]) -> dict[int, Finding]:
@@ -391,8 +397,8 @@ def _backward_follow_ons(out: list[Finding]) -> dict[int, Finding]:
     for b in out:
         if b.kind != "nonfinite_backward" or b.severity != "error" or b.step is None:
             continue
-        same_step = [r for r in roots if b.step in _steps_of(r)]
-        loss_bad = any(b.step in _steps_of(x) for x in losses)
+        same_step = [r for r in roots if b.step in steps_of(r)]
+        loss_bad = any(b.step in steps_of(x) for x in losses)
         root = next((r for r in same_step if r.module == b.module), None)
         if root is None and loss_bad and same_step:
             root = same_step[0]

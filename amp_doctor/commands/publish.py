@@ -104,10 +104,6 @@ MAX_NEXT_FP32 = 4
 FIX_STEPS_PAST_FIRST_ERROR = 10
 
 
-def _steps_of_error(f: Finding) -> list[int]:
-    return [*([f.step] if f.step is not None else []), *(f.steps or [])]
-
-
 def _fp32_target(session: Session, f: Finding) -> str:
     """The layer to put in float32 for an error: its own, or its parent, whose float32
     covers the parent's own code and the layer, when the inf may have come in with the
@@ -134,6 +130,7 @@ def next_steps(session: Session) -> list[str]:
     editing code (--fp32), have amp-doctor search the smallest one (fix), and, when no
     finding names an op yet, find the op and the line (--anomaly)."""
     from amp_doctor.analysis.advice import WIDE_FORMATS, spread_nan
+    from amp_doctor.analysis.folding import steps_of
     from amp_doctor.analysis.messages import inputs_held_inf
     from amp_doctor.fix import DEFAULT_MAX_STEPS, ERROR_KINDS_FIXED_BY_FP32
 
@@ -178,10 +175,10 @@ def next_steps(session: Session) -> list[str]:
         # The trials stop after DEFAULT_MAX_STEPS steps: a problem that begins later
         # needs longer ones, or the baseline shows no error to fix.
         # (An overflow error spans its recorded steps; the NaN loss it led to says when.)
-        first = min((st for f in errors for st in _steps_of_error(f)), default=None)
+        first = min((st for f in errors for st in steps_of(f)), default=None)
         if first is None:
             first = min((st for f in session.findings if f.kind == "nonfinite_loss"
-                         for st in _steps_of_error(f)), default=0)
+                         for st in steps_of(f)), default=0)
         longer = (f"--stop-after {first + FIX_STEPS_PAST_FIRST_ERROR} "
                   if first + 1 > DEFAULT_MAX_STEPS else "")
         out.append(f"amp-doctor: next: or search the smallest such set of layers: "
