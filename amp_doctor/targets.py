@@ -36,9 +36,13 @@ __all__ = [
 class ScriptNotFound(Exception):
     """The script path does not name a runnable file, directory or zip archive."""
 
+    exit_code = 2  # as ``python missing.py`` exits
+
 
 class ModuleNotFound(Exception):
     """The ``-m`` module name does not name a runnable module or package."""
+
+    exit_code = 1  # as ``python -m missing`` exits
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,7 @@ def diagnose(
     try:
         resolved = runner.resolve(target)
     except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
-        fail(str(e))
+        fail(str(e), e.exit_code)
     except BaseException as e:
         # A SyntaxError in the script, or whatever `-m pkg.mod` raised while
         # importing pkg: python reports these before anything runs, and so do we.

@@ -59,7 +59,7 @@ def fix(module: str | None, stop_after: int | None, old_max_steps: int | None,
     try:
         runner.resolve(target)
     except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
-        fail(str(e))
+        fail(str(e), e.exit_code)
     except BaseException as e:
         # A SyntaxError in the script, or what `-m pkg.mod` raised importing pkg: as
         # python (and diagnose) report it, before any trial runs.
