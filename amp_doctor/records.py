@@ -265,6 +265,8 @@ class RunInfo:
     exit_code: int | None = None
     outcome: Outcome = "completed"
     error: str | None = None
+    # The user's line that raised ``error`` ("file:line in function"), when known.
+    error_at: str | None = None
     rank: int | None = None
     world_size: int | None = None
     # Modules run in float32 under autocast by --fp32 / watch(fp32=...).

@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 
 from amp_doctor import format as F
 from amp_doctor._version import __version__
+from amp_doctor.anomaly.userframes import raised_at
 from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.devicework import as_own_work, iter_tensors, own_ops
 from amp_doctor.dtypes import (
@@ -399,6 +400,8 @@ class Watch:
             outcome = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "exception"
             self._run_meta.setdefault("error", F.error_line(exc) if exc is not None
                                       else exc_type.__name__)
+            if exc is not None:
+                self._run_meta.setdefault("error_at", raised_at(exc))
         self._run_meta.setdefault("outcome", outcome)
         self.close()
 
@@ -997,6 +1000,7 @@ class Watch:
             exit_code=rm.get("exit_code"),
             outcome=rm.get("outcome", "completed" if self.closed else "running"),
             error=rm.get("error"),
+            error_at=rm.get("error_at"),
             rank=rm.get("rank"),
             world_size=rm.get("world_size"),
             fp32_modules=list(self._fp32.forced) if self._fp32 is not None else [],

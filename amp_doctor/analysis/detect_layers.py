@@ -612,15 +612,16 @@ def run_findings(session: Session) -> Iterable[Finding]:
     hit = _CONSTANT_OVERFLOW.search(err) if session.run.outcome == "exception" else None
     if hit is not None:
         fmt = "float16" if hit.group(1) == "Half" else "bfloat16"
+        where = f" at {session.run.error_at}" if session.run.error_at else ""
         yield Finding(
             kind="constant_overflow", severity="error", module=None, op=None, step=None,
-            message=(f"The run raised {err!r} after {F.counted(session.steps, 'step')}: a "
+            message=(f"The run raised {err!r}{where} after {F.counted(session.steps, 'step')}: a "
                      f"Python number too large for {fmt} (its max is "
                      f"{FORMAT_MAX.get(fmt, 0):g}) was written into a {fmt} tensor, "
                      "typically a mask value such as `scores.masked_fill(mask, -1e9)` on "
                      "attention scores that autocast computed in " + fmt + "."),
             advice=ADVICE["constant_overflow"],
-            data={"dtype": fmt, "error": err},
+            data={"dtype": fmt, "error": err, "at": session.run.error_at},
         )
         return  # the run's end is this finding's: not a second error for it
     if session.steps == 0 and session.run.outcome in ("exception", "interrupted", "exit") and (

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Frame", "UserFrames", "is_user_file", "format_frames", "MAX_USER_FRAMES"]
+__all__ = ["Frame", "UserFrames", "is_user_file", "format_frames", "raised_at", "MAX_USER_FRAMES"]
 
 # The user's own frames kept per op, innermost first.
 MAX_USER_FRAMES = 4
@@ -68,6 +68,19 @@ class UserFrames:
                 out.append(Frame(code.co_filename, f.f_lineno, code.co_name))
             f = f.f_back
         return tuple(out)
+
+
+def raised_at(exc: BaseException) -> str | None:
+    """``file:line in function`` of the user's innermost frame in ``exc``'s traceback:
+    the line of their code that raised it (through torch's), or None."""
+    tb = exc.__traceback__
+    last: Frame | None = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if is_user_file(code.co_filename):
+            last = Frame(code.co_filename, tb.tb_lineno, code.co_name)
+        tb = tb.tb_next
+    return str(last) if last is not None else None
 
 
 def format_frames(frames: tuple[Frame, ...]) -> list[str]:

@@ -635,7 +635,7 @@ def _run_meta(exc: BaseException | None, code: int, command: list[str],
               ranks: tuple[int, int] | None, console: Console) -> dict[str, Any]:
     """How the run ended, for its report (``Watch.set_run_meta``'s fields)."""
     outcome = "completed"
-    error = None
+    error = error_at = None
     if isinstance(exc, KeyboardInterrupt):
         outcome = "interrupted"
     elif isinstance(exc, Terminated):
@@ -649,7 +649,11 @@ def _run_meta(exc: BaseException | None, code: int, command: list[str],
     elif exc is not None:
         outcome = "exception"
         error = F.error_line(exc)
-    return dict(command=command, exit_code=code, outcome=outcome, error=error,
+        if "torch" in sys.modules:  # else nothing was watched, and torch stays unimported
+            from amp_doctor.anomaly.userframes import raised_at
+
+            error_at = raised_at(exc)
+    return dict(command=command, exit_code=code, outcome=outcome, error=error, error_at=error_at,
                 rank=ranks[0] if ranks else None, world_size=ranks[1] if ranks else None)
 
 

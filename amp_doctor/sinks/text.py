@@ -296,7 +296,8 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
         out.append(_wrap("Run in float32 under autocast (--fp32): "
                          + ", ".join(s.run.fp32_modules), 0))
     if s.run.error:
-        out.append(_wrap(f"The run ended with {s.run.error}", 0))
+        at = f" (at {s.run.error_at})" if s.run.error_at else ""
+        out.append(_wrap(f"The run ended with {s.run.error}{at}", 0))
     out.append("")
     if s.findings:
         groups = group_findings(s.findings, s.layers)

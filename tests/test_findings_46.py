@@ -1,0 +1,84 @@
+"""Stop 46's fixes: an error's line in the user's code, and python's exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import amp_doctor
+from tests.helpers import console_script
+
+_MASKED = '''
+import torch
+from torch import nn
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x, mask):
+        q, k = self.qk(x).chunk(2, -1)
+        scores = (q @ k.transpose(-2, -1)).masked_fill(mask == 0, -1e9)  # line 13
+        return scores.softmax(-1).sum()
+
+
+model = Masked()
+with torch.autocast("cpu", dtype=torch.float16):
+    model(torch.randn(2, 4, 8), torch.ones(2, 4, 4)).backward()
+'''
+
+
+def test_a_mask_value_float16_cannot_hold_names_the_users_line(tmp_path: Path) -> None:
+    """Review 45c: the constant_overflow error named the mask, not where it is. The run's
+    error now keeps the user's innermost line (RunInfo.error_at), under the CLI and
+    under watch() alike."""
+    (tmp_path / "masked.py").write_text(_MASKED)
+    r = subprocess.run([console_script(), "diagnose", "--logdir", "out", "masked.py"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    s = json.loads((tmp_path / "out" / "amp_doctor.json").read_text())
+    assert s["run"]["error_at"] == f"{tmp_path / 'masked.py'}:13 in forward"
+    (f,) = [f for f in s["findings"] if f["severity"] == "error"]
+    assert f["kind"] == "constant_overflow"
+    assert f"at {tmp_path / 'masked.py'}:13 in forward after 0 steps" in f["message"]
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qk = nn.Linear(8, 16)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            q, k = self.qk(x).chunk(2, -1)
+            return (q @ k.transpose(-2, -1)).masked_fill(mask == 0, -1e9).sum()
+
+    model = Masked()
+    with pytest.raises(RuntimeError, match="c10::Half without overflow"):
+        with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+            with torch.autocast("cpu", dtype=torch.float16):
+                model(torch.randn(2, 4, 8), torch.ones(2, 4, 4)).backward()
+    at = doctor.session.run.error_at
+    assert at is not None and at.startswith(f"{__file__}:") and at.endswith(" in forward")
+    line = int(at.split(":")[-1].split()[0])
+    assert "masked_fill" in Path(__file__).read_text().splitlines()[line - 1]
+    from amp_doctor.sinks.text import render_text
+
+    text = " ".join(render_text(doctor.session).split())  # lines are wrapped
+    assert f"c10::Half without overflow (at {at})" in text
+
+
+def test_a_missing_module_exits_1_as_python_does(tmp_path: Path) -> None:
+    """`python -m no_such_module` exits 1 (a missing script 2); diagnose exited 2 for both."""
+    r = subprocess.run([console_script(), "diagnose", "-m", "no_such_module_46"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "No module named 'no_such_module_46'" in r.stderr
+    r = subprocess.run([console_script(), "fix", "-m", "no_such_module_46"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "No module named 'no_such_module_46'" in r.stderr
