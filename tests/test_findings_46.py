@@ -82,3 +82,35 @@ def test_a_missing_module_exits_1_as_python_does(tmp_path: Path) -> None:
     r = subprocess.run([console_script(), "fix", "-m", "no_such_module_46"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "No module named 'no_such_module_46'" in r.stderr
+
+
+def test_a_scale_collapse_of_a_nan_loss_is_not_blamed_on_the_last_layer() -> None:
+    """Review 45c (lm_entropy): a loss term `p * log(p)` that went NaN collapsed the scale,
+    and scale_collapse said "the first layer with non-finite gradients was lm_head in 16
+    of 16 backoffs" with the advice to run that layer in float32. Every layer's gradient
+    was NaN because the loss was: the advice is the NaN loss's."""
+    from amp_doctor.analysis.advice import ADVICE
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for step in range(40):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(4, 8))
+            loss = out.float().pow(2).mean()
+            if step >= 22:  # 0 * log(0): NaN, and so is its gradient
+                loss = loss + (out.float() * 0).sum() * torch.log(torch.zeros(()))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    (f,) = doctor.session.findings_of("scale_collapse")
+    assert f.data["loss_nonfinite"] is True
+    assert "the loss itself was NaN/inf in every backoff" in f.message
+    assert "only says where the backward pass met it, not where it began" in f.message
+    assert "the first layer with non-finite gradients was" not in f.message
+    assert f.advice == ADVICE["nonfinite_loss"]
+    (loss,) = [x for x in doctor.session.findings if x.severity == "error"]
+    assert loss.kind == "nonfinite_loss" and f.severity == "info"  # its consequence

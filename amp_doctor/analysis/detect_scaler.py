@@ -670,6 +670,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
     if reasons:
         traced = [known[e.step][0] for e in backoffs if e.step in known]
         top: str | None = None
+        loss_nonfinite = _all_loss_nonfinite(session, backoffs)
         if traced:
             top = max(dict.fromkeys(traced), key=traced.count)
             hows = [known[e.step][1] for e in backoffs if e.step in known
@@ -683,6 +684,15 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                         if len(hows) > seen_n
                         else "") + ")"
                      + _untraced_text(backoffs, known))
+        elif loss_nonfinite:
+            # The layer the NaN loss is computed from, which tells one loss term from
+            # another (a second head's), not a culprit to run in float32 (review 45c).
+            lead = _top_lead(backoffs, with_params)[0]
+            top = blamed(session, lead)
+            where = ("; the loss itself was NaN/inf in every backoff but GradScaler's own "
+                     "search for its scale, so the gradients of every layer were too" + (
+                         f" ({lead}, the first in backward order, only says where the "
+                         "backward pass met it, not where it began)" if lead else ""))
         else:
             top, n_top = _top_lead(backoffs, with_params)
             where = (f"; the first layer with non-finite gradients was {top} in "
@@ -700,7 +710,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                   else backoffs[0].step if backoffs else None),
             message=(f"Loss scale collapsed: {'; '.join(reasons)}. "
                      f"{_skipped_of_steps(session)}; final scale {_scale(final)}{where}."),
-            advice=ADVICE["scale_collapse_loss_gradient" if from_loss else "scale_collapse"],
+            advice=ADVICE["scale_collapse_loss_gradient" if from_loss else "nonfinite_loss"
+                          if loss_nonfinite and not traced else "scale_collapse"],
             steps=[e.step for e in backoffs][:MAX_STEPS_KEPT],
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
                   "skipped": len(sc.skipped_steps), "culprit": top,
@@ -709,7 +720,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                   "loss_too_large": from_loss is not None,
                   # Every backoff but GradScaler's own (calibration, probes) in a step whose
                   # loss was NaN/inf: the loss's doing.
-                  "loss_nonfinite": _all_loss_nonfinite(session, backoffs)},
+                  "loss_nonfinite": loss_nonfinite},
         )
     gi = sc.growth_interval or DEFAULT_GROWTH_INTERVAL
     if reasons or (sc.growth_factor is not None and sc.growth_factor <= 1):
