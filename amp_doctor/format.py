@@ -23,6 +23,7 @@ __all__ = [
     "steps_list",
     "consecutive_runs",
     "error_line",
+    "and_list",
     "counted",
     "layer",
     "ERROR_CHARS",
@@ -173,6 +174,13 @@ def error_line(exc: BaseException) -> str:
     if not msg:
         return type(exc).__name__
     return f"{type(exc).__name__}: {msg}" + (" ... (see the traceback)" if more else "")
+
+
+def and_list(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def counted(n: int, noun: str) -> str:

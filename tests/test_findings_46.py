@@ -114,3 +114,103 @@ def test_a_scale_collapse_of_a_nan_loss_is_not_blamed_on_the_last_layer() -> Non
     assert f.advice == ADVICE["nonfinite_loss"]
     (loss,) = [x for x in doctor.session.findings if x.severity == "error"]
     assert loss.kind == "nonfinite_loss" and f.severity == "info"  # its consequence
+
+
+def _two_optimizer_loop(pattern: str, steps: int = 12) -> amp_doctor.Session:
+    torch.manual_seed(0)
+    body, head = nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Linear(32, 1)
+    model = nn.Sequential(body, head)
+    opt_body = torch.optim.SGD(body.parameters(), lr=0.01)
+    opt_head = torch.optim.SGD(head.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(64, 16)
+    y = x @ torch.randn(16, 1)
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for _ in range(steps):
+            opt_body.zero_grad()
+            opt_head.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            if pattern == "correct":
+                scaler.step(opt_body)
+                scaler.step(opt_head)
+            elif pattern == "head_bypassed":
+                scaler.step(opt_body)
+                opt_head.step()
+            elif pattern == "unscale_then_step":
+                scaler.unscale_(opt_body)
+                scaler.unscale_(opt_head)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt_body.step()
+                opt_head.step()
+            elif pattern == "stepped_twice":
+                scaler.step(opt_body)
+                scaler.step(opt_head)
+                opt_body.step()
+            elif pattern == "update_between":
+                scaler.step(opt_body)
+                scaler.update()
+                scaler.step(opt_head)
+            scaler.update()
+    return doctor.session
+
+
+@pytest.mark.parametrize(("pattern", "kind", "severity", "optimizer"), [
+    ("head_bypassed", "scaled_grads_stepped", "error", "SGD#1"),
+    ("unscale_then_step", "step_after_unscale", "error", "SGD#0"),
+    ("stepped_twice", "stepped_twice", "error", "SGD#0"),
+    ("update_between", "update_between_steps", "warning", "SGD#1"),
+])
+def test_an_optimizer_stepped_outside_the_scaler_is_named(
+        pattern: str, kind: str, severity: str, optimizer: str) -> None:
+    """Review 46b: `scaler.step(opt_body); opt_head.step()`, `unscale_` then `opt.step()`, a
+    leftover `opt.step()` after `scaler.step(opt)`, and an update between two optimizers'
+    steps were told as a NaN loss in a layer (`--fp32 1`, which could not help), or not at
+    all. Each is named, with its optimizer, as the one cause; the NaN after it is its
+    consequence."""
+    s = _two_optimizer_loop(pattern)
+    worst = [f for f in s.findings if f.severity in ("error", "warning")]
+    assert [f.kind for f in worst] == [kind]
+    (f,) = worst
+    assert f.severity == severity and f.message.startswith(
+        {"scaled_grads_stepped": f"{optimizer}.step() ran on gradients still multiplied",
+         "step_after_unscale": f"{optimizer}.step() ",
+         "stepped_twice": f"{optimizer}.step() was called again after "
+                          f"scaler.step({optimizer})",
+         "update_between_steps": f"scaler.step({optimizer}) ran after a scaler.update()"}[kind])
+    assert "12 times, first at step 0" in f.message or (
+        pattern == "unscale_then_step" and "24 times, first at step 0" in f.message
+        and f.message.startswith("SGD#0.step() and SGD#1.step() were called directly after "
+                                 "their scaler.unscale_, not through scaler.step"))
+
+
+def test_the_recipe_with_two_optimizers_is_no_misuse() -> None:
+    s = _two_optimizer_loop("correct")
+    assert not [f for f in s.findings if f.severity in ("error", "warning")]
+
+
+def test_an_unscaled_second_model_beside_a_scaled_one_is_no_misuse() -> None:
+    """A float32 critic trained with a plain `opt.step()` next to a scaled generator (the
+    GAN case the old rule guarded by judging only a scaler that never stepped)."""
+    torch.manual_seed(0)
+    gen, critic = nn.Linear(8, 8), nn.Linear(8, 1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.01)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch([gen, critic], tensorboard=False) as doctor:
+        for _ in range(6):
+            z = torch.randn(4, 8)
+            with torch.autocast("cpu", dtype=torch.float16):
+                g_loss = critic(gen(z)).float().mean()
+            opt_g.zero_grad()
+            scaler.scale(g_loss).backward()
+            scaler.step(opt_g)
+            c_loss = critic(gen(z).detach()).mean()  # float32, not scaled
+            opt_c.zero_grad()
+            c_loss.backward()
+            opt_c.step()
+            scaler.update()
+    kinds = {f.kind for f in doctor.session.findings}
+    assert not kinds & {"scaled_grads_stepped", "step_after_unscale", "stepped_twice",
+                        "update_between_steps"}

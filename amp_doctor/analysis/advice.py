@@ -204,6 +204,20 @@ ADVICE: dict[str, str] = {
         "call `scaler.unscale_(optimizer)` before using them. `optimizer.step()` on scaled "
         "gradients makes every update `scale` times too large and never skips inf/NaN steps."
     ),
+    "step_after_unscale": (
+        "Step through the scaler after clipping: `scaler.unscale_(optimizer); "
+        "clip_grad_norm_(...); scaler.step(optimizer); scaler.update()`. scaler.step knows the "
+        "gradients are unscaled already, and skips the step when they hold inf/NaN."
+    ),
+    "update_between_steps": (
+        "Call `scaler.update()` once per iteration, after `scaler.step` of every optimizer: "
+        "`scaler.scale(loss).backward(); scaler.step(opt1); scaler.step(opt2); "
+        "scaler.update()`."
+    ),
+    "stepped_twice": (
+        "Remove the extra `optimizer.step()`: `scaler.step(optimizer)` steps the optimizer "
+        "itself, or skips the step when the gradients hold inf/NaN."
+    ),
     "nonfinite_loss": (
         "A NaN/inf loss poisons every gradient. Look where it first appeared: a layer's "
         "output (run it in float32 with `torch.autocast(device_type, enabled=False)`), or the "

@@ -50,6 +50,9 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "nonfinite_input": "error",
     "activation_overflow": "warning",
     "scaled_grads_stepped": "error",
+    "step_after_unscale": "error",
+    "stepped_twice": "error",
+    "update_between_steps": "warning",
     "nonfinite_loss": "error",
     "no_step_boundary": "warning",
     "model_not_run": "warning",
@@ -61,6 +64,9 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "unsummarized": "info",
     "nonfinite_unlocated": "warning",
 }
+# An optimizer stepped outside the scaler's recipe: its message names every optimizer.
+_OPTIMIZER_MISUSE = ("scaled_grads_stepped", "step_after_unscale", "stepped_twice",
+                     "update_between_steps")
 # Findings keep at most this many of their steps.
 MAX_STEPS_KEPT = 50
 
@@ -118,6 +124,10 @@ def event_findings(session: Session) -> Iterable[Finding]:
             continue
         n = max(len(es), int(first.data.get("occurrences") or 0))
         steps = [e.step for e in es]
+        if kind in _OPTIMIZER_MISUSE:
+            # Each optimizer stepped so is named, not only the first one's.
+            opts = list(dict.fromkeys(str(e.data.get("optimizer")) for e in es))
+            first = dataclasses.replace(first, data={**first.data, "optimizers": opts})
         if kind == "nonfinite_loss" and module is not None and _overflowed_itself(
                 session, module):
             # The message need not say that its input may have been bad already.

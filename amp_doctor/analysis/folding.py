@@ -276,20 +276,30 @@ _AFTER_NAN_WEIGHTS = ("nonfinite_loss", "activation_overflow", "nonfinite_unloca
                       "scale_collapse", "input_beyond_format")
 
 
+# An optimizer step that applied what it should not have: scaled gradients, inf/NaN ones
+# nothing skipped, or the same update twice.
+_BAD_STEPS = ("scaled_grads_stepped", "step_after_unscale", "stepped_twice",
+              "nonfinite_grads_applied")
+
+
 def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
     """The optimizer's update made the weights NaN (float16 Adam state), stepped on
     gradients still multiplied by the loss scale (every update 65536x too large), or took
     NaN/inf gradients that nothing skipped: what went non-finite from the next step on is
     its consequence, said in its finding."""
     root = next((f for f in out if f.kind == "lowp_update_nonfinite"), None) or next(
-        (f for f in out if f.kind in ("scaled_grads_stepped", "nonfinite_grads_applied")
-         and f.severity == "error"), None)
+        (f for f in out if f.kind in _BAD_STEPS and f.severity == "error"), None)
     if root is None or root.step is None:
         return out
     # A layer's finding (no step: the run's aggregate) goes too: from the next step on
     # the NaN weights make their layer's output NaN, and the next update every other's.
+    # A step taken outside the scaler is the loop's doing from its first step on: the
+    # backoffs of that very step (the scaler found the inf it then applied) are its too.
+    loop = root.kind in _BAD_STEPS[:3]
     later = [f for f in out if f.kind in _AFTER_NAN_WEIGHTS and f.severity != "info"
-             and (f.step is None or f.step > root.step) and f is not root]
+             and (f.step is None or f.step > root.step or loop and f.step == root.step and
+                  f.kind in ("scaler_backoff", "scale_collapse"))
+             and f is not root]
     if not later:
         return out
     cons = [f"{f.kind}" + (f" in {F.layer(f.module)}" if f.module else "")

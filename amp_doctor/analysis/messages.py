@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from amp_doctor import format as F
 from amp_doctor.dtypes import FORMAT_MAX
@@ -192,16 +192,61 @@ def _update_without_step(a: MessageArgs) -> str:
             "accumulation.")
 
 
+def _optimizers(d: dict[str, Any]) -> list[str]:
+    """The optimizers a group of optimizer-misuse events names, the first one's first."""
+    return list(d.get("optimizers") or [d.get("optimizer") or "the optimizer"])
+
+
+def _calls(names: list[str], call: str) -> str:
+    """``SGD#0.step()``, or ``SGD#0.step() and SGD#1.step()``."""
+    return F.and_list([f"{n}.{call}" for n in names])
+
+
 @message_for("scaled_grads_stepped")
 def _scaled_grads_stepped(a: MessageArgs) -> str:
     d = a.event.data
     scale = _scale(d.get("scale"))
-    return (f"{d.get('optimizer', 'The optimizer')}.step() ran on gradients still "
-            f"multiplied by the loss scale ({scale}): "
-            "scaler.scale(loss).backward() was followed by optimizer.step() with neither "
-            f"scaler.unscale_ nor scaler.step ({F.times(a.n)}, {a.at}). Every update is "
-            f"{scale} times too large, steps with inf/NaN gradients "
-            "are not skipped, and the scale never adapts.")
+    opts = _optimizers(d)
+    return (f"{_calls(opts, 'step()')} ran on gradients still multiplied by the loss scale "
+            f"({scale}): scaler.scale(loss).backward() was followed by optimizer.step() with "
+            f"neither scaler.unscale_ nor scaler.step for {'it' if len(opts) == 1 else 'them'} "
+            f"({F.times(a.n)}, {a.at}). Every update is {scale} times too large, steps with "
+            "inf/NaN gradients are not skipped, and the scale never adapts.")
+
+
+@message_for("step_after_unscale")
+def _step_after_unscale(a: MessageArgs) -> str:
+    opts = _optimizers(a.event.data)
+    one = len(opts) == 1
+    return (f"{_calls(opts, 'step()')} {'was' if one else 'were'} called directly after "
+            + (f"scaler.unscale_({opts[0]}), not through scaler.step({opts[0]})" if one
+               else "their scaler.unscale_, not through scaler.step")
+            + f" ({F.times(a.n)}, {a.at}): the gradients had their true size, but a step "
+            "whose gradients held inf/NaN was not skipped (only scaler.step skips it): it "
+            "writes inf/NaN into the weights, while the scaler backs off as if it had been "
+            "skipped.")
+
+
+@message_for("stepped_twice")
+def _stepped_twice(a: MessageArgs) -> str:
+    opts = _optimizers(a.event.data)
+    one = len(opts) == 1
+    return (f"{_calls(opts, 'step()')} {'was' if one else 'were'} called again after "
+            + (f"scaler.step({opts[0]})" if one else "their scaler.step")
+            + f" in the same step ({F.times(a.n)}, {a.at}): every update was applied twice, "
+            "and a step the scaler skipped for inf/NaN gradients was applied anyway "
+            "(scaler.step had left them unscaled but not zeroed).")
+
+
+@message_for("update_between_steps")
+def _update_between_steps(a: MessageArgs) -> str:
+    opts = _optimizers(a.event.data)
+    return (f"{F.and_list([f'scaler.step({n})' for n in opts])} ran after a scaler.update() "
+            f"with no scaled backward pass since ({F.times(a.n)}, {a.at}): "
+            + ("its" if len(opts) == 1 else "their") + " gradients were scaled by the scale "
+            "before that update and unscaled by the one after it, wrong by the update's "
+            "factor whenever the scale changed, and the scale moves once per update, more "
+            "than once per iteration.")
 
 
 # -- the loop and the weights ------------------------------------------------------------------

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from amp_doctor import format as F
 from amp_doctor.commands.common import SMOOTHING_HINT, severity_reached
 from amp_doctor.commands.terminal import Console, usable
 from amp_doctor.runfiles import JSON_NAME, TEXT_NAME, text_report_path
@@ -167,8 +168,7 @@ def next_steps(session: Session) -> list[str]:
     layers = [n for n in layers if not any(n.startswith(m + ".") for m in layers)]
     layers = layers[:MAX_NEXT_FP32]
     if layers:
-        names = " and ".join(layers) if len(layers) < 3 else \
-            ", ".join(layers[:-1]) + " and " + layers[-1]
+        names = F.and_list(layers)
         flags = " ".join(f"--fp32 {shlex.quote(n)}" for n in layers)
         out.append(f"amp-doctor: next: try {names} in float32 without editing the code: "
                    f"amp-doctor diagnose {flags} {script}")

@@ -2,8 +2,9 @@
 
 Clipping before ``unscale_``, an LR scheduler stepped on a skipped step,
 ``backward`` inside autocast or of an unscaled loss, float16 parameters under
-a GradScaler, a GradScaler used with bfloat16, scaled gradients stepped
-without the scaler, and ``step``/``unscale_`` without ``update``. Each is an
+a GradScaler, a GradScaler used with bfloat16, an optimizer stepped outside
+the scaler (on scaled gradients, after ``unscale_``, or a second time after
+``scaler.step``), and ``step``/``unscale_`` without ``update``. Each is an
 :class:`~amp_doctor.records.Event`; the analysis turns them into findings.
 """
 
@@ -97,9 +98,14 @@ class MisuseChecks:
         # Root autograd nodes of this step's backward passes that did not go
         # through scaler.scale(); judged when an enabled scaler steps.
         self._unscaled_roots: list[Any] = []
+        # The same of backward passes through scaler.scale(), until the next update:
+        # which optimizers' gradients they scaled (see plain_step).
+        self._scaled_roots: list[Any] = []
+        self._unreached: set[int] = set()  # optimizers no scaled backward reached
         self._bwd_autocast_step = -1
         self._fp16_checked: set[int] = set()
         registry.forget_hooks.append(self._fp16_checked.discard)
+        registry.forget_hooks.append(self._unreached.discard)
 
     def _event(self, kind: str, once_key: str | None = None, **kw: Any) -> None:
         if once_key is not None:
@@ -151,6 +157,13 @@ class MisuseChecks:
                 "call": "step", "optimizer": self._reg.opt_name(optimizer),
                 "steps_since_update": st.steps_since_update, "scale": st.scale,
                 "updates": st.updates, "reason": "step twice"})
+        elif st.updates and not st.scaled_since_update and not self._unscaled_roots:
+            # scaler.step(opt1); scaler.update(); scaler.step(opt2); scaler.update() after
+            # one backward: opt2's gradients were scaled by the scale before the first
+            # update and are unscaled by the one after it (review 46b).
+            self._event("update_between_steps", data={
+                "optimizer": self._reg.opt_name(optimizer), "scaler": st.name,
+                "scale": st.scale})
         self.judge_unscaled_backward(scaler, st, optimizer)
 
     def update_without_step(self, st: ScalerMirror) -> None:
@@ -166,23 +179,53 @@ class MisuseChecks:
         """The primary scaler's ``update()``: what a scheduler stepped next is judged on."""
         self._last_update = _LastUpdate(step, skipped, before, after)
 
-    def plain_step(self, optimizer: Any) -> None:
-        """``optimizer.step()`` outside ``scaler.step``: are its gradients still scaled?
+    def scaler_updated(self) -> None:
+        """An enabled scaler's ``update()``: the scaled backward passes before it are done."""
+        self._scaled_roots = []
 
-        ``scaler.scale(loss).backward(); optimizer.step()`` with neither
-        ``scaler.unscale_`` nor ``scaler.step``: the update is the loss scale
-        times too large, inf/NaN gradients are not skipped, and the scaler
-        never learns anything. Judged only for a scaler that never stepped
-        anything, so that a second, unscaled model trained next to a scaled
-        one (GANs) is not mistaken for this.
+    def plain_step(self, optimizer: Any) -> None:
+        """``optimizer.step()`` outside ``scaler.step`` after a scaled backward.
+
+        Three mistakes, one event each (review 46b):
+
+        - ``scaled_grads_stepped``: neither ``scaler.unscale_`` nor ``scaler.step`` for
+          this optimizer (``scaler.step(opt_body); opt_head.step()``): the update is the
+          loss scale times too large, inf/NaN gradients are not skipped. Judged when the
+          scaler never stepped anything, or when this optimizer's parameters are in the
+          graph of a scaled backward since the last update, so that a second, unscaled
+          model trained next to a scaled one (GANs) is not mistaken for this.
+        - ``step_after_unscale``: ``scaler.unscale_(opt); clip; opt.step()``: the update
+          has the right size, but a step with inf/NaN gradients is not skipped.
+        - ``stepped_twice``: ``scaler.step(opt); opt.step()``: every update is applied
+          twice, and the steps the scaler skipped are applied anyway.
         """
         for scaler, st in self._reg.enabled():
-            if (st.scaled_since_update and st.steps_total == 0 and st.updates == 0
-                    and optimizer_stage(scaler, optimizer) is OptState.READY):
-                self._event("scaled_grads_stepped", data={
+            if not st.scaled_since_update:
+                continue
+            stage = optimizer_stage(scaler, optimizer)
+            kind = ("stepped_twice" if stage is OptState.STEPPED
+                    else "step_after_unscale" if stage is OptState.UNSCALED
+                    else "scaled_grads_stepped" if (
+                        st.steps_total == 0 and st.updates == 0
+                        or self._scaled_reach(optimizer)) else None)
+            if kind is not None:
+                self._event(kind, data={
                     "optimizer": self._reg.opt_name(optimizer), "scaler": st.name,
                     "scale": st.scale})
                 return
+
+    def _scaled_reach(self, optimizer: Any) -> bool:
+        """Did a scaled backward since the scaler's last update reach ``optimizer``'s
+        parameters? (A graph walk: only for an optimizer stepped outside ``scaler.step``
+        while a scaler has scaled a loss, never in the documented recipe.)"""
+        if not self._scaled_roots or id(optimizer) in self._unreached:
+            return False
+        ids = {id(p) for p in optimizer_params(optimizer)}
+        if reaches_params(self._scaled_roots, lambda t: id(t) in ids):
+            return True
+        # A separate unscaled model: not walked again on every step.
+        self._unreached.add(id(optimizer))
+        return False
 
     # -- clipping ------------------------------------------------------------
     def clip(self, func: str, parameters: list[torch.Tensor], info: dict[str, Any]) -> None:
@@ -291,7 +334,12 @@ class MisuseChecks:
 
     def backward_end(self, ts: list[torch.Tensor], through_scaler: bool) -> None:
         if through_scaler:
+            if len(self._scaled_roots) < MAX_UNSCALED_ROOTS:
+                self._scaled_roots.extend(t.grad_fn for t in ts if t.grad_fn is not None)
             return
+        # An unscaled backward after the scaled ones (a GAN's float32 critic, zeroed and
+        # trained on its own loss next): the gradients an optimizer steps next are its.
+        self._scaled_roots = []
         # A loss: scalar tensors with a graph. backward(gradient) on a
         # non-scalar output is a different pattern and is not judged.
         if not ts or not all(t.numel() == 1 and t.grad_fn is not None for t in ts):

@@ -216,6 +216,7 @@ class AmpMonitor:
             return
         primary = self.registry.is_primary(scaler)
         if scaler._enabled:
+            self._misuse.scaler_updated()
             step = self._step_of()
             if new_scale is not None:
                 self._resolve(st)  # the deferred updates came before this one
