@@ -214,3 +214,58 @@ def test_an_unscaled_second_model_beside_a_scaled_one_is_no_misuse() -> None:
     kinds = {f.kind for f in doctor.session.findings}
     assert not kinds & {"scaled_grads_stepped", "step_after_unscale", "stepped_twice",
                         "update_between_steps"}
+
+
+def _encoder_run(watched: bool) -> tuple[list[float], list[int]]:
+    """Train a TransformerEncoder classifier, evaluating it under no_grad between steps;
+    returns the eval losses and, per eval, how many sublayer hooks it ran with."""
+    hooks: list[int] = []
+
+    class Count(nn.Module):
+        """Counts the encoder's hooks from inside an eval forward, once it has begun."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.training:
+                hooks.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks)
+                                 for m in encoder.modules()))
+            return x
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    model = nn.Sequential(Count(), encoder, nn.Linear(32, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    evals: list[float] = []
+    doctor = amp_doctor.watch(model, every=1, tensorboard=False) if watched else None
+    try:
+        for _ in range(4):
+            model.train()
+            x, y = torch.randn(8, 6, 32, generator=g), torch.randint(0, 3, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).mean(1).float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            model.eval()
+            with torch.no_grad():
+                x = torch.randn(8, 6, 32, generator=g)
+                evals.append(model(x).sum().item())  # the fast path, without hooks
+    finally:
+        if doctor is not None:
+            doctor.close()
+    return evals, hooks
+
+
+def test_evaluation_between_steps_runs_without_sublayer_hooks() -> None:
+    """Review 46a: with `--every 1` (and before each recorded step at the default), the
+    sublayer hooks stayed on through the evaluation between steps. A forward hook turns
+    off TransformerEncoderLayer's fast path: every eval loss differed from the run
+    without amp-doctor (3.06600 against 3.06598), and a fast-path crash under autocast
+    went away. An evaluation of a watched model now runs with none of them."""
+    plain, _ = _encoder_run(False)
+    watched, hooks = _encoder_run(True)
+    assert watched == plain  # bit-identical
+    assert hooks == [0] * 4

@@ -262,6 +262,9 @@ class _ForwardCalls(threading.local):
         self.in_backward = False
         # Names of the modules whose forward is running, innermost last.
         self.stack: list[str] = []
+        # The outermost watched call is an evaluation of a watched model (no grad, not a
+        # companion's): it runs with the sublayer hooks removed (see Probes._pre).
+        self.inference = False
 
 
 class Probes:
@@ -313,6 +316,8 @@ class Probes:
         self._out_nodes: dict[Any, list[str]] = {}
         self.armed = False
         self._want_armed = False
+        # Outermost watched forwards running, in every thread.
+        self._inflight = 0
         self._buffer = buffer_provider
         self._on_root_forward = on_root_forward
         self.recording = False
@@ -532,9 +537,10 @@ class Probes:
             self.apply_armed()
 
     def apply_armed(self) -> None:
-        if self._want_armed == self.armed:
+        want = self._want_armed and not self._calls.inference
+        if want == self.armed:
             return
-        if self._want_armed:
+        if want:
             for mod in self._subs:
                 if id(mod) not in self._sub_handles and self._root_of(id(mod)) not in self._frozen:
                     self._sub_handles[id(mod)] = self._hook(mod)
@@ -544,7 +550,7 @@ class Probes:
                     for h in hs:
                         h.remove()
                     del self._sub_handles[mid]
-        self.armed = self._want_armed
+        self.armed = want
 
     def trained_any(self) -> bool:
         """A watched model ran a training forward (with grad)."""
@@ -596,6 +602,8 @@ class Probes:
         self._step_owners = []
         self._calls.stack.clear()
         self._calls.depth = 0
+        self._calls.inference = False
+        self._inflight = 0
 
     def name_of(self, module: nn.Module) -> str | None:
         return self._names.get(id(module))
@@ -713,15 +721,23 @@ class Probes:
             # copy.copy(module) shares the hook dicts: that copy is not watched.
             return
         calls = self._calls
-        if calls.depth == 0 and self._want_armed != self.armed:
-            self.apply_armed()
-        calls.depth += 1
-        calls.stack.append(name)
-        if calls.depth == 1:
+        if calls.depth == 0:
             calls.in_backward = torch._C._current_graph_task_id() != -1
             # A model run whole through a reentrant checkpoint trains under no_grad.
             ckpt = not torch.is_grad_enabled() and in_reentrant_checkpoint()
             calls.training = torch.is_grad_enabled() or ckpt or self._companion(module)
+            # Evaluation of a watched model between steps runs with no sublayer hooks, as
+            # without amp-doctor: a hook turns off TransformerEncoderLayer's fast path,
+            # which changes its results (review 46a). Only when no other thread is inside
+            # a watched forward, whose post-hooks removing them would lose.
+            calls.inference = (not calls.training and id(module) in self._roots
+                               and self._inflight == 0)
+            if (self._want_armed and not calls.inference) != self.armed:
+                self.apply_armed()
+            self._inflight += 1
+        calls.depth += 1
+        calls.stack.append(name)
+        if calls.depth == 1:
             self._roots_called.add(self._root_of(id(module)))
             if id(module) in self._roots:
                 if torch.is_grad_enabled() or ckpt:
@@ -763,6 +779,9 @@ class Probes:
             return
         calls = self._calls
         calls.depth = max(0, calls.depth - 1)
+        if calls.depth == 0:
+            self._inflight = max(0, self._inflight - 1)
+            calls.inference = False
         if calls.stack:
             calls.stack.pop()
         publish(module, output)
