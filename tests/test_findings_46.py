@@ -269,3 +269,31 @@ def test_evaluation_between_steps_runs_without_sublayer_hooks() -> None:
     watched, hooks = _encoder_run(True)
     assert watched == plain  # bit-identical
     assert hooks == [0] * 4
+
+
+def test_float16_weights_are_not_told_to_add_a_grad_scaler_alone() -> None:
+    """Review 46b: `model.half()` trained with no autocast got, beside its lost-updates
+    error, "float16 autocast without a GradScaler ... Create scaler = GradScaler(...)":
+    followed, that raises `Attempting to unscale FP16 gradients.`. Float16 weights are
+    told to go back to float32 weights first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8.0)
+    model = model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=5e-5)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 32, generator=g)
+    y = torch.tanh(x[:, :1]) * 0.5
+    x, y = x.half(), y.half()
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for _ in range(20):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x).float(), y.float()).backward()
+            opt.step()
+    (f,) = doctor.session.findings_of("missing_scaler")
+    assert "float16 subnormals" in f.message
+    assert "a GradScaler cannot help while the weights themselves are float16" in f.advice
+    assert "Keep the weights in float32 first" in f.advice
+    assert doctor.session.findings_of("lowp_updates_lost")

@@ -87,6 +87,15 @@ ADVICE: dict[str, str] = {
         "`scaler = torch.amp.GradScaler(device_type)` and use `scaler.scale(loss).backward()`, "
         "`scaler.step(optimizer)`, `scaler.update()`; or use `dtype=torch.bfloat16`."
     ),
+    # The same, for float16 weights (`model.half()`): a GradScaler refuses their gradients.
+    "missing_scaler_half_params": (
+        "Small gradients flush to zero in float16, and a GradScaler cannot help while the "
+        "weights themselves are float16: it refuses to unscale float16 gradients (`ValueError: "
+        "Attempting to unscale FP16 gradients.`). Keep the weights in float32 first (remove "
+        "`model.half()` and run the forward under `torch.autocast(device_type, "
+        "dtype=torch.float16)`), then add `scaler = torch.amp.GradScaler(device_type)`; or use "
+        "bfloat16."
+    ),
     "autocast_inactive": (
         "Autocast did not run. Wrap the forward pass and loss in "
         "`with torch.autocast(device_type='cuda' or 'cpu', dtype=torch.float16):` and check "

@@ -497,10 +497,11 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                     f"zero: the gradient had already underflowed float16 in {source.name} "
                     f"({F.pct(grad_underflow(source))} below the smallest normal), which runs "
                     f"before it in backward, and reached this layer flushed to zero{tail}")
+        half = kind == "missing_scaler" and "float16" in lay.param_dtypes
         yield Finding(
             kind=kind, severity="warning", module=lay.name, op=None, step=None,
             message=f"{F.layer(lay.name)} ({lay.type}): {what}.",
-            advice=ADVICE[kind],
+            advice=ADVICE["missing_scaler_half_params" if half else kind],
             data={"grad_underflow_frac": gu, "grad_zero_frac": lay.grad_zero_frac,
                   "flushed_after": source.name if flushed and source else None,
                   "scaled": scaled, "grad_absmax": big},
