@@ -297,3 +297,30 @@ def test_float16_weights_are_not_told_to_add_a_grad_scaler_alone() -> None:
     assert "a GradScaler cannot help while the weights themselves are float16" in f.advice
     assert "Keep the weights in float32 first" in f.advice
     assert doctor.session.findings_of("lowp_updates_lost")
+
+
+def test_clip_error_if_nonfinite_with_a_grad_scaler_is_explained() -> None:
+    """Review 46b: `clip_grad_norm_(..., error_if_nonfinite=True)` in the documented recipe
+    raised at the scaler's first, too-large scale: "run_ended_early: fix the error". It is
+    the scaler working as designed, and the option is what to change."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    x = torch.randn(64, 16) * 30
+    with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
+        with amp_doctor.watch(model, tensorboard=False) as doctor:
+            for _ in range(3):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(x).float().pow(2).mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+                scaler.step(opt)
+                scaler.update()
+    s = doctor.session
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert f.kind == "clip_error_if_nonfinite"
+    assert f.message.startswith(f"The run raised at {__file__}:")
+    assert "Drop `error_if_nonfinite=True`" in f.advice

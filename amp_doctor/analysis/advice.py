@@ -261,6 +261,13 @@ ADVICE: dict[str, str] = {
         "updated the weights (or reset the gradients) after a backward. If your loop differs, "
         "call `doctor.step()` at the end of each iteration."
     ),
+    "clip_error_if_nonfinite": (
+        "Drop `error_if_nonfinite=True` (False is the default) and keep the recipe "
+        "`scaler.unscale_(optimizer); clip_grad_norm_(params, max_norm); "
+        "scaler.step(optimizer); scaler.update()`: scaler.step skips the step whose "
+        "gradients are inf/NaN and lowers the scale. To stop on NaN that the scaler does "
+        "not explain, run `amp-doctor diagnose --anomaly`."
+    ),
     "lowp_updates_lost": (
         "Keep float32 master weights: remove `model.half()` / `.to(torch.float16)`, keep the "
         "model in float32 and run the forward under `torch.autocast(device_type, "

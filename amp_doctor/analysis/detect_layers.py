@@ -606,6 +606,11 @@ _CONSTANT_OVERFLOW = re.compile(r"cannot be converted to type c10::(Half|BFloat1
                                 r"overflow")
 
 
+# The message of ``clip_grad_norm_(..., error_if_nonfinite=True)`` on inf/NaN gradients.
+_CLIP_NONFINITE = re.compile(r"The total norm of order \S+ for gradients from `parameters` "
+                             r"is non-finite, so it cannot be clipped")
+
+
 def run_findings(session: Session) -> Iterable[Finding]:
     """A run that died before its first step finished is never "healthy"; a run that died
     of a constant float16 cannot hold is told why."""
@@ -625,6 +630,21 @@ def run_findings(session: Session) -> Iterable[Finding]:
             data={"dtype": fmt, "error": err, "at": session.run.error_at},
         )
         return  # the run's end is this finding's: not a second error for it
+    clip = _CLIP_NONFINITE.search(err) if session.run.outcome == "exception" else None
+    if clip is not None and session.amp.scaler:
+        where = f" at {session.run.error_at}" if session.run.error_at else ""
+        yield Finding(
+            kind="clip_error_if_nonfinite", severity="error", module=None, op=None, step=None,
+            message=(f"The run raised{where} after {F.counted(session.steps, 'step')}: "
+                     "clip_grad_norm_(..., error_if_nonfinite=True) met inf/NaN gradients. "
+                     "With a GradScaler they are expected now and then: at its start "
+                     "(init_scale) and after each growth it tries a scale too large for the "
+                     "gradients, and scaler.step skips that step and lowers the scale. The "
+                     "error stopped the run at the first of them."),
+            advice=ADVICE["clip_error_if_nonfinite"],
+            data={"error": err, "at": session.run.error_at},
+        )
+        return
     if session.steps == 0 and session.run.outcome in ("exception", "interrupted", "exit") and (
             session.run.outcome != "exit" or session.run.exit_code not in (None, 0)):
         yield Finding(

@@ -32,7 +32,8 @@ EARLY_END_KINDS = ("run_ended_early", "no_step_boundary")
 
 
 def fold_early_end(out: list[Finding]) -> list[Finding]:
-    if any(f.kind in ("run_ended_early", "constant_overflow") for f in out):
+    if any(f.kind in ("run_ended_early", "constant_overflow", "clip_error_if_nonfinite")
+           for f in out):
         # No step ended because the run did, not because the loop lacks a boundary: no
         # advice to call doctor.step() (one that steps another model's optimizer stays).
         # Nor is "no layer ran in low precision" a finding of a forward that died in its
