@@ -324,3 +324,27 @@ def test_clip_error_if_nonfinite_with_a_grad_scaler_is_explained() -> None:
     assert f.kind == "clip_error_if_nonfinite"
     assert f.message.startswith(f"The run raised at {__file__}:")
     assert "Drop `error_if_nonfinite=True`" in f.advice
+
+
+def test_a_run_cut_short_while_the_scaler_calibrates_is_no_collapse() -> None:
+    """Review 46a: `--stop-after 6` of a healthy run with `init_scale=2**28` got an ERROR
+    scale_collapse (2**28 -> 2**22, "do not just lower init_scale"); its 24-step run was
+    calibration, as designed. Cut short, it still is, and the note says nothing trained."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**28)
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for _ in range(6):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.backoff_steps == [0, 1, 2, 3, 4, 5]
+    assert not [f for f in s.findings if f.severity != "info"]
+    (f,) = s.findings_of("scaler_backoff")
+    assert "the calibration was still under way when the run ended: every optimizer step " \
+           "was skipped, so the model has not trained yet" in " ".join(f.message.split())

@@ -79,7 +79,9 @@ def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[Scale
     prev = [x for x in growths if x.step < g[0].step]
     if (i == 0 and not prev and g[0].step < CALIBRATION_START
             and (len(g) < BACKOFF_RUN_COLLAPSE or after > CALIBRATED_MIN)
-            and g[-1].step < last_step
+            # Still halving when the run ended: calibration cut short, if the scale is
+            # still high (a quick trial of a high init_scale; review 46a).
+            and (g[-1].step < last_step or after > CALIBRATED_MIN)
             and not (after < SCALE_COLLAPSE_MIN)):
         return "calibration"
     if (i == 1 and not prev and len(g) == 1 and g[0].step < CALIBRATION_STEPS
@@ -603,6 +605,11 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             parts.append(f"{len(g)} while calibrating at the start ("
                          f"{span}, scale {_scale(g[0].scale_before)} -> "
                          f"{_scale(g[-1].scale_after)})")
+            if g[-1].step >= last_step:
+                parts.append("the calibration was still under way when the run ended" + (
+                    ": every optimizer step was skipped, so the model has not trained yet "
+                    "(a longer run, or a lower `init_scale`, trains)"
+                    if len(g) >= session.steps else ""))
             for c in cal[1:]:
                 # Not at the start: steps later, before any growth (_normal_backoff).
                 parts.append(f"1 more at step {c[0].step}, before the scale ever grew: the "
@@ -646,7 +653,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
     deep = min(sc.init_scale or DEFAULT_INIT_SCALE, DEFAULT_INIT_SCALE) / 2 ** (
         2 * BACKOFF_RUN_COLLAPSE)
     runs = [g for i, g in enumerate(groups) if len(g) >= BACKOFF_RUN_COLLAPSE and (
-        i > 0 or g[0].step >= CALIBRATION_STEPS or g[-1].step >= last_step
+        i > 0 or g[0].step >= CALIBRATION_STEPS
+        or g[-1].step >= last_step and not g[-1].scale_after > CALIBRATED_MIN
         or g[-1].scale_after < deep)]
     reasons = []
     if min_scale is not None and min_scale < SCALE_COLLAPSE_MIN:
