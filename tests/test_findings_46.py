@@ -348,3 +348,55 @@ def test_a_run_cut_short_while_the_scaler_calibrates_is_no_collapse() -> None:
     (f,) = s.findings_of("scaler_backoff")
     assert "the calibration was still under way when the run ended: every optimizer step " \
            "was skipped, so the model has not trained yet" in " ".join(f.message.split())
+
+
+def test_anomaly_mode_names_a_batch_beyond_float16_in_an_unrecorded_step() -> None:
+    """Review 46a: a data spike of 1e5 at steps 3 and 7 under `--anomaly` gave "No recorded
+    step had it, so where it appeared is unknown" and an unlocated NaN, while `--every 1`
+    named the batch. The per-step batch check had its range: a finite value beyond the
+    max of the format autocast casts to is now the finding, and the NaN loss its
+    consequence."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+        for step in range(10):
+            x = torch.randn(8, 16, generator=g)
+            y = torch.randint(0, 4, (8,), generator=g)
+            if step in (3, 7):
+                x[0, 0] = 1e5
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert f.kind == "input_beyond_format" and f.module == "Sequential" and f.step == 3
+    assert f.data["batch_steps"] == [3, 7] and f.data["input_absmax"] == 1e5
+    assert "beyond float16's max 65504, in 2 steps" in f.message
+    assert s.findings_of("nonfinite_loss")[0].severity == "info"
+    assert not s.findings_of("nonfinite_unlocated")
+
+
+def test_a_large_batch_that_never_goes_non_finite_is_no_finding_in_anomaly_mode() -> None:
+    """Values beyond float16's max that a float32 op takes first (a LayerNorm) make no
+    inf: no finding, however often the per-step check sees them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+        for _ in range(6):
+            x = torch.randn(8, 16) * 1e5
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert not doctor.session.findings_of("input_beyond_format")
+    assert not [f for f in doctor.session.findings if f.severity == "error"]

@@ -220,6 +220,12 @@ def _input_beyond_format(session: Session, told: set[str]) -> Iterable[Finding]:
         if e.kind != "input_beyond_format":
             continue
         d, layer = e.data, str(e.data.get("first_bad_layer"))
+        if d.get("from_step_check"):
+            # Anomaly mode's per-step check of the batch, in unrecorded steps: said once,
+            # when no recorded step said it.
+            if not any(x.kind == e.kind and x is not e for x in session.events):
+                yield _batch_beyond_in_step_check(e)
+            continue
         if layer in told or any(x.module == layer and x.op in CAST_OPS for x in session.events):
             continue  # said by its overflow finding, or by anomaly mode's cast with its line
         n = int(d.get("occurrences", 1))
@@ -244,6 +250,26 @@ def _input_beyond_format(session: Session, told: set[str]) -> Iterable[Finding]:
             data={"input_absmax": d.get("absmax"), "dtype": dtype,
                   "occurrences": n, "first_bad_layer": layer},
         )
+
+
+def _batch_beyond_in_step_check(e: Event) -> Finding:
+    d = e.data
+    steps = [int(x) for x in d.get("steps") or [e.step]]
+    dtype = d.get("dtype")
+    return Finding(
+        kind="input_beyond_format", severity="error", module=e.module, op=None, step=e.step,
+        message=(f"The batch given to {F.layer(e.module)} held values up to "
+                 f"{F.num(d.get('absmax'))}, beyond {dtype}'s max "
+                 f"{float(d.get('max') or 0):g}, in {F.counted(len(steps), 'step')} whose "
+                 f"gradients went non-finite (steps {F.steps_list(steps)}; anomaly mode's "
+                 f"check of every step's batch" + (f", the model called at {e.frame}"
+                                                   if e.frame else "")
+                 + f"). Autocast's cast of such values to {dtype} is inf."),
+        advice=ADVICE["input_beyond_format"],
+        steps=steps,
+        data={"input_absmax": d.get("absmax"), "dtype": dtype, "occurrences": len(steps),
+              "first_bad_layer": None, "batch_steps": steps},
+    )
 
 
 # Containers whose forward only chains their children: no code of their own runs before

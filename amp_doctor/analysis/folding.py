@@ -183,6 +183,12 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                          and x.severity == "error"), None)
         if root is None and f.kind == "nonfinite_loss":
             root = next((e for e in errors if e.kind == "nonfinite_input"), None)
+        if root is None and f.kind in ("nonfinite_loss", "scaler_backoff", "scale_collapse"):
+            # A batch beyond the format's max, seen by anomaly mode's per-step check in
+            # every step that went bad: the cast made the inf (review 46a).
+            bad = set(steps_of(f))
+            root = next((e for e in errors if e.kind == "input_beyond_format"
+                         and bad and bad <= set(e.data.get("batch_steps") or ())), None)
         if root is None and f.kind in ("scaler_backoff", "scale_collapse"):
             # Backoffs no forward origin explains, in steps where a backward op made the
             # gradients non-finite (the backward of sqrt at 0): that op is their cause.

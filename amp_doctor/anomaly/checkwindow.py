@@ -16,7 +16,7 @@ import torch
 from amp_doctor.anomaly.origins import OpWindow, origin_flags, stack_rows
 from amp_doctor.anomaly.stepcheck import RootCall, StepFlag
 from amp_doctor.anomaly.userframes import format_frames
-from amp_doctor.device.stats import bad_batch
+from amp_doctor.device.stats import bad_batch, upload
 from amp_doctor.devicework import count_sync
 from amp_doctor.records import Event
 
@@ -41,6 +41,10 @@ class CheckWindow:
     weights: list[StepFlag] = field(default_factory=list)
     # Each step's loss check (device bools, not in ``flags``: read when one is flagged).
     losses: list[StepFlag] = field(default_factory=list)
+    # Per root call: a finite batch beyond the max of the format autocast casts it to
+    # (device bools, not in ``flags``: large inputs that a float32 first layer takes are
+    # no anomaly; read when a step's gradients are flagged).
+    beyond: torch.Tensor | None = None
 
     def finite_loss_steps(self) -> frozenset[int]:
         """The steps whose loss was checked and finite (syncs: an abnormal window only)."""
@@ -62,9 +66,18 @@ def gather(p: OpWindow, calls: list[RootCall], grads: list[StepFlag],
     if p.entries:
         op_flags, op_rows = origin_flags(p, p.entries)
         parts.append(op_flags)
+    beyond = None
     if calls:
         call_rows = stack_rows([c.row for c in calls])
-        parts.append(bad_batch(call_rows))
+        bad = bad_batch(call_rows)
+        parts.append(bad)
+        finite = [math.isfinite(c.limit) for c in calls]
+        if any(finite):
+            # Every finite limit is float16's: one compare, masked where autocast was off.
+            limit = min(c.limit for c in calls)
+            beyond = (call_rows.abs().amax(1) > limit) & ~bad
+            if not all(finite):
+                beyond &= upload([int(x) for x in finite], call_rows.device).bool()
     sums = [g.value for g in grads] + [g.value for g in weights]
     if not parts and not sums:
         return None
@@ -74,7 +87,8 @@ def gather(p: OpWindow, calls: list[RootCall], grads: list[StepFlag],
     if sums:
         parts.append(~torch.isfinite(torch.stack([s.to(home) for s in sums])))
     flags = torch.cat([x.to(home) for x in parts])
-    return CheckWindow(p, calls, grads, flags, op_rows, call_rows, weights, losses or [])
+    return CheckWindow(p, calls, grads, flags, op_rows, call_rows, weights, losses or [],
+                       beyond)
 
 
 def input_event(c: RootCall, row: torch.Tensor) -> Event:

@@ -88,9 +88,9 @@ from amp_doctor.anomaly.origins import (
     report_origins,
 )
 from amp_doctor.anomaly.stepcheck import RootCall, StepCheck
-from amp_doctor.anomaly.userframes import MAX_USER_FRAMES
-from amp_doctor.devicework import count_sync, iter_tensors, own_ops
-from amp_doctor.dtypes import dtype_name
+from amp_doctor.anomaly.userframes import MAX_USER_FRAMES, format_frames
+from amp_doctor.devicework import count_sync, iter_tensors, own_ops, user_autocast_enabled
+from amp_doctor.dtypes import FORMAT_MAX, dtype_name
 from amp_doctor.errors import AmpDoctorError, NonFiniteError
 from amp_doctor.hooks import moduleends
 from amp_doctor.hooks.compiled import capturing
@@ -128,6 +128,18 @@ MAX_LISTED_STEPS = 50
 # most this many.
 MAX_AIMED_SEARCHES = 4
 
+
+
+def _cast_limit(device_type: str) -> float:
+    """The max of the format the user's autocast casts to on ``device_type`` (float16's),
+    or inf: a finite batch value beyond it is inf after the first layer's cast."""
+    try:
+        if user_autocast_enabled(device_type) and \
+                torch.get_autocast_dtype(device_type) == torch.float16:
+            return FORMAT_MAX["float16"]
+    except Exception:  # a device type this torch build does not know
+        pass
+    return float("inf")
 
 class _RootRunning(NamedTuple):
     """The root model whose forward is running, and its name."""
@@ -182,6 +194,8 @@ class AnomalyMode:
         self._unexplained_count = 0
         self._skipped: set[int] = set()
         self._input_steps: set[int] = set()
+        # The one event of batches beyond the cast format's max (see _beyond_events).
+        self._beyond: Event | None = None
         self._first_bad: int | None = None
         self._weights_bad_at: int | None = None
         self._noted: set[int] = set()
@@ -297,7 +311,8 @@ class AnomalyMode:
                         kind="input", op=None, module=module, step=self._step_of(),
                         dtype=dtype_name(tensors[0].dtype), outs=outs, ins=[], frames=frames))
                     return
-                self._check.note_batch(self._step_of(), module, tensors, frames)
+                self._check.note_batch(self._step_of(), module, tensors, frames,
+                                       _cast_limit(tensors[0].device.type))
         except NonFiniteError:
             raise
         except Exception as e:
@@ -409,6 +424,7 @@ class AnomalyMode:
                         self._input_event(c, r)
         flags = host[pos:].tolist()
         bad_grads = [g.step for g, b in zip(w.grads, flags, strict=False) if b]
+        self._beyond_events(w, set(bad_grads))
         bad_wts = [g.step for g, b in zip(w.weights, flags[len(w.grads):], strict=True) if b]
         if bad_wts and self._weights_bad_at is None:
             self._weights_bad_at = min(bad_wts)
@@ -419,6 +435,33 @@ class AnomalyMode:
     def _input_event(self, c: RootCall, row: torch.Tensor) -> None:
         self._log.store(input_event(c, row), [c.step])
         self._input_steps.add(c.step)
+
+    def _beyond_events(self, w: CheckWindow, bad_steps: set[int]) -> None:
+        """Batches with finite values beyond the format autocast cast them to, in steps
+        whose gradients went non-finite: the cast made the inf (review 46a: a data spike
+        in an unrecorded step was "unknown"). Read in an abnormal window only."""
+        if w.beyond is None or w.call_rows is None or not bad_steps:
+            return
+        beyond = w.beyond.cpu().tolist()
+        rows = w.call_rows.cpu()
+        count_sync()
+        for c, b, r in zip(w.calls, beyond, rows, strict=True):
+            if not b or c.step not in bad_steps or c.step in self._input_steps:
+                continue
+            top = float(r.abs().max())
+            e = self._beyond
+            if e is None:
+                e = self._beyond = Event(
+                    kind="input_beyond_format", step=c.step, module=c.module,
+                    frame=format_frames(c.frames)[0] if c.frames else None,
+                    data={"absmax": top, "dtype": "float16", "max": c.limit,
+                          "occurrences": 0, "steps": [], "from_step_check": True})
+                self._log.store(e, [c.step])
+            e.data["absmax"] = max(float(e.data["absmax"]), top)
+            if c.step not in e.data["steps"]:
+                e.data["occurrences"] = int(e.data["occurrences"]) + 1
+                e.data["steps"].append(c.step)
+            self._input_steps.add(c.step)
 
     def _note_bad(self, steps: list[int]) -> None:
         """Steps in which the per-step check saw a non-finite value: search the next ones."""

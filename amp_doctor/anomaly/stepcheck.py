@@ -37,6 +37,9 @@ class RootCall:
     dtype: str
     frames: tuple[Frame, ...]
     row: torch.Tensor  # [2] float32 (min, max) over the floating inputs
+    # The max of the format autocast casts the batch to (float16's), else inf: a finite
+    # value beyond it is inf after the first layer's cast.
+    limit: float = math.inf
 
 
 @dataclass(slots=True)
@@ -135,10 +138,10 @@ class StepCheck:
             self.weights.extend(StepFlag(step, f) for f in norm_sums(self.watched_params()))
 
     def note_batch(self, step: int, module: str, tensors: list[torch.Tensor],
-                   frames: tuple[Frame, ...]) -> None:
+                   frames: tuple[Frame, ...], limit: float = math.inf) -> None:
         with own_ops:
             self.calls.append(RootCall(step, module, dtype_name(tensors[0].dtype), frames,
-                                       batch_row(tensors)))
+                                       batch_row(tensors), limit))
 
     def note_stepped(self, params: list[torch.Tensor]) -> None:
         """An optimizer is about to step ``params``: flag their gradients as it takes them
