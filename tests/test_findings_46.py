@@ -400,3 +400,39 @@ def test_a_large_batch_that_never_goes_non_finite_is_no_finding_in_anomaly_mode(
             scaler.update()
     assert not doctor.session.findings_of("input_beyond_format")
     assert not [f for f in doctor.session.findings if f.severity == "error"]
+
+
+def test_a_layer_shared_across_depth_only_carries_the_inf_made_between_its_calls() -> None:
+    """Review 46a: `shared(x)`, then `mid` (which overflows), then `shared` again. shared's
+    second call carried mid's inf, but as its first call ran before mid, it was no later
+    layer: two errors, shared "worst" with "an op in it made inf". The same model with a
+    second Linear in its place was right: mid's error, the other a carrier."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared, self.mid = nn.Linear(32, 32), nn.Linear(32, 32)
+            self.norm, self.out = nn.LayerNorm(32), nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.norm(self.shared(self.mid(self.shared(x)))))
+
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.mid.weight.mul_(300000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(torch.randn(16, 32)),
+                                                   torch.randint(0, 4, (16,)))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    (f,) = [f for f in doctor.session.findings if f.severity == "error"]
+    assert f.kind == "activation_overflow" and f.module == "mid"
+    assert "only carried its inf/NaN on and are not separate problems: shared" in " ".join(
+        f.message.split())

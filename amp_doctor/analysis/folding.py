@@ -122,6 +122,11 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                     f.severity == "error"
                     or (f.severity == "warning" and lay.nonfinite_steps > 0))):
             before = [o for o in origin_layers if o.order < lay.order]
+            if not before and lay.calls > lay.recorded_steps:
+                # Called again later in its step (a projection shared across depth): its
+                # first call came before the origin, its later one carried the inf on
+                # (review 46a). The origin it ran after is one placed after its first.
+                before = [o for o in origin_layers if o.order > lay.order][:1]
             root = carried_from.get(lay.name) or (
                 root_for_module(before[-1].name) if before else None)
             if root is None:
