@@ -436,3 +436,31 @@ def test_a_layer_shared_across_depth_only_carries_the_inf_made_between_its_calls
     assert f.kind == "activation_overflow" and f.module == "mid"
     assert "only carried its inf/NaN on and are not separate problems: shared" in " ".join(
         f.message.split())
+
+
+def _fc1_grad_absmax(inplace: bool) -> float | None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(inplace=inplace), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            x = torch.randn(2, 4, 16, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x).reshape(-1, 4),
+                                                   torch.randint(0, 4, (8,), generator=g))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return next(x.grad_absmax for x in doctor.session.layers if x.name == "0")
+
+
+def test_an_inplace_activation_after_a_3d_linear_keeps_its_output_gradient() -> None:
+    """Review 46a: under autocast a Linear on 3-D input returns a view; `ReLU(inplace=True)`
+    after it rebased the view's history, so the hook on fc1's output never ran: no
+    output-gradient figures for fc1 (the table's '-', said to mean "it has none"). They
+    are now those of the same run with an out-of-place ReLU."""
+    with_inplace = _fc1_grad_absmax(True)
+    assert with_inplace is not None and with_inplace == _fc1_grad_absmax(False) > 0

@@ -890,8 +890,10 @@ def test_torchscript_export_during_a_watch_works_and_leaves_the_watch_as_it_was(
             x = torch.randn(2, 16)
             hooks_seen["before"] = _module_hook_count(m)
             scripted = torch.jit.script(m)
-            traced = torch.jit.trace(m, x)  # check_trace=True: two runs, one graph
             hooks_seen["after"] = _module_hook_count(m)
+            # (Tracing runs the model under no_grad: an evaluation, which runs with the
+            # layers' hooks off until the next training forward.)
+            traced = torch.jit.trace(m, x)  # check_trace=True: two runs, one graph
             outs.extend([scripted(x), traced(x), m(x)])
             kinds.update(n.kind() for n in traced.inlined_graph.nodes())
 

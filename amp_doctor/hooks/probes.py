@@ -668,6 +668,13 @@ class Probes:
             hook = self._leaf_hooks[t] = _GradHook(self, owners, buf)
             self._keep_handle(t.register_hook(hook))
             return
+        base = t._base
+        if base is not None and base.grad_fn is not None and base.numel() == t.numel():
+            # A reshape of the layer's result (a Linear on 3-D input under autocast returns
+            # a view): an in-place op after the layer (ReLU(inplace=True)) rebases the
+            # view's history, and a hook on it would never run (review 46a). Its base's
+            # gradient holds the same values.
+            t = base
         self._keep_handle(t.register_hook(_GradHook(self, owners, buf)))
 
     def _keep_handle(self, handle: RemovableHandle) -> None:
