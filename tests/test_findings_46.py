@@ -464,3 +464,31 @@ def test_an_inplace_activation_after_a_3d_linear_keeps_its_output_gradient() -> 
     are now those of the same run with an out-of-place ReLU."""
     with_inplace = _fc1_grad_absmax(True)
     assert with_inplace is not None and with_inplace == _fc1_grad_absmax(False) > 0
+
+
+def test_clipping_after_unscaling_one_of_two_optimizers_names_the_other() -> None:
+    """Review 46b: `scaler.unscale_(opt1)` only, then clipping every parameter: the error
+    said "no scaler.unscale_(optimizer) before it", though one was there."""
+    torch.manual_seed(0)
+    body, head = nn.Sequential(nn.Linear(16, 64), nn.ReLU()), nn.Linear(64, 1)
+    model = nn.Sequential(body, head)
+    opt1 = torch.optim.SGD(body.parameters(), lr=0.05)
+    opt2 = torch.optim.SGD(head.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(32, 16)
+    y = x @ torch.randn(16, 1)
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for _ in range(4):
+            opt1.zero_grad()
+            opt2.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt1)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt1)
+            scaler.step(opt2)
+            scaler.update()
+    (f,) = doctor.session.findings_of("clip_before_unscale")
+    assert "with no scaler.unscale_(SGD#1) before it (it clipped those parameters too" in \
+        " ".join(f.message.split())

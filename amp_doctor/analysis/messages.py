@@ -81,9 +81,14 @@ def _clip_before_unscale(a: MessageArgs) -> str:
     d = a.event.data
     func = d.get("func", "clip_grad_norm_")
     scale = d.get("scale")
+    opts = [str(o) for o in d.get("optimizers") or []]
+    # Some optimizers were unscaled, not these: name them (review 46b).
+    missing = (F.and_list([f"scaler.unscale_({o})" for o in opts])
+               if opts and d.get("others_unscaled") else "scaler.unscale_(optimizer)")
     msg = (f"{func} ran on gradients still multiplied by the loss scale "
-           f"({_scale(scale)}): {F.times(a.n)}, {a.at}, with no "
-           "scaler.unscale_(optimizer) before it.")
+           f"({_scale(scale)}): {F.times(a.n)}, {a.at}, with no {missing} before it"
+           + (" (it clipped those parameters too, with the unscaled ones of the other "
+              "optimizers)" if opts and d.get("others_unscaled") else "") + ".")
     mx, tn, cv = d.get("max_norm"), d.get("total_norm"), d.get("clip_value")
     if not isinstance(scale, (int, float)) or not scale:
         return msg

@@ -263,7 +263,8 @@ class MisuseChecks:
             if not still_scaled:
                 continue
             data: dict[str, Any] = {"func": func, "scale": st.scale, "scaler": st.name,
-                                    "optimizers": [n for n in still_scaled if n != "?"]}
+                                    "optimizers": [n for n in still_scaled if n != "?"],
+                                    "others_unscaled": len(still_scaled) < len(owners)}
             for k in ("max_norm", "clip_value"):
                 if info.get(k) is not None:
                     data[k] = float(info[k])
