@@ -492,3 +492,28 @@ def test_clipping_after_unscaling_one_of_two_optimizers_names_the_other() -> Non
     (f,) = doctor.session.findings_of("clip_before_unscale")
     assert "with no scaler.unscale_(SGD#1) before it (it clipped those parameters too" in \
         " ".join(f.message.split())
+
+
+def test_a_warmup_the_skipped_steps_ate_is_a_warning() -> None:
+    """Review 46b: a 10-step warmup with `init_scale=2**32`, whose first 12 steps the
+    scaler skipped, was "usually harmless": the first update ran at the peak LR."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**32)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(256, 32, generator=g), torch.randint(0, 10, (256,), generator=g)
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for _ in range(16):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+    (f,) = doctor.session.findings_of("scheduler_on_skipped_step")
+    assert f.severity == "warning"
+    assert "the LR rose from 1.00e-04 to 0.001 over those skipped steps" in " ".join(
+        f.message.split())

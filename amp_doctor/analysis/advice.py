@@ -174,7 +174,8 @@ ADVICE: dict[str, str] = {
     "scheduler_on_skipped_step": (
         "Step the scheduler only when the optimizer stepped: `scale = scaler.get_scale(); "
         "scaler.update(); if scaler.get_scale() >= scale: scheduler.step()`. Usually harmless "
-        "for a few skips during calibration."
+        "for a few skips during calibration; a warmup the skips ate (a high `init_scale` "
+        "skips its first steps) needs it, or a lower `init_scale`."
     ),
     "loss_not_scaled": (
         "Call `scaler.scale(loss).backward()`, not `loss.backward()`, while a GradScaler is "

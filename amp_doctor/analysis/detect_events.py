@@ -28,6 +28,7 @@ from amp_doctor.analysis.thresholds import (
     LOWP_UNCHANGED_WARN,
     MADE_INF_HEADROOM_BITS,
     SCALED_GRAD_OVERFLOW_INFO_STEPS,
+    WARMUP_EATEN_RATIO,
 )
 from amp_doctor.dtypes import FORMAT_MAX, judged_format
 from amp_doctor.records import Event, Finding, Session, Severity
@@ -87,6 +88,8 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
             or any(x.kind == "nonfinite_backward" for x in session.events)):
         # The hidden overflow did harm (skipped steps, NaN in backward): it is the cause.
         sev = "error"
+    if kind == "scheduler_on_skipped_step" and _lr_rise(es) >= WARMUP_EATEN_RATIO:
+        sev = "warning"  # the warmup ran while nothing trained
     if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):
         sev = "info"  # only steps the GradScaler skipped: the backoff findings cover them
     if kind == "nonfinite_backward" and _scaled_overflows(session, es):
@@ -97,6 +100,13 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
         beyond = sum(e.step not in normal for e in es)
         sev = "info" if beyond <= SCALED_GRAD_OVERFLOW_INFO_STEPS else "warning"
     return sev
+
+
+def _lr_rise(es: list[Event]) -> float:
+    """How far the LR rose over the skipped steps a scheduler stepped on: the highest LR
+    they would have used over the first one's (1 when not known)."""
+    lrs = [float(e.data["lr"]) for e in es if isinstance(e.data.get("lr"), (int, float))]
+    return max(lrs) / lrs[0] if len(lrs) > 1 and lrs[0] > 0 else 1.0
 
 
 def _advice(session: Session, first: Event) -> str:
@@ -124,6 +134,10 @@ def event_findings(session: Session) -> Iterable[Finding]:
             continue
         n = max(len(es), int(first.data.get("occurrences") or 0))
         steps = [e.step for e in es]
+        if kind == "scheduler_on_skipped_step" and _lr_rise(es) >= WARMUP_EATEN_RATIO:
+            lrs = [float(e.data["lr"]) for e in es if isinstance(e.data.get("lr"), (int, float))]
+            first = dataclasses.replace(first, data={
+                **first.data, "lr_first": lrs[0], "lr_max": max(lrs)})
         if kind in _OPTIMIZER_MISUSE:
             # Each optimizer stepped so is named, not only the first one's.
             opts = list(dict.fromkeys(str(e.data.get("optimizer")) for e in es))

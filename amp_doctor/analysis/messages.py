@@ -139,7 +139,11 @@ def _scheduler_on_skipped_step(a: MessageArgs) -> str:
     return (f"{d.get('scheduler', 'LR scheduler')}.step() ran for "
             f"{d.get('optimizer', 'the optimizer')} after GradScaler skipped its optimizer "
             f"step: {F.times(a.n)}, first for the skipped step {d.get('skipped_step')}{scale}. "
-            "The learning-rate schedule advanced although the parameters did not change.")
+            "The learning-rate schedule advanced although the parameters did not change"
+            + (f": the LR rose from {F.num(d['lr_first'])} to {F.num(d['lr_max'])} over "
+               "those skipped steps, so the warmup ran while nothing trained and the first "
+               f"updates came at up to {F.num(d['lr_max'])}"
+               if isinstance(d.get("lr_max"), float) else "") + ".")
 
 
 @message_for("loss_not_scaled")

@@ -7,6 +7,7 @@ follow-on folding and the layer order read them from here.
 from __future__ import annotations
 
 __all__ = [
+    "WARMUP_EATEN_RATIO",
     "OVERFLOW_FRAC_ERROR",
     "HEADROOM_WARN_BITS",
     "ACT_UNDERFLOW_WARN",
@@ -103,6 +104,9 @@ STUCK_INTERVALS = 3
 # while a GradScaler was on is the scaler's own business, as long as it
 # happens in at most this many steps (calibration); more is a warning.
 SCALED_GRAD_OVERFLOW_INFO_STEPS = 3
+# An LR schedule that rose by this factor over steps the GradScaler skipped ran its warmup
+# while nothing trained: the first update comes at the raised LR (a warning, not info).
+WARMUP_EATEN_RATIO = 2.0
 # At most this many findings of one kind are itemised; the rest are counted.
 MAX_PER_KIND = 8
 # "Worst first": a layer within this many bits of the format's max ranks by its
