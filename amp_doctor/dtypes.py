@@ -25,6 +25,7 @@ __all__ = [
     "FLOAT32",
     "LOW_PRECISION_NAMES",
     "FORMAT_MAX",
+    "MANTISSA_BITS",
     "FormatLimits",
     "limits",
     "LOW_PRECISION_DTYPES",
@@ -40,6 +41,9 @@ FLOAT32 = "float32"
 LOW_PRECISION_NAMES: frozenset[str] = frozenset({FLOAT16, BFLOAT16})
 # torch.finfo(dtype).max, for code that must not import torch (tests check they agree).
 FORMAT_MAX: dict[str, float] = {FLOAT16: 65504.0, BFLOAT16: 3.3895313892515355e38}
+# Explicit significand bits: a value's spacing is 2**-bits of the power of two at or
+# below it (float16: 2 near 2048..4096; bfloat16: 2 near 256..512).
+MANTISSA_BITS: dict[str, int] = {FLOAT16: 10, BFLOAT16: 7}
 
 
 

@@ -54,6 +54,11 @@ def _worse(a: float | None, b: float | None) -> float | None:
     return max(vals) if vals else a if a is not None else b
 
 
+def _least(a: float | None, b: float | None) -> float | None:
+    vals = [v for v in (a, b) if v is not None]
+    return min(vals) if vals else None
+
+
 def _merge_layer(items: list[tuple[int, LayerSummary]]) -> LayerSummary:
     """Worst case over ranks, with the rank that showed it in ``worst_rank``."""
     rank0, base = items[0]
@@ -74,6 +79,7 @@ def _merge_layer(items: list[tuple[int, LayerSummary]]) -> LayerSummary:
             grad_nonfinite_steps=max(merged.grad_nonfinite_steps, lay.grad_nonfinite_steps),
             param_grad_nonfinite_steps=max(merged.param_grad_nonfinite_steps,
                                            lay.param_grad_nonfinite_steps),
+            range_rel=_least(merged.range_rel, lay.range_rel),
             input_dtypes=sorted(set(merged.input_dtypes) | set(lay.input_dtypes)),
             output_dtypes=sorted(set(merged.output_dtypes) | set(lay.output_dtypes)),
         )

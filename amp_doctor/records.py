@@ -158,6 +158,9 @@ class LayerSummary:
     # Every floating input it took (in recorded training calls) was a watched layer's
     # output, as that layer returned it: none came from the batch or the parent's code.
     inputs_known: bool = False
+    # Mean over recorded steps of its output's (max - min) / absmax, when the output kept
+    # one sign in every one of them (None otherwise): the share of its size it spans.
+    range_rel: float | None = None
     ops: dict[str, dict[str, int]] = field(default_factory=dict)  # op -> dtype -> count
     act_exp_hist: list[int] = field(default_factory=list)  # summed float32-exponent bins
     grad_exp_hist: list[int] = field(default_factory=list)

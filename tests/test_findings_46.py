@@ -517,3 +517,38 @@ def test_a_warmup_the_skipped_steps_ate_is_a_warning() -> None:
     assert f.severity == "warning"
     assert "the LR rose from 1.00e-04 to 0.001 over those skipped steps" in " ".join(
         f.message.split())
+
+
+def _offset_regression(dtype: torch.dtype, **watch_kw: object) -> amp_doctor.Session:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+    with torch.no_grad():
+        model[2].bias.fill_(300.0)  # initialised at the targets' mean
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 8, generator=g)
+    y = 300.0 + x[:, :1] * 0.5
+    with amp_doctor.watch(model, tensorboard=False, every=2, **watch_kw) as doctor:
+        for _ in range(20):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=dtype):
+                pred = model(x)
+            nn.functional.mse_loss(pred.float(), y).backward()
+            opt.step()
+    return doctor.session
+
+
+def test_a_bfloat16_output_on_a_large_offset_is_named() -> None:
+    """Review 46b: a regression head predicting values near 300 in bfloat16 (spacing 2
+    there) could not learn a spread of 0.5 and its loss rose; amp-doctor said "AMP looks
+    healthy" and `fix` found nothing. `--fp32 2` restores the float32 curve."""
+    s = _offset_regression(torch.bfloat16)
+    (f,) = [f for f in s.findings if f.severity != "info"]
+    assert f.kind == "output_resolution" and f.module == "2" and f.severity == "warning"
+    assert f.data["levels"] < 8 and f.data["spacing"] == 2.0
+    assert "`--fp32 2` runs it in float32" in " ".join(f.message.split())
+    lay = next(x for x in s.layers if x.name == "2")
+    assert lay.range_rel is not None and lay.range_rel < 8 / 2**7
+    # Run in float32 by --fp32, it is no finding.
+    forced = _offset_regression(torch.bfloat16, fp32=["2"])
+    assert not forced.findings_of("output_resolution")

@@ -262,6 +262,12 @@ ADVICE: dict[str, str] = {
         "updated the weights (or reset the gradients) after a backward. If your loop differs, "
         "call `doctor.step()` at the end of each iteration."
     ),
+    "output_resolution": (
+        "Run the output layer in float32: try it with `amp-doctor diagnose --fp32 <layer>`, "
+        "then in code `with torch.autocast(device_type, enabled=False): y = head(h.float())`; "
+        "or take the offset out of what the model predicts (normalise the targets: subtract "
+        "their mean and divide by their std, and undo it on the predictions)."
+    ),
     "clip_error_if_nonfinite": (
         "Drop `error_if_nonfinite=True` (False is the default) and keep the recipe "
         "`scaler.unscale_(optimizer); clip_grad_norm_(params, max_norm); "

@@ -25,11 +25,12 @@ from amp_doctor.analysis.thresholds import (
     GRAD_ZEROS_SAID,
     HEADROOM_WARN_BITS,
     MADE_INF_HEADROOM_BITS,
+    OUTPUT_LEVELS_WARN,
     OVERFLOW_FRAC_ERROR,
     STARVED_ZERO_FRAC,
     WHOLLY_NONFINITE_FRAC,
 )
-from amp_doctor.dtypes import FORMAT_MAX, judged_format
+from amp_doctor.dtypes import FORMAT_MAX, MANTISSA_BITS, judged_format
 from amp_doctor.records import Event, Finding, LayerSummary, Session
 
 __all__ = ["layer_findings", "run_findings", "autocast_findings", "low_format", "input_cast",
@@ -463,6 +464,9 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         # Its output and output gradient are a child's tensors: the child's findings say it
         # (a Sequential, or the LightningModule around it, repeated its last layer's).
         return
+    coarse = _coarse_output(lay, fmt)
+    if coarse is not None:
+        yield coarse
     au = _act_underflow_that_counts(lay, fmt)
     if lay.ran_low_precision and au > ACT_UNDERFLOW_WARN:
         yield Finding(
@@ -532,6 +536,37 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                   "flushed_after": source.name if flushed and source else None,
                   "scaled": scaled, "grad_absmax": big},
         )
+
+
+def _coarse_output(lay: LayerSummary, fmt: str) -> Finding | None:
+    """The model's output ran in a low-precision format on a large offset: its values
+    kept one sign and spanned only a few of the format's steps (a regression head whose
+    predictions sit near 300, where bfloat16's spacing is 2: review 46b). The model can
+    then not express its function; nothing overflows or underflows."""
+    if not (lay.model_output and lay.ran_low_precision and lay.range_rel is not None
+            and math.isfinite(lay.absmax) and lay.absmax > 0):
+        return None
+    bits = MANTISSA_BITS.get(fmt)
+    if bits is None:
+        return None
+    levels = lay.range_rel * 2**bits
+    if levels >= OUTPUT_LEVELS_WARN:
+        return None
+    spacing = 2.0 ** (math.floor(math.log2(lay.absmax)) - bits)
+    return Finding(
+        kind="output_resolution", severity="warning", module=lay.name, op=None, step=None,
+        message=(f"{F.layer(lay.name)} ({lay.type}) is the model's output and ran in {fmt}: "
+                 f"its values kept one sign and spanned {F.pct(lay.range_rel)} of their size "
+                 f"(mean over the recorded steps), about {levels:.1f} of {fmt}'s steps ("
+                 f"{bits + 1} significant bits: a spacing of {F.num(spacing)} "
+                 f"near {F.num(lay.absmax)}). Its outputs are rounded to a few values, so "
+                 "the loss cannot resolve what it must learn (a regression target on a "
+                 f"large offset, logits with a large shared bias). `--fp32 {lay.name}` runs "
+                 "it in float32 without editing the code."),
+        advice=ADVICE["output_resolution"],
+        data={"range_rel": lay.range_rel, "levels": levels, "spacing": spacing,
+              "dtype": fmt},
+    )
 
 
 def _no_gradient_reached_the_weights(session: Session, fmt: str) -> Finding | None:

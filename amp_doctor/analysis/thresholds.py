@@ -7,6 +7,7 @@ follow-on folding and the layer order read them from here.
 from __future__ import annotations
 
 __all__ = [
+    "OUTPUT_LEVELS_WARN",
     "WARMUP_EATEN_RATIO",
     "OVERFLOW_FRAC_ERROR",
     "HEADROOM_WARN_BITS",
@@ -104,6 +105,9 @@ STUCK_INTERVALS = 3
 # while a GradScaler was on is the scaler's own business, as long as it
 # happens in at most this many steps (calibration); more is a warning.
 SCALED_GRAD_OVERFLOW_INFO_STEPS = 3
+# The model's output spans fewer than this many steps of its low-precision format (its
+# range over its spacing, when it keeps one sign): fewer than 3 bits of resolution.
+OUTPUT_LEVELS_WARN = 8.0
 # An LR schedule that rose by this factor over steps the GradScaler skipped ran its warmup
 # while nothing trained: the first update comes at the raised LR (a warning, not info).
 WARMUP_EATEN_RATIO = 2.0

@@ -30,6 +30,7 @@ from amp_doctor.steps.table import (
     MAX,
     MIN,
     NONFINITE,
+    NUMEL,
     OVER,
     PG,
     PG_U,
@@ -83,6 +84,9 @@ class LayerAggregates:
         self._slot: dict[str, int] = {}
         self._sums = torch.zeros(0, _N_SUMS, dtype=_F64)
         self._ext = torch.zeros(0, len(_EXT_START), dtype=_F64)  # greatest, -least
+        # Per layer: the sum and count of its output's relative range, over the steps its
+        # output kept one sign (see add).
+        self._rel = torch.zeros(0, 2, dtype=_F64)
         self._origin_steps: dict[str, int] = {}
         self._cache: dict[str, LayerFigures] | None = None
 
@@ -109,6 +113,16 @@ class LayerAggregates:
         self._sums.index_add_(0, idx, torch.cat([
             means.nan_to_num(0.0), seen, nonfinite > 0, g_head == g_head,
             torch.ones(n, 1, dtype=_F64), neg_inf], 1))
+        # The output's range relative to its size, (max - min) / absmax, in a step where
+        # it kept one sign: how many of a format's steps it spans. An output on a large
+        # offset (a regression head near 300) spans a few bfloat16 steps (review 46b).
+        filled = table.filled().view(n, -1)
+        mn, mx = filled[:, ACT * _W + MIN], filled[:, ACT * _W + MAX]
+        # A constant output of several values counts (rounded to one value: range 0).
+        one_sign = (((mn > 0) | (mx < 0)) & mn.isfinite() & mx.isfinite()
+                    & (filled[:, ACT * _W + NUMEL] > 1))
+        rel = torch.where(one_sign, (mx - mn) / torch.maximum(mn.abs(), mx.abs()), 0.0)
+        self._rel.index_add_(0, idx, torch.stack([rel, one_sign.to(_F64)], 1))
         ext = torch.cat([hi, -lo], 1)
         ext[:, _FINITE_ONLY].masked_fill_(ext[:, _FINITE_ONLY].isinf(), math.nan)
         ext.nan_to_num_(-math.inf, math.inf, -math.inf)  # NaN: not a candidate
@@ -127,6 +141,7 @@ class LayerAggregates:
             grow = max(len(slot), 2 * n) - n
             self._sums = torch.cat([self._sums, torch.zeros(grow, _N_SUMS, dtype=_F64)])
             self._ext = torch.cat([self._ext, torch.tensor([_EXT_START] * grow, dtype=_F64)])
+            self._rel = torch.cat([self._rel, torch.zeros(grow, 2, dtype=_F64)])
         return rows
 
     def figures(self, name: str) -> LayerFigures | None:
@@ -138,6 +153,7 @@ class LayerAggregates:
     def _all(self) -> dict[str, LayerFigures]:
         n = len(self._slot)
         sums, exts = self._sums[:n].tolist(), self._ext[:n].tolist()
+        rels = self._rel[:n].tolist()
         out: dict[str, LayerFigures] = {}
         for name, i in self._slot.items():
             s, hi = sums[i], exts[i]
@@ -177,6 +193,9 @@ class LayerAggregates:
                 param_grad_underflow_frac=mean(M_PUNDER),
                 param_grad_underflow_frac_unscaled=mean(M_PUNDER_U),
                 param_grad_nonfinite_steps=int(s[C_PNONFIN]),
+                # Only when every step it ran in kept one sign: else some step spread it.
+                range_rel=(rels[i][0] / rels[i][1] if rels[i][1] and rels[i][1] >= (ran or steps)
+                           else None),
             )
         return out
 
@@ -216,5 +235,5 @@ _NEVER: LayerFigures = dict(
     overflow_origin_steps=0, grad_absmax=None, grad_headroom=None, grad_zero_frac=None,
     grad_underflow_frac=None, grad_underflow_frac_unscaled=None, grad_nonfinite_steps=0,
     param_grad_absmax=None, param_grad_zero_frac=None, param_grad_underflow_frac=None,
-    param_grad_underflow_frac_unscaled=None, param_grad_nonfinite_steps=0,
+    param_grad_underflow_frac_unscaled=None, param_grad_nonfinite_steps=0, range_rel=None,
 )
