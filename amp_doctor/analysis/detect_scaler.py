@@ -79,9 +79,9 @@ def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[Scale
     prev = [x for x in growths if x.step < g[0].step]
     if (i == 0 and not prev and g[0].step < CALIBRATION_START
             and (len(g) < BACKOFF_RUN_COLLAPSE or after > CALIBRATED_MIN)
-            # Still halving when the run ended: calibration cut short, if the scale is
-            # still high (a quick trial of a high init_scale; review 46a).
-            and (g[-1].step < last_step or after > CALIBRATED_MIN)
+            # Still halving when the run ended: calibration cut short, if the scale is still
+            # above the default start (a quick trial of a high init_scale; review 46a).
+            and (g[-1].step < last_step or after >= DEFAULT_INIT_SCALE)
             and not (after < SCALE_COLLAPSE_MIN)):
         return "calibration"
     if (i == 1 and not prev and len(g) == 1 and g[0].step < CALIBRATION_STEPS
@@ -654,7 +654,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
         2 * BACKOFF_RUN_COLLAPSE)
     runs = [g for i, g in enumerate(groups) if len(g) >= BACKOFF_RUN_COLLAPSE and (
         i > 0 or g[0].step >= CALIBRATION_STEPS
-        or g[-1].step >= last_step and not g[-1].scale_after > CALIBRATED_MIN
+        or g[-1].step >= last_step and not g[-1].scale_after >= DEFAULT_INIT_SCALE
         or g[-1].scale_after < deep)]
     reasons = []
     if min_scale is not None and min_scale < SCALE_COLLAPSE_MIN:
