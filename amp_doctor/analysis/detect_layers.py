@@ -25,6 +25,7 @@ from amp_doctor.analysis.thresholds import (
     GRAD_ZEROS_SAID,
     HEADROOM_WARN_BITS,
     MADE_INF_HEADROOM_BITS,
+    OUTPUT_LEVELS_ERROR,
     OUTPUT_LEVELS_WARN,
     OVERFLOW_FRAC_ERROR,
     STARVED_ZERO_FRAC,
@@ -554,7 +555,8 @@ def _coarse_output(lay: LayerSummary, fmt: str) -> Finding | None:
         return None
     spacing = 2.0 ** (math.floor(math.log2(lay.absmax)) - bits)
     return Finding(
-        kind="output_resolution", severity="warning", module=lay.name, op=None, step=None,
+        kind="output_resolution", module=lay.name, op=None, step=None,
+        severity="error" if levels < OUTPUT_LEVELS_ERROR else "warning",
         message=(f"{F.layer(lay.name)} ({lay.type}) is the model's output and ran in {fmt}: "
                  f"its values kept one sign and spanned {F.pct(lay.range_rel)} of their size "
                  f"(mean over the recorded steps), about {levels:.1f} of {fmt}'s steps ("

@@ -7,6 +7,7 @@ follow-on folding and the layer order read them from here.
 from __future__ import annotations
 
 __all__ = [
+    "OUTPUT_LEVELS_ERROR",
     "OUTPUT_LEVELS_WARN",
     "WARMUP_EATEN_RATIO",
     "OVERFLOW_FRAC_ERROR",
@@ -108,6 +109,9 @@ SCALED_GRAD_OVERFLOW_INFO_STEPS = 3
 # The model's output spans fewer than this many steps of its low-precision format (its
 # range over its spacing, when it keeps one sign): fewer than 3 bits of resolution.
 OUTPUT_LEVELS_WARN = 8.0
+# Fewer than this: its values are rounded to one or two, and the model cannot learn what
+# it must predict (an error, which `fix` and the next: lines act on).
+OUTPUT_LEVELS_ERROR = 2.0
 # An LR schedule that rose by this factor over steps the GradScaler skipped ran its warmup
 # while nothing trained: the first update comes at the raised LR (a warning, not info).
 WARMUP_EATEN_RATIO = 2.0

@@ -185,6 +185,7 @@ def next_steps(session: Session) -> list[str]:
                    f"amp-doctor fix {longer}{script}")
     if not any(f.op for f in session.findings) and any(
             f.kind in ERROR_KINDS_FIXED_BY_FP32 and not f.data.get("loss_too_large")
+            and f.kind != "output_resolution"  # no inf/NaN: no op to name
             for f in errors):
         searched = any(f.kind == "nonfinite_unlocated" or (
             f.kind == "nonfinite_loss" and f.data.get("anomaly")) for f in session.findings)
