@@ -553,3 +553,48 @@ def test_a_bfloat16_output_on_a_large_offset_is_named() -> None:
     # Run in float32 by --fp32, it is no finding.
     forced = _offset_regression(torch.bfloat16, fp32=["2"])
     assert not forced.findings_of("output_resolution")
+
+
+def test_reentrant_checkpointing_keeps_the_layers_inputs_known() -> None:
+    """Review 46a: under `checkpoint(block, x, use_reentrant=True)` the recompute in
+    backward takes detached copies of the block's inputs, which were counted as inputs
+    no watched layer made: `inputs_known` of the second block went False (it decides
+    whether a layer is folded as a carrier), against the README's "the same figures as
+    without checkpointing"."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc(self.ln(x))
+
+    class Net(nn.Module):
+        def __init__(self, mode: str) -> None:
+            super().__init__()
+            self.b0, self.b1, self.head = Block(), Block(), nn.Linear(16, 4)
+            self.mode = mode
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in (self.b0, self.b1):
+                x = (b(x) if self.mode == "none"
+                     else checkpoint(b, x, use_reentrant=self.mode == "reentrant"))
+            return self.head(x)
+
+    def known(mode: str) -> dict[str, tuple[bool, list[str]]]:
+        torch.manual_seed(0)
+        model = Net(mode)
+        with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+            for _ in range(2):
+                x = torch.randn(4, 16, requires_grad=mode == "reentrant")
+                with torch.autocast("cpu", dtype=torch.float16):
+                    model(x).float().sum().backward()
+                doctor.step()
+        return {x.name: (x.inputs_known, x.consumers) for x in doctor.session.layers}
+
+    plain = known("none")
+    assert plain["b1"] == (True, ["head"]) and plain["b1.ln"][0]
+    assert known("reentrant") == plain
+    assert known("non_reentrant") == plain

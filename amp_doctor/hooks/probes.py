@@ -756,7 +756,10 @@ class Probes:
                         self._armed_root_calls.get(id(module), 0) + 1
             elif self._entry(module):
                 self._on_root_forward(module, args)
-        if not self.recording or not (calls.training or torch.is_grad_enabled()):
+        # An activation-checkpointing recompute (inside backward) takes detached copies of
+        # the inputs its first pass took from watched layers: not new producers.
+        if (not self.recording or not (calls.training or torch.is_grad_enabled())
+                or calls.in_backward):
             return
         meta = self.layers[name]
         ins = _first_tensors((args, kwargs))
