@@ -494,14 +494,12 @@ def test_clipping_after_unscaling_one_of_two_optimizers_names_the_other() -> Non
         " ".join(f.message.split())
 
 
-def test_a_warmup_the_skipped_steps_ate_is_a_warning() -> None:
-    """Review 46b: a 10-step warmup with `init_scale=2**32`, whose first 12 steps the
-    scaler skipped, was "usually harmless": the first update ran at the peak LR."""
+def _warmup(first: float, init_scale: float) -> amp_doctor.Session:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**32)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + first) / 10))
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(256, 32, generator=g), torch.randint(0, 10, (256,), generator=g)
     with amp_doctor.watch(model, tensorboard=False) as doctor:
@@ -513,10 +511,23 @@ def test_a_warmup_the_skipped_steps_ate_is_a_warning() -> None:
             scaler.step(opt)
             scaler.update()
             sched.step()
-    (f,) = doctor.session.findings_of("scheduler_on_skipped_step")
+    return doctor.session
+
+
+def test_a_warmup_the_skipped_steps_ate_is_a_warning() -> None:
+    """Review 46b: a 10-step warmup with `init_scale=2**32`, whose first 12 steps the
+    scaler skipped, was "usually harmless": the first update ran at the peak LR. Also
+    from an LR of 0 (a Hugging Face warmup; review 46c)."""
+    (f,) = _warmup(1, 2.0**32).findings_of("scheduler_on_skipped_step")
     assert f.severity == "warning"
     assert "the LR rose from 1.00e-04 to 0.001 over those skipped steps" in " ".join(
         f.message.split())
+    (f,) = _warmup(0, 2.0**32).findings_of("scheduler_on_skipped_step")
+    assert f.severity == "warning" and "the LR rose from 0 to 0.001" in " ".join(
+        f.message.split())
+    # Three skips at the start of the warmup: the LR tripled, no more.
+    (f,) = _warmup(1, 2.0**23).findings_of("scheduler_on_skipped_step")
+    assert f.severity == "info" and f.steps == [0, 1, 2]
 
 
 def _offset_regression(dtype: torch.dtype, **watch_kw: object) -> amp_doctor.Session:

@@ -8,6 +8,7 @@ Each kind has a default severity here; its message comes from
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 from amp_doctor.analysis.advice import ADVICE, event_advice, unlocated_advice
@@ -28,6 +29,7 @@ from amp_doctor.analysis.thresholds import (
     LOWP_UNCHANGED_WARN,
     MADE_INF_HEADROOM_BITS,
     SCALED_GRAD_OVERFLOW_INFO_STEPS,
+    WARMUP_EATEN_OF_PEAK,
     WARMUP_EATEN_RATIO,
 )
 from amp_doctor.dtypes import FORMAT_MAX, judged_format
@@ -102,11 +104,32 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
     return sev
 
 
+def _start_lrs(es: list[Event]) -> list[float]:
+    """The LRs of the skipped steps a scheduler stepped on in the run's first stretch of
+    consecutive skipped steps, from its start (the scaler calibrating a high init_scale):
+    later skips are growth probes at the schedule's cruising LR (review 46c)."""
+    lrs: list[float] = []
+    expected = 0
+    for e in sorted(es, key=lambda e: e.step):
+        lr = e.data.get("lr")
+        if e.step > expected or not isinstance(lr, (int, float)):
+            break
+        lrs.append(float(lr))
+        expected = e.step + 1
+    return lrs
+
+
 def _lr_rise(es: list[Event]) -> float:
-    """How far the LR rose over the skipped steps a scheduler stepped on: the highest LR
-    they would have used over the first one's (1 when not known)."""
-    lrs = [float(e.data["lr"]) for e in es if isinstance(e.data.get("lr"), (int, float))]
-    return max(lrs) / lrs[0] if len(lrs) > 1 and lrs[0] > 0 else 1.0
+    """How far the LR rose over the skipped steps at the run's start: the highest LR they
+    would have used over the first one's (inf from an LR of 0, as a Hugging Face warmup
+    starts; 1 when not known)."""
+    lrs = _start_lrs(es)
+    if len(lrs) < 2 or max(lrs) <= 0:
+        return 1.0
+    later = [float(e.data["lr"]) for e in es if isinstance(e.data.get("lr"), (int, float))]
+    if max(lrs) < WARMUP_EATEN_OF_PEAK * max(later):
+        return 1.0  # a small part of a long warmup
+    return max(lrs) / lrs[0] if lrs[0] > 0 else math.inf
 
 
 def _advice(session: Session, first: Event) -> str:
@@ -135,7 +158,7 @@ def event_findings(session: Session) -> Iterable[Finding]:
         n = max(len(es), int(first.data.get("occurrences") or 0))
         steps = [e.step for e in es]
         if kind == "scheduler_on_skipped_step" and _lr_rise(es) >= WARMUP_EATEN_RATIO:
-            lrs = [float(e.data["lr"]) for e in es if isinstance(e.data.get("lr"), (int, float))]
+            lrs = _start_lrs(es)
             first = dataclasses.replace(first, data={
                 **first.data, "lr_first": lrs[0], "lr_max": max(lrs)})
         if kind in _OPTIMIZER_MISUSE:

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "OUTPUT_LEVELS_ERROR",
     "OUTPUT_LEVELS_WARN",
+    "WARMUP_EATEN_OF_PEAK",
     "WARMUP_EATEN_RATIO",
     "OVERFLOW_FRAC_ERROR",
     "HEADROOM_WARN_BITS",
@@ -112,9 +113,13 @@ OUTPUT_LEVELS_WARN = 8.0
 # Fewer than this: its values are rounded to one or two, and the model cannot learn what
 # it must predict (an error, which `fix` and the next: lines act on).
 OUTPUT_LEVELS_ERROR = 2.0
-# An LR schedule that rose by this factor over steps the GradScaler skipped ran its warmup
-# while nothing trained: the first update comes at the raised LR (a warning, not info).
-WARMUP_EATEN_RATIO = 2.0
+# An LR schedule that rose by this factor over the steps the GradScaler skipped at the
+# run's start ran its warmup while nothing trained, the first update coming at the raised
+# LR (a warning, not info): a linear warmup's first 4 steps, or more. Not when the LR of
+# the skips after it (growth probes) shows the schedule had far further to climb.
+WARMUP_EATEN_RATIO = 4.0
+# ... that is, when the start's highest LR is below this share of the later skips' LR.
+WARMUP_EATEN_OF_PEAK = 0.5
 # At most this many findings of one kind are itemised; the rest are counted.
 MAX_PER_KIND = 8
 # "Worst first": a layer within this many bits of the format's max ranks by its
