@@ -609,3 +609,35 @@ def test_reentrant_checkpointing_keeps_the_layers_inputs_known() -> None:
     assert plain["b1"] == (True, ["head"]) and plain["b1.ln"][0]
     assert known("reentrant") == plain
     assert known("non_reentrant") == plain
+
+
+def test_a_large_batch_during_the_scalers_calibration_is_no_finding_in_anomaly_mode() -> None:
+    """Review 46c: values up to 1e6 that a float32 `log1p` takes first, in the steps a high
+    `init_scale` skips while calibrating: the gradients overflowed, the loss stayed finite.
+    That was an ERROR input_beyond_format under `--anomaly`."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(torch.log1p(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    g = torch.Generator().manual_seed(1)
+    with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+        for step in range(8):
+            x = torch.rand(64, 8, generator=g) * (1e6 if step in (1, 2, 3) else 1e3)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), torch.randint(0, 4, (64,)))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None and {1, 2, 3} <= set(s.scaler.backoff_steps)
+    assert not s.findings_of("input_beyond_format")

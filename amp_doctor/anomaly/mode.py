@@ -424,7 +424,13 @@ class AnomalyMode:
                         self._input_event(c, r)
         flags = host[pos:].tolist()
         bad_grads = [g.step for g, b in zip(w.grads, flags, strict=False) if b]
-        self._beyond_events(w, set(bad_grads))
+        if w.beyond is not None:
+            # Steps whose loss went non-finite too: the cast's inf reached the loss. Not a
+            # GradScaler calibrating on finite losses, whose gradients alone overflowed
+            # (large values a float32 op took first; review 46c).
+            finite = w.finite_loss_steps()
+            loss_bad = {x.step for x in w.losses} - finite
+            self._beyond_events(w, set(bad_grads) & loss_bad)
         bad_wts = [g.step for g, b in zip(w.weights, flags[len(w.grads):], strict=True) if b]
         if bad_wts and self._weights_bad_at is None:
             self._weights_bad_at = min(bad_wts)
@@ -438,7 +444,7 @@ class AnomalyMode:
 
     def _beyond_events(self, w: CheckWindow, bad_steps: set[int]) -> None:
         """Batches with finite values beyond the format autocast cast them to, in steps
-        whose gradients went non-finite: the cast made the inf (review 46a: a data spike
+        whose gradients and loss went non-finite: the cast made the inf (review 46a: a data spike
         in an unrecorded step was "unknown"). Read in an abnormal window only."""
         if w.beyond is None or w.call_rows is None or not bad_steps:
             return
