@@ -641,3 +641,29 @@ def test_a_large_batch_during_the_scalers_calibration_is_no_finding_in_anomaly_m
     s = doctor.session
     assert s.scaler is not None and {1, 2, 3} <= set(s.scaler.backoff_steps)
     assert not s.findings_of("input_beyond_format")
+
+
+def test_clip_error_if_nonfinite_on_a_real_nan_is_not_blamed_on_the_scaler() -> None:
+    """Review 46c: a NaN of the run's own (a sqrt of a negative at step 6, the scale never
+    changed) stopped by `error_if_nonfinite=True` was said to be the GradScaler's probe."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
+        with amp_doctor.watch(model, tensorboard=False) as doctor:
+            for step in range(10):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(8, 16)).float().pow(2).mean()
+                if step == 6:
+                    loss = loss + torch.sqrt(-model[0].weight.abs().sum())
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+                scaler.step(opt)
+                scaler.update()
+    (f,) = [f for f in doctor.session.findings if f.severity == "error"]
+    assert f.kind == "clip_error_if_nonfinite" and f.step == 6
+    assert f.data["scaler_probe"] is False and "the inf/NaN is the run's own" in f.message
+    assert "--on-nonfinite raise" in f.advice

@@ -275,6 +275,11 @@ ADVICE: dict[str, str] = {
         "gradients are inf/NaN and lowers the scale. To stop on NaN that the scaler does "
         "not explain, run `amp-doctor diagnose --anomaly`."
     ),
+    "clip_error_real_nonfinite": (
+        "Find the op that made the inf/NaN and stop there, with its line: `amp-doctor "
+        "diagnose --on-nonfinite raise` (or `--anomaly`). Keep `error_if_nonfinite=True` if "
+        "you want the run to stop on such steps; with it False, scaler.step would skip them."
+    ),
     "lowp_updates_lost": (
         "Keep float32 master weights: remove `model.half()` / `.to(torch.float16)`, keep the "
         "model in float32 and run the forward under `torch.autocast(device_type, "

@@ -18,6 +18,7 @@ from amp_doctor.analysis.messages import CAST_OPS
 from amp_doctor.analysis.thresholds import (
     ACT_RELEVANT_BITS,
     ACT_UNDERFLOW_WARN,
+    CALIBRATION_START,
     F16_SMALLEST_NORMAL,
     GRAD_FLUSHED_WARN,
     GRAD_RELEVANT_BITS,
@@ -696,16 +697,26 @@ def run_findings(session: Session) -> Iterable[Finding]:
     clip = _CLIP_NONFINITE.search(err) if session.run.outcome == "exception" else None
     if clip is not None and session.amp.scaler:
         where = f" at {session.run.error_at}" if session.run.error_at else ""
+        grew = session.scaler is not None and session.steps - 1 in session.scaler.growth_steps
+        # The scaler's own probes: its first steps, or the step after a growth. Elsewhere
+        # the inf/NaN is the run's own (review 46c: a sqrt of a negative at step 12).
+        probe = session.steps < CALIBRATION_START or grew
         yield Finding(
-            kind="clip_error_if_nonfinite", severity="error", module=None, op=None, step=None,
-            message=(f"The run raised{where} after {F.counted(session.steps, 'step')}: "
+            kind="clip_error_if_nonfinite", severity="error", module=None, op=None,
+            step=session.steps,
+            message=(f"The run raised{where} at step {session.steps}: "
                      "clip_grad_norm_(..., error_if_nonfinite=True) met inf/NaN gradients. "
-                     "With a GradScaler they are expected now and then: at its start "
-                     "(init_scale) and after each growth it tries a scale too large for the "
-                     "gradients, and scaler.step skips that step and lowers the scale. The "
-                     "error stopped the run at the first of them."),
-            advice=ADVICE["clip_error_if_nonfinite"],
-            data={"error": err, "at": session.run.error_at},
+                     + ("With a GradScaler they are expected now and then: at its start "
+                        "(init_scale) and after each growth it tries a scale too large for the "
+                        "gradients, and scaler.step skips that step and lowers the scale. The "
+                        "error stopped the run at the first of them" + (
+                            " (the scale had grown at the step before)" if grew else "")
+                        if probe else
+                        "Not at the GradScaler's start nor after a growth of its scale: the "
+                        "inf/NaN is the run's own (an op that made it in the forward or "
+                        "backward pass, or a bad batch)") + "."),
+            advice=ADVICE["clip_error_if_nonfinite" if probe else "clip_error_real_nonfinite"],
+            data={"error": err, "at": session.run.error_at, "scaler_probe": probe},
         )
         return
     if session.steps == 0 and session.run.outcome in ("exception", "interrupted", "exit") and (
