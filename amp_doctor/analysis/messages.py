@@ -230,10 +230,9 @@ def _step_after_unscale(a: MessageArgs) -> str:
     return (f"{_calls(opts, 'step()')} {'was' if one else 'were'} called directly after "
             + (f"scaler.unscale_({opts[0]}), not through scaler.step({opts[0]})" if one
                else "their scaler.unscale_, not through scaler.step")
-            + f" ({F.times(a.n)}, {a.at}): the gradients had their true size, but a step "
-            "whose gradients held inf/NaN was not skipped (only scaler.step skips it): it "
-            "writes inf/NaN into the weights, while the scaler backs off as if it had been "
-            "skipped.")
+            + f", in {F.counted(a.n, 'step')} whose gradients held inf/NaN ({a.at}): "
+            "scaler.step skips such a step; this one wrote the inf/NaN into the weights, "
+            "while the scaler backed off as if it had been skipped.")
 
 
 @message_for("stepped_twice")

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 
-from amp_doctor.devicework import host_scalars, user_autocast_enabled
+from amp_doctor.devicework import count_sync, host_scalars, user_autocast_enabled
 from amp_doctor.dtypes import dtype_name
 from amp_doctor.records import Event
 from amp_doctor.steps.registry import AmpRegistry, optimizer_params, optimizer_stage
@@ -28,6 +28,9 @@ __all__ = ["MisuseChecks", "reaches_params", "MAX_EVENTS_PER_KIND", "GRAPH_WALK_
 
 # Events of one kind kept with their details; further ones are only counted.
 MAX_EVENTS_PER_KIND = 50
+# Steps of optimizer.step() after unscale_ whose inf/NaN flag is kept to be judged.
+MAX_JUDGED_STEPS = 10_000
+_COMPACT = 64  # flags stacked into one tensor every this many
 # Autograd graph nodes visited to decide whether an unscaled backward reached
 # the watched parameters (only done when an enabled scaler then steps them).
 GRAPH_WALK_LIMIT = 200_000
@@ -102,6 +105,14 @@ class MisuseChecks:
         # which optimizers' gradients they scaled (see plain_step).
         self._scaled_roots: list[Any] = []
         self._unreached: set[int] = set()  # optimizers no scaled backward reached
+        # A backward not through the scaler ran since the last scaler.step: an optimizer
+        # stepped again after it steps that backward's gradients (see plain_step).
+        self._unscaled_backward_since_step = False
+        # Steps taken with optimizer.step() after unscale_, and whether their gradients held
+        # inf/NaN (device bools, compacted into chunks), judged with the session.
+        self._unscale_steps: list[tuple[int, str, str, float | None]] = []
+        self._unscale_flags: list[torch.Tensor] = []
+        self._unscale_chunks: list[torch.Tensor] = []
         self._bwd_autocast_step = -1
         self._fp16_checked: set[int] = set()
         registry.forget_hooks.append(self._fp16_checked.discard)
@@ -148,6 +159,7 @@ class MisuseChecks:
 
     def scaler_step(self, scaler: GradScaler, st: ScalerMirror, optimizer: Any) -> None:
         """An enabled ``scaler.step(optimizer)`` is about to run."""
+        self._unscaled_backward_since_step = False
         if self._autocast_dtype() == torch.bfloat16:
             self._event("scaler_with_bf16", once_key="bf16",
                         data={"dtype": "bfloat16", "scale": st.scale, "scaler": st.name})
@@ -203,8 +215,12 @@ class MisuseChecks:
             if not st.scaled_since_update:
                 continue
             stage = optimizer_stage(scaler, optimizer)
+            if stage is OptState.UNSCALED:
+                self._note_step_after_unscale(scaler, st, optimizer)
+                return
+            if stage is OptState.STEPPED and self._unscaled_backward_since_step:
+                return  # new gradients of a float32 loss of its own (a regulariser's)
             kind = ("stepped_twice" if stage is OptState.STEPPED
-                    else "step_after_unscale" if stage is OptState.UNSCALED
                     else "scaled_grads_stepped" if (
                         st.steps_total == 0 and st.updates == 0
                         or self._scaled_reach(optimizer)) else None)
@@ -213,6 +229,41 @@ class MisuseChecks:
                     "optimizer": self._reg.opt_name(optimizer), "scaler": st.name,
                     "scale": st.scale})
                 return
+
+    def _note_step_after_unscale(self, scaler: GradScaler, st: ScalerMirror,
+                                 optimizer: Any) -> None:
+        """``unscale_`` then ``optimizer.step()``: a misuse only in steps whose gradients
+        held inf/NaN (a loop that checks the norm itself, ``if torch.isfinite(norm):
+        opt.step()``, steps only finite ones; review 46c). The scaler's inf flag is kept on
+        the device and read with the session, no sync now."""
+        ost = scaler._per_optimizer_states.get(id(optimizer)) or {}
+        infs = list((ost.get("found_inf_per_device") or {}).values())
+        if not infs:
+            return
+        dev = infs[0].device
+        flag = torch.stack([f.to(dev) for f in infs]).sum() > 0
+        if len(self._unscale_steps) < MAX_JUDGED_STEPS:
+            self._unscale_steps.append((self._step_of(), self._reg.opt_name(optimizer),
+                                        st.name, st.scale))
+            self._unscale_flags.append(flag)
+            if len(self._unscale_flags) >= _COMPACT:
+                self._unscale_chunks.append(torch.stack(self._unscale_flags))
+                self._unscale_flags = []
+
+    def _judge_steps_after_unscale(self) -> None:
+        """The ``step_after_unscale`` events: the noted steps whose gradients held inf/NaN
+        (one host copy, when the session is built)."""
+        if not self._unscale_steps:
+            return
+        parts = self._unscale_chunks + (
+            [torch.stack(self._unscale_flags)] if self._unscale_flags else [])
+        flags = torch.cat([p.to(parts[0].device) for p in parts]).tolist()
+        count_sync()
+        for (step, opt, scaler, scale), bad in zip(self._unscale_steps, flags, strict=True):
+            if bad:
+                self._event("step_after_unscale", step=step, data={
+                    "optimizer": opt, "scaler": scaler, "scale": scale})
+        self._unscale_steps, self._unscale_flags, self._unscale_chunks = [], [], []
 
     def _scaled_reach(self, optimizer: Any) -> bool:
         """Did a scaled backward since the scaler's last update reach ``optimizer``'s
@@ -341,6 +392,7 @@ class MisuseChecks:
         # An unscaled backward after the scaled ones (a GAN's float32 critic, zeroed and
         # trained on its own loss next): the gradients an optimizer steps next are its.
         self._scaled_roots = []
+        self._unscaled_backward_since_step = True
         # A loss: scalar tensors with a graph. backward(gradient) on a
         # non-scalar output is a different pattern and is not judged.
         if not ts or not all(t.numel() == 1 and t.grad_fn is not None for t in ts):
@@ -367,6 +419,7 @@ class MisuseChecks:
     # -- results ------------------------------------------------------------
     def events(self) -> list[Event]:
         """Misuse events so far, with device values (clip norms) read in one batch."""
+        self._judge_steps_after_unscale()
         self._resolve_event_tensors()
         out = list(self._events)
         for kind, n in self._event_counts.items():
