@@ -715,3 +715,26 @@ def test_a_second_step_on_a_float32_losss_own_gradients_is_not_stepped_twice() -
             opt.step()
             scaler.update()
     assert not doctor.session.findings_of("stepped_twice")
+
+
+def test_a_scaled_backward_overflow_the_bypassed_scaler_would_skip_is_its_consequence() -> None:
+    """Review 46c: `scaler.scale(loss).backward(); opt.step()` under `--anomaly` gave a
+    second error, nonfinite_backward in aten.mm at step 0 ("run it in float32"): the scaled
+    gradients' overflow, which scaler.step would have skipped and the bypass applied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(256, 16)
+    y = x @ torch.randn(16, 1)
+    with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+        for _ in range(12):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            opt.step()
+    errors = [f for f in doctor.session.findings if f.severity == "error"]
+    assert [f.kind for f in errors] == ["scaled_grads_stepped"]
+    assert any(f.kind == "nonfinite_backward" and f.severity == "info"
+               for f in doctor.session.findings)

@@ -306,11 +306,12 @@ def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
     # A layer's finding (no step: the run's aggregate) goes too: from the next step on
     # the NaN weights make their layer's output NaN, and the next update every other's.
     # A step taken outside the scaler is the loop's doing from its first step on: the
-    # backoffs of that very step (the scaler found the inf it then applied) are its too.
+    # backoffs of that very step, and the scaled gradients' overflow in its backward (what
+    # the scaler would have skipped, applied), are its too.
     loop = root.kind in _BAD_STEPS[:3]
     later = [f for f in out if f.kind in _AFTER_NAN_WEIGHTS and f.severity != "info"
              and (f.step is None or f.step > root.step or loop and f.step == root.step and
-                  f.kind in ("scaler_backoff", "scale_collapse"))
+                  f.kind in ("scaler_backoff", "scale_collapse", "nonfinite_backward"))
              and f is not root]
     if not later:
         return out
