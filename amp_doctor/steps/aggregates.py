@@ -104,7 +104,8 @@ class LayerAggregates:
             return
         self._cache = None
         idx = torch.tensor(self._rows(table.names))
-        got = table.filled().view(n, -1).index_select(1, _COLS)
+        filled = table.filled().view(n, -1)
+        got = filled.index_select(1, _COLS)
         means, hi, lo, nonfinite = got.split(_SPLIT, 1)
         seen = means == means  # not NaN
         g_head = lo[:, L_GHEAD : L_GHEAD + 1]
@@ -116,7 +117,6 @@ class LayerAggregates:
         # The output's range relative to its size, (max - min) / absmax, in a step where
         # it kept one sign: how many of a format's steps it spans. An output on a large
         # offset (a regression head near 300) spans a few bfloat16 steps (review 46b).
-        filled = table.filled().view(n, -1)
         mn, mx = filled[:, ACT * _W + MIN], filled[:, ACT * _W + MAX]
         # A constant output of several values counts (rounded to one value: range 0).
         one_sign = (((mn > 0) | (mx < 0)) & mn.isfinite() & mx.isfinite()
