@@ -738,3 +738,54 @@ def test_a_scaled_backward_overflow_the_bypassed_scaler_would_skip_is_its_conseq
     assert [f.kind for f in errors] == ["scaled_grads_stepped"]
     assert any(f.kind == "nonfinite_backward" and f.severity == "info"
                for f in doctor.session.findings)
+
+
+_THREAD_AFTER_SIGTERM = '''
+import sys, threading, time, torch
+from torch import nn
+last, steps = [time.monotonic()], [0]
+def serve():
+    # Like multiprocessing's resource sharer: it fails once the workers it serves are gone
+    # (here: once the training loop stops), and reports through sys.excepthook.
+    while steps[0] < 60 or time.monotonic() - last[0] < 0.08:
+        time.sleep(0.01)
+    try:
+        raise ConnectionResetError("the worker this thread served was ended")
+    except Exception:
+        sys.excepthook(*sys.exc_info())
+threading.Thread(target=serve, daemon=True).start()
+model = nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(10**6):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(2, 4)).float().sum()
+    opt.zero_grad(); loss.backward(); opt.step()
+    last[0], steps[0] = time.monotonic(), step
+    if step == 70:
+        print("ready", flush=True)
+    time.sleep(0.01)
+'''
+
+
+def test_other_threads_die_quietly_while_a_sigterm_run_writes_its_report(
+        tmp_path: Path) -> None:
+    """A SIGTERM to the job (CI run 46e): python dies at once, every thread with it; under
+    diagnose the report is written first, and meanwhile a DataLoader's resource-sharer
+    thread, whose workers the same signal ended, printed a traceback. The script's other
+    threads now stay quiet then, as under python."""
+    import os
+    import signal
+
+    (tmp_path / "t.py").write_text(_THREAD_AFTER_SIGTERM)
+    p = subprocess.Popen([console_script(), "diagnose", "--logdir", "out", "t.py"],
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    assert p.stdout is not None
+    for line in p.stdout:
+        if line.startswith("ready"):
+            break
+    os.killpg(p.pid, signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGTERM, err
+    assert "amp-doctor: the script was stopped by SIGTERM" in err
+    assert "ConnectionResetError" not in err and "Traceback" not in err, err

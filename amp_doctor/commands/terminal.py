@@ -341,7 +341,29 @@ class SigtermUnwinds:
         first = self.received is None
         self.received = signum
         if first:  # a second one while the script unwinds changes nothing
+            _quiet_other_threads()
             raise Terminated(signum)
+
+
+def _quiet_other_threads() -> None:
+    """The process ends by SIGTERM once the report is written: as under python, whose
+    SIGTERM ends every thread at once, the script's other threads die without a word
+    meanwhile. A DataLoader's resource-sharer thread, whose workers the same signal to
+    the job ended, printed a traceback there (through ``sys.excepthook``). The main
+    thread's errors are reported as before."""
+    main = threading.main_thread()
+    sys_hook, thread_hook = sys.excepthook, threading.excepthook
+
+    def quiet_sys(tp: Any, value: Any, tb: Any) -> None:
+        if threading.current_thread() is main:
+            sys_hook(tp, value, tb)
+
+    def quiet_thread(args: Any) -> None:
+        if args.thread is main:
+            thread_hook(args)
+
+    sys.excepthook = quiet_sys
+    threading.excepthook = quiet_thread
 
 
 @contextlib.contextmanager
