@@ -90,8 +90,8 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
             or any(x.kind == "nonfinite_backward" for x in session.events)):
         # The hidden overflow did harm (skipped steps, NaN in backward): it is the cause.
         sev = "error"
-    if kind == "scheduler_on_skipped_step" and _lr_rise(es) >= WARMUP_EATEN_RATIO:
-        sev = "warning"  # the warmup ran while nothing trained
+    if kind == "scheduler_on_skipped_step" and first.data.get("lr_max") is not None:
+        sev = "warning"  # the warmup ran while nothing trained (event_findings judged it)
     if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):
         sev = "info"  # only steps the GradScaler skipped: the backoff findings cover them
     if kind == "nonfinite_backward" and _scaled_overflows(session, es):
@@ -206,7 +206,8 @@ def event_findings(session: Session) -> Iterable[Finding]:
                     **first.data, "unskipped": unskipped,
                     "advice": ADVICE["nonfinite_loss_finite_grads"]})
         yield Finding(
-            kind=kind, severity=_severity(session, kind, es, n), module=module, op=op,
+            kind=kind, severity=_severity(session, kind, [first, *es[1:]], n), module=module,
+            op=op,
             step=first.step,
             message=event_message(first, n, steps),
             advice=first.data.get("advice") or _advice(session, first),
