@@ -113,11 +113,21 @@ def _skipped_in(session: Session, steps: list[int]) -> dict[str, int]:
             if want.intersection(v)}
 
 
+def _unskipped(session: Session, steps: list[int]) -> set[int]:
+    """The backoffs in ``steps`` that skipped no optimizer step (``unscale_`` then
+    ``optimizer.step()``: the update backs off on the unscale's inf checks)."""
+    sc = session.scaler
+    return set(steps) - set(sc.skipped_steps if sc else ())
+
+
 def _skips_per_optimizer(session: Session, steps: list[int]) -> str:
     """' and N optimizer step(s) were skipped (skipped per optimizer: ...)': N counts
     each optimizer's skipped steps (two optimizers skipping in one step are two)."""
     per = _skipped_in(session, steps)
-    n = sum(per.values()) or len(steps)
+    n = sum(per.values()) or len(_unskipped(session, steps) ^ set(steps))
+    if not n:
+        return (", and no optimizer step was skipped: the optimizer stepped outside "
+                "scaler.step, after scaler.unscale_, whose inf checks the update backed off on")
     parts = [f"{name} {k}" for name, k in per.items()]
     return (f", and {n} optimizer step(s) were skipped"
             + (f" (skipped per optimizer: {', '.join(parts)})" if parts else ""))
@@ -491,7 +501,9 @@ def loss_steps_not_skipped(session: Session) -> list[int]:
     if sc is None or not sc.enabled:
         return []
     bad = loss_bad_steps(session)
-    skipped = set(sc.skipped_steps)
+    # A backoff with no skip found inf in the gradients all the same (unscale_ then
+    # optimizer.step(), outside the scaler).
+    skipped = set(sc.skipped_steps) | set(sc.backoff_steps)
     return [s for s in bad if s not in skipped]
 
 
@@ -580,10 +592,11 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             op=None,
             step=first.step,
             message=(f"{head}{_skips_per_optimizer(session, steps)}"
-                     + _culprit_text(culprits, origin, (top_lead, n_lead, len(evs)),
-                                     loss_bad, session.run.every,
-                                     unplaced_culprits(session, culprits),
-                                     lambda n: made_in(session, n)) + "."),
+                     + ("" if not culprits and _unskipped(session, steps) == set(steps)
+                        else _culprit_text(culprits, origin, (top_lead, n_lead, len(evs)),
+                                           loss_bad, session.run.every,
+                                           unplaced_culprits(session, culprits),
+                                           lambda n: made_in(session, n))) + "."),
             advice=ADVICE["nonfinite_loss" if loss_bad and not origin else "scaler_backoff"],
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "scale_before": first.scale_before,
@@ -595,6 +608,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
     if normal:
         steps = [e.step for _, g in normal for e in g]
         culprits = _culprits_of([e for _, g in normal for e in g])
+        evs_n = sorted((e for _, g in normal for e in g), key=lambda e: e.step)
         cal = [g for why, g in normal if why == "calibration"]
         probes = [g for why, g in normal if why == "probe"]
         settling = [g for why, g in normal if why == "settling"]
@@ -638,7 +652,10 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                     "`torch.amp.GradScaler(device_type, init_scale=...)`."),
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "calibration": sum(len(g) for g in cal),
-                  "probes": len(probes), "settling": sum(len(g) for g in settling)},
+                  "probes": len(probes), "settling": sum(len(g) for g in settling),
+                  # as the warning's: a finding this folds into names the fall
+                  "backoffs": len(steps), "scale_before": evs_n[0].scale_before,
+                  "scale_after": evs_n[-1].scale_after},
         )
     # Collapse: below 1, or too many backoffs after calibration, or long runs of them.
     final = sc.scale[-1][1] if sc.scale else None

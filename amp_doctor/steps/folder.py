@@ -110,6 +110,8 @@ class StepFolder:
         # recorded step with one that no host check saw (unrecorded, unskipped steps):
         # (that count, the last recorded step before them).
         self._last_recorded: int | None = None
+        # A recorded step stayed finite with a batch beyond the format's max.
+        self._input_beyond_harmless = False
         self._bad_before_unseen: tuple[int, int | None] | None = None
 
     @property
@@ -162,6 +164,15 @@ class StepFolder:
             # and its gradients go NaN.
             self._note_input_beyond(step, hs.scalars, (formats or {}).get(first_bad, fmt),
                                     first_bad, in_output=origin is not None)
+        elif (not input_bad and not skipped and not hs.scalars.get("loss_bad")
+              and not layers.where((layers.column(GRAD, NONFINITE) > 0)
+                                   | (layers.column(PG, NONFINITE) > 0))
+              and _beyond(hs.scalars, fmt)):
+            # A batch beyond the max in a step that stayed finite: nothing casts it (a
+            # float32 LayerNorm first), so the steps that went non-finite beside such a
+            # batch did so for another reason (a calibrating scaler's backoffs).
+            self._input_beyond_harmless = True
+            self._events[:] = [e for e in self._events if e.kind != "input_beyond_format"]
         if origin is not None:
             self.aggregates.note_origin(origin)
             for other in self._independent_origins(bad_outputs, layers):
@@ -246,9 +257,8 @@ class StepFolder:
         of them is inf. One event per run; its ``first_bad_layer`` is the layer that came
         first in most such steps (a calibrating scaler's first backoffs overflow another
         layer's scaled gradients first)."""
-        given = [(v, k[len(INPUT_ABSMAX):]) for k, v in scalars.items()
-                 if k.startswith(INPUT_ABSMAX) and math.isfinite(v) and v > fmt.max]
-        if not given:
+        given = _beyond(scalars, fmt)
+        if not given or self._input_beyond_harmless:
             return
         top, module = max(given)
         e = next((e for e in self._events if e.kind == "input_beyond_format"), None)
@@ -520,3 +530,10 @@ def skip_culprits(params: list[torch.Tensor], param_owner: Mapping[int, str],
     ranks = {n: order(n) for n in names}
     culprits = sorted((n for n, b in zip(names, bad, strict=True) if b), key=lambda n: -ranks[n])
     return culprits, loss_bad
+
+
+def _beyond(scalars: Mapping[str, float], fmt: FormatLimits) -> list[tuple[float, str]]:
+    """The batches (absmax, the module given them) that held finite values beyond
+    ``fmt``'s max in this step."""
+    return [(v, k[len(INPUT_ABSMAX):]) for k, v in scalars.items()
+            if k.startswith(INPUT_ABSMAX) and math.isfinite(v) and v > fmt.max]

@@ -209,6 +209,24 @@ class AmpMonitor:
             self._misuse.update_without_step(st)
             if self.registry.primary_scaler is None:
                 self.registry.claim(scaler, st)  # the report's GradScaler is this one
+            return
+        if scaler._enabled:
+            self._flags_of_unscaled(scaler, st)
+
+    def _flags_of_unscaled(self, scaler: GradScaler, st: ScalerMirror) -> None:
+        """Optimizers unscaled but not stepped through ``scaler.step`` (``unscale_`` then
+        ``optimizer.step()``): update() backs off on their inf flags all the same, with no
+        skip. The flags stay on the device, read with the deferred updates (no sync)."""
+        for key, ost in scaler._per_optimizer_states.items():
+            infs = list((ost.get("found_inf_per_device") or {}).values())
+            if ost.get("stage") is not OptState.UNSCALED or not infs:
+                continue
+            name = self.registry.opt_name_of(key)
+            if name in st.flags:
+                continue
+            dev = infs[0].device
+            st.flags[name] = torch.stack([f.to(dev) for f in infs]).sum()
+            st.applied.add(name)
 
     def on_update_end(self, scaler: GradScaler, new_scale: Any) -> None:
         st = self._mirror(scaler)

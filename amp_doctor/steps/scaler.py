@@ -77,6 +77,9 @@ class Replayed(NamedTuple):
     before: float | None
     after: float | None
     skipped: list[str]  # optimizer names whose step was skipped
+    # The update backed off: an inf flag was set (also for an optimizer stepped outside
+    # scaler.step after unscale_, which nothing skipped).
+    backoff: bool = False
 
 
 @dataclass
@@ -85,8 +88,9 @@ class _Deferred:
 
     scale: float | None
     tracker: int | None
-    # (step, {optimizer name: device inf flag, or host bool when known})
-    entries: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    # (step, {optimizer name: device inf flag, or host bool when known}, the names of
+    # those stepped outside scaler.step, whose flag backs off without a skip)
+    entries: list[tuple[int, dict[str, Any], frozenset[str]]] = field(default_factory=list)
 
 
 @dataclass
@@ -101,8 +105,10 @@ class ScalerMirror:
     steps_total: int = 0
     updates: int = 0
     steps_since_update: int = 0
-    # This step's inf flags per optimizer name: a bool, or a device tensor (fused).
+    # This step's inf flags per optimizer name: a bool, or a device tensor (fused, or
+    # unscale_ then optimizer.step() outside the scaler: in ``applied``).
     flags: dict[str, Any] = field(default_factory=dict)
+    applied: set[str] = field(default_factory=set)
     skipped: dict[int, str] = field(default_factory=dict)  # optimizer id -> name
     flows_at_update: int = 0
     deferred: _Deferred | None = None
@@ -176,7 +182,7 @@ class ScalerMirror:
                 isinstance(v, torch.Tensor) for v in self.flags.values()):
             if self.deferred is None:
                 self.deferred = _Deferred(self.scale, self.tracker)
-            self.deferred.entries.append((step, dict(self.flags)))
+            self.deferred.entries.append((step, dict(self.flags), frozenset(self.applied)))
             before = after = None
         else:
             found = any(self.flags.values())
@@ -188,6 +194,7 @@ class ScalerMirror:
     def end_update(self) -> None:
         """Forget the step's flags once ``update()`` has used them."""
         self.flags = {}
+        self.applied = set()
         self.skipped = {}
         self.steps_since_update = 0
         self.flows_at_update = scaled_backwards(self.ref())
@@ -202,17 +209,18 @@ class ScalerMirror:
         if d is None:
             return []
         self.deferred = None
-        tensors = [v for _, flags in d.entries for v in flags.values()
+        tensors = [v for _, flags, _ in d.entries for v in flags.values()
                    if isinstance(v, torch.Tensor)]
         it = iter(host_scalars(tensors))
         scale, tracker = d.scale, d.tracker
         out: list[Replayed] = []
-        for step, flags in d.entries:
-            skipped = [n for n, v in flags.items()
-                       if (next(it) > 0 if isinstance(v, torch.Tensor) else bool(v))]
+        for step, flags, applied in d.entries:
+            found = [n for n, v in flags.items()
+                     if (next(it) > 0 if isinstance(v, torch.Tensor) else bool(v))]
             before = scale
-            scale, tracker = replay_update(scale, tracker, bool(skipped), *self.params())
-            out.append(Replayed(step, before, scale, skipped))
+            scale, tracker = replay_update(scale, tracker, bool(found), *self.params())
+            out.append(Replayed(step, before, scale, [n for n in found if n not in applied],
+                                backoff=bool(found)))
         self.scale, self.tracker = scale, tracker
         return out
 
@@ -308,6 +316,7 @@ class ScaleTimeline:
                 points[r.step] = r.after
             if r.skipped:
                 self._skip(r.step, r.skipped)
+            if r.backoff:
                 self._event(r.step, "backoff", _nan(r.before), _nan(r.after))
             elif r.after != r.before:
                 self._event(r.step, "growth", _nan(r.before), _nan(r.after))
