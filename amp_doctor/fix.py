@@ -53,7 +53,7 @@ MATMUL_TYPES = frozenset({
 WHATIF_KINDS = frozenset({"whatif_float16", "fp8_readiness"})
 ERROR_KINDS_FIXED_BY_FP32 = frozenset({
     "activation_overflow", "nonfinite_forward", "nonfinite_backward", "scaler_backoff",
-    "scale_collapse", "nan_loss", "nonfinite_loss", "output_resolution",
+    "scale_collapse", "nan_loss", "nonfinite_loss", "output_resolution", "zeroed_output",
 })
 
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
+
 import torch
 from torch import nn
 
 import amp_doctor
+from tests.helpers import console_script
+
+_SAMPLES = Path(__file__).resolve().parents[1] / "sample_models"
 
 
 def test_a_batch_beyond_the_max_is_not_blamed_for_a_calibrating_scalers_backoffs() -> None:
@@ -67,3 +74,158 @@ def test_backoffs_after_unscale_then_optimizer_step_are_counted() -> None:
     assert b.data["backoffs"] == 12 and b.severity == "info"
     assert "and no optimizer step was skipped" in b.message
     assert all("stayed finite" not in f.message for f in s.findings)
+
+
+class _HandNorm(nn.Module):
+    """A hand-written LayerNorm: ``x.pow(2)`` overflows float16 once |x| > 256, the
+    variance is inf, and ``x / sqrt(inf)`` is exactly 0."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x - x.mean(-1, keepdim=True)
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.w * x / torch.sqrt(var + 1e-5)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.ln = _HandNorm(64)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.up(x)))
+
+
+def _train_hand_norm(anomaly: bool) -> tuple[amp_doctor.Session, nn.Module]:
+    torch.manual_seed(0)
+    model = _Net()
+    with torch.no_grad():
+        model.up.weight.mul_(60)
+    up_before = model.up.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, anomaly=anomaly, tensorboard=False) as doctor:
+        for _ in range(12):
+            x = torch.randn(32, 16) * 10
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = (out.float() - torch.tanh(x[:, :1] / 10)).pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    # What the finding says: the layer before the norm never moved.
+    assert torch.equal(model.up.weight, up_before)
+    return doctor.session, model
+
+
+def test_a_norm_whose_float16_square_overflowed_to_zeros_is_the_error() -> None:
+    """The norm's output is exactly zero: no value is inf, so no overflow finding saw it,
+    and the report's only error was the output head's resolution (a consequence). It
+    also hid that the layer before the norm got no gradient at all."""
+    s, _ = _train_hand_norm(anomaly=False)
+    (err,) = [f for f in s.findings if f.severity == "error"]
+    assert (err.kind, err.module) == ("zeroed_output", "ln")
+    assert err.data["starved_layers"] == ["up"] and err.data["own_weights_starved"]
+    assert err.data["input_from"] == "up" and err.data["input_absmax"] > 256
+    assert "x ** 2` passes float16's max 65504" in err.message
+    (res,) = s.findings_of("output_resolution")
+    assert res.severity == "info" and res.data["follow_on_of"] == "ln"
+
+
+def test_anomaly_mode_names_the_square_whose_inf_became_the_zeros() -> None:
+    """Anomaly mode saw aten.pow make +inf in the norm, and said "Training is not
+    affected" (its inf was dropped by a later op): it is the zeroed output's cause."""
+    s, _ = _train_hand_norm(anomaly=True)
+    (err,) = [f for f in s.findings if f.severity == "error"]
+    assert (err.kind, err.module, err.op) == ("zeroed_output", "ln", "aten.pow")
+    assert err.frame is not None and err.frame.endswith("in forward")
+    assert "test_findings_47.py" in err.frame
+    assert not s.findings_of("nonfinite_discarded")
+    assert all("not affected" not in f.message for f in s.findings)
+
+
+def test_a_dead_relu_after_a_negative_layer_is_no_zeroed_output() -> None:
+    """A rectifier fed only non-positive values puts out zeros by design."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.fill_(-1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8)).float().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    lays = {x.name: x for x in doctor.session.layers}
+    assert lays["1"].absmax == 0 and lays["1"].zero_frac == 1.0
+    assert not doctor.session.findings_of("zeroed_output")
+
+
+def test_a_zero_initialised_adapter_is_no_zeroed_output() -> None:
+    """LoRA's B starts at zero: its output is zero until the first update, and the A
+    before it gets no gradient in that step. Its own weights get one: it trains out of
+    its zeros. Recorded only then (a frozen base, a GradScaler skipping its first steps),
+    it is no finding."""
+    torch.manual_seed(0)
+
+    class Lora(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = nn.Linear(16, 16).requires_grad_(False)
+            self.a = nn.Linear(16, 4, bias=False)
+            self.b = nn.Linear(4, 16, bias=False)
+            nn.init.zeros_(self.b.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + self.b(self.a(x))
+
+    model = Lora()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)  # skips its first steps
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.skipped_steps == [0, 1, 2]
+    b = next(x for x in s.layers if x.name == "b")
+    assert b.absmax == 0 and b.zero_frac == 1.0 and b.recorded_steps == 3
+    assert not s.findings_of("zeroed_output")
+
+
+def test_a_layerscales_shrunk_gradients_are_its_finding_not_eight_warnings(
+        tmp_path: Path) -> None:
+    """The activation_underflow sample: LayerScale at 1e-6 puts out values below float16's
+    smallest normal, and shrinks the gradient into its block by the same gain. The report
+    gave eight gradient_underflow warnings ("raise init_scale") beside it, and the
+    dashboards' verdict named blocks.0.fc1. The LayerScale's warning now lists them."""
+    r = subprocess.run([console_script(), "diagnose", "--logdir", "out",
+                        str(_SAMPLES / "activation_underflow.py")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "out" / "amp_doctor.json").read_text())
+    warn = [f for f in s["findings"] if f["severity"] in ("warning", "error")]
+    assert {(f["kind"], f["module"]) for f in warn} == {
+        ("activation_underflow", "blocks.0.ls"), ("activation_underflow", "blocks.1.ls")}
+    by = {f["module"]: f for f in warn}
+    assert by["blocks.0.ls"]["data"]["shrinks_gradients_of"] == [
+        "blocks.0.fc1", "blocks.0.norm", "blocks.0.act", "blocks.0.fc2"]
+    grads = [f for f in s["findings"] if f["kind"] == "gradient_underflow"]
+    assert len(grads) == 8
+    assert all(f["severity"] == "info" and f["data"]["follow_on_of"] ==
+               f["module"].rsplit(".", 1)[0] + ".ls" for f in grads)
+    lays = {x["name"]: x for x in s["layers"]}
+    assert lays["blocks.0.fc1"]["grad_absmax"] < lays["blocks.0.ls"]["grad_absmax"] / 256

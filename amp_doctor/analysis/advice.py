@@ -262,6 +262,12 @@ ADVICE: dict[str, str] = {
         "updated the weights (or reset the gradients) after a backward. If your loop differs, "
         "call `doctor.step()` at the end of each iteration."
     ),
+    "zeroed_output": (
+        "Find the op that overflowed inside the layer with `amp-doctor diagnose --anomaly` and "
+        "compute it in float32 (`x.float().pow(2).mean()` in a hand-written norm), or run the "
+        "layer in float32: try it with `amp-doctor diagnose --fp32 <layer>`, then in code "
+        "`with torch.autocast(device_type, enabled=False): y = layer(x.float())`."
+    ),
     "output_resolution": (
         "Run the output layer in float32: try it with `amp-doctor diagnose --fp32 <layer>`, "
         "then in code `with torch.autocast(device_type, enabled=False): y = head(h.float())`; "

@@ -55,6 +55,7 @@ from amp_doctor.analysis.thresholds import (
     SCALED_GRAD_OVERFLOW_INFO_STEPS,
     STUCK_INTERVALS,
 )
+from amp_doctor.analysis.zeroed import fold_zeroed, zeroed_findings
 from amp_doctor.records import SEVERITY_RANK, Event, Finding, ScalerTimeline, Session
 
 __all__ = [
@@ -97,6 +98,7 @@ DETECTORS: list[Callable[[Session], Iterable[Finding]]] = [
     run_findings,
     autocast_findings,
     layer_findings,
+    zeroed_findings,
     scaler_findings,
     event_findings,
     _whatif_findings,
@@ -155,6 +157,7 @@ def analyze(session: Session) -> list[Finding]:
     out: list[Finding] = []
     for detect in DETECTORS:
         out.extend(detect(session))
+    out = fold_zeroed(session, out)
     out = fold_corrupted_weights(session, out)
     out = fold_follow_ons(session, out)
     out = note_divergence(session, out)

@@ -14,8 +14,9 @@ import math
 from dataclasses import replace
 
 from amp_doctor import format as F
+from amp_doctor.analysis.dataflow import layers_before
 from amp_doctor.analysis.messages import CAST_OPS, loss_origin_named
-from amp_doctor.analysis.thresholds import MAX_PER_KIND
+from amp_doctor.analysis.thresholds import MAX_PER_KIND, SHRUNK_GRAD_BITS
 from amp_doctor.records import Finding, Session, Severity
 
 __all__ = ["fold_follow_ons", "steps_of", "fold_early_end", "cap_per_kind", "EARLY_END_KINDS",
@@ -75,6 +76,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
       consequence: the backward of a non-finite value is non-finite.
     """
     out = _one_error_per_op(out)
+    out = _gradients_a_small_gain_shrank(session, out)
     out = _batch_made_by_an_op(out)
     out = _after_a_bad_update(out)
     lay_by = {lay.name: lay for lay in session.layers}
@@ -260,6 +262,62 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             f = _with(f, extra=extra, also_affected=names, consequences=cons)
         result.append(f)
     return _backoffs_of_the_collapse(result)
+
+
+def _gradients_a_small_gain_shrank(session: Session, out: list[Finding]) -> list[Finding]:
+    """``gradient_underflow`` in the layers before a layer whose outputs underflow: a
+    small gain (a LayerScale at 1e-6) multiplies the gradient on its way back as it does
+    the output, so their gradients sit :data:`SHRUNK_GRAD_BITS` or more below its own.
+    One cause: the underflowing layer's finding lists them, and they become info (the
+    activation_underflow sample said "raise init_scale" eight times beside it)."""
+    lays = {lay.name: lay for lay in session.layers}
+    roots = sorted((f for f in out if f.kind == "activation_underflow" and f.module in lays
+                    and lays[f.module].grad_absmax), key=lambda f: lays[str(f.module)].order)
+    if not roots:
+        return out
+    before = {id(r): {p.name for p in layers_before(session, lays[str(r.module)])}
+              for r in roots}
+    shrunk: dict[int, Finding] = {}
+    for f in out:
+        lay = lays.get(f.module or "")
+        if f.kind != "gradient_underflow" or lay is None or lay.grad_absmax is None:
+            continue
+        # The first underflowing layer after it: its gain is the one the gradient met.
+        root = next((r for r in roots if lay.name in before[id(r)]), None)
+        if root is not None and lay.grad_absmax <= float(
+                lays[str(root.module)].grad_absmax or 0.0) * 2.0 ** -SHRUNK_GRAD_BITS:
+            shrunk[id(f)] = root
+    if not shrunk:
+        return out
+    listed: dict[int, list[Finding]] = {}
+    for f in out:
+        if id(f) in shrunk:
+            listed.setdefault(id(shrunk[id(f)]), []).append(f)
+    result: list[Finding] = []
+    for f in out:
+        if id(f) in shrunk:
+            result.append(_with(f, "info", follow_on_of=shrunk[id(f)].module))
+        elif id(f) in listed:
+            fs = sorted(listed[id(f)], key=lambda x: -float(x.data.get("grad_underflow_frac")
+                                                            or 0.0))
+            u = lays[str(f.module)]
+            worst = fs[0]
+            result.append(_with(
+                f, extra=(f"Its small gain shrinks the gradient on its way back as well "
+                          f"(largest |output gradient| {F.num(u.grad_absmax)} at "
+                          f"{F.layer(f.module)}, {F.num(lays[str(worst.module)].grad_absmax)} "
+                          f"at {F.layer(worst.module)}): the output gradients of the "
+                          f"{F.counted(len(fs), 'layer')} before it underflow too "
+                          f"({', '.join(F.layer(x.module) for x in fs[:6])}"
+                          + (", ..." if len(fs) > 6 else "") + "; worst "
+                          f"{F.pct(worst.data.get('grad_underflow_frac'))} below the "
+                          "smallest normal). A larger gain at the start (LayerScale's "
+                          "`init_values` of 1e-4 or more, or the layer's product in "
+                          "float32) fixes both."),
+                shrinks_gradients_of=[str(x.module) for x in fs]))
+        else:
+            result.append(f)
+    return result
 
 
 def _backoffs_of_the_collapse(out: list[Finding]) -> list[Finding]:

@@ -16,6 +16,7 @@ __all__ = [
     "ACT_UNDERFLOW_WARN",
     "DIVERGED_LOSS_RISE",
     "STARVED_ZERO_FRAC",
+    "SHRUNK_GRAD_BITS",
     "WHOLLY_NONFINITE_FRAC",
     "GRAD_RELEVANT_BITS",
     "ACT_RELEVANT_BITS",
@@ -50,6 +51,10 @@ HEADROOM_WARN_BITS = 1.0
 ACT_UNDERFLOW_WARN = 0.05
 # Share of a layer's gradient values that flush to zero in the low-precision format.
 GRAD_UNDERFLOW_WARN = 0.10
+# A layer whose outputs underflow (a LayerScale at 1e-6) shrinks the gradient on its way
+# back by the same gain: the gradients of the layers before it at least this many bits
+# below its own are its doing, and their underflow is its finding's consequence.
+SHRUNK_GRAD_BITS = 8
 # A layer whose weight gradients were at least this share exact zeros, flushed on their
 # way back from a later layer, gets no update: it does not train (an error, not a warning).
 STARVED_ZERO_FRAC = 0.999
