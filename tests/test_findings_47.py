@@ -229,3 +229,78 @@ def test_a_layerscales_shrunk_gradients_are_its_finding_not_eight_warnings(
                f["module"].rsplit(".", 1)[0] + ".ls" for f in grads)
     lays = {x["name"]: x for x in s["layers"]}
     assert lays["blocks.0.fc1"]["grad_absmax"] < lays["blocks.0.ls"]["grad_absmax"] / 256
+
+
+def test_an_overflow_a_tanh_dropped_is_not_blamed_for_calibration_backoffs() -> None:
+    """A shared layer's second call overflows float16 into a tanh (tanh(inf) = 1, its
+    gradient 0): the loss and that layer's gradients stay finite. The scaler's start-up
+    backoffs, with only the first layer's gradients non-finite, were called that
+    overflow's consequences ("They began at shared.fc ... look there"); running it in
+    float32 gives the same backoffs."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(16, 32)
+            self.fc = nn.Linear(32, 32)
+            self.out = nn.Linear(32, 4)
+            with torch.no_grad():
+                self.fc.weight.copy_(torch.eye(32) * 300.0)
+                self.fc.bias.zero_()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(self.fc(torch.tanh(self.inp(x))))
+            return self.out(torch.tanh(h / 1000))
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(6):
+            x, y = torch.randn(16, 16) * 3, torch.randint(0, 4, (16,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            assert torch.isfinite(loss)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.backoff_steps[:2] == [0, 1]
+    assert all("fc" not in e.culprits for e in s.scaler.events if e.kind == "backoff")
+    (ov,) = s.findings_of("activation_overflow")
+    assert ov.module == "fc" and "Consequences" not in ov.message
+    assert all(f.severity == "info" and "began at" not in f.message
+               for f in s.findings_of("scaler_backoff"))
+
+
+def test_gradient_findings_rank_and_report_the_gradient_they_name() -> None:
+    """No GradScaler: the gradients flush on their way back. The group led with the
+    layer whose weight gradients were 99% subnormal and 0.6% zero, before one 75% zero;
+    the JSON's grad_zero_frac was the output gradient's, while the text gave the weight
+    gradient's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            x, y = torch.randn(512, 64), 1e-3 * torch.randn(512, 1)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = nn.functional.mse_loss(out.float(), y) * 1e-3
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    found = {f.module: f for f in s.findings_of("missing_scaler")}
+    lays = {x.name: x for x in s.layers}
+    for name, f in found.items():
+        assert f.data["gradient"] == "weight"
+        assert f.data["grad_zero_frac"] == lays[name].param_grad_zero_frac
+    from amp_doctor.sinks.text import group_findings
+    (g,) = [g for g in group_findings(s.findings, s.layers) if g.lead.kind == "missing_scaler"]
+    assert [f.module for f in g.findings] == ["0", "2", "4"]
+    zeros = [float(f.data["grad_zero_frac"] or 0.0) for f in g.findings]
+    assert zeros[0] > 0.5 > zeros[2]

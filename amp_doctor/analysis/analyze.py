@@ -56,7 +56,14 @@ from amp_doctor.analysis.thresholds import (
     STUCK_INTERVALS,
 )
 from amp_doctor.analysis.zeroed import fold_zeroed, zeroed_findings
-from amp_doctor.records import SEVERITY_RANK, Event, Finding, ScalerTimeline, Session
+from amp_doctor.records import (
+    SEVERITY_RANK,
+    Event,
+    Finding,
+    ScalerEvent,
+    ScalerTimeline,
+    Session,
+)
 
 __all__ = [
     "analyze",
@@ -111,7 +118,7 @@ def _masks_are_no_origin(session: Session) -> Session:
     -inf mask (``neg_inf_mask``): a step's first layer to go non-finite in the forward
     pass is read while recording, before a mask can be told from an overflow; the
     backoff is then the gradients' to explain (its culprits)."""
-    session = _loss_not_from_a_mask(session)
+    session = _origins_that_reached_the_gradients(_loss_not_from_a_mask(session))
     fmt = low_format(session)
     masks = {lay.name for lay in session.layers
              if lay.recorded_steps and neg_inf_mask(lay, fmt, session) is not None}
@@ -122,6 +129,29 @@ def _masks_are_no_origin(session: Session) -> Session:
         return replace(sc, events=[replace(e, forward_origin=None)
                                    if e.forward_origin in masks else e for e in sc.events])
 
+    return replace(session, scaler=clear(session.scaler) if session.scaler else None,
+                   other_scalers=[clear(sc) for sc in session.other_scalers])
+
+
+def _origins_that_reached_the_gradients(session: Session) -> Session:
+    """The session with no backoff traced to a layer whose non-finite output reached
+    neither the loss nor the gradients: in that step the loss was finite and the layers
+    with non-finite gradients were others (``tanh(inf)`` is 1, its gradient 0). The inf
+    is the layer's overflow finding; the backoff is its gradients' business (review 47a:
+    a shared layer's second call overflowed into a tanh, and the scaler's calibration
+    backoffs were called its consequences)."""
+    def reached(e: ScalerEvent) -> bool:
+        o = e.forward_origin
+        return (o is None or e.loss_nonfinite is not False or not e.culprits or any(
+            c == o or c.startswith(o + ".") or o.startswith(c + ".") for c in e.culprits))
+
+    def clear(sc: ScalerTimeline) -> ScalerTimeline:
+        return replace(sc, events=[e if reached(e) else replace(e, forward_origin=None)
+                                   for e in sc.events])
+
+    if all(reached(e) for sc in [session.scaler, *session.other_scalers] if sc is not None
+           for e in sc.events):
+        return session
     return replace(session, scaler=clear(session.scaler) if session.scaler else None,
                    other_scalers=[clear(sc) for sc in session.other_scalers])
 

@@ -534,9 +534,15 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             kind=kind, severity="warning", module=lay.name, op=None, step=None,
             message=f"{F.layer(lay.name)} ({lay.type}): {what}.",
             advice=ADVICE["missing_scaler_half_params" if half else kind],
-            data={"grad_underflow_frac": gu, "grad_zero_frac": lay.grad_zero_frac,
+            # The figures the message gives, of the one gradient it names (``gradient``):
+            # a weight gradient's absmax is as the optimizer gets it, unscaled.
+            data={"grad_underflow_frac": gu,
+                  "grad_zero_frac": (lay.param_grad_zero_frac if weight
+                                     else lay.grad_zero_frac),
+                  "gradient": which,
                   "flushed_after": source.name if flushed and source else None,
-                  "scaled": scaled, "grad_absmax": big},
+                  "scaled": scaled, "grad_absmax": big,
+                  "grad_absmax_scaled": big if not weight and scaled else None},
         )
 
 

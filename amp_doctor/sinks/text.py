@@ -155,9 +155,20 @@ def group_findings(findings: list[Finding],
     if layers:
         rank = {lay.name: i for i, lay in enumerate(risk_order(list(layers)))}
         big = len(rank)
-        groups = [sorted(g, key=lambda f: rank.get(f.module or "", big)) if len(g) > 1 else g
-                  for g in groups]
+        groups = [sorted(g, key=lambda f: (-_lost_share(f), rank.get(f.module or "", big)))
+                  if len(g) > 1 else g for g in groups]
     return [FindingGroup(tuple(g)) for g in groups]
+
+
+def _lost_share(f: Finding) -> float:
+    """A gradient finding's share of values lost to float16: a value flushed to zero
+    whole, a subnormal half (it keeps some of its bits). Review 47a: ranked by the
+    subnormals alone, a layer 0.6% zero led one 75% zero. 0 for other kinds, which keep
+    the layer table's order."""
+    if f.kind not in ("gradient_underflow", "missing_scaler"):
+        return 0.0
+    return float(f.data.get("grad_zero_frac") or 0.0) + 0.5 * float(
+        f.data.get("grad_underflow_frac") or 0.0)
 
 
 def _listed(names: list[str], code: bool = False) -> str:
