@@ -7,6 +7,8 @@ import subprocess
 from pathlib import Path
 
 import torch
+from tensorboard.backend.event_processing import event_accumulator as ea_mod
+from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
 import amp_doctor
@@ -229,6 +231,13 @@ def test_a_layerscales_shrunk_gradients_are_its_finding_not_eight_warnings(
                f["module"].rsplit(".", 1)[0] + ".ls" for f in grads)
     lays = {x["name"]: x for x in s["layers"]}
     assert lays["blocks.0.fc1"]["grad_absmax"] < lays["blocks.0.ls"]["grad_absmax"] / 256
+    # The dashboards: no layer is where inf/NaN started, so the custom-scalars tab's last
+    # layout (the one TensorBoard shows) has no Culprits group of empty charts on top.
+    acc = ea_mod.EventAccumulator(str(tmp_path / "out"), size_guidance={"tensors": 0}).Reload()
+    last = acc.Tensors("custom_scalars__config__")[-1]
+    layout = layout_pb2.Layout.FromString(last.tensor_proto.string_val[0])
+    assert [c.title for c in layout.category] == [
+        "Scaler", "Overflow risk", "Underflow", "Gradients"]
 
 
 def test_an_overflow_a_tanh_dropped_is_not_blamed_for_calibration_backoffs() -> None:

@@ -49,9 +49,17 @@ def test_diagnose_sample_draws_the_culprits_overflow(tmp_path: Path) -> None:
     assert "headroom/proj" not in tags  # the per-layer chart stays honest: no stand-in
     assert [(e.step, e.value) for e in acc.Scalars("culprits/proj/headroom")] == [
         (0, -40.0), (10, -40.0)]
+    # Its gradients were NaN/inf too: no headroom of their finite rest (21-33 bits of
+    # "room" beside 2016 NaN of 2048, review 47b), the floor in the culprit's chart.
+    assert "grad_headroom/proj" not in tags
+    bad = [st for st, v in ((e.step, e.value) for e in acc.Scalars("grad_nonfinite/proj"))
+           if v > 0]
+    assert bad and [(e.step, e.value) for e in acc.Scalars("culprits/proj/grad_headroom")
+                    if e.step in bad] == [(st, -40.0) for st in bad]
     # The chart that selects it says how it is drawn.
-    (cfg,) = acc.Tensors("custom_scalars__config__")
+    # TensorBoard reads the run's last layout, written again at close.
+    cfg = acc.Tensors("custom_scalars__config__")[-1]
     layout = layout_pb2.Layout.FromString(cfg.tensor_proto.string_val[0])
     charts = {ch.title: list(ch.multiline.tag) for c in layout.category for ch in c.chart}
     (title,) = [t for t, regex in charts.items() if regex == [r"^culprits/.*/headroom$"]]
-    assert "< 0 = overflow" in title and "clipped at" in title and "-40 in float16" in title
+    assert "< 0 = overflow" in title and "inf/NaN outputs" in title and "-40 in float16" in title

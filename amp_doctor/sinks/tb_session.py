@@ -20,7 +20,8 @@ from amp_doctor.dtypes import FormatLimits, limits
 from amp_doctor.records import ScalerTimeline, Session, TensorStats
 from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
 
-__all__ = ["CULPRIT_GROUPS", "CULPRIT_HEADROOM_TITLE", "LAYOUT", "culprit_headroom",
+__all__ = ["CULPRIT_GROUPS", "CULPRIT_HEADROOM_TITLE", "CULPRIT_GRAD_HEADROOM_TITLE",
+           "CULPRITS_GROUP", "LAYOUT", "culprit_headroom",
            "headroom_floor", "ORIGIN_KINDS", "SCALER_FILL_LIMIT", "backoff_groups",
            "culprit_layers", "heatmap_grids", "heatmap_images", "heatmap_layers",
            "heatmap_legend", "origin_cells", "scaler_series", "scaler_tag_prefix",
@@ -69,19 +70,22 @@ def culprit_headroom(headroom: float, fmt: FormatLimits) -> float | None:
 
 _F16, _BF16 = limits(torch.float16), limits(torch.bfloat16)
 CULPRIT_HEADROOM_TITLE = (
-    "headroom to the format's max (bits; < 0 = overflow; inf outputs and anything lower "
-    f"clipped at minus the format's exponent range: {headroom_floor(_F16):g} in float16, "
-    f"{headroom_floor(_BF16):g} in bfloat16)")
+    "headroom to the format's max (bits; < 0 = overflow; a step with inf/NaN outputs, and "
+    f"anything lower, drawn at minus the format's exponent range: {headroom_floor(_F16):g} "
+    f"in float16, {headroom_floor(_BF16):g} in bfloat16)")
+CULPRIT_GRAD_HEADROOM_TITLE = (
+    "headroom of (scaled) output grads (bits; a step with inf/NaN grads drawn at "
+    f"{headroom_floor(_F16):g} in float16, {headroom_floor(_BF16):g} in bfloat16)")
+CULPRITS_GROUP = "Culprits (where inf/NaN or overflow started)"
 
 # The custom-scalars tab. Regexes are anchored: the plugin's backend uses re.match, and
 # the anchors keep e.g. "underflow/" from also matching "grad_underflow/" anywhere.
 LAYOUT: dict[str, dict[str, list[Any]]] = {
-    "Culprits (where inf/NaN or overflow started)": {
+    CULPRITS_GROUP: {
         CULPRIT_HEADROOM_TITLE: ["Multiline", [r"^culprits/.*/headroom$"]],
         "inf/NaN outputs (count)": ["Multiline", [r"^culprits/.*/nonfinite$"]],
         "share of outputs beyond the format's max": ["Multiline", [r"^culprits/.*/overflow$"]],
-        "headroom of (scaled) output grads (bits)": [
-            "Multiline", [r"^culprits/.*/grad_headroom$"]],
+        CULPRIT_GRAD_HEADROOM_TITLE: ["Multiline", [r"^culprits/.*/grad_headroom$"]],
     },
     "Scaler": {
         "loss scale (after each update)": ["Multiline", [r"^scaler/scale$"]],
@@ -91,7 +95,8 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
         "scale backoffs (cumulative)": ["Multiline", [r"^scaler/backoffs$"]],
     },
     "Overflow risk": {
-        "headroom to the format's max (bits; < 0 = overflow)": ["Multiline", [r"^headroom/"]],
+        "headroom to the format's max (bits; < 0 = overflow; no point in a step with inf/NaN)":
+            ["Multiline", [r"^headroom/"]],
         "share of outputs beyond the format's max": ["Multiline", [r"^overflow/"]],
         "inf/NaN outputs (count)": ["Multiline", [r"^nonfinite/"]],
         "max |output| (finite)": ["Multiline", [r"^absmax/"]],
@@ -105,7 +110,8 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
             "Multiline", [r"^grad_underflow/"]],
         "share of (scaled) output grads that are exactly zero": [
             "Multiline", [r"^grad_zeros/"]],
-        "headroom of (scaled) output grads (bits)": ["Multiline", [r"^grad_headroom/"]],
+        "headroom of (scaled) output grads (bits; no point in a step with inf/NaN)": [
+            "Multiline", [r"^grad_headroom/"]],
         "inf/NaN output grads (count)": ["Multiline", [r"^grad_nonfinite/"]],
     },
 }
@@ -119,19 +125,26 @@ def scaler_tag_prefix(sc: ScalerTimeline) -> str:
 
 
 def layout_with_scalers(session: Session) -> dict[str, dict[str, list[Any]]]:
-    """:data:`LAYOUT`, whose Scaler charts are one set per GradScaler when the run had
-    several (a GAN with one per network): one run's lines in a chart share a colour,
-    so two scalers in one chart could not be told apart. Written again at close,
-    when the other scalers are known (TensorBoard reads a run's last layout)."""
+    """:data:`LAYOUT` as the finished run has it: whose Scaler charts are one set per
+    GradScaler when the run had several (a GAN with one per network: one run's lines in a
+    chart share a colour, so two scalers in one chart could not be told apart), and
+    without the Culprits group when no layer is one. Written again at close, when both
+    are known (TensorBoard reads a run's last layout)."""
+    layout = dict(LAYOUT)
+    known = {lay.name for lay in session.layers}
+    if not any(n in known for n in culprit_layers(session)):
+        # No layer where inf/NaN or overflow started: four empty charts would head the tab
+        # (an underflow run, review 47b).
+        del layout[CULPRITS_GROUP]
     if not session.other_scalers or session.scaler is None:
-        return LAYOUT
+        return layout
     charts: dict[str, list[Any]] = {}
     for i, sc in enumerate([session.scaler, *session.other_scalers]):
         prefix = "scaler/" if i == 0 else scaler_tag_prefix(sc)
         for title, (kind, (rx,)) in LAYOUT["Scaler"].items():
             charts[f"{title}: GradScaler of {sc.label}"] = [
                 kind, ["^" + re.escape(prefix) + rx.removeprefix("^scaler/")]]
-    return {**LAYOUT, "Scaler": charts}
+    return {**layout, "Scaler": charts}
 
 
 def _finite(v: float | None) -> bool:
