@@ -313,3 +313,42 @@ def test_gradient_findings_rank_and_report_the_gradient_they_name() -> None:
     assert [f.module for f in g.findings] == ["0", "2", "4"]
     zeros = [float(f.data["grad_zero_frac"] or 0.0) for f in g.findings]
     assert zeros[0] > 0.5 > zeros[2]
+
+
+def test_a_contrastive_losss_backward_overflow_is_not_blamed_on_the_output_layer() -> None:
+    """Unnormalised embeddings and ``z1 @ z2.T / 0.07`` in float16: the gradient reaching
+    ``proj`` (the model's output) was already inf, made in the loss's backward. The scale
+    collapse said to run proj in float32 ("do not just lower init_scale"), which changes
+    nothing; anomaly mode names the loss's aten.mm."""
+    torch.manual_seed(0)
+
+    class Enc(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64))
+            self.proj = nn.Linear(64, 64)
+            with torch.no_grad():
+                self.proj.weight.mul_(40.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(nn.functional.relu(self.backbone(x)))
+
+    enc = Enc()
+    opt = torch.optim.SGD(enc.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(enc, tensorboard=False) as doctor:
+        for _ in range(20):
+            x = torch.randn(32, 32)
+            with torch.autocast("cpu", dtype=torch.float16):
+                z1, z2 = enc(x), enc(x + 0.1 * torch.randn_like(x))
+                loss = nn.functional.cross_entropy(z1 @ z2.t() / 0.07, torch.arange(32))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    (c,) = s.findings_of("scale_collapse")
+    assert c.severity == "error" and c.data["loss_too_large"]
+    assert "made in the backward of the code after the model" in c.message
+    assert "not in proj, so running proj in float32 does not help" in c.message
+    assert c.advice.startswith("Keep the loss O(1)") and "z1.float() @ z2.float().T" in c.advice

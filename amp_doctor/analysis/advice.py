@@ -129,8 +129,10 @@ ADVICE: dict[str, str] = {
     "scale_collapse_loss_gradient": (
         "Keep the loss O(1): normalise the data and targets to unit scale, take a mean rather "
         "than a sum over elements, or divide the loss by its typical size before "
-        "`scaler.scale(loss)`. Running the output layer in float32 only moves the overflow to "
-        "the layer before it: every gradient the model gets is the loss's."
+        "`scaler.scale(loss)`; and compute the code between the model's output and the loss "
+        "in float32 (`logits = z1.float() @ z2.float().T / temperature`; `F.normalize` a "
+        "contrastive loss's embeddings). Running the output layer in float32 only moves the "
+        "overflow to the layer before it: every gradient the model gets is the loss's."
     ),
     "scale_stuck": (
         "The scale cannot grow because some scaled gradient keeps reaching float16's max. "

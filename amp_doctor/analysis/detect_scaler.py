@@ -9,6 +9,7 @@ an unrecorded step is only blamed on a layer its own gradients point at.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -357,8 +358,35 @@ def made_by(session: Session, name: str) -> str | None:
     return users[0]
 
 
-def made_in(session: Session, name: str) -> str:
-    """The words for :func:`made_by`, or ""."""
+def made_outside(session: Session, name: str, evs: list[ScalerEvent]) -> bool:
+    """Whether culprit ``name`` returns the watched model's output and, in most recorded
+    backoffs of ``evs`` it led with a finite loss, its output gradient itself was
+    non-finite: that gradient is made by the backward of the code after the model (the
+    loss, times the scale), never by the layer (review 47a: a contrastive loss's
+    ``z1 @ z2.T / 0.07`` overflowed in backward, and `--fp32 proj` was advised). Not when
+    its weights' gradients alone were (a huge input times a finite gradient)."""
+    lay = next((x for x in session.layers if x.name == name), None)
+    models = set(session.run.models)
+    if lay is None or not lay.model_output or name in models:
+        return False
+    recs = {r.step: r for r in session.history}
+    bad = []
+    for e in evs:
+        lead = next((c for c in e.culprits if c not in models), None)
+        ls = recs[e.step].layers.get(name) if e.step in recs else None
+        if e.recorded and not e.loss_nonfinite and lead == name and ls is not None:
+            bad.append(ls.grad is not None and ls.grad.nonfinite_frac > 0)
+    return bool(bad) and 2 * sum(bad) > len(bad)
+
+
+def made_in(session: Session, name: str, evs: list[ScalerEvent]) -> str:
+    """The words for :func:`made_by` or :func:`made_outside`, or ""."""
+    if made_outside(session, name, evs):
+        return (f"; {name} returns the model's output, and its output gradient was "
+                "non-finite as it arrived: it was made in the backward of the code after the "
+                "model (the loss computation: a matmul of embeddings, a division by a "
+                f"temperature, a large loss), times the scale, not in {name}, so running "
+                f"{name} in float32 does not help")
     c = made_by(session, name)
     if c is None:
         return ""
@@ -584,6 +612,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
         origin = _origin_of(evs, origins)
         top_lead, n_lead = _top_lead(evs, with_params)
         loss_bad = all(e.loss_nonfinite for e in evs) and _loss_counts(session)
+        lead = top_lead or (culprits[0] if culprits else None)
+        outside = not origin and lead is not None and made_outside(session, lead, evs)
         yield Finding(
             kind="scaler_backoff", severity="warning",
             # Where the non-finite values began, when known, is where to look.
@@ -596,14 +626,18 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                         else _culprit_text(culprits, origin, (top_lead, n_lead, len(evs)),
                                            loss_bad, session.run.every,
                                            unplaced_culprits(session, culprits),
-                                           lambda n: made_in(session, n))) + "."),
-            advice=ADVICE["nonfinite_loss" if loss_bad and not origin else "scaler_backoff"],
+                                           functools.partial(made_in, session, evs=evs)))
+                     + "."),
+            advice=ADVICE["nonfinite_loss" if loss_bad and not origin
+                          else "scale_collapse_loss_gradient" if outside else "scaler_backoff"],
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "scale_before": first.scale_before,
                   "scale_after": last.scale_after, "backoffs": len(evs),
                   "episodes": [[g[0].step, g[-1].step] for g in episodes][:MAX_STEPS_KEPT],
                   "forward_origin": origin[0] if origin else None,
-                  "loss_nonfinite": loss_bad},
+                  "loss_nonfinite": loss_bad,
+                  # Made by the code after the model: no layer to run in float32.
+                  "loss_too_large": outside},
         )
     if normal:
         steps = [e.step for _, g in normal for e in g]
@@ -718,13 +752,15 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                      "search for its scale, so the gradients of every layer were too" + (
                          f" ({lead}, the first in backward order, only says where the "
                          "backward pass met it, not where it began)" if lead else ""))
-        else:
-            top, n_top = _top_lead(backoffs, with_params)
-            where = (f"; the first layer with non-finite gradients was {top} in "
-                     f"{n_top} of {len(backoffs)} backoffs" + made_in(session, top)
-                     if top else "")
-            top = blamed(session, top)
         from_loss = None if traced else _loss_gradient_overflow(session, backoffs)
+        outside = False
+        if not traced and not loss_nonfinite:
+            top, n_top = _top_lead(backoffs, with_params)
+            outside = top is not None and made_outside(session, top, backoffs)
+            where = (f"; the first layer with non-finite gradients was {top} in "
+                     f"{n_top} of {len(backoffs)} backoffs"
+                     + ("" if from_loss else made_in(session, top, backoffs)) if top else "")
+            top = blamed(session, top)
         if from_loss is not None:
             top, where = from_loss[0], where + from_loss[1]
         yield Finding(
@@ -735,14 +771,16 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                   else backoffs[0].step if backoffs else None),
             message=(f"Loss scale collapsed: {'; '.join(reasons)}. "
                      f"{_skipped_of_steps(session)}; final scale {_scale(final)}{where}."),
-            advice=ADVICE["scale_collapse_loss_gradient" if from_loss else "nonfinite_loss"
-                          if loss_nonfinite and not traced else "scale_collapse"],
+            advice=ADVICE["scale_collapse_loss_gradient" if from_loss or outside
+                          else "nonfinite_loss" if loss_nonfinite and not traced
+                          else "scale_collapse"],
             steps=[e.step for e in backoffs][:MAX_STEPS_KEPT],
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
                   "skipped": len(sc.skipped_steps), "culprit": top,
                   "origin": top if traced else None,
-                  # The loss is too large, not the culprit layer: no layer to run in float32.
-                  "loss_too_large": from_loss is not None,
+                  # The loss is too large (or the code after the model overflowed in
+                  # backward), not the culprit layer: no layer to run in float32.
+                  "loss_too_large": from_loss is not None or outside,
                   # Every backoff but GradScaler's own (calibration, probes) in a step whose
                   # loss was NaN/inf: the loss's doing.
                   "loss_nonfinite": loss_nonfinite},
