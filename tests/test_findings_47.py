@@ -352,3 +352,53 @@ def test_a_contrastive_losss_backward_overflow_is_not_blamed_on_the_output_layer
     assert "made in the backward of the code after the model" in c.message
     assert "not in proj, so running proj in float32 does not help" in c.message
     assert c.advice.startswith("Keep the loss O(1)") and "z1.float() @ z2.float().T" in c.advice
+
+
+def test_a_lora_adapters_underflow_at_the_start_only_is_info() -> None:
+    """LoRA's B starts at zero: its outputs sit below float16's smallest normal for the
+    first steps, then grow out of it. Recorded every step that was a warning whose advice
+    (bfloat16) would lose those small values sooner; it is info, with its trend."""
+    torch.manual_seed(0)
+
+    class Lora(nn.Module):
+        def __init__(self, base: nn.Linear) -> None:
+            super().__init__()
+            self.base = base
+            self.lora_A = nn.Linear(64, 4, bias=False)
+            self.lora_B = nn.Linear(4, 64, bias=False)
+            nn.init.kaiming_uniform_(self.lora_A.weight, a=5 ** 0.5)
+            nn.init.zeros_(self.lora_B.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + self.lora_B(self.lora_A(x)) * 2.0
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.l1, self.l2 = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+            self.head = nn.Linear(64, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = nn.functional.relu(self.emb(x))
+            x = nn.functional.relu(self.l1(x))
+            return self.head(nn.functional.relu(self.l2(x)))
+
+    model = Net().requires_grad_(False)
+    model.l1, model.l2 = Lora(model.l1), Lora(model.l2)  # type: ignore[assignment]
+    model.head.requires_grad_(True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    w = torch.randn(32, 5)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for _ in range(30):
+            x = torch.randn(16, 32)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), (x @ w).argmax(1))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    (f,) = doctor.session.findings_of("activation_underflow")
+    assert f.module == "l2.lora_B" and f.severity == "info"
+    assert f.data["underflow_first_third"] > 0.05 >= f.data["underflow_last_third"]
+    assert f.advice.startswith("Nothing to fix")

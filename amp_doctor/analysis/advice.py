@@ -264,6 +264,10 @@ ADVICE: dict[str, str] = {
         "updated the weights (or reset the gradients) after a backward. If your loop differs, "
         "call `doctor.step()` at the end of each iteration."
     ),
+    "activation_underflow_transient": (
+        "Nothing to fix: the share fell below 5% as the layer trained. If the first steps "
+        "matter, a larger initial gain (LayerScale's `init_values`) or bfloat16 keeps them."
+    ),
     "zeroed_output": (
         "Find the op that overflowed inside the layer with `amp-doctor diagnose --anomaly` and "
         "compute it in float32 (`x.float().pow(2).mean()` in a hand-written norm), or run the "

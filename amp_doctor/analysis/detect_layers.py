@@ -30,6 +30,7 @@ from amp_doctor.analysis.thresholds import (
     OUTPUT_LEVELS_WARN,
     OVERFLOW_FRAC_ERROR,
     STARVED_ZERO_FRAC,
+    TREND_MIN_STEPS,
     WHOLLY_NONFINITE_FRAC,
 )
 from amp_doctor.dtypes import FORMAT_MAX, MANTISSA_BITS, judged_format
@@ -347,6 +348,17 @@ def _cast_input(session: Session, lay: LayerSummary, fmt: str) -> str:
             "op: the cast, or one in the layer.")
 
 
+def _underflow_trend(session: Session, name: str) -> tuple[float, float] | None:
+    """The layer's mean share of outputs below the smallest normal in the first and the
+    last third of its recorded steps, when it has enough of them to tell."""
+    fracs = [ls.act.underflow_frac for r in session.history
+             if (ls := r.layers.get(name)) is not None and ls.act is not None and ls.act.numel]
+    n = len(fracs) // 3
+    if n < TREND_MIN_STEPS:
+        return None
+    return sum(fracs[:n]) / n, sum(fracs[-n:]) / n
+
+
 def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                     source: LayerSummary | None = None) -> Iterable[Finding]:
     if lay.recorded_steps == 0:
@@ -471,13 +483,21 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         yield coarse
     au = _act_underflow_that_counts(lay, fmt)
     if lay.ran_low_precision and au > ACT_UNDERFLOW_WARN:
+        trend = _underflow_trend(session, lay.name)
+        gone = trend is not None and trend[1] <= ACT_UNDERFLOW_WARN < trend[0]
         yield Finding(
-            kind="activation_underflow", severity="warning", module=lay.name, op=None,
-            step=None,
+            kind="activation_underflow", severity="info" if gone else "warning",
+            module=lay.name, op=None, step=None,
             message=(f"{F.layer(lay.name)} ({lay.type}): {F.pct(au)} of output values "
-                     f"are below {fmt}'s smallest normal (subnormal or flushed)."),
-            advice=ADVICE["activation_underflow"],
-            data={"underflow_frac": au, "dtype": fmt},
+                     f"are below {fmt}'s smallest normal (subnormal or flushed)."
+                     + (f" Only at the start: {F.pct(trend[0])} in the first third of its "
+                        f"recorded steps, {F.pct(trend[1])} in the last, as a layer grows "
+                        "out of a zero or tiny initialisation (LoRA's B)." if gone and trend
+                        else "")),
+            advice=ADVICE["activation_underflow_transient" if gone else "activation_underflow"],
+            data={"underflow_frac": au, "dtype": fmt,
+                  "underflow_first_third": trend[0] if trend else None,
+                  "underflow_last_third": trend[1] if trend else None},
         )
     gu = _grad_underflow_that_counts(lay)
     flushed = (source is not None and source is not lay and lay.order < source.order

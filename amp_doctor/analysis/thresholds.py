@@ -17,6 +17,7 @@ __all__ = [
     "DIVERGED_LOSS_RISE",
     "STARVED_ZERO_FRAC",
     "SHRUNK_GRAD_BITS",
+    "TREND_MIN_STEPS",
     "WHOLLY_NONFINITE_FRAC",
     "GRAD_RELEVANT_BITS",
     "ACT_RELEVANT_BITS",
@@ -55,6 +56,9 @@ GRAD_UNDERFLOW_WARN = 0.10
 # back by the same gain: the gradients of the layers before it at least this many bits
 # below its own are its doing, and their underflow is its finding's consequence.
 SHRUNK_GRAD_BITS = 8
+# Recorded steps in each third of a run that tell whether a layer's underflow lasted or
+# went as it trained (an adapter growing out of its zero initialisation).
+TREND_MIN_STEPS = 2
 # A layer whose weight gradients were at least this share exact zeros, flushed on their
 # way back from a later layer, gets no update: it does not train (an error, not a warning).
 STARVED_ZERO_FRAC = 0.999
