@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -402,3 +403,132 @@ def test_a_lora_adapters_underflow_at_the_start_only_is_info() -> None:
     assert f.module == "l2.lora_B" and f.severity == "info"
     assert f.data["underflow_first_third"] > 0.05 >= f.data["underflow_last_third"]
     assert f.advice.startswith("Nothing to fix")
+
+
+def _amp_steps(model: nn.Module, steps: int, batch: Callable[[int], tuple[torch.Tensor, ...]],
+               loss_fn: Callable[..., torch.Tensor], every: int = 10,
+               init_scale: float = 2.0 ** 16) -> amp_doctor.Session:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    with amp_doctor.watch(model, every=every, tensorboard=False) as doctor:
+        for i in range(steps):
+            x, y = batch(i)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+def test_a_disabled_branch_is_no_zeroed_output() -> None:
+    """``nn.Dropout(p=1.0)`` as an ablation switch puts out zeros in float32 too: it has no
+    weights, and review 47c saw an ERROR blaming a float16 overflow for them."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem, self.branch = nn.Linear(16, 32), nn.Linear(32, 32)
+            self.branch_drop = nn.Dropout(p=1.0)
+            self.head = nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.stem(x))
+            return self.head(h + self.branch_drop(self.branch(h)))
+
+    s = _amp_steps(Net(), 21, lambda i: (torch.randn(32, 16), torch.randint(0, 4, (32,))),
+                   nn.functional.cross_entropy)
+    assert next(x for x in s.layers if x.name == "branch_drop").zero_frac == 1.0
+    assert not s.findings_of("zeroed_output")
+    assert not [f for f in s.findings if f.severity == "error"]
+
+
+def test_an_overflow_whose_own_backward_made_the_nan_keeps_its_backoffs() -> None:
+    """An Exp module overflows float16; a torch.where drops the inf, so the loss stays
+    finite, but exp's backward makes 0 * inf = NaN in the layer that fed it. The inf did
+    reach the gradients: the backoffs are the overflow's consequences, one error."""
+    torch.manual_seed(0)
+
+    class Exp(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.exp(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.proj = nn.Linear(8, 32), nn.Linear(32, 16)
+            self.act, self.head = Exp(), nn.Linear(16, 1)
+            with torch.no_grad():
+                self.proj.bias[:4].fill_(14.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            e = self.act(self.proj(torch.tanh(self.body(x))))
+            keep = torch.ones(16, dtype=torch.bool)
+            keep[:4] = False
+            return self.head(torch.where(keep, e, torch.zeros((), dtype=e.dtype)))
+
+    s = _amp_steps(Net(), 21, lambda i: (torch.randn(32, 8), torch.randn(32, 1)),
+                   nn.functional.mse_loss)
+    (err,) = [f for f in s.findings if f.severity == "error"]
+    assert (err.kind, err.module) == ("activation_overflow", "act")
+    assert "Consequences: GradScaler backed off" in err.message
+    assert all(f.severity == "info" for f in s.findings_of("scale_collapse"))
+
+
+def test_a_glitch_cast_to_float16_is_blamed_beside_a_harmless_large_column() -> None:
+    """Column 0, a timestamp beyond float16's max, is normalised in float32 first; in
+    three steps a glitch puts 1e5 into column 3, which fc1 casts to inf. The finite steps
+    with the harmless column had cancelled the glitch's blame (review 47c)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = torch.cat([(x[:, :1] - 1.5e5) / 5e4, x[:, 1:]], 1)
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(64, 8)
+        x[:, 0] = 1e5 + 1e5 * torch.rand(64)
+        if i % 10 == 5:
+            x[7, 3] = 1.0e5
+        return x, torch.randn(64, 1)
+
+    s = _amp_steps(Net(), 26, batch, nn.functional.mse_loss, every=1)
+    (err,) = [f for f in s.findings if f.severity == "error"]
+    assert (err.module, err.step) == ("fc1", 5)
+    assert "autocast's cast of them to float16 is inf" in err.message
+
+
+def test_a_loop_that_skips_its_own_step_after_unscale_counts_the_skips() -> None:
+    """``unscale_; norm = clip(...); if torch.isfinite(norm): opt.step(); update()``: the
+    loop skipped the steps the scaler found inf in. They are skipped steps, not "no
+    optimizer step was skipped"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    skips = []
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for i in range(12):
+            x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            if torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
+                opt.step()
+            else:
+                skips.append(i)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None and skips
+    assert s.scaler.backoff_steps == s.scaler.skipped_steps == skips
+    assert not [f for f in s.findings if f.severity in ("error", "warning")]
+    assert all("no optimizer step was skipped" not in f.message for f in s.findings)

@@ -268,6 +268,12 @@ ADVICE: dict[str, str] = {
         "Nothing to fix: the share fell below 5% as the layer trained. If the first steps "
         "matter, a larger initial gain (LayerScale's `init_values`) or bfloat16 keeps them."
     ),
+    "scaler_backoff_unskipped": (
+        "These backoffs skipped no step: the optimizer stepped outside `scaler.step` on "
+        "gradients the scaler had found inf/NaN, and the weights took them. Step through the "
+        "scaler: `scaler.unscale_(optimizer); clip_grad_norm_(...); scaler.step(optimizer); "
+        "scaler.update()`; then fix what makes the gradients inf/NaN."
+    ),
     "zeroed_output": (
         "Find the op that overflowed inside the layer with `amp-doctor diagnose --anomaly` and "
         "compute it in float32 (`x.float().pow(2).mean()` in a hand-written norm), or run the "

@@ -140,10 +140,28 @@ def _origins_that_reached_the_gradients(session: Session) -> Session:
     is the layer's overflow finding; the backoff is its gradients' business (review 47a:
     a shared layer's second call overflowed into a tanh, and the scaler's calibration
     backoffs were called its consequences)."""
+    lays = {lay.name: lay for lay in session.layers}
+    recs = {r.step: r for r in session.history}
+
+    def made_by_its_backward(e: ScalerEvent, o: str) -> bool:
+        # A culprit that fed it, whose output gradient went non-finite in that step: the
+        # origin's own backward made it (exp's 0 * inf where a torch.where dropped the inf,
+        # review 47c). A step the history left out is taken as reached.
+        rec = recs.get(e.step)
+        if rec is None:
+            return True
+        for c in e.culprits:
+            ls = rec.layers.get(c)
+            if (c in lays and o in lays[c].consumers and ls is not None
+                    and ls.grad is not None and ls.grad.nonfinite_frac > 0):
+                return True
+        return False
+
     def reached(e: ScalerEvent) -> bool:
         o = e.forward_origin
         return (o is None or e.loss_nonfinite is not False or not e.culprits or any(
-            c == o or c.startswith(o + ".") or o.startswith(c + ".") for c in e.culprits))
+            c == o or c.startswith(o + ".") or o.startswith(c + ".") for c in e.culprits)
+            or made_by_its_backward(e, o))
 
     def clear(sc: ScalerTimeline) -> ScalerTimeline:
         return replace(sc, events=[e if reached(e) else replace(e, forward_origin=None)

@@ -628,7 +628,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                                            unplaced_culprits(session, culprits),
                                            functools.partial(made_in, session, evs=evs)))
                      + "."),
-            advice=ADVICE["nonfinite_loss" if loss_bad and not origin
+            advice=ADVICE["scaler_backoff_unskipped" if _unskipped(session, steps) == set(steps)
+                          else "nonfinite_loss" if loss_bad and not origin
                           else "scale_collapse_loss_gradient" if outside else "scaler_backoff"],
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "scale_before": first.scale_before,
@@ -771,7 +772,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                   else backoffs[0].step if backoffs else None),
             message=(f"Loss scale collapsed: {'; '.join(reasons)}. "
                      f"{_skipped_of_steps(session)}; final scale {_scale(final)}{where}."),
-            advice=ADVICE["scale_collapse_loss_gradient" if from_loss or outside
+            advice=ADVICE["scaler_backoff_unskipped" if backoffs and not sc.skipped_steps
+                          else "scale_collapse_loss_gradient" if from_loss or outside
                           else "nonfinite_loss" if loss_nonfinite and not traced
                           else "scale_collapse"],
             steps=[e.step for e in backoffs][:MAX_STEPS_KEPT],

@@ -40,9 +40,11 @@ def _zeroed(session: Session, lay: LayerSummary) -> list[LayerSummary] | None:
     if (lay.recorded_steps < MIN_RECORDED or lay.passthrough or lay.nonfinite_steps
             or lay.absmax != 0 or lay.zero_frac < 1.0):
         return None
-    if lay.param_dtypes and (lay.param_grad_zero_frac or 0.0) < STARVED_ZERO_FRAC:
+    if not lay.param_dtypes or (lay.param_grad_zero_frac or 0.0) < STARVED_ZERO_FRAC:
         # Its weights get a gradient: a zero-initialised layer (LoRA's B, a DiT's final
-        # projection) trains out of its zeros.
+        # projection) trains out of its zeros. Or it has none: a disabled branch
+        # (Dropout(p=1)), a modality's mask, a dead unit put out zeros by design, in
+        # float32 too (review 47c); a norm whose square overflowed has a weight.
         return None
     fed = [p for p in producers(session, lay) if p.recorded_steps and p.absmax > 0]
     if lay.type in _RECTIFIERS:
@@ -72,7 +74,7 @@ def zeroed_findings(session: Session) -> Iterable[Finding]:
                   "through it.")
         try_it = (f" `--fp32 {lay.name}` runs it in float32 without editing the code; anomaly "
                   "mode (`--anomaly`) names the op and its line.")
-        why = (" In float16, that is the mark of an op inside it that overflowed to inf and "
+        why = (" In float16, that can be the mark of an op inside it that overflowed to inf and "
                "was then divided by: `x / sqrt(x.pow(2).mean())` is 0 once `x ** 2` passes "
                "float16's max 65504 (|x| > 256)." + try_it if low == "float16" else
                f" It ran in {low}: an op inside it may have made inf or 0 that a later op turned "

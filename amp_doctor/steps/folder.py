@@ -169,10 +169,16 @@ class StepFolder:
                                    | (layers.column(PG, NONFINITE) > 0))
               and _beyond(hs.scalars, fmt)):
             # A batch beyond the max in a step that stayed finite: nothing casts it (a
-            # float32 LayerNorm first), so the steps that went non-finite beside such a
-            # batch did so for another reason (a calibrating scaler's backoffs).
+            # float32 LayerNorm first), so the steps whose *gradients* alone went
+            # non-finite beside such a batch did so for another reason (a calibrating
+            # scaler's backoffs). A step whose forward went inf in a layer keeps its blame:
+            # another column of the batch may be the one cast (review 47c).
             self._input_beyond_harmless = True
-            self._events[:] = [e for e in self._events if e.kind != "input_beyond_format"]
+            self._events[:] = [e for e in self._events if e.kind != "input_beyond_format"
+                               or e.data.get("in_output_layers")]
+            for e in self._events:
+                if e.kind == "input_beyond_format":
+                    _keep_forward_blame(e)
         if origin is not None:
             self.aggregates.note_origin(origin)
             for other in self._independent_origins(bad_outputs, layers):
@@ -258,7 +264,7 @@ class StepFolder:
         first in most such steps (a calibrating scaler's first backoffs overflow another
         layer's scaled gradients first)."""
         given = _beyond(scalars, fmt)
-        if not given or self._input_beyond_harmless:
+        if not given or (self._input_beyond_harmless and not in_output):
             return
         top, module = max(given)
         e = next((e for e in self._events if e.kind == "input_beyond_format"), None)
@@ -537,3 +543,14 @@ def _beyond(scalars: Mapping[str, float], fmt: FormatLimits) -> list[tuple[float
     ``fmt``'s max in this step."""
     return [(v, k[len(INPUT_ABSMAX):]) for k, v in scalars.items()
             if k.startswith(INPUT_ABSMAX) and math.isfinite(v) and v > fmt.max]
+
+
+def _keep_forward_blame(e: Event) -> None:
+    """An ``input_beyond_format`` event with only the steps whose forward went non-finite
+    (the layers in ``in_output_layers``) left."""
+    d = e.data
+    kept = {k: v for k, v in d["first_bad"].items() if k in d["in_output_layers"]}
+    d["occurrences"] = sum(kept.values())
+    d["first_bad"] = kept
+    d["first_bad_layer"] = max(kept, key=lambda k: kept[k])
+    d["in_output"] = True

@@ -102,6 +102,8 @@ class AmpMonitor:
         # Optimizers whose step() is running: a closure's forward and backward passes
         # (LBFGS evaluates it several times in one step) belong to that step.
         self.stepping: set[int] = set()
+        # Optimizers stepped outside scaler.step since the last update (ids).
+        self._plain_stepped: set[int] = set()
         # Per optimizer id: how many parameters it held, and the layers holding them, read
         # when it steps (it may be gone by the end of the run) and renamed with the layers.
         self._opt_layers: dict[int, tuple[int, set[str]]] = {}
@@ -226,7 +228,9 @@ class AmpMonitor:
                 continue
             dev = infs[0].device
             st.flags[name] = torch.stack([f.to(dev) for f in infs]).sum()
-            st.applied.add(name)
+            if key in self._plain_stepped:
+                st.applied.add(name)  # stepped all the same: a backoff without a skip
+            # else the loop skipped it itself (`if torch.isfinite(norm): opt.step()`)
 
     def on_update_end(self, scaler: GradScaler, new_scale: Any) -> None:
         st = self._mirror(scaler)
@@ -260,6 +264,7 @@ class AmpMonitor:
             if other is not None:
                 self._other_updated(other)
         st.end_update()
+        self._plain_stepped.clear()
         self._misuse.forget_backwards()
         if self.manual_steps:
             return
@@ -322,6 +327,7 @@ class AmpMonitor:
             return
         self._cb.optimizer_done(self._step_params.get(id(optimizer)) or [])
         if not in_scaler_step():
+            self._plain_stepped.add(id(optimizer))
             # A plain optimizer.step(): those backward passes are not a scaler's.
             self._misuse.forget_backwards()
         if reg.primary_scaler is not None or self.manual_steps:
