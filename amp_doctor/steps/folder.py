@@ -165,9 +165,9 @@ class StepFolder:
             self._note_input_beyond(step, hs.scalars, (formats or {}).get(first_bad, fmt),
                                     first_bad, in_output=origin is not None)
         elif (not input_bad and not skipped and not hs.scalars.get("loss_bad")
+              and _beyond(hs.scalars, fmt)  # first: no table ops in the usual step
               and not layers.where((layers.column(GRAD, NONFINITE) > 0)
-                                   | (layers.column(PG, NONFINITE) > 0))
-              and _beyond(hs.scalars, fmt)):
+                                   | (layers.column(PG, NONFINITE) > 0))):
             # A batch beyond the max in a step that stayed finite: nothing casts it (a
             # float32 LayerNorm first), so the steps whose *gradients* alone went
             # non-finite beside such a batch did so for another reason (a calibrating
