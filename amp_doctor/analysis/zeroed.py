@@ -1,4 +1,5 @@
-"""A layer whose output was exactly zero in every recorded step, from a non-zero input.
+"""A layer with weights whose output was exactly zero in every recorded step, from a
+non-zero input.
 
 Nothing flows back through zeros: its weights and every layer before it get exactly
 zero gradient and do not train, and the layers after it see a constant. In a float16
@@ -59,19 +60,17 @@ def zeroed_findings(session: Session) -> Iterable[Finding]:
             continue
         before = [p for p in layers_before(session, lay)
                   if p.param_dtypes and (p.param_grad_zero_frac or 0.0) >= STARVED_ZERO_FRAC]
-        own = bool(lay.param_dtypes) and (lay.param_grad_zero_frac or 0.0) >= STARVED_ZERO_FRAC
         after = [x.name for x in layers_after(session, lay) if not x.passthrough]
         low = next((d for d in [*lay.input_dtypes, *lay.output_dtypes]
                     if d in LOW_PRECISION_NAMES), None)
         src = max(fed, key=lambda p: p.absmax)
-        starved = ([f"{F.layer(lay.name)}'s weights"] if own else []) + (
+        # Its own weights got none (see _zeroed): the finding is an error.
+        starved = [f"{F.layer(lay.name)}'s weights"] + (
             [f"the {F.counted(len(before), 'layer')} before it "
              f"({', '.join(F.layer(p.name) for p in before[:6])}"
              + (", ..." if len(before) > 6 else "") + ")"] if before else [])
         trains = (f" Nothing flows back through zeros: {F.and_list(starved)} got exactly zero "
-                  "gradient in every recorded step and did not train." if starved else
-                  " Nothing flows back through zeros: the layers before it get no gradient "
-                  "through it.")
+                  "gradient in every recorded step and did not train.")
         try_it = (f" `--fp32 {lay.name}` runs it in float32 without editing the code; anomaly "
                   "mode (`--anomaly`) names the op and its line.")
         why = (" In float16, that can be the mark of an op inside it that overflowed to inf and "
@@ -80,7 +79,7 @@ def zeroed_findings(session: Session) -> Iterable[Finding]:
                f" It ran in {low}: an op inside it may have made inf or 0 that a later op turned "
                "into these zeros." + try_it if low else "")
         yield Finding(
-            kind="zeroed_output", severity="error" if starved else "warning",
+            kind="zeroed_output", severity="error",
             module=lay.name, op=None, step=None,
             message=(f"{F.layer(lay.name)} ({lay.type})'s output was exactly zero in every "
                      f"recorded step ({lay.recorded_steps}), though its input was not "
@@ -91,7 +90,7 @@ def zeroed_findings(session: Session) -> Iterable[Finding]:
                         if after else "") + why),
             advice=ADVICE["zeroed_output"],
             data={"input_absmax": src.absmax, "input_from": src.name,
-                  "starved_layers": [p.name for p in before], "own_weights_starved": own,
+                  "starved_layers": [p.name for p in before], "own_weights_starved": True,
                   "after": after, "dtype": low, "hint": why},
         )
 
