@@ -284,7 +284,8 @@ class Watch:
         try:
             self._set.scan_params()
             self._probes = Probes(self.models, self._current_buffer, self._on_root_forward,
-                                  events=self._extra_events, on_compiled=self._on_compiled)
+                                  events=self._extra_events, on_compiled=self._on_compiled,
+                                  on_root_output=self._on_root_output)
             for given in self._set.given.values():
                 self._attach_wrappers(given)
             if self._opts.fp32:
@@ -429,6 +430,8 @@ class Watch:
                 # Training work after the last boundary (a crash mid-step); an
                 # evaluation pass after the last step is not a step.
                 self._close_step(partial=True)
+            # A dropped last forward in a step no branch above ended.
+            self._loop.dropped.end_step(self.step_index, None, recorded=False)
         finally:
             self._teardown()
             # Leave no reference to the user's tensors behind.
@@ -650,6 +653,10 @@ class Watch:
                     self._update_dropped = False
                 if self._probes is not None:
                     self._probes.apply_armed()  # before any sublayer ran
+            if root == id(module) == self._bounds.lead_root and not self.closed:
+                # After the boundary: this forward is the new step's.
+                self._loop.dropped.started(args, root, self._probes.name_of(module)
+                                           if self._probes is not None else None)
             self._loop.train_forward = True
             self._bounds.idle = False
             if self._buffer is not None:
@@ -659,6 +666,10 @@ class Watch:
             self._anomaly.check_inputs(self._probes.name_of(module) or type(module).__name__, args,
                                        module)
         self._precision.note_forward(module, args)
+
+    def _on_root_output(self, module: nn.Module, output: Any) -> None:
+        if not self.closed and self._bounds.lead_root == id(module):
+            self._loop.dropped.ended(output, id(module))
 
     def _on_scale(self, scale: torch.Tensor | None, outputs: Any) -> None:
         buf = self._buffer
@@ -909,11 +920,13 @@ class Watch:
             step = self.step_index
             # Detached first: a buffer is flushed once, even if folding it fails below.
             buf, self._buffer = self._buffer, None
+            self._loop.dropped.resolve()  # its forwards no backward reached
             if self._anomaly is not None:
                 self._anomaly.end_step(skipped=skipped, recorded=buf is not None,
-                                       loss_bad=self._loop.loss_flag())
+                                       loss_bad=self._loop.loss_flag(),
+                                       dropped_bad=self._loop.dropped.step_flag())
             input_module = self._loop.input_module
-            flags = self._loop.end_step()
+            flags = self._loop.end_step(step, recorded=buf is not None)
             if loss_bad is not None:
                 self._folder.note_loss(step, loss_bad, skipped)
             origin = None
@@ -1039,7 +1052,38 @@ class Watch:
             out.append(Event(kind="no_step_boundary", step=0, data={
                 "backward": self._loop.backward,
                 "foreign_optimizers": mon.registry.foreign_optimizers()}))
+        out.extend(self._dropped_events())
         return out + self._folder.lowp_events(d for m in metas for d in m.param_dtypes)
+
+    def _dropped_events(self) -> list[Event]:
+        """Forwards the loop dropped before backward with a NaN/inf output, in steps no
+        recording saw (see :mod:`amp_doctor.steps.dropped`): from the batch, they join
+        its ``nonfinite_input`` finding; from a layer, a finding of their own."""
+        got = self._loop.dropped.totals()  # the run's one read of them, if any dropped
+        if got is None or got.steps_bad == 0:
+            return []
+        out: list[Event] = []
+        module = got.module or self._set.label()
+        if got.input_bad and self._anomaly is None:  # anomaly mode checks every batch
+            seen = next((e for e in self._extra_events if e.kind == "nonfinite_input"), None)
+            data = {"dropped_steps": got.input_bad, "dropped_first": got.first_input_bad}
+            if seen is not None:
+                seen.data.update(data)
+            else:
+                out.append(Event(kind="nonfinite_input", step=got.first_input_bad,
+                                 module=module, data={
+                                     **data, "nan": got.input_nan, "inf": got.input_inf,
+                                     "detected": "dropped forward"}))
+        made = got.steps_bad - got.input_bad
+        if made:
+            out.append(Event(kind="nonfinite_output_dropped", step=got.first_made,
+                             module=module, data={
+                                 "steps_bad": made, "steps": self.step_index,
+                                 "loss_only": got.loss_only,
+                                 "input_unknown": got.input_unknown,
+                                 "anomaly": self._anomaly is not None,
+                                 "every": self.every}))
+        return out
 
     def _write_outputs(self, session: Session) -> None:
         """The JSON report, then TensorBoard's last parts; what TensorBoard could not

@@ -15,6 +15,7 @@ from amp_doctor import format as F
 from amp_doctor.analysis.messages import (
     SOFTMAX_OPS,
     denominator_dtype,
+    dropped_cause,
     inputs_held_inf,
     zero_denominator,
 )
@@ -205,6 +206,11 @@ ADVICE: dict[str, str] = {
         "make NaN where its values are dropped (the gradient of log at 0 is 0 * inf): make "
         "its input safe before the op, `torch.log(torch.where(z > 0, z, 1))`, rather than "
         "dropping its output after."
+    ),
+    "nonfinite_output_dropped": (
+        "Find the layer: re-run with `amp-doctor diagnose --anomaly script.py` (it names the "
+        "first module, op and line that made the NaN/inf), or with `--every 1` to record "
+        "every step; in your own loop, `amp_doctor.watch(model, anomaly=True)`."
     ),
     "nonfinite_input": (
         "The batch itself contains NaN/Inf: check the data pipeline "
@@ -485,6 +491,19 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "`f(torch.where(mask, x, 1.0))`.")
     if e.kind == "nonfinite_forward" and spread_nan(e.op, e.data):
         return SPREAD_NAN_ADVICE
+    if e.kind == "nonfinite_output_dropped" and dropped_cause(e.data) == "loss":
+        return ("Guard the loss against empty batches: skip a batch whose labels are all "
+                "`ignore_index` (-100) or whose mask is empty, and compute the loss in "
+                "float32 (`loss_fn(logits.float(), labels)`).")
+    if e.kind == "nonfinite_output_dropped" and dropped_cause(e.data) == "unknown":
+        return ("Check the data before it is copied into the buffer "
+                "(`torch.isfinite(x).all()`); if it is finite, a layer made the NaN/inf: "
+                "re-run with `--every 1` or `--anomaly` to name it.")
+    if e.kind == "nonfinite_output_dropped" and e.data.get("anomaly"):
+        return ("Anomaly mode searched the steps after it and did not see it recur: record "
+                "every step (`--every 1`) so that the failing step's layer figures name the "
+                "layer, or check every op and stop at the first non-finite one with its line "
+                "(`--anomaly --on-nonfinite raise`).")
     if e.kind == "lowp_updates_lost":
         # The weights' own format decides: bfloat16 weights are not told to move to float16.
         weights = e.data.get("dtypes") or []

@@ -51,6 +51,7 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "nonfinite_backward": "error",
     "nonfinite_grads_applied": "error",
     "nonfinite_input": "error",
+    "nonfinite_output_dropped": "warning",
     "activation_overflow": "warning",
     "scaled_grads_stepped": "error",
     "step_after_unscale": "error",

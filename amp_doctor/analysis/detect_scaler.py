@@ -226,6 +226,9 @@ def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
 # Recorded backoffs, with a finite loss, that must show the output layer's own gradient
 # non-finite before a collapse is put on the loss's size.
 LOSS_TOO_LARGE_MIN_BACKOFFS = 2
+# Weightless layers (activations) followed from a culprit to the layer whose backward
+# made its gradient, at most.
+MAX_PASS_THROUGH = 4
 
 
 def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
@@ -342,17 +345,37 @@ def _top_lead(evs: list[ScalerEvent], with_params: set[str]) -> tuple[str | None
     return top, leads.count(top)
 
 
+def passed_through(session: Session, name: str) -> list[str]:
+    """The layers without weights that carried culprit ``name``'s output to the next layer
+    with weights, in forward order: each its one consumer, each with a non-finite output
+    gradient too (an activation module: a Tanh's gradient, at most 1, passes an overflow
+    on but cannot make one; review 47c: a head's backward into a Tanh blamed layer 0)."""
+    by = {lay.name: lay for lay in session.layers}
+    lay, via = by.get(name), list[str]()
+    while lay is not None and len(via) < MAX_PASS_THROUGH:
+        users = [c for c in lay.consumers if c in by]
+        if (len(users) != 1 or by[users[0]].param_dtypes or users[0] in via
+                or not by[users[0]].grad_nonfinite_steps):
+            break
+        via.append(users[0])
+        lay = by[users[0]]
+    return via
+
+
 def made_by(session: Session, name: str) -> str | None:
     """The layer whose backward made culprit ``name``'s non-finite output gradient, when
-    that is another layer: the one layer with weights that took its output, whose own
-    output gradient stayed finite. Its backward multiplies that gradient by its weights;
-    the product overflowed (review 44a: a LoRA B weight grown to 3000, and A, the layer
-    before it, was blamed; review 44d: a float32 LayerNorm before an overflowing head)."""
+    that is another layer: the one layer with weights that took its output (directly or
+    through :func:`passed_through`), whose own output gradient stayed finite. Its backward
+    multiplies that gradient by its weights; the product overflowed (review 44a: a LoRA B
+    weight grown to 3000, and A, the layer before it, was blamed; review 44d: a float32
+    LayerNorm before an overflowing head)."""
     by = {lay.name: lay for lay in session.layers}
     lay = by.get(name)
     if lay is None or not lay.grad_nonfinite_steps:
         return None  # its weights' gradients alone: made in its own backward
-    users = [c for c in lay.consumers if c in by and by[c].param_dtypes]
+    via = passed_through(session, name)
+    last = by[via[-1]] if via else lay
+    users = [c for c in last.consumers if c in by and by[c].param_dtypes]
     if len(users) != 1 or by[users[0]].grad_nonfinite_steps:
         return None
     return users[0]
@@ -390,8 +413,11 @@ def made_in(session: Session, name: str, evs: list[ScalerEvent]) -> str:
     c = made_by(session, name)
     if c is None:
         return ""
+    via = passed_through(session, name)
+    through = f" (through {', '.join(via)}, which only passed it on)" if via else ""
     return (f"; {name}'s output gradient is computed in the backward of {c}, which takes "
-            f"{name}'s output and multiplies the gradient it got (finite) by its weights: the "
+            f"{name}'s output{through} and multiplies the gradient it got (finite) by its "
+            "weights: the "
             f"overflow is in {c}'s backward (its weights grown large, or a gradient too large "
             f"for float16 times them), and shows first in {name}")
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from amp_doctor import format as F
 from amp_doctor.analysis.dataflow import layers_before
-from amp_doctor.analysis.messages import CAST_OPS, loss_origin_named
+from amp_doctor.analysis.messages import CAST_OPS, dropped_cause, loss_origin_named
 from amp_doctor.analysis.thresholds import MAX_PER_KIND, SHRUNK_GRAD_BITS
 from amp_doctor.records import Finding, Session, Severity
 
@@ -58,6 +58,8 @@ def _with(f: Finding, severity: Severity | None = None, extra: str = "",
 
 ROOT_KINDS = ("activation_overflow", "nonfinite_input", "nonfinite_forward",
                "nonfinite_backward", "input_beyond_format")
+# Root causes that make a forward pass non-finite from a finite batch.
+FORWARD_MADE_KINDS = ("activation_overflow", "nonfinite_forward", "input_beyond_format")
 
 
 def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
@@ -216,6 +218,10 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             bad = set(f.data.get("bad_steps") or steps_of(f))
             root = next((e for e in errors if e.kind == "nonfinite_forward"
                          and e.step in bad), None)
+        if (root is None and f.kind == "nonfinite_output_dropped"
+                and dropped_cause(f.data) == "model"):
+            # The steps the loop dropped went NaN where a found forward origin makes it.
+            root = next((e for e in errors if e.kind in FORWARD_MADE_KINDS), None)
         if root is not None:
             consequences.setdefault(id(root), []).append(_consequence(f))
             f = _with(f, "info", follow_on_of=root.module)
@@ -261,7 +267,22 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                 extra += (" " if extra else "") + "Consequences: " + "; ".join(cons) + "."
             f = _with(f, extra=extra, also_affected=names, consequences=cons)
         result.append(f)
-    return _backoffs_of_the_collapse(result)
+    return _unlocated_dropped_forward(_backoffs_of_the_collapse(result))
+
+
+def _unlocated_dropped_forward(out: list[Finding]) -> list[Finding]:
+    """Anomaly mode's "not located" beginning where a forward the loop dropped went NaN
+    is that forward's: the dropped-forward finding (or the origin it folded into) holds
+    it, rather than a second warning about the same step."""
+    dropped = next((f for f in out if f.kind == "nonfinite_output_dropped"), None)
+    if dropped is None:
+        return out
+    owner = dropped.data.get("follow_on_of") or dropped.module
+    return [_with(f, "info", follow_on_of=owner,
+                  extra=f"It is the forward the loop dropped at step {f.step} (see that "
+                        "finding).")
+            if f.kind == "nonfinite_unlocated" and f.step == dropped.step
+            and f.severity != "info" else f for f in out]
 
 
 def _gradients_a_small_gain_shrank(session: Session, out: list[Finding]) -> list[Finding]:
@@ -503,6 +524,9 @@ def _consequence(f: Finding) -> str:
     if f.kind == "nonfinite_loss":
         return (f"the loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
                 "steps checked")
+    if f.kind == "nonfinite_output_dropped":
+        return (f"the model's output was NaN/inf in {d.get('steps_bad')} more step(s), "
+                "which the loop dropped before backward")
     return f.kind
 
 

@@ -545,16 +545,70 @@ def _nonfinite_discarded(a: MessageArgs) -> str:
             "`torch.where(z > 0, torch.log(z), 0)` does. Training is not affected.")
 
 
+_DROPPED_SKIP = ("no backward followed those forwards: the loop dropped them (`if not "
+                 "torch.isfinite(loss): continue` skips the iteration before backward), or "
+                 "they ran outside training with grad on (an evaluation without "
+                 "`torch.no_grad()`), so no GradScaler backoff, skipped step or loss check "
+                 "saw them")
+
+
+def _dropped_also(d: dict[str, object]) -> str:
+    n = d.get("dropped_steps")
+    if not isinstance(n, int) or n <= 0 or d.get("detected") == "dropped forward":
+        return ""
+    return (f" The model's output was NaN/inf with such a batch in {n} more step(s) no "
+            f"recording saw (first at step {d.get('dropped_first')}): {_DROPPED_SKIP}.")
+
+
 @message_for("nonfinite_input")
 def _nonfinite_input(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
+    if d.get("detected") == "dropped forward":
+        n = int(d.get("dropped_steps") or 1)
+        return (f"The batch given to {F.layer(e.module)} held {nonfinite_what(d)} in {n} "
+                f"step(s) (first at step {e.step}), and the model's output with it: "
+                f"{_DROPPED_SKIP}. The data was non-finite before any layer ran.")
     if d.get("detected") == "recorded step":
         return (f"The batch given to {F.layer(e.module)} already held {nonfinite_what(d)} ({a.at}"
                 + (f", in {a.n} recorded steps" if a.n > 1 else "") + "): the data was "
                 "non-finite before any layer ran, so the layers' NaN/inf outputs only carried "
-                "it on.")
+                "it on." + _dropped_also(d))
     return (f"The batch passed to {F.layer(e.module)} already holds {nonfinite_what(d)} "
-            f"({_op_steps(a)}): it came from the data, not from a layer.")
+            f"({_op_steps(a)}): it came from the data, not from a layer." + _dropped_also(d))
+
+
+def dropped_cause(d: dict[str, object]) -> str:
+    """What made a dropped forward's NaN/inf: "loss" (a loss the model returns, beside
+    finite outputs), "unknown" (its batch was changed in place before the check), or
+    "model" (a finite batch)."""
+    n = int(d.get("steps_bad") or 1)  # type: ignore[call-overload]
+    if d.get("loss_only") == n:
+        return "loss"
+    if d.get("input_unknown") == n:
+        return "unknown"
+    return "model"
+
+
+@message_for("nonfinite_output_dropped")
+def _nonfinite_output_dropped(a: MessageArgs) -> str:
+    e, d = a.event, a.event.data
+    n = int(d.get("steps_bad") or 1)
+    skip = f"{_DROPPED_SKIP[0].upper()}{_DROPPED_SKIP[1:]}."
+    cause = dropped_cause(d)
+    if cause == "loss":
+        return (f"The loss {F.layer(e.module)} returns was NaN/inf in {n} step(s) (first at "
+                f"step {e.step}) while its other outputs were finite: the loss computation "
+                "made it, not a layer (a cross-entropy over a batch whose labels are all "
+                f"ignored is 0/0). {skip}")
+    if cause == "unknown":
+        return (f"The output of {F.layer(e.module)} was NaN/inf in {n} step(s) (first at "
+                f"step {e.step}). Its batch was changed in place before it could be checked "
+                "(a reused input buffer), so whether the data already held NaN/inf is not "
+                f"known. {skip}")
+    return (f"The output of {F.layer(e.module)} was NaN/inf in {n} step(s) no recording saw "
+            f"(first at step {e.step}), from a finite batch: a layer or an op made it in the "
+            f"forward pass. {skip} Skipping such iterations hides the cause; it does not "
+            "remove it, and each skip loses a batch.")
 
 
 @message_for("nonfinite_grads_applied")

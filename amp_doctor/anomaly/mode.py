@@ -329,19 +329,21 @@ class AnomalyMode:
             self._log.note_internal(e)
 
     def end_step(self, skipped: bool = False, recorded: bool = False,
-                 loss_bad: torch.Tensor | None = None) -> None:
+                 loss_bad: torch.Tensor | None = None,
+                 dropped_bad: torch.Tensor | None = None) -> None:
         """A step boundary: the step's gradient check; a searched step's verdict.
 
         ``skipped``: the GradScaler skipped this step (known on the host already).
         ``recorded``: :meth:`flagged_count` and :meth:`resolve` follow for this step,
         so the check rides in its host copy; otherwise a searched step is checked now.
         ``loss_bad``: the step's loss check (a device bool), if it had a loss.
+        ``dropped_bad``: a forward the loop dropped before backward was NaN/inf (device).
         """
         if self._raise:
             return
         step = self._step_of()
         try:
-            self._check.end_step(step, loss_bad)
+            self._check.end_step(step, loss_bad, dropped_bad)
             if skipped:
                 self._skipped.add(step)
                 self._note_bad([step])

@@ -150,10 +150,16 @@ class StepCheck:
         with own_ops:
             self._stepped.extend(norm_sums(grads))
 
-    def end_step(self, step: int, loss_bad: torch.Tensor | None = None) -> None:
+    def end_step(self, step: int, loss_bad: torch.Tensor | None = None,
+                 dropped_bad: torch.Tensor | None = None) -> None:
         """The step's gradient flag: per device, non-finite iff a gradient an optimizer
         took is (without one, a watched gradient); and ``loss_bad``, the step's loss
-        check (a device bool), when it had one."""
+        check (a device bool), when it had one. ``dropped_bad``: a forward the loop
+        dropped before backward had a NaN/inf output (its loss never reached backward):
+        flagged as a bad step, and as a bad loss."""
+        if dropped_bad is not None:
+            loss_bad = dropped_bad if loss_bad is None else loss_bad | dropped_bad.to(
+                loss_bad.device)
         if loss_bad is not None:
             self.losses.append(StepFlag(step, loss_bad))
         if self._stepped:
@@ -162,6 +168,9 @@ class StepCheck:
             grads = [g for p in self.watched_params() if (g := p.grad) is not None]
             with own_ops:
                 flags = norm_sums(grads)
+        if dropped_bad is not None:
+            with own_ops:
+                flags = [*flags, torch.where(dropped_bad, math.inf, 0.0).double()]
         self.grads.extend(StepFlag(step, f) for f in flags)
         self.light_steps += 1
 

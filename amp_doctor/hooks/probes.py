@@ -272,10 +272,11 @@ class Probes:
 
     Roots (the models given to ``watch``) are hooked for the whole watch:
     ``on_root_forward`` lets the owner see each root call (autocast state,
-    step starts) without hooks of its own. Every other module is hooked only
-    while :meth:`set_armed` says so, which the owner does for recorded steps
-    (and for anomaly mode, which needs the module stack on every step): once
-    a module has any hook, torch calls it through its slow path, and on an
+    step starts) without hooks of its own, ``on_root_output`` its output.
+    Every other module is hooked only while :meth:`set_armed` says so, which
+    the owner does for recorded steps (and for anomaly mode, which needs the
+    module stack on every step): once a module has any hook, torch calls it
+    through its slow path, and on an
     unrecorded step even an idle hook would be pure cost.
     """
 
@@ -286,6 +287,7 @@ class Probes:
         on_root_forward: Callable[[nn.Module, tuple[Any, ...]], None],
         events: list[Event] | None = None,
         on_compiled: Callable[[str, str], None] | None = None,
+        on_root_output: Callable[[nn.Module, Any], None] | None = None,
     ) -> None:
         self.layers: dict[str, LayerMeta] = {}
         self._names: dict[int, str] = {}
@@ -320,6 +322,7 @@ class Probes:
         self._inflight = 0
         self._buffer = buffer_provider
         self._on_root_forward = on_root_forward
+        self._on_root_output = on_root_output
         self.recording = False
         # Per thread: a forward the user runs in another thread meanwhile (inference
         # under no_grad) has depth, stack and grad mode of its own, and must neither
@@ -795,6 +798,8 @@ class Probes:
         if calls.stack:
             calls.stack.pop()
         publish(module, output)
+        if calls.depth == 0 and self._on_root_output is not None and id(module) in self._roots:
+            self._on_root_output(module, output)
         # Inference passes (validation under no_grad) are not training steps; and an
         # activation-checkpointing recompute (it runs inside backward) is a second run
         # of a forward already recorded, which would double the layer's calls. A

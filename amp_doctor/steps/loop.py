@@ -20,6 +20,7 @@ from amp_doctor.device.stats import bad_batch, merged_extremes
 from amp_doctor.devicework import host_scalars, iter_tensors, own_ops
 from amp_doctor.dtypes import LOW_PRECISION_DTYPES
 from amp_doctor.hooks.probes import unsummarizable
+from amp_doctor.steps.dropped import DroppedForwards
 from amp_doctor.steps.misuse import reaches_params
 
 __all__ = ["LoopSignals", "UPDATE_SAMPLE", "PLAIN_LOSS_KEY", "INPUT_ABSMAX"]
@@ -64,6 +65,8 @@ class LoopSignals:
         # The sampled parameters of the last measured update, in order (host objects:
         # weak enough, as the optimizer holds them anyway), for the "made non-finite" row.
         self.lp_params: list[torch.Tensor] = []
+        # The model's training forwards that no backward followed (a loop's own NaN skip).
+        self.dropped = DroppedForwards()
 
     @property
     def trained_since_boundary(self) -> bool:
@@ -77,13 +80,14 @@ class LoopSignals:
         self.backward_reached = False
         self.train_forward = False
 
-    def end_step(self) -> dict[str, torch.Tensor]:
+    def end_step(self, step: int, recorded: bool) -> dict[str, torch.Tensor]:
         """The step's device flags, handed over; the step's samples dropped. With them the
         run's count of NaN/inf losses so far (:data:`LOSS_BAD_TOTAL_KEY`), for a recorded
         step's host copy."""
         flags, self._flags = self._flags, {}
         self._lp_snap = []
         bad = flags.get("loss_bad")
+        self.dropped.end_step(step, bad, recorded)
         if bad is not None:
             self.loss_steps += 1
             if self._loss_bad_total is None:
@@ -108,6 +112,7 @@ class LoopSignals:
         self._lp_snap = []
         self.lp_params = []
         self._flags = {}
+        self.dropped.release()
 
     # -- device flags ----------------------------------------------------------
     def _or_flag(self, key: str, flag: torch.Tensor) -> None:

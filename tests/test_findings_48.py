@@ -1,0 +1,331 @@
+"""Session 48's fixes: findings that were missing or wrong on real-style runs."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from syncs import SyncCounter
+from torch import nn
+from torch.nn import functional as F
+
+import amp_doctor
+from tests.helpers import console_script
+
+BAD_ITERS = (7, 15)
+
+
+def _skipping_loop(doctor_kw: dict | None, bad: str = "nan", iters: int = 25,
+                   bad_iters: tuple[int, ...] = BAD_ITERS
+                   ) -> tuple[list[float], list[torch.Tensor], amp_doctor.Session | None,
+                              list[int]]:
+    """A float16 loop that guards itself: ``if not torch.isfinite(loss): continue``.
+
+    ``bad``: "nan", a NaN in the batch at :data:`BAD_ITERS` (a corrupt sample); "made",
+    a finite batch that the first layer's float16 output overflows there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    losses: list[float] = []
+    skipped: list[int] = []
+    doctor = (amp_doctor.watch(model, tensorboard=False, **doctor_kw)
+              if doctor_kw is not None else None)
+    try:
+        for it in range(iters):
+            x = torch.randn(16, 8)
+            y = x.sum(1, keepdim=True)
+            if it in bad_iters:
+                if bad == "nan":
+                    x[3, 2] = float("nan")
+                else:
+                    x[3] = 6e4  # finite in float16; the first layer's output is not
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            if not torch.isfinite(loss):
+                skipped.append(it)
+                opt.zero_grad(set_to_none=True)
+                continue
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    finally:
+        session = doctor.close() if doctor is not None else None
+    return losses, [p.detach().clone() for p in model.parameters()], session, skipped
+
+
+def test_a_nan_batch_the_loop_skips_before_backward_is_reported_at_the_default_every() -> None:
+    """The loop's own guard kept the NaN loss from backward and from the GradScaler: no
+    backoff, no skip, no loss check, and the report said "Findings: none" beside the
+    user's own "loss is nan, skipping" (review 47a). Now the batch's finding names it."""
+    losses, params, session, skipped = _skipping_loop({})
+    assert skipped == list(BAD_ITERS)
+    assert session is not None and session.recorded_steps == 3
+    (f,) = session.findings_of("nonfinite_input")
+    assert f.severity == "error" and f.step == 7 and f.module == "Sequential"
+    assert f.data["dropped_steps"] == 2 and f.data["nan"] is True
+    assert "held NaN in 2 step(s) (first at step 7)" in f.message
+    assert "no backward followed those forwards: the loop dropped them" in f.message
+    assert not session.findings_of("nonfinite_output_dropped")
+    # Never the user's numerics: the same losses and weights as without the watch.
+    plain_losses, plain_params, _, _ = _skipping_loop(None)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
+
+
+def test_a_forward_overflow_the_loop_skips_is_a_warning_that_points_to_anomaly_mode() -> None:
+    losses, params, session, skipped = _skipping_loop({}, bad="made")
+    assert skipped[:1] == [7]  # (at 15 the weights had moved: finite)
+    assert session is not None
+    assert not session.findings_of("nonfinite_input")
+    (f,) = session.findings_of("nonfinite_output_dropped")
+    assert f.severity == "warning" and f.step == 7 and f.data["steps_bad"] == len(skipped)
+    assert "from a finite batch" in f.message
+    assert "--anomaly" in f.advice
+    plain_losses, plain_params, _, _ = _skipping_loop(None, bad="made")
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
+
+
+def test_under_anomaly_mode_the_dropped_steps_join_the_origin_the_recorded_steps_found() -> None:
+    """The glitch comes back in later batches, where the loss stays finite (the ReLU
+    drops the -inf) and the scaler backs off: the layer is found, and the dropped step is
+    one of its consequences, not a second warning."""
+    _, _, session, skipped = _skipping_loop({"anomaly": True}, bad="made",
+                                            bad_iters=(7, 11, 15, 19, 23))
+    assert skipped == [7] and session is not None
+    (root,) = [f for f in session.findings if f.severity == "error"]
+    assert (root.kind, root.module) == ("activation_overflow", "0")
+    (f,) = session.findings_of("nonfinite_output_dropped")
+    assert f.severity == "info" and f.data["follow_on_of"] == "0"
+    assert "which the loop dropped before backward" in root.message
+    assert not [u for u in session.findings_of("nonfinite_unlocated") if u.severity != "info"]
+
+
+def test_a_one_off_dropped_overflow_arms_anomaly_modes_search_and_says_it_did_not_recur() -> None:
+    _, _, session, skipped = _skipping_loop({"anomaly": True}, bad="made", bad_iters=(7,))
+    assert skipped == [7] and session is not None
+    (f,) = session.findings_of("nonfinite_output_dropped")
+    assert f.severity == "warning" and f.step == 7
+    assert f.advice.startswith("Anomaly mode searched the steps after it")
+    (u,) = session.findings_of("nonfinite_unlocated")
+    assert u.severity == "info" and u.step == 7
+    assert "the op-level search ran on the next steps and they stayed finite" in u.message
+    assert [x.severity for x in session.findings].count("warning") == 1
+
+
+def test_a_bad_batch_in_a_recorded_step_is_counted_once() -> None:
+    _, _, session, skipped = _skipping_loop({}, bad_iters=(10,))
+    assert skipped == [10] and session is not None
+    (f,) = session.findings_of("nonfinite_input")
+    assert f.step == 10 and f.data["detected"] == "recorded step"
+    assert "dropped_steps" not in f.data
+
+
+class _TwoViews(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("eval_with_grad", [False, True])
+def test_forwards_without_their_own_backward_are_not_dropped_iterations(
+        eval_with_grad: bool) -> None:
+    """Two views and one backward (a contrastive loss): both forwards are reached by it.
+    A validation forward in train mode with grad on: no backward reaches it, and it is
+    finite. Nothing to report; the validation forwards cost one more sync for the whole
+    run (the counts are read once, at the end), the contrastive loop none."""
+    torch.manual_seed(0)
+    model = _TwoViews()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    doctor = amp_doctor.watch(model, tensorboard=False, every=10)
+    with SyncCounter() as c:
+        for _ in range(20):
+            x = torch.randn(16, 8)
+            with torch.autocast("cpu", dtype=torch.float16):
+                z1, z2 = model(x), model(x + 0.1 * torch.randn_like(x))
+                loss = F.cross_entropy((z1 @ z2.T).float() / 4, torch.arange(16))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if eval_with_grad:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    model(torch.randn(4, 8)).float().mean().item()
+        session = doctor.close()
+    assert session.steps == 20
+    assert [f.kind for f in session.findings if f.severity != "info"] == []
+    assert len(c.calls) == session.recorded_steps + eval_with_grad, [x.site for x in c.calls]
+
+
+def test_the_cli_reports_a_loop_that_skips_nan_batches(tmp_path: Path) -> None:
+    script = tmp_path / "skip_nan.py"
+    script.write_text(
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "torch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))\n"
+        "opt = torch.optim.Adam(model.parameters(), lr=1e-3)\n"
+        "scaler = torch.amp.GradScaler('cpu', init_scale=256.0)\n"
+        "for it in range(25):\n"
+        "    x = torch.randn(16, 8); y = x.sum(1, keepdim=True)\n"
+        "    if it in (7, 15): x[3, 2] = float('nan')\n"
+        "    with torch.autocast('cpu', dtype=torch.float16):\n"
+        "        loss = F.mse_loss(model(x).float(), y)\n"
+        "    if not torch.isfinite(loss):\n"
+        "        print(f'iter {it}: loss is nan, skipping'); continue\n"
+        "    opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()\n")
+    r = subprocess.run([console_script(), "diagnose", "--no-tensorboard",
+                        "--logdir", str(tmp_path / "runs"), str(script)],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "iter 7: loss is nan, skipping" in r.stdout
+    assert "ERROR  nonfinite_input  Sequential step 7" in r.stderr
+    assert "held NaN in 2 step(s)" in r.stderr
+
+
+def test_a_heads_backward_through_a_tanh_is_blamed_on_the_head_not_the_first_layer() -> None:
+    """A head with weights grown x20000 overflows in its backward: the Tanh before it
+    passes the inf on, and layer 0 is the first layer with weights whose gradients went
+    non-finite. The collapse was an ERROR at layer 0 (`--fp32 0` would not help); the
+    head's backward made it (review 47c #6)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[2].weight.mul_(20000.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for _ in range(30):
+            x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    (c,) = s.findings_of("scale_collapse")
+    assert c.severity == "error" and c.module == "2"
+    assert "computed in the backward of 2, which takes 0's output (through 1, which only " \
+        "passed it on)" in c.message
+
+
+def _train(model: nn.Module, batches: int, step_fn: Callable[[int], torch.Tensor | None],
+           **kw: object) -> amp_doctor.Session:
+    """A float16 loop with a GradScaler; ``step_fn(it)`` returns the loss, or None when
+    the loop skips that iteration before backward."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, **kw) as doctor:  # type: ignore[arg-type]
+        for it in range(batches):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = step_fn(it)
+            if loss is None:
+                continue
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+def test_masked_outputs_of_two_forwards_that_one_backward_reaches_are_not_dropped() -> None:
+    """Action masking (-inf logits) and two forwards per step (R-Drop): the first forward
+    is reached by the step's one backward. It was a warning that 45 of 50 iterations were
+    skipped (review 48a)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+
+    def step(it: int) -> torch.Tensor:
+        x = torch.randn(16, 8)
+        legal = torch.rand(16, 6) > 0.3
+        legal[:, 0] = True
+        a, b = (model(x).masked_fill(~legal, float("-inf")) for _ in range(2))
+        return F.cross_entropy(a.float(), torch.zeros(16, dtype=torch.long)) + \
+            F.kl_div(a.float().log_softmax(-1).clamp_min(-1e4),
+                     b.float().log_softmax(-1).clamp_min(-1e4), log_target=True,
+                     reduction="batchmean")
+
+    s = _train(model, 30, step)
+    assert s.steps == 30
+    assert not s.findings_of("nonfinite_output_dropped")
+    assert not [f for f in s.findings if f.severity != "info"]
+
+
+class _Tagger(nn.Module):
+    """Returns an HF-style output: ``.loss`` (cross-entropy, ignore_index=-100) and
+    ``.logits``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.relu(self.emb(ids)))
+        loss = F.cross_entropy(logits.float().view(-1, 5), labels.view(-1), ignore_index=-100)
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_returned_loss_that_is_nan_beside_finite_logits_blames_the_loss_not_a_layer() -> None:
+    """A batch whose labels are all ignored: the model's mean cross-entropy is 0/0. It
+    was "a layer or an op made it ... re-run with --anomaly" (review 48a)."""
+    torch.manual_seed(0)
+    model = _Tagger()
+
+    def step(it: int) -> torch.Tensor | None:
+        labels = torch.randint(0, 5, (8, 12))
+        if it in (15, 33):
+            labels[:] = -100
+        loss = model(torch.randint(0, 100, (8, 12)), labels)["loss"]
+        return None if torch.isnan(loss) else loss
+
+    s = _train(model, 40, step)
+    (f,) = s.findings_of("nonfinite_output_dropped")
+    assert (f.step, f.data["steps_bad"], f.data["loss_only"]) == (15, 2, 2)
+    assert "the loss computation made it, not a layer" in f.message
+    assert "ignore_index" in f.advice and "--anomaly" not in f.advice
+
+
+def test_every_output_tensor_is_checked_and_a_batch_changed_in_place_is_not_called_finite(
+        ) -> None:
+    """``return feat, logits`` with the logits overflowing, fed through a reused input
+    buffer (``buf.copy_(x)``): the first output alone was checked, and the batch was
+    called finite though nobody could see it (review 48a)."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(8, 16), nn.Linear(16, 2)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = body, head
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            feat = torch.relu(self.body(x))
+            return feat, self.head(feat) * (1e5 if x[0, 0] > 100 else 1.0)
+
+    model = Net()
+    buf = torch.empty(4, 8)
+
+    def step(it: int) -> torch.Tensor | None:
+        x = torch.randn(4, 8)
+        if it in (13, 27):
+            x[0, 0] = 1000.0
+        buf.copy_(x)
+        _, logits = model(buf)
+        loss = F.cross_entropy(logits.float(), torch.zeros(4, dtype=torch.long))
+        return loss if torch.isfinite(loss) else None
+
+    s = _train(model, 30, step)
+    (f,) = s.findings_of("nonfinite_output_dropped")
+    assert (f.step, f.data["steps_bad"], f.data["input_unknown"]) == (13, 2, 2)
+    assert "whether the data already held NaN/inf is not known" in f.message
