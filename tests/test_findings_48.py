@@ -329,3 +329,142 @@ def test_every_output_tensor_is_checked_and_a_batch_changed_in_place_is_not_call
     (f,) = s.findings_of("nonfinite_output_dropped")
     assert (f.step, f.data["steps_bad"], f.data["input_unknown"]) == (13, 2, 2)
     assert "whether the data already held NaN/inf is not known" in f.message
+
+
+class _FM(nn.Module):
+    """A DLRM-style interaction: ``z @ z^T`` of which only the strict upper triangle is
+    used. The dense tower's self-dot (the diagonal) is +inf in float16; indexing drops it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.emb = nn.ModuleList([nn.Embedding(1000, 16) for _ in range(3)])
+        self.top = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, dense: torch.Tensor, cats: torch.Tensor) -> torch.Tensor:
+        feats = [self.bottom(dense)] + [e(c) for e, c in zip(self.emb, cats.T, strict=True)]
+        z = torch.stack([f.to(feats[0].dtype) for f in feats], 1)
+        inter = torch.bmm(z, z.transpose(1, 2))
+        iu = torch.triu_indices(4, 4, 1)
+        return self.top(inter[:, iu[0], iu[1]] / 16).squeeze(-1)
+
+
+def test_a_hidden_overflow_seen_only_in_the_scalers_start_up_backoff_is_no_error() -> None:
+    """Anomaly mode searched step 0, where a default GradScaler's calibration overflowed
+    the head's scaled gradients: the bmm's dropped +inf diagonal was an ERROR ("the backward
+    of this op is where NaN usually appears next") in a run whose only skip was that
+    calibration (review 48b)."""
+    torch.manual_seed(0)
+    model = _FM()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, anomaly=True) as doctor:
+        for _ in range(20):
+            dense, cats = torch.rand(256, 4) * 500, torch.randint(0, 1000, (256, 3))
+            y = ((dense[:, 0] > 250) ^ (cats[:, 0] % 2 == 0)).float()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.binary_cross_entropy_with_logits(model(dense, cats), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s.scaler is not None and s.scaler.skipped_steps == [0]
+    (f,) = s.findings_of("activation_overflow")
+    assert (f.op, f.step, f.severity) == ("aten.bmm", 0, "warning")
+    assert not [x for x in s.findings if x.severity == "error"]
+
+
+class _LogFeatures(nn.Module):
+    """A parameter-free front end: ``log(x @ fb + 1e-10)``, whose matmul runs in float16
+    under autocast, where 1e-10 is 0: zero-padded frames give log(0) = -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("fb", torch.rand(32, 16))
+
+    def forward(self, power: torch.Tensor) -> torch.Tensor:
+        return torch.log(power @ self.fb + 1e-10)
+
+
+def test_a_weightless_front_ends_log_of_zero_is_no_mask_when_a_layer_makes_nan_of_it() -> None:
+    """The front end's -inf went into a Linear, whose output was NaN: it was "a mask
+    written on purpose" (its gradient was finite only because it had none) and the
+    Linear was blamed, with `--fp32` for it (review 48b)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_LogFeatures(), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, every=5) as doctor:
+        for _ in range(10):
+            power = torch.rand(8, 32)
+            power[:, :] *= (torch.arange(8) < 6).float()[:, None]  # two padded frames
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(power), torch.randint(0, 4, (8,)))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert not s.findings_of("neg_inf_mask")
+    (f,) = [x for x in s.findings if x.severity == "error"]
+    assert (f.kind, f.module) == ("activation_overflow", "0")
+    assert "the loss was NaN/inf in 10 of the 10 steps checked" in f.message
+    (loss,) = s.findings_of("nonfinite_loss")
+    assert loss.severity == "info" and loss.data["follow_on_of"] == "0"
+
+
+def test_backoffs_from_the_backward_of_bce_on_probabilities_are_not_a_loss_too_large() -> None:
+    """``F.binary_cross_entropy(torch.sigmoid(logits), y)`` with a float16 sigmoid: a
+    confidently wrong entry's gradient, 1 / (p (1 - p)), overflows in the loss code's
+    backward while the loss is about 0.2. It was "the loss is too large for float16" with
+    "Keep the loss O(1)" (review 48b)."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 10) * 2
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                          nn.Linear(128, 10))
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for _ in range(120):
+            x = 3 * torch.randn(128, 32)
+            y = ((x @ w) > 0).float()
+            y = torch.where(torch.rand_like(y) < 0.01, 1 - y, y)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.binary_cross_entropy(torch.sigmoid(model(x)), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    (c,) = s.findings_of("scale_collapse")
+    assert "an op of the loss code makes the large gradient in its backward" in c.message
+    assert "too large for float16" not in c.message
+    assert c.advice.startswith("Compute the code between the model's output and the loss")
+    assert "binary_cross_entropy_with_logits" in c.advice
+
+
+def test_an_output_layer_past_the_max_is_told_to_standardise_the_targets() -> None:
+    """House prices in dollars (1e5 to 3.5e5) as targets: the head's float16 output must
+    pass 65504 to fit them. Its advice was "Keep this layer in float32", after which the
+    loss's gradient overflowed the layer before it (review 48b)."""
+    torch.manual_seed(0)
+    x = torch.randn(2048, 8)
+    y = (2.2e5 + x @ torch.tensor([40e3, 25e3, -10e3, 5e3, 0, 0, 8e3, 3e3])).clamp(1e5, 3.5e5)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), 3e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for _ in range(150):
+            idx = torch.randint(0, len(x), (256,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x[idx]).squeeze(-1), y[idx])
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    (f,) = [x for x in doctor.session.findings if x.severity == "error"]
+    assert (f.kind, f.module) == ("activation_overflow", "4")
+    assert f.advice.startswith("This layer returns the model's output")
+    assert "Standardise the targets" in f.advice

@@ -32,6 +32,14 @@ ADVICE: dict[str, str] = {
         "or train with `dtype=torch.bfloat16`, which has float32's range. If the "
         "weights grew large, add weight decay or normalisation before it."
     ),
+    "activation_overflow_output": (
+        "This layer returns the model's output: a prediction beyond float16's max means "
+        "targets that large (prices, counts, raw sensor units). Standardise the targets, "
+        "`y = (y - mean) / std`, and un-scale the predictions; that also keeps the loss "
+        "and its gradients, times the scale, within float16. Or keep this layer and the "
+        "loss in float32 (`with torch.autocast(device_type, enabled=False): out = "
+        "layer(x.float())`), or train with `dtype=torch.bfloat16`."
+    ),
     "nonfinite_loss_finite_grads": (
         "Compute the loss's terms in float32: `term.float()` before the square, exp or sum "
         "(a router z-loss `logsumexp(logits) ** 2` on float16 logits overflows), or clamp "
@@ -134,6 +142,15 @@ ADVICE: dict[str, str] = {
         "in float32 (`logits = z1.float() @ z2.float().T / temperature`; `F.normalize` a "
         "contrastive loss's embeddings). Running the output layer in float32 only moves the "
         "overflow to the layer before it: every gradient the model gets is the loss's."
+    ),
+    "scale_collapse_loss_code": (
+        "Compute the code between the model's output and the loss in float32, in the stable "
+        "fused forms: `F.binary_cross_entropy_with_logits(logits.float(), y)` instead of "
+        "`F.binary_cross_entropy(torch.sigmoid(logits), y)` (whose backward divides by "
+        "p * (1 - p)), `F.cross_entropy` or `log_softmax` instead of `log(softmax)`, a "
+        "temperature applied to float32 logits. Running the output layer in float32 only "
+        "moves the overflow to the layer before it: every gradient the model gets is the "
+        "loss's."
     ),
     "scale_stuck": (
         "The scale cannot grow because some scaled gradient keeps reaching float16's max. "

@@ -86,11 +86,18 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
     first = es[0]
     sev: Severity = first.data.get("severity") or EVENT_SEVERITY[kind]
     skipped = set(session.scaler.skipped_steps) if session.scaler else set()
-    if kind == "activation_overflow" and first.data.get("hidden") and (
-            skipped.intersection(e.step for e in es)
-            or any(x.kind == "nonfinite_backward" for x in session.events)):
+    if kind == "activation_overflow" and first.data.get("hidden"):
         # The hidden overflow did harm (skipped steps, NaN in backward): it is the cause.
-        sev = "error"
+        # Not by a GradScaler calibrating alone: its start-up backoff, whose scaled
+        # gradients overflowed in another op's backward, says nothing of this op's (a
+        # DLRM interaction's inf diagonal that indexing drops; review 48b).
+        normal = normal_backoff_steps(session) if skipped else set()
+        backward = [x for x in session.events if x.kind == "nonfinite_backward"]
+        scaled_only = bool(backward) and _scaled_overflows(session, backward) and all(
+            x.step in normal for x in backward)
+        if ((skipped - normal).intersection(e.step for e in es)
+                or (backward and not scaled_only)):
+            sev = "error"
     if kind == "scheduler_on_skipped_step" and first.data.get("lr_max") is not None:
         sev = "warning"  # the warmup ran while nothing trained (event_findings judged it)
     if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):

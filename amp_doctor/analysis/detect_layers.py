@@ -113,7 +113,19 @@ def neg_inf_mask(lay: LayerSummary, fmt: str, session: Session | None = None) ->
     if lay.grad_nonfinite_steps and not (
             session is not None and _grads_only_skipped(session, lay)):
         return None
+    if session is not None and _fed_to_weights(session, lay):
+        return None
     return _inf_made_by_an_op(lay, fmt)
+
+
+def _fed_to_weights(session: Session, lay: LayerSummary) -> bool:
+    """A layer with weights took its output and made NaN (or +inf) of it: a mask's -inf goes to a
+    softmax, a max or the loss, not through a convolution or a matmul. Without a gradient
+    of its own (a frontend given no-grad audio), nothing else tells a log of 0 from a mask
+    (review 48b: ``torch.log(mel + 1e-10)``, whose 1e-10 is 0 in float16)."""
+    by = {x.name: x for x in session.layers}
+    return any(c in by and by[c].param_dtypes and by[c].nonfinite_steps > by[c].neg_inf_steps
+               for c in lay.consumers)
 
 
 def loss_reaching_mask(session: Session, module: str) -> LayerSummary | None:
@@ -448,7 +460,9 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                      f"{lay.recorded_steps} recorded steps." + (
                          _unconfirmed(session, lay) or _input_unseen(session, lay))
                      + _cast_input(session, lay, fmt)),
-            advice=ADVICE["activation_overflow"],
+            # The model's output past the max: what it predicts is that large.
+            advice=ADVICE["activation_overflow_output" if lay.model_output
+                          else "activation_overflow"],
             data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
         )
     elif lay.ran_low_precision and lay.headroom < HEADROOM_WARN_BITS and math.isfinite(

@@ -25,6 +25,7 @@ from amp_doctor.analysis.thresholds import (
     CALIBRATION_STEPS,
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INIT_SCALE,
+    LOSS_NOT_LARGE,
     SCALE_COLLAPSE_MIN,
     SETTLING_BACKOFFS,
     STUCK_INTERVALS,
@@ -265,11 +266,32 @@ def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
     if len(first) < LOSS_TOO_LARGE_MIN_BACKOFFS or 2 * len(first) < len(rec):
         return None
     top = max(dict.fromkeys(first), key=first.count)
-    return top, (f"; in {len(first)} of {len(rec)} recorded backoffs the first non-finite "
-                 f"gradients were those of {top}, which returns the model's output: the "
-                 "gradient it gets is the loss's own times the scale (and its weights' "
-                 "gradients that times its input), so the loss is too large for float16, "
-                 f"not {top}")
+    said = (f"; in {len(first)} of {len(rec)} recorded backoffs the first non-finite "
+            f"gradients were those of {top}, which returns the model's output: the "
+            "gradient it gets is the loss's own times the scale (and its weights' "
+            "gradients that times its input), ")
+    peak = loss_peak(session, backoffs)
+    if peak is not None and peak <= LOSS_NOT_LARGE:
+        return top, said + (f"yet the loss was at most {F.num(peak)} in those steps: an op "
+                            "of the loss code makes the large gradient in its backward, not "
+                            f"the loss's size, nor {top}")
+    return top, said + f"so the loss is too large for float16, not {top}"
+
+
+def loss_peak(session: Session, evs: list[ScalerEvent]) -> float | None:
+    """The largest |loss| of the recorded steps among ``evs`` whose loss was finite."""
+    recs = {r.step: r for r in session.history}
+    losses = [abs(r.loss) for e in evs if (r := recs.get(e.step)) is not None
+              and isinstance(r.loss, float) and math.isfinite(r.loss)]
+    return max(losses) if losses else None
+
+
+def loss_code_advice(session: Session, evs: list[ScalerEvent]) -> str:
+    """The advice for backoffs made after the model: the loss code's ops when the loss
+    itself stayed small (:data:`LOSS_NOT_LARGE`), else its size."""
+    peak = loss_peak(session, evs)
+    small = peak is not None and peak <= LOSS_NOT_LARGE
+    return ADVICE["scale_collapse_loss_code" if small else "scale_collapse_loss_gradient"]
 
 
 def _model_of(session: Session, name: str) -> str | None:
@@ -654,9 +676,12 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                                            unplaced_culprits(session, culprits),
                                            functools.partial(made_in, session, evs=evs)))
                      + "."),
-            advice=ADVICE["scaler_backoff_unskipped" if _unskipped(session, steps) == set(steps)
-                          else "nonfinite_loss" if loss_bad and not origin
-                          else "scale_collapse_loss_gradient" if outside else "scaler_backoff"],
+            advice=(loss_code_advice(session, evs) if outside and not loss_bad
+                    and _unskipped(session, steps) != set(steps) else
+                    ADVICE["scaler_backoff_unskipped" if _unskipped(session, steps) == set(steps)
+                           else "nonfinite_loss" if loss_bad and not origin
+                           else "scale_collapse_loss_gradient" if outside
+                           else "scaler_backoff"]),
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "scale_before": first.scale_before,
                   "scale_after": last.scale_after, "backoffs": len(evs),
@@ -798,10 +823,10 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                   else backoffs[0].step if backoffs else None),
             message=(f"Loss scale collapsed: {'; '.join(reasons)}. "
                      f"{_skipped_of_steps(session)}; final scale {_scale(final)}{where}."),
-            advice=ADVICE["scaler_backoff_unskipped" if backoffs and not sc.skipped_steps
-                          else "scale_collapse_loss_gradient" if from_loss or outside
-                          else "nonfinite_loss" if loss_nonfinite and not traced
-                          else "scale_collapse"],
+            advice=(ADVICE["scaler_backoff_unskipped"] if backoffs and not sc.skipped_steps
+                    else loss_code_advice(session, backoffs) if from_loss or outside
+                    else ADVICE["nonfinite_loss" if loss_nonfinite and not traced
+                                else "scale_collapse"]),
             steps=[e.step for e in backoffs][:MAX_STEPS_KEPT],
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
                   "skipped": len(sc.skipped_steps), "culprit": top,

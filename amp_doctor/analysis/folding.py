@@ -192,6 +192,13 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                          and x.severity == "error"), None)
         if root is None and f.kind == "nonfinite_loss":
             root = next((e for e in errors if e.kind == "nonfinite_input"), None)
+        if root is None and f.kind == "nonfinite_loss" and isinstance(origin, str):
+            # It first showed in a layer fed by an origin whose only non-finite values
+            # were -inf (a log of 0 in a weightless front end): the loss's origin skips
+            # -inf-only outputs, as a mask's are.
+            root = next((e for e in errors if e.module and e.kind == "activation_overflow"
+                         and origin in (lay_by[e.module].consumers
+                                        if e.module in lay_by else ())), None)
         if root is None and f.kind in ("nonfinite_loss", "scaler_backoff", "scale_collapse"):
             # A batch beyond the format's max, seen by anomaly mode's per-step check in
             # every step that went bad: the cast made the inf (review 46a).

@@ -7,6 +7,7 @@ follow-on folding and the layer order read them from here.
 from __future__ import annotations
 
 __all__ = [
+    "LOSS_NOT_LARGE",
     "OUTPUT_LEVELS_ERROR",
     "OUTPUT_LEVELS_WARN",
     "WARMUP_EATEN_OF_PEAK",
@@ -152,3 +153,7 @@ F16_SMALLEST_NORMAL = 2.0 ** -14
 # torch.amp.GradScaler's defaults, for a saved timeline that lacks them.
 DEFAULT_INIT_SCALE = 65536.0
 DEFAULT_GROWTH_INTERVAL = 2000
+# A loss whose |value| stayed at most this in the recorded steps that backed off is no
+# loss "too large for float16": its code's backward made the large gradient (binary
+# cross-entropy of probabilities divides by p(1 - p)), not its size.
+LOSS_NOT_LARGE = 10.0
