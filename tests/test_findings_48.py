@@ -468,3 +468,78 @@ def test_an_output_layer_past_the_max_is_told_to_standardise_the_targets() -> No
     assert (f.kind, f.module) == ("activation_overflow", "4")
     assert f.advice.startswith("This layer returns the model's output")
     assert "Standardise the targets" in f.advice
+
+
+class _VAE(nn.Module):
+    """``std = exp(0.5 * logvar)`` in the model's own code overflows float16 before the
+    decoder's first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(16, 8)
+        self.dec1 = nn.Linear(4, 16)
+        self.dec2 = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.enc.weight.mul_(40.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, logvar = self.enc(x).chunk(2, -1)
+        z = mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)
+        return self.dec2(torch.relu(self.dec1(z)))
+
+
+def test_an_overflow_whose_input_came_from_unseen_code_sends_to_anomaly_mode_first() -> None:
+    """The decoder's first layer was blamed with `next: --fp32 dec1` first, which leaves
+    the NaN: the exp before it made the inf (review 48b). Its finding says whether the inf
+    came in with its input is not known; the first `next:` line now finds out."""
+    import dataclasses
+
+    from amp_doctor.commands.publish import next_steps
+
+    torch.manual_seed(0)
+    model = _VAE()
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, every=1) as doctor:
+        for _ in range(3):
+            x = torch.randn(32, 16)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), x)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    (f,) = [x for x in s.findings if x.severity == "error"]
+    assert (f.kind, f.module) == ("activation_overflow", "dec1")
+    s = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
+    first, second, *_ = next_steps(s)
+    assert first.startswith("amp-doctor: next: first find where the inf began (dec1's input")
+    assert first.endswith("amp-doctor diagnose --anomaly t.py")
+    assert second.endswith("amp-doctor diagnose --fp32 dec1 t.py")
+
+
+def test_anomaly_mode_does_not_call_a_minus_inf_batch_values_beyond_the_max() -> None:
+    """Log features made in the loop (``torch.log`` of zero-padded frames: -inf among
+    negative values, what an additive mask looks like) given to a Linear: the batch was
+    "values up to inf, beyond float16's max: autocast's cast of such values is inf", a
+    second error beside the Linear's NaN (review 48b)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, anomaly=True) as doctor:
+        for _ in range(4):
+            power = torch.rand(8, 16) * 0.5
+            power[6:] = 0.0  # padded frames
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(torch.log(power)), torch.randint(0, 4, (8,)))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert not s.findings_of("input_beyond_format")
+    (f,) = [x for x in s.findings if x.severity == "error"]
+    assert (f.kind, f.module, f.op) == ("nonfinite_forward", "0", "aten.addmm")
+    assert "An inf came in" in f.message

@@ -75,7 +75,9 @@ def gather(p: OpWindow, calls: list[RootCall], grads: list[StepFlag],
         if any(finite):
             # Every finite limit is float16's: one compare, masked where autocast was off.
             limit = min(c.limit for c in calls)
-            beyond = (call_rows.abs().amax(1) > limit) & ~bad
+            # Finite values past the max: a -inf mask's is no value that a cast makes inf.
+            top = call_rows.abs().amax(1)
+            beyond = (top > limit) & top.isfinite() & ~bad
             if not all(finite):
                 beyond &= upload([int(x) for x in finite], call_rows.device).bool()
     sums = [g.value for g in grads] + [g.value for g in weights]

@@ -196,9 +196,29 @@ def next_steps(session: Session) -> list[str]:
                        "again; to check every op and stop at the one that made it, with its "
                        f"line: amp-doctor diagnose --on-nonfinite raise {script}")
         else:
-            out.append("amp-doctor: next: to name the op and the line that made the first "
-                       f"inf/NaN: amp-doctor diagnose --anomaly {script}")
+            line = ("amp-doctor: next: to name the op and the line that made the first "
+                    f"inf/NaN: amp-doctor diagnose --anomaly {script}")
+            unseen = [f.module for f in errors if f.module in layers
+                      and _input_unseen(session, f)]
+            if unseen and len(unseen) == len(layers):
+                # The inf may have come in with the layer's input, made by the model's own
+                # code before it (a VAE's exp(0.5 * logvar) before its decoder): float32
+                # for the layer would not touch it (review 48b). The op's name first.
+                out.insert(0, f"amp-doctor: next: first find where the inf began ("
+                           f"{F.and_list(unseen)}'s input was made by code amp-doctor does "
+                           "not see, and may have brought it): amp-doctor diagnose "
+                           f"--anomaly {script}")
+            else:
+                out.append(line)
     return out
+
+
+def _input_unseen(session: Session, f: Finding) -> bool:
+    """An error about a layer (no op named) whose inputs were not all watched layers'
+    outputs: what made its inf may be the code before it."""
+    lay = next((x for x in session.layers if x.name == f.module), None)
+    return f.op is None and f.kind != "nonfinite_loss" and lay is not None and \
+        not lay.inputs_known
 
 
 def _has_events(logdir: Path) -> bool:
