@@ -1064,7 +1064,14 @@ class Watch:
             return []
         out: list[Event] = []
         module = got.module or self._set.label()
-        if got.input_bad and self._anomaly is None:  # anomaly mode checks every batch
+        made, first_made = got.steps_bad - got.input_bad, got.first_made
+        handled = self._folder.bad_input_harmless
+        if got.input_bad and handled is not None:
+            # The model takes such batches in its stride (a recorded step: NaN in, finite
+            # out): their NaN is not why these forwards' outputs were (review 48a).
+            made += got.input_bad
+            first_made = min(x for x in (first_made, got.first_input_bad) if x >= 0)
+        elif got.input_bad and self._anomaly is None:  # anomaly mode checks every batch
             seen = next((e for e in self._extra_events if e.kind == "nonfinite_input"), None)
             data = {"dropped_steps": got.input_bad, "dropped_first": got.first_input_bad}
             if seen is not None:
@@ -1074,11 +1081,11 @@ class Watch:
                                  module=module, data={
                                      **data, "nan": got.input_nan, "inf": got.input_inf,
                                      "detected": "dropped forward"}))
-        made = got.steps_bad - got.input_bad
         if made:
-            out.append(Event(kind="nonfinite_output_dropped", step=got.first_made,
+            out.append(Event(kind="nonfinite_output_dropped", step=first_made,
                              module=module, data={
                                  "steps_bad": made, "steps": self.step_index,
+                                 "batch_nan_handled_at": handled if got.input_bad else None,
                                  "loss_only": got.loss_only,
                                  "input_unknown": got.input_unknown,
                                  "anomaly": self._anomaly is not None,

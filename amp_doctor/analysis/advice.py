@@ -508,6 +508,10 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "`f(torch.where(mask, x, 1.0))`.")
     if e.kind == "nonfinite_forward" and spread_nan(e.op, e.data):
         return SPREAD_NAN_ADVICE
+    if e.kind == "nonfinite_input" and e.data.get("harmful") == 0:
+        return ("Nothing to fix while the model handles them. If those values are not meant "
+                "to be there, check the data pipeline (`torch.isfinite(x).all()` on each "
+                "batch).")
     if e.kind == "nonfinite_output_dropped" and dropped_cause(e.data) == "loss":
         return ("Guard the loss against empty batches: skip a batch whose labels are all "
                 "`ignore_index` (-100) or whose mask is empty, and compute the loss in "

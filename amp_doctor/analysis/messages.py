@@ -568,6 +568,12 @@ def _nonfinite_input(a: MessageArgs) -> str:
         return (f"The batch given to {F.layer(e.module)} held {nonfinite_what(d)} in {n} "
                 f"step(s) (first at step {e.step}), and the model's output with it: "
                 f"{_DROPPED_SKIP}. The data was non-finite before any layer ran.")
+    if d.get("detected") == "recorded step" and d.get("harmful") == 0:
+        return (f"The batch given to {F.layer(e.module)} held {nonfinite_what(d)} ({a.at}"
+                + (f", in {a.n} recorded steps" if a.n > 1 else "") + "), but every "
+                "layer's output and the loss stayed finite: the model handles such values "
+                "(missing data encoded as NaN, replaced or masked in its forward)."
+                + _dropped_also(d))
     if d.get("detected") == "recorded step":
         return (f"The batch given to {F.layer(e.module)} already held {nonfinite_what(d)} ({a.at}"
                 + (f", in {a.n} recorded steps" if a.n > 1 else "") + "): the data was "
@@ -605,8 +611,12 @@ def _nonfinite_output_dropped(a: MessageArgs) -> str:
                 f"step {e.step}). Its batch was changed in place before it could be checked "
                 "(a reused input buffer), so whether the data already held NaN/inf is not "
                 f"known. {skip}")
+    handled = d.get("batch_nan_handled_at")
+    batch = ("from a finite batch" if handled is None else
+             "from a batch that held NaN/inf, as the model's batches do (at recorded step "
+             f"{handled} every output stayed finite with one: it handles them)")
     return (f"The output of {F.layer(e.module)} was NaN/inf in {n} step(s) no recording saw "
-            f"(first at step {e.step}), from a finite batch: a layer or an op made it in the "
+            f"(first at step {e.step}), {batch}: a layer or an op made it in the "
             f"forward pass. {skip} Skipping such iterations hides the cause; it does not "
             "remove it, and each skip loses a batch.")
 

@@ -13,6 +13,7 @@ Listeners (the sinks) receive ``(StepRecord, StepRows)``, see
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
@@ -112,6 +113,9 @@ class StepFolder:
         self._last_recorded: int | None = None
         # A recorded step stayed finite with a batch beyond the format's max.
         self._input_beyond_harmless = False
+        # The first recorded step whose batch held NaN/inf while every layer's output and
+        # the loss stayed finite: the model handles such values (missing data as NaN).
+        self.bad_input_harmless: int | None = None
         self._bad_before_unseen: tuple[int, int | None] | None = None
 
     @property
@@ -156,7 +160,12 @@ class StepFolder:
             # The batch was already non-finite: no layer is the origin.
             origin = None
             if check_input:
-                self._note_bad_input(step, hs.scalars, input_module or self._model_label())
+                harmless = (not bad_outputs and not skipped
+                            and not hs.scalars.get("loss_bad"))
+                if harmless and self.bad_input_harmless is None:
+                    self.bad_input_harmless = step
+                self._note_bad_input(step, hs.scalars, input_module or self._model_label(),
+                                     harmless)
         culprits = self._culprits(hs, layers) if skipped else []
         if not input_bad and (first_bad := origin or next(iter(culprits), None)):
             # The batch's cast can make inf where no layer's output shows it: a GRU's
@@ -296,17 +305,31 @@ class StepFolder:
         self._events.append(Event(kind="lowp_update_nonfinite", step=step, module=layer,
                                   data={"count": made, "dtype": dtype}))
 
-    def _note_bad_input(self, step: int, scalars: dict[str, float], module: str) -> None:
-        seen = [e for e in self._events
-                if e.kind == "nonfinite_input" and e.data.get("detected") == "recorded step"]
-        if seen:
-            for e in seen:
-                e.data["occurrences"] = int(e.data.get("occurrences", 1)) + 1
-            return
-        self._events.append(Event(kind="nonfinite_input", step=step, module=module,
-                                 data={"nan": bool(scalars.get("input_nan")),
-                                       "inf": bool(scalars.get("input_inf")),
-                                       "detected": "recorded step"}))
+    def _note_bad_input(self, step: int, scalars: dict[str, float], module: str,
+                        harmless: bool) -> None:
+        """A recorded step's batch held NaN/inf. One event per run: an error once such a
+        batch made a layer's output or the loss non-finite (or the step was skipped), info
+        while the model took every such batch in its stride (it masks missing values)."""
+        e = next((e for e in self._events if e.kind == "nonfinite_input"
+                  and e.data.get("detected") == "recorded step"), None)
+        if e is None:
+            e = Event(kind="nonfinite_input", step=step, module=module, data={
+                "nan": False, "inf": False, "detected": "recorded step",
+                "occurrences": 0, "harmful": 0})
+            self._events.append(e)
+        d = e.data
+        d["occurrences"] = int(d["occurrences"]) + 1
+        d["nan"] = bool(d["nan"] or scalars.get("input_nan"))
+        d["inf"] = bool(d["inf"] or scalars.get("input_inf"))
+        if not harmless:
+            if not d["harmful"] and e.step != step:
+                # Where it first did harm.
+                self._events[self._events.index(e)] = dataclasses.replace(e, step=step)
+            d["harmful"] = int(d["harmful"]) + 1
+        if d["harmful"]:
+            d.pop("severity", None)
+        else:
+            d["severity"] = "info"
 
     def _forward_origin(self, hs: HostCopy, layers: StepTable, fmt: FormatLimits,
                         formats: Mapping[str, FormatLimits] | None = None,
