@@ -587,3 +587,39 @@ def test_nan_a_model_handles_is_info_and_not_blamed_for_an_overflow_the_loop_ski
     assert f.severity == "warning" and (f.step, f.data["steps_bad"]) == (17, 2)
     assert f.data["batch_nan_handled_at"] == 0
     assert not [x for x in s.findings if x.severity == "error"]
+
+
+def test_a_scatter_sum_overflow_is_told_to_accumulate_into_a_float32_buffer() -> None:
+    """A graph network's ``zeros_like(h).index_add_(0, dst, msg)`` overflowed at a hub
+    node: the advice said to cast the op's input `.float()`, which only fails on a dtype
+    mismatch with the float16 buffer (review 48b)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.msg, self.head = nn.Linear(16, 16), nn.Linear(16, 1)
+
+        def forward(self, h: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+                    ) -> torch.Tensor:
+            m = torch.relu(self.msg(h))[src]
+            agg = torch.zeros_like(m[: h.shape[0]]).index_add_(0, dst, m)
+            return self.head(agg / 1e4)
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    src = torch.randint(0, 64, (20000,))
+    dst = torch.zeros(20000, dtype=torch.long)  # every edge into node 0: a hub
+    with amp_doctor.watch(model, tensorboard=False, anomaly=True) as doctor:
+        for _ in range(5):
+            h = torch.randn(64, 16) * 40
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(h, src, dst).float().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    f = next(x for x in doctor.session.findings if x.op == "aten.index_add_")
+    assert "accumulate in float32, into a float32 buffer" in f.advice
+    assert "`.float()` inputs" not in f.advice

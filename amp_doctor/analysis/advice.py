@@ -442,6 +442,15 @@ OP_ADVICE: dict[str, str] = {
                     "scale an input down before the product (attention: `q * d**-0.5` before "
                     "`q @ k.transpose(-2, -1)`, or `F.scaled_dot_product_attention`; a "
                     "similarity matrix: `F.normalize` the embeddings first)"),
+    # Scatter-style accumulation into a buffer: the sums land in the buffer's dtype, so a
+    # float32 source alone would only fail on a dtype mismatch (review 48b).
+    **dict.fromkeys(("aten.index_add", "aten.index_add_", "aten.scatter_add",
+                     "aten.scatter_add_", "aten.scatter_reduce", "aten.scatter_reduce_",
+                     "aten.index_put", "aten.index_put_"),
+                    "accumulate in float32, into a float32 buffer: `out = torch.zeros(n, d, "
+                    "dtype=torch.float32).index_add_(0, idx, src.float())`, then cast the "
+                    "result back (float16 holds no sum beyond 65504), or scale the values "
+                    "down first (a mean instead of a sum over the neighbours)"),
     # autocast's cast of a float32 input: the values were beyond the format before it.
     "aten._to_copy": "the values it cast were beyond the format's max already: normalise or "
                      "clip them where they are made (the data, if this is the model's first "
