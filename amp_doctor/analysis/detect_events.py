@@ -26,6 +26,7 @@ from amp_doctor.analysis.detect_scaler import (
 )
 from amp_doctor.analysis.messages import event_message, zero_denominator
 from amp_doctor.analysis.thresholds import (
+    CALIBRATION_START,
     LOWP_UNCHANGED_WARN,
     MADE_INF_HEADROOM_BITS,
     SCALED_GRAD_OVERFLOW_INFO_STEPS,
@@ -88,15 +89,20 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
     skipped = set(session.scaler.skipped_steps) if session.scaler else set()
     if kind == "activation_overflow" and first.data.get("hidden"):
         # The hidden overflow did harm (skipped steps, NaN in backward): it is the cause.
-        # Not by a GradScaler calibrating alone: its start-up backoff, whose scaled
-        # gradients overflowed in another op's backward, says nothing of this op's (a
-        # DLRM interaction's inf diagonal that indexing drops; review 48b).
-        normal = normal_backoff_steps(session) if skipped else set()
+        # Not by a GradScaler calibrating alone (its start-up backoffs, in the run's first
+        # steps, and the ones its timeline calls normal), whose scaled gradients overflowed
+        # in another op's backward from finite inputs: that says nothing of this op's
+        # values (a DLRM interaction's +inf diagonal that indexing drops; review 48b).
+        normal = (normal_backoff_steps(session) | {st for st in skipped
+                                                   if st < CALIBRATION_START}
+                  if skipped else set())
         backward = [x for x in session.events if x.kind == "nonfinite_backward"]
-        scaled_only = bool(backward) and _scaled_overflows(session, backward) and all(
-            x.step in normal for x in backward)
-        if ((skipped - normal).intersection(e.step for e in es)
-                or (backward and not scaled_only)):
+        calibrating = {x.step for x in backward if x.step in normal
+                       and _scaled_overflows(session, [x])
+                       and not (x.module == first.module
+                                and x.data.get("forward_op") == first.op)}
+        if ((skipped - calibrating).intersection(e.step for e in es)
+                or any(x.step not in calibrating for x in backward)):
             sev = "error"
     if kind == "scheduler_on_skipped_step" and first.data.get("lr_max") is not None:
         sev = "warning"  # the warmup ran while nothing trained (event_findings judged it)
