@@ -623,3 +623,15 @@ def test_a_scatter_sum_overflow_is_told_to_accumulate_into_a_float32_buffer() ->
     f = next(x for x in doctor.session.findings if x.op == "aten.index_add_")
     assert "accumulate in float32, into a float32 buffer" in f.advice
     assert "`.float()` inputs" not in f.advice
+
+
+def test_a_heatmap_of_two_recorded_steps_labels_both() -> None:
+    """Review 47b: a run recorded at steps 0 and 10 drew two 24-pixel columns labelled "0"
+    alone (labels were kept 30 pixels apart whatever their width)."""
+    from amp_doctor.sinks.heatmap import step_ticks
+
+    assert step_ticks(2, 24, 20) == [0, 1]
+    assert step_ticks(3, 24, 20) == [0, 1, 2]
+    # Long runs still space their labels by the widest one.
+    shown = step_ticks(400, 1, 36)
+    assert shown[:3] == [0, 36, 72] and all(b - a >= 36 for a, b in zip(shown, shown[1:], strict=False))

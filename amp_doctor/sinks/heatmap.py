@@ -35,6 +35,7 @@ __all__ = [
     "fit_columns",
     "plot_width",
     "render_heatmap",
+    "step_ticks",
     "ramp",
     "HEATMAP_MAX_BITS",
     "NONFINITE_RGB",
@@ -86,7 +87,7 @@ _PAD = 8
 _FONT_SIZE = 12
 _SMALL_SIZE = 11
 _BAR_H = 10
-_TICK_GAP = 30  # minimum pixels between step labels
+_TICK_GAP = 16  # minimum pixels from one step label's centre to the next
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,18 @@ def plot_width(grid: HeatmapGrid) -> int:
     """Pixels for the step axis: what is left of CARD_WIDTH next to the names."""
     _, label_w = _label_width(grid)
     return max(MIN_PLOT_WIDTH, min(MAX_PLOT_WIDTH, CARD_WIDTH - 2 * _PAD - label_w))
+
+
+def step_ticks(cols: int, cw: int, label_px: int) -> list[int]:
+    """The columns whose step is labelled: every n-th, ``label_px`` (the widest label
+    and a margin) and at least :data:`_TICK_GAP` apart; the first always, the last when
+    it fits. Two recorded steps in 48 pixels both get theirs (review 47b: only "0")."""
+    gap = max(_TICK_GAP, label_px)
+    stride = max(1, math.ceil(gap / cw))
+    shown = list(range(0, cols, stride))
+    if cols - 1 not in shown and (not shown or (cols - 1 - shown[-1]) * cw >= gap):
+        shown.append(cols - 1)
+    return shown
 
 
 def geometry(grid: HeatmapGrid) -> PlotGeometry:
@@ -304,12 +317,8 @@ def render_heatmap(grid: HeatmapGrid, fmt: FormatLimits) -> torch.Tensor:
 
     # Step axis: ticks under the columns, spaced so the labels never touch.
     ya = y0 + plot_h + 2
-    gap = max(_TICK_GAP, max(width(str(st), small) for st in grid.steps) + 10)
-    stride = max(1, math.ceil(gap / cw))
-    shown = list(range(0, cols, stride))
-    if cols - 1 not in shown and (not shown or (cols - 1 - shown[-1]) * cw >= gap):
-        shown.append(cols - 1)
-    for c in shown:
+    gap = max(width(str(st), small) for st in grid.steps) + 8
+    for c in step_ticks(cols, cw, gap):
         xc = x0 + c * cw + cw // 2
         d.line([xc, ya, xc, ya + 3], fill=_INK)
         t = str(grid.steps[c])
