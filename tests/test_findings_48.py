@@ -634,4 +634,5 @@ def test_a_heatmap_of_two_recorded_steps_labels_both() -> None:
     assert step_ticks(3, 24, 20) == [0, 1, 2]
     # Long runs still space their labels by the widest one.
     shown = step_ticks(400, 1, 36)
-    assert shown[:3] == [0, 36, 72] and all(b - a >= 36 for a, b in zip(shown, shown[1:], strict=False))
+    assert shown[:3] == [0, 36, 72]
+    assert all(b - a >= 36 for a, b in zip(shown, shown[1:], strict=False))
