@@ -636,3 +636,29 @@ def test_a_heatmap_of_two_recorded_steps_labels_both() -> None:
     shown = step_ticks(400, 1, 36)
     assert shown[:3] == [0, 36, 72]
     assert all(b - a >= 36 for a, b in zip(shown, shown[1:], strict=False))
+
+
+def test_the_gradient_underflow_heatmap_shows_a_flushed_gradient_as_all_lost() -> None:
+    """A new heatmap of the output gradients' underflow: a gradient flushed whole to zero
+    counts as 100% lost (the share of non-zero values below the normal range would read 0%
+    there, the darkest cell for the worst layer)."""
+    from amp_doctor.dtypes import limits
+    from amp_doctor.sinks.tb_session import heatmap_grids
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with amp_doctor.watch(model, tensorboard=False, every=1) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(32, 8)).float().mean() * 1e-9
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    grid = heatmap_grids(s, limits(torch.float16))["heatmap/grad_underflow"]
+    row = grid.names.index("0")
+    for c, rec in enumerate(s.history):
+        g = rec.layers["0"].grad
+        assert g is not None and g.zero_frac >= 0.99  # flushed whole
+        assert grid.values[row][c] == 1.0

@@ -326,7 +326,8 @@ def test_heatmaps_text_and_layout_are_in_the_event_files(run: tuple[Path, Sessio
     fmt = F16
     grids = tbv.heatmap_grids(s, fmt)
     names = _distinct(s)
-    for tag in ("heatmap/headroom", "heatmap/underflow", "heatmap/grad_headroom"):
+    for tag in ("heatmap/headroom", "heatmap/underflow", "heatmap/grad_headroom",
+                "heatmap/grad_underflow"):
         (ev,) = acc.Images(tag)
         img = _rgb(ev)
         assert img.size == (ev.width, ev.height)
@@ -668,7 +669,8 @@ def test_a_real_tensorboard_serves_the_dashboards(run: tuple[Path, Session],
         assert f.kind in doc["text"]
 
     images = _get(port, "/data/plugin/images/tags")[run_name]
-    assert {"heatmap/headroom", "heatmap/underflow", "heatmap/grad_headroom"} <= set(images)
+    assert {"heatmap/headroom", "heatmap/underflow", "heatmap/grad_headroom",
+            "heatmap/grad_underflow"} <= set(images)
     hist = _get(port, "/data/plugin/histograms/histograms", run=run_name, tag="act_exp/fc1")
     buckets = hist[0][2]
     assert buckets[0][2] > 0 and buckets[-1][2] > 0

@@ -7,6 +7,7 @@ follow-on folding and the layer order read them from here.
 from __future__ import annotations
 
 __all__ = [
+    "ALL_ZERO_SHOWN",
     "LOSS_NOT_LARGE",
     "OUTPUT_LEVELS_ERROR",
     "OUTPUT_LEVELS_WARN",
@@ -157,3 +158,7 @@ DEFAULT_GROWTH_INTERVAL = 2000
 # loss "too large for float16": its code's backward made the large gradient (binary
 # cross-entropy of probabilities divides by p(1 - p)), not its size.
 LOSS_NOT_LARGE = 10.0
+# A layer whose gradient values were at least this share exact zeros is shown as flushed
+# whole ("N% zero" in the text table's 'grad underflow' column, the top of the gradient
+# underflow heatmap): no subnormal is left to count.
+ALL_ZERO_SHOWN = 0.99

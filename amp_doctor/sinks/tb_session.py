@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from amp_doctor import format as F
+from amp_doctor.analysis.thresholds import ALL_ZERO_SHOWN
 from amp_doctor.dtypes import FormatLimits, limits
 from amp_doctor.records import ScalerTimeline, Session, TensorStats
 from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
@@ -247,6 +248,8 @@ _HEATMAPS: tuple[tuple[str, str, str, str], ...] = (
     ("heatmap/underflow", "act", "underflow", "Outputs: underflow in {name}"),
     ("heatmap/grad_headroom", "grad", "headroom",
      "Output grads (as scaled): headroom to {name}'s max"),
+    ("heatmap/grad_underflow", "grad", "underflow",
+     "Output grads (as scaled): underflow in {name}, all-zero = 100%"),
 )
 
 
@@ -289,6 +292,10 @@ def heatmap_grids(session: Session, fmt: FormatLimits) -> dict[str, HeatmapGrid]
                     orow.append(False)
                     continue
                 v = ts.headroom if figure == "headroom" else ts.underflow_frac
+                if fld == "grad" and figure == "underflow" and ts.zero_frac >= ALL_ZERO_SHOWN:
+                    # Flushed all the way (the table's "100% zero"): every value lost,
+                    # where the share of non-zero values below the normal range reads 0.
+                    v = 1.0
                 # An all-zero output has +inf headroom: as safe as it gets.
                 vr.append(HEATMAP_MAX_BITS if v == math.inf else
                           (v if math.isfinite(v) else 0.0))
@@ -329,6 +336,9 @@ def heatmap_legend(session: Session, fmt: FormatLimits) -> str:
         "by the GradScaler (what the backward pass holds).",
         "* `heatmap/underflow`: share of non-zero outputs below the smallest normal "
         f"({F.limit(fmt.smallest_normal)}). Purple = none, yellow = all.",
+        "* `heatmap/grad_underflow`: the same for the layer's output gradients, as scaled "
+        "(the values a larger loss scale would lift); a gradient that was all exact zeros "
+        f"(at least {ALL_ZERO_SHOWN:.0%}: flushed, the table's 'N% zero') is yellow too.",
         "* red = inf/NaN; magenta = values beyond the max (overflow, or "
         "would-overflow for a float32 layer); grey = not recorded.",
         "* blue frame and highlighted name = where inf/NaN or overflow started (the "

@@ -24,6 +24,7 @@ from amp_doctor.analysis.detect_layers import (
     shown_grad_underflow,
 )
 from amp_doctor.analysis.risk import risk_order
+from amp_doctor.analysis.thresholds import ALL_ZERO_SHOWN
 from amp_doctor.dtypes import FORMAT_MAX
 from amp_doctor.records import SEVERITIES, Finding, LayerSummary, ScalerTimeline, Session
 
@@ -48,9 +49,6 @@ MAX_LAYERS = 25
 MAX_LISTED = 12
 # The layer table's column of recorded steps with inf/NaN outputs / gradients.
 NONFINITE_HEADER = "inf/NaN out/grad"
-# A layer whose gradient values were at least this share exact zeros shows "N% zero" in
-# the 'grad underflow' column (flushed whole: no subnormal left to count).
-ALL_ZERO_SHOWN = 0.99
 _SEV_LABEL = {"error": "ERROR", "warning": "WARN", "info": "info"}
 
 
