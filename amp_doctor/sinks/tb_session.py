@@ -249,7 +249,7 @@ _HEATMAPS: tuple[tuple[str, str, str, str], ...] = (
     ("heatmap/grad_headroom", "grad", "headroom",
      "Output grads (as scaled): headroom to {name}'s max"),
     ("heatmap/grad_underflow", "grad", "underflow",
-     "Output grads (as scaled): underflow in {name}, all-zero = 100%"),
+     "Grads (as scaled): underflow in {name}, all-zero = 100%"),
 )
 
 
