@@ -662,3 +662,35 @@ def test_the_gradient_underflow_heatmap_shows_a_flushed_gradient_as_all_lost() -
         g = rec.layers["0"].grad
         assert g is not None and g.zero_frac >= 0.99  # flushed whole
         assert grid.values[row][c] == 1.0
+
+
+def test_an_overflow_share_pooled_over_a_layers_calls_says_so() -> None:
+    """A block shared across depth, called twice a step; only its second call overflows.
+    "31% of values beyond the max" was the two calls' values pooled (review 47a)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.fc, self.out = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+            with torch.no_grad():
+                self.fc.weight.copy_(torch.eye(32) * 300.0)
+                self.fc.bias.zero_()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.fc(self.fc(self.inp(x))))
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False, every=1) as doctor:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(torch.randn(8, 16)).float(),
+                                       torch.randint(0, 4, (8,)))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    (f,) = [x for x in doctor.session.findings_of("activation_overflow") if x.module == "fc"]
+    assert "(worst step, pooled over its 2 calls a step)" in f.message

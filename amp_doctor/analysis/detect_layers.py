@@ -118,6 +118,14 @@ def neg_inf_mask(lay: LayerSummary, fmt: str, session: Session | None = None) ->
     return _inf_made_by_an_op(lay, fmt)
 
 
+def _pooled_calls(lay: LayerSummary) -> str:
+    """", over its N calls a step": a layer called several times a step (a block shared
+    across depth) has its calls' values pooled, and the share of one call's may be up to
+    N times the pooled one (review 47a: 31% pooled, where the second call had 62%)."""
+    n = round(lay.calls / lay.recorded_steps) if lay.recorded_steps else 0
+    return f", pooled over its {n} calls a step" if n > 1 else ""
+
+
 def _fed_to_weights(session: Session, lay: LayerSummary) -> bool:
     """A layer with weights took its output and made NaN (or +inf) of it: a mask's -inf goes to a
     softmax, a max or the loss, not through a convolution or a matmul. Without a gradient
@@ -456,7 +464,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
             message=(f"{F.layer(lay.name)} ({lay.type}) output overflows {fmt}: "
                      f"{F.pct(lay.overflow_frac)} of values beyond the format's max "
-                     f"(worst step), non-finite in {lay.nonfinite_steps} of "
+                     f"(worst step{_pooled_calls(lay)}), non-finite in {lay.nonfinite_steps} of "
                      f"{lay.recorded_steps} recorded steps." + (
                          _unconfirmed(session, lay) or _input_unseen(session, lay))
                      + _cast_input(session, lay, fmt)),
