@@ -80,6 +80,9 @@ __all__ = ["Watch", "watch", "DEFAULT_EVERY"]
 # to leave on (see benchmarks/results.md). Skips, backoffs and misuse are
 # tracked on every step regardless.
 DEFAULT_EVERY = 10
+# Steps a run needs before -inf alone in forwards no backward reached, in most of its
+# steps, is taken for a mask the model returns on purpose (see _dropped_events).
+MASK_MIN_STEPS = 4
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 
@@ -431,7 +434,7 @@ class Watch:
                 # evaluation pass after the last step is not a step.
                 self._close_step(partial=True)
             # A dropped last forward in a step no branch above ended.
-            self._loop.dropped.end_step(self.step_index, None, recorded=False)
+            self._loop.dropped.end_step(self.step_index, None)
         finally:
             self._teardown()
             # Leave no reference to the user's tensors behind.
@@ -1061,6 +1064,12 @@ class Watch:
         its ``nonfinite_input`` finding; from a layer, a finding of their own."""
         got = self._loop.dropped.totals()  # the run's one read of them, if any dropped
         if got is None or got.steps_bad == 0:
+            return []
+        if (got.neg_inf_only == got.steps_bad and self.step_index >= MASK_MIN_STEPS
+                and 2 * got.steps_bad >= self.step_index):
+            # -inf alone, in a forward of most steps while training went on: a mask the
+            # model returns on purpose (a metrics forward's masked logits), not a loss the
+            # loop dropped (review 48c).
             return []
         out: list[Event] = []
         module = got.module or self._set.label()

@@ -70,7 +70,7 @@ def test_a_nan_batch_the_loop_skips_before_backward_is_reported_at_the_default_e
     assert f.severity == "error" and f.step == 7 and f.module == "Sequential"
     assert f.data["dropped_steps"] == 2 and f.data["nan"] is True
     assert "held NaN in 2 step(s) (first at step 7)" in f.message
-    assert "no backward followed those forwards: the loop dropped them" in f.message
+    assert "no backward reached those forwards' outputs: the loop dropped them" in f.message
     assert not session.findings_of("nonfinite_output_dropped")
     # Never the user's numerics: the same losses and weights as without the watch.
     plain_losses, plain_params, _, _ = _skipping_loop(None)
@@ -694,3 +694,88 @@ def test_an_overflow_share_pooled_over_a_layers_calls_says_so() -> None:
             scaler.update()
     (f,) = [x for x in doctor.session.findings_of("activation_overflow") if x.module == "fc"]
     assert "(worst step, pooled over its 2 calls a step)" in f.message
+
+
+def test_a_dropped_nan_no_layer_finding_shows_is_reported_in_a_recorded_step_too() -> None:
+    """``x / x.norm()`` of an all-zero row is 0/0 in a step the loop skips: reported at
+    the default `every`, but "Findings: none" with `--every 1` (review 48c): recorded
+    steps were left to their own checks, and no layer finding shows a 0/0."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x / x.norm(dim=-1, keepdim=True))
+
+    model = Net()
+
+    def step(it: int) -> torch.Tensor | None:
+        x = torch.randn(16, 8)
+        if it == 6:
+            x[2] = 0.0
+        loss = F.cross_entropy(model(x).float(), torch.randint(0, 4, (16,)))
+        return loss if torch.isfinite(loss) else None
+
+    for every in (10, 1):
+        s = _train(model, 12, step, every=every)
+        (f,) = s.findings_of("nonfinite_output_dropped")
+        assert (f.step, f.data["steps_bad"]) == (6, 1), every
+
+
+def test_a_batch_given_as_keyword_arguments_is_checked() -> None:
+    """HF's Trainer calls ``model(**inputs)``: a NaN ``inputs_embeds`` was "a finite
+    batch: a layer or an op made it" (review 48c)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
+            assert x is not None
+            return self.fc(x)
+
+    model = Net()
+
+    def step(it: int) -> torch.Tensor | None:
+        x = torch.randn(16, 8)
+        if it == 4:
+            x[0, 0] = float("nan")
+        loss = F.cross_entropy(model(x=x).float(), torch.randint(0, 4, (16,)))
+        return loss if torch.isfinite(loss) else None
+
+    for every in (10, 1):
+        s = _train(model, 12, step, every=every)
+        (f,) = s.findings_of("nonfinite_input")
+        assert f.step == 4 and f.severity == "error", every
+        assert not s.findings_of("nonfinite_output_dropped")
+
+
+def test_a_metrics_forward_whose_output_holds_a_minus_inf_mask_is_not_a_dropped_loss() -> None:
+    """A forward with grad on that no backward reaches, every step, whose second output is
+    ``masked_fill(mask, -inf)`` on purpose: "NaN/inf in 14 steps" (review 48c)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = self.fc(x)
+            return out, out.masked_fill(torch.arange(4) >= 3, float("-inf"))
+
+    model = Net()
+
+    def step(it: int) -> torch.Tensor:
+        x = torch.randn(16, 8)
+        model(torch.randn(4, 8))  # metrics, with grad on, never backpropagated
+        return F.cross_entropy(model(x)[0].float(), torch.randint(0, 4, (16,)))
+
+    s = _train(model, 15, step)
+    assert not s.findings_of("nonfinite_output_dropped")
+    assert not [f for f in s.findings if f.severity != "info"]

@@ -529,6 +529,11 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
         return ("Check the data before it is copied into the buffer "
                 "(`torch.isfinite(x).all()`); if it is finite, a layer made the NaN/inf: "
                 "re-run with `--every 1` or `--anomaly` to name it.")
+    if (e.kind == "nonfinite_output_dropped" and e.data.get("every") == 1
+            and not e.data.get("anomaly")):
+        return ("Find the op: re-run with `amp-doctor diagnose --anomaly script.py` (it "
+                "names the first module, op and line that made the NaN/inf); in your own "
+                "loop, `amp_doctor.watch(model, anomaly=True)`.")
     if e.kind == "nonfinite_output_dropped" and e.data.get("anomaly"):
         return ("Anomaly mode searched the steps after it and did not see it recur: record "
                 "every step (`--every 1`) so that the failing step's layer figures name the "

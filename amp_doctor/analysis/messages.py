@@ -545,11 +545,11 @@ def _nonfinite_discarded(a: MessageArgs) -> str:
             "`torch.where(z > 0, torch.log(z), 0)` does. Training is not affected.")
 
 
-_DROPPED_SKIP = ("no backward followed those forwards: the loop dropped them (`if not "
-                 "torch.isfinite(loss): continue` skips the iteration before backward), or "
-                 "they ran outside training with grad on (an evaluation without "
-                 "`torch.no_grad()`), so no GradScaler backoff, skipped step or loss check "
-                 "saw them")
+_DROPPED_SKIP = ("no backward reached those forwards' outputs: the loop dropped them (`if "
+                 "not torch.isfinite(loss): continue` skips the iteration before backward; a "
+                 "NaN loss swapped for a zero one), or they ran outside training with grad "
+                 "on (an evaluation without `torch.no_grad()`), so no GradScaler backoff, "
+                 "skipped step or loss check saw them")
 
 
 def _dropped_also(d: dict[str, object]) -> str:
@@ -615,7 +615,7 @@ def _nonfinite_output_dropped(a: MessageArgs) -> str:
     batch = ("from a finite batch" if handled is None else
              "from a batch that held NaN/inf, as the model's batches do (at recorded step "
              f"{handled} every output stayed finite with one: it handles them)")
-    return (f"The output of {F.layer(e.module)} was NaN/inf in {n} step(s) no recording saw "
+    return (f"The output of {F.layer(e.module)} was NaN/inf in {n} step(s) "
             f"(first at step {e.step}), {batch}: a layer or an op made it in the "
             f"forward pass. {skip} Skipping such iterations hides the cause; it does not "
             "remove it, and each skip loses a batch.")

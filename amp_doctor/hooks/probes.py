@@ -749,16 +749,19 @@ class Probes:
         calls.stack.append(name)
         if calls.depth == 1:
             self._roots_called.add(self._root_of(id(module)))
+            # The batch as the loop gave it: keyword arguments too (HF's Trainer calls
+            # ``model(**inputs)``; review 48c: a NaN ``inputs_embeds`` went unchecked).
+            given = (args, kwargs) if kwargs else args
             if id(module) in self._roots:
                 if torch.is_grad_enabled() or ckpt:
                     self._roots_trained.add(id(module))
                     self._trained_this_step[id(module)] = threading.get_ident()
-                self._on_root_forward(module, args)
+                self._on_root_forward(module, given)
                 if self.armed and self.recording:
                     self._armed_root_calls[id(module)] = \
                         self._armed_root_calls.get(id(module), 0) + 1
             elif self._entry(module):
-                self._on_root_forward(module, args)
+                self._on_root_forward(module, given)
         # An activation-checkpointing recompute (inside backward) takes detached copies of
         # the inputs its first pass took from watched layers: not new producers.
         if (not self.recording or not (calls.training or torch.is_grad_enabled())

@@ -17,8 +17,8 @@ the model's training forwards instead:
   views of a contrastive loss, or a generator's output that the discriminator's
   backward does not reach but the generator's does, are reached within the step;
 - on the device and without a sync, a step with a non-finite dropped forward counts,
-  unless its loss was NaN/inf too (that loss's own finding covers it). Recorded steps
-  are left to their own checks, which saw that forward's batch and layers.
+  unless its loss was NaN/inf too (that loss's own finding covers it). A recorded step
+  checked the batches itself: a bad one is its own finding's.
 
 The run's counts are read once, at the end, and only in a run that dropped a
 forward at all. Dropped iterations are not steps of their own: amp-doctor counts
@@ -27,6 +27,7 @@ steps at the optimizer, so such an iteration is part of the step it ran in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,8 @@ MAX_OUTPUTS_CHECKED = 8
 MAX_FORWARDS_HELD = 64
 
 # Rows of the run's device counts.
-_BAD, _GIVEN, _NAN, _INF, _UNKNOWN, _LOSS_ONLY, _FIRST_GIVEN, _FIRST_MADE = range(8)
+(_BAD, _GIVEN, _NAN, _INF, _UNKNOWN, _LOSS_ONLY, _NEG_INF_ONLY, _FIRST_GIVEN,
+ _FIRST_MADE) = range(9)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class DroppedTotals:
     # buffer), and where only a loss the model returned was bad, its other outputs finite.
     input_unknown: int
     loss_only: int
+    # ... and where the only non-finite values were -inf beside positive ones.
+    neg_inf_only: int
     # The first step with a bad batch, and the first with another cause (-1: none).
     first_input_bad: int
     first_made: int
@@ -168,9 +172,13 @@ class DroppedForwards:
                 return
             self.dropped += 1
             with own_ops:
-                rows = bad_batch(torch.stack(f.extremes).view(-1, 2).float())
+                ext = torch.stack(f.extremes).view(-1, 2).float()
+                rows = bad_batch(ext)
                 bad = rows.any()
                 self._or("bad", bad)
+                # NaN or +inf, not only a -inf beside positive values (a mask's, or an
+                # overflow's: told apart by how often it comes, at the end).
+                self._or("strict", (ext.isnan().any(1) | (ext[:, 1] == math.inf)).any())
                 if any(f.scalar) and not all(f.scalar):
                     # A loss the model returns (HF's ``.loss``) bad beside finite logits:
                     # the loss computation made it (an all-ignored batch: 0/0), not a layer.
@@ -178,20 +186,20 @@ class DroppedForwards:
                     self._or("loss_only", (rows & mask).any() & ~(rows & ~mask).any())
                 # An input changed in place since (a reused buffer) holds another batch.
                 ts = [t for t, v in f.inputs if (-1 if t.is_inference() else t._version) == v]
-                ext = None
+                given: torch.Tensor | None = None
                 if ts:
                     try:
-                        ext = torch.stack([v for t in ts for v in torch.aminmax(t.detach())]
-                                          ).view(-1, 2).float()
+                        given = torch.stack([v for t in ts for v in torch.aminmax(t.detach())]
+                                            ).view(-1, 2).float()
                     except Exception:  # odd tensors: the batch is not known
-                        ext = None
-                if ext is None:
+                        given = None
+                if given is None:
                     if f.inputs:
                         self._or("unknown", bad)
                     return
-                nan = ext.isnan().any() & bad
+                nan = given.isnan().any() & bad
                 self._or("nan", nan)
-                self._or("inf", (bad_batch(ext).any() & bad) & ~nan)
+                self._or("inf", (bad_batch(given).any() & bad) & ~nan)
         finally:
             f.let_go()
 
@@ -205,24 +213,33 @@ class DroppedForwards:
         it dropped was NaN/inf."""
         return self._step.get("bad")
 
-    def end_step(self, step: int, loss_bad: torch.Tensor | None, recorded: bool) -> None:
+    def end_step(self, step: int, loss_bad: torch.Tensor | None,
+                 recorded_input_bad: torch.Tensor | None = None,
+                 recorded: bool = False) -> None:
         """Judge the step's forwards and fold its flags into the run's counts (device ops
         only, and only in a step that dropped a NaN/inf forward). A NaN loss that went on
-        to backward is the loss check's; a recorded step's batch and layers were checked
-        by the step itself."""
+        to backward is the loss check's. A recorded step checked every batch it was given
+        (``recorded_input_bad``, its device flag): a bad one is its ``nonfinite_input``,
+        and the rest counts as made by the model (a 0/0, a float32 layer's NaN: no layer
+        finding may show those; review 48c)."""
         self.resolve()
         flags, self._step = self._step, {}
         bad = flags.get("bad")
-        if bad is None or recorded:
+        if bad is None:
             return
         with own_ops:
             if loss_bad is not None:
                 bad = bad & ~loss_bad.to(bad.device)
             no = torch.zeros((), dtype=torch.bool, device=bad.device)
+            if recorded:
+                if recorded_input_bad is not None:
+                    bad = bad & ~recorded_input_bad.to(bad.device)
+                flags = {"loss_only": flags.get("loss_only", no)}
             nan, inf, unknown, loss_only = (bad & flags.get(k, no) for k in (
                 "nan", "inf", "unknown", "loss_only"))
             given = nan | inf
-            row = torch.stack((bad, given, nan, inf, unknown, loss_only)).long()
+            neg_inf_only = bad & ~flags.get("strict", no)
+            row = torch.stack((bad, given, nan, inf, unknown, loss_only, neg_inf_only)).long()
             if self._totals is None:
                 self._totals = torch.cat((row, torch.full((2,), -1, device=bad.device)))
             else:
@@ -240,6 +257,7 @@ class DroppedForwards:
         return DroppedTotals(
             steps_bad=n[_BAD], input_bad=n[_GIVEN], input_nan=bool(n[_NAN]),
             input_inf=bool(n[_INF]), input_unknown=n[_UNKNOWN], loss_only=n[_LOSS_ONLY],
+            neg_inf_only=n[_NEG_INF_ONLY],
             first_input_bad=n[_FIRST_GIVEN], first_made=n[_FIRST_MADE],
             dropped=self.dropped, module=self.module)
 

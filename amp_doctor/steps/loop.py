@@ -87,7 +87,9 @@ class LoopSignals:
         flags, self._flags = self._flags, {}
         self._lp_snap = []
         bad = flags.get("loss_bad")
-        self.dropped.end_step(step, bad, recorded)
+        given = [f for k in ("input_nan", "input_inf") if (f := flags.get(k)) is not None]
+        self.dropped.end_step(step, bad, given[0] | given[1].to(given[0].device)
+                              if len(given) == 2 else (given[0] if given else None), recorded)
         if bad is not None:
             self.loss_steps += 1
             if self._loss_bad_total is None:
