@@ -89,13 +89,11 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
     skipped = set(session.scaler.skipped_steps) if session.scaler else set()
     if kind == "activation_overflow" and first.data.get("hidden"):
         # The hidden overflow did harm (skipped steps, NaN in backward): it is the cause.
-        # Not by a GradScaler calibrating alone (its start-up backoffs, in the run's first
-        # steps, and the ones its timeline calls normal), whose scaled gradients overflowed
+        # Not by a GradScaler calibrating alone (a short run of backoffs from step 0, and
+        # the ones its timeline calls normal), whose scaled gradients overflowed
         # in another op's backward from finite inputs: that says nothing of this op's
         # values (a DLRM interaction's +inf diagonal that indexing drops; review 48b).
-        normal = (normal_backoff_steps(session) | {st for st in skipped
-                                                   if st < CALIBRATION_START}
-                  if skipped else set())
+        normal = normal_backoff_steps(session) | _start_up_skips(skipped)
         backward = [x for x in session.events if x.kind == "nonfinite_backward"]
         calibrating = {x.step for x in backward if x.step in normal
                        and _scaled_overflows(session, [x])
@@ -116,6 +114,16 @@ def _severity(session: Session, kind: str, es: list[Event], n: int) -> Severity:
         beyond = sum(e.step not in normal for e in es)
         sev = "info" if beyond <= SCALED_GRAD_OVERFLOW_INFO_STEPS else "warning"
     return sev
+
+
+def _start_up_skips(skipped: set[int]) -> set[int]:
+    """The run's first skipped steps, from step 0 on, when at most
+    :data:`CALIBRATION_START` in a row: a GradScaler settling from its initial scale. A
+    longer run is no start-up (a cast overflow inside a GRU skipped every step)."""
+    run: set[int] = set()
+    while len(run) in skipped:
+        run.add(len(run))
+    return run if len(run) <= CALIBRATION_START else set()
 
 
 def _start_lrs(es: list[Event]) -> list[float]:
