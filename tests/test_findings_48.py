@@ -468,6 +468,10 @@ def test_an_output_layer_past_the_max_is_told_to_standardise_the_targets() -> No
     assert (f.kind, f.module) == ("activation_overflow", "4")
     assert f.advice.startswith("This layer returns the model's output")
     assert "Standardise the targets" in f.advice
+    # Its backoffs, led by the same layer, are its consequences, not a warning beside it.
+    assert not [x for x in doctor.session.findings if x.severity == "warning"]
+    assert all(b.severity == "info" and b.data["follow_on_of"] == "4"
+               for b in doctor.session.findings_of("scaler_backoff"))
 
 
 class _VAE(nn.Module):

@@ -225,6 +225,13 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             bad = set(f.data.get("bad_steps") or steps_of(f))
             root = next((e for e in errors if e.kind == "nonfinite_forward"
                          and e.step in bad), None)
+        if (root is None and f.kind == "scaler_backoff" and f.module
+                and not f.data.get("loss_too_large")):
+            # Backoffs whose first culprit is a layer whose output overflowed the format
+            # (an error of its own): that layer, not a second warning beside it (review
+            # 48b: a regression head that must pass 65504 to fit its targets).
+            root = next((e for e in errors if e.kind == "activation_overflow"
+                         and e.module == f.module and e.op is None), None)
         if (root is None and f.kind == "nonfinite_output_dropped"
                 and dropped_cause(f.data) == "model"):
             # The steps the loop dropped went NaN where a found forward origin makes it.
