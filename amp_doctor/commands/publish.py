@@ -115,11 +115,8 @@ def _fp32_target(session: Session, f: Finding) -> str:
     from amp_doctor.analysis.detect_layers import code_before
 
     assert f.module is not None
-    lay = next((x for x in session.layers if x.name == f.module), None)
-    if f.kind == "nonfinite_loss":
-        maybe_input = not f.data.get("made_here")
-    else:
-        maybe_input = f.op is None and lay is not None and not lay.inputs_known
+    maybe_input = (not f.data.get("made_here") if f.kind == "nonfinite_loss"
+                   else _input_unseen(session, f))
     before = code_before(session, f.module)
     if maybe_input and before != "the model's":
         return before[:-2]  # "x's" -> "x"

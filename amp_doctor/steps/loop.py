@@ -87,9 +87,10 @@ class LoopSignals:
         flags, self._flags = self._flags, {}
         self._lp_snap = []
         bad = flags.get("loss_bad")
-        given = [f for k in ("input_nan", "input_inf") if (f := flags.get(k)) is not None]
-        self.dropped.end_step(step, bad, given[0] | given[1].to(given[0].device)
-                              if len(given) == 2 else (given[0] if given else None), recorded)
+        # check_input sets both flags, or neither (no batch checked in this step).
+        nan, inf = flags.get("input_nan"), flags.get("input_inf")
+        self.dropped.end_step(step, bad, None if nan is None or inf is None else nan | inf,
+                              recorded)
         if bad is not None:
             self.loss_steps += 1
             if self._loss_bad_total is None:
