@@ -1059,9 +1059,10 @@ class Watch:
         return out + self._folder.lowp_events(d for m in metas for d in m.param_dtypes)
 
     def _dropped_events(self) -> list[Event]:
-        """Forwards the loop dropped before backward with a NaN/inf output, in steps no
-        recording saw (see :mod:`amp_doctor.steps.dropped`): from the batch, they join
-        its ``nonfinite_input`` finding; from a layer, a finding of their own."""
+        """Forwards no backward reached whose output was NaN/inf (see
+        :mod:`amp_doctor.steps.dropped`): from a batch no recorded step checked, they join
+        its ``nonfinite_input`` finding; otherwise, a finding of their own, which analysis
+        folds into a layer's when one was found."""
         got = self._loop.dropped.totals()  # the run's one read of them, if any dropped
         if got is None or got.steps_bad == 0:
             return []
