@@ -18,6 +18,7 @@ boundary state machine further would spread one decision over several files.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import importlib.util
 import os
@@ -65,8 +66,10 @@ from amp_doctor.hooks.patching import Subscription, in_closure_step, subscribe
 from amp_doctor.hooks.probes import COMPILED_NOTE, Probes, in_reentrant_checkpoint, own_params
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
 from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir, reused_run_note
+from amp_doctor.steps.batches import BatchTotals
+from amp_doctor.steps.dropped import DroppedTotals
 from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
-from amp_doctor.steps.loop import LoopSignals
+from amp_doctor.steps.loop import INPUT_BAD_CODE, LoopSignals, RunTotals
 from amp_doctor.steps.monitor import AmpMonitor, LoopCallbacks
 from amp_doctor.steps.precision import PrecisionSeen
 from amp_doctor.watch_args import check_option_names, check_watch_args
@@ -248,6 +251,11 @@ class Watch:
         # Bytes the last recorded step filed, per device: the next one's stage size.
         self._filed_last: dict[torch.device, int] = {}
         self._extra_events: list[Event] = []
+        # The unrecorded steps' bad batches and the dropped forwards, read once when the
+        # session is built.
+        self._batches: BatchTotals | None = None
+        self._dropped: DroppedTotals | None = None
+        self._totals = RunTotals(None, None, None)
         self._listeners: list[StepListener] = []
         self._probes: Probes | None = None
         self._precision = PrecisionSeen(
@@ -434,7 +442,7 @@ class Watch:
                 # evaluation pass after the last step is not a step.
                 self._close_step(partial=True)
             # A dropped last forward in a step no branch above ended.
-            self._loop.dropped.end_step(self.step_index, None)
+            self._loop.end_dangling(self.step_index)
         finally:
             self._teardown()
             # Leave no reference to the user's tensors behind.
@@ -623,6 +631,7 @@ class Watch:
         """A forward starts at ``module``: a watched model, or a submodule of one that
         the loop calls itself (counted as its model's call)."""
         # (A model run whole through a reentrant checkpoint trains under no_grad.)
+        rows: torch.Tensor | None = None  # the batch's (min, max) rows, once checked
         training = ((torch.is_grad_enabled() or in_reentrant_checkpoint()) and module.training
                     and not _in_backward())
         if not training and self._probes is not None and self._probes.in_companion_call():
@@ -658,20 +667,24 @@ class Watch:
                     self._probes.apply_armed()  # before any sublayer ran
             if root == id(module) == self._bounds.lead_root and not self.closed:
                 # After the boundary: this forward is the new step's.
-                self._loop.dropped.started(args, root, self._probes.name_of(module)
+                self._loop.dropped.started(root, self._probes.name_of(module)
                                            if self._probes is not None else None)
             self._loop.train_forward = True
             self._bounds.idle = False
-            if self._buffer is not None:
-                name = self._probes.name_of(module) if self._probes is not None else None
-                self._loop.check_input(args, name or self._set.label())
+            name = self._probes.name_of(module) if self._probes is not None else None
+            rows = self._loop.check_input(args, name or self._set.label(),
+                                          recorded=self._buffer is not None)
         if self._anomaly is not None and self._probes is not None:
             self._anomaly.check_inputs(self._probes.name_of(module) or type(module).__name__, args,
-                                       module)
+                                       module, rows=rows)
         self._precision.note_forward(module, args)
 
     def _on_root_output(self, module: nn.Module, output: Any) -> None:
-        if not self.closed and self._bounds.lead_root == id(module):
+        """A watched model (or a submodule the loop calls itself) returned ``output``."""
+        if self.closed:
+            return
+        self._loop.batches.note_output(output)
+        if self._bounds.lead_root == id(module):
             self._loop.dropped.ended(output, id(module))
 
     def _on_scale(self, scale: torch.Tensor | None, outputs: Any) -> None:
@@ -929,7 +942,7 @@ class Watch:
                                        loss_bad=self._loop.loss_flag(),
                                        dropped_bad=self._loop.dropped.step_flag())
             input_module = self._loop.input_module
-            flags = self._loop.end_step(step, recorded=buf is not None)
+            flags = self._loop.end_step(step, recorded=buf is not None, skipped=skipped)
             if loss_bad is not None:
                 self._folder.note_loss(step, loss_bad, skipped)
             origin = None
@@ -942,6 +955,10 @@ class Watch:
                 if flagged is not None:
                     buf.put_scalar("anomaly_flagged", flagged)
                 hs = buf.flush()
+                # The model given the step's bad batch, when one was (else the first given
+                # one): a GAN's discriminator's data, not the generator's noise.
+                input_module = self._loop.batches.module_of(
+                    hs.scalars.get(INPUT_BAD_CODE)) or input_module
                 if self._anomaly is not None:
                     self._anomaly.resolve(hs.scalars.get("anomaly_flagged"))
                 self.recorded += 1
@@ -992,6 +1009,10 @@ class Watch:
         events = mon.events() if mon is not None else []
         if self._anomaly is not None:
             events.extend(self._anomaly.events())
+        # The run's one read of its batch checks, dropped forwards and NaN/inf losses.
+        self._totals = self._loop.run_totals(want_loss=self._folder.any_loss_bad)
+        self._batches, self._dropped = self._totals.batches, self._totals.dropped
+        self._extra_events.extend(self._batch_events())
         events.extend(self._extra_events)
         events.extend(self._loop_events())
         scaler_on = bool(timeline and timeline.enabled)
@@ -1033,7 +1054,7 @@ class Watch:
     def _loop_events(self) -> list[Event]:
         """What the loop itself showed: NaN losses, how steps were counted, frozen weights."""
         # The exact count costs a sync: only in a run whose loss went NaN/inf.
-        total = self._loop.loss_bad_total() if self._folder.any_loss_bad else None
+        total = self._totals.loss_bad if self._folder.any_loss_bad else None
         out = self._folder.loss_events(
             self.step_index, anomaly=self._anomaly is not None,
             counted=None if total is None else (total, self._loop.loss_steps))
@@ -1058,12 +1079,60 @@ class Watch:
         out.extend(self._dropped_events())
         return out + self._folder.lowp_events(d for m in metas for d in m.param_dtypes)
 
+    def _batch_events(self) -> list[Event]:
+        """The batches of unrecorded steps that held NaN/inf (see
+        :mod:`amp_doctor.steps.batches`): they join the recorded steps' ``nonfinite_input``
+        finding when both are harmful (or both harmless), or make one of their own: an
+        input the model handles (info) and another it does not (an error) are two causes.
+        Anomaly mode names them itself, with their line."""
+        got = self._batches
+        if got is None or self._anomaly is not None:
+            return []
+        harmful = got.harmful
+        data = {"unrecorded_steps": harmful, "unrecorded_first": got.first_harmful,
+                "unrecorded_dropped": got.dropped, "unrecorded_harmless": got.harmless,
+                "unrecorded_harmless_first": got.first_harmless,
+                **({"input_at": got.input_at, "inputs": got.inputs} if got.inputs > 1
+                   else {})}
+        seen = next((e for e in self._extra_events if e.kind == "nonfinite_input"
+                     and e.data.get("detected") == "recorded step"), None)
+        if seen is not None and bool(seen.data.get("harmful")) == bool(harmful):
+            seen.data.update(data)
+            seen.data["nan"] = bool(seen.data.get("nan") or got.nan)
+            seen.data["inf"] = bool(seen.data.get("inf") or got.inf)
+            if harmful and got.first_harmful < (seen.step or 0):
+                seen.data["recorded_first"] = seen.step
+                i = self._extra_events.index(seen)
+                self._extra_events[i] = dataclasses.replace(seen, step=got.first_harmful)
+            return []
+        if seen is not None and not harmful:
+            return []  # a recorded step's error already; the harmless rest changes nothing
+        first = got.first_harmful if harmful else got.first_harmless
+        ev = Event(kind="nonfinite_input", step=first, module=got.module or self._set.label(),
+                   data={**data, "nan": got.nan, "inf": got.inf, "detected": "unrecorded step",
+                         "occurrences": harmful or got.harmless, "harmful": harmful,
+                         **({} if harmful else {"severity": "info"})})
+        if seen is not None:
+            # Before the recorded steps' harmless one: a model's events of one kind are one
+            # finding, made from the first (the input it handles is not the cause).
+            self._extra_events.insert(self._extra_events.index(seen), ev)
+            return []
+        return [ev]
+
+    def _batch_handled_at(self) -> int | None:
+        """The first step whose batch held NaN/inf while the loss stayed finite: the model
+        takes such batches in its stride (it replaces missing values), or None."""
+        steps = [s for s in (self._folder.bad_input_harmless, self._batches.first_harmless
+                             if self._batches and self._batches.harmless else None)
+                 if s is not None and s >= 0]
+        return min(steps) if steps else None
+
     def _dropped_events(self) -> list[Event]:
         """Forwards no backward reached whose output was NaN/inf (see
-        :mod:`amp_doctor.steps.dropped`): from a batch no recorded step checked, they join
-        its ``nonfinite_input`` finding; otherwise, a finding of their own, which analysis
-        folds into a layer's when one was found."""
-        got = self._loop.dropped.totals()  # the run's one read of them, if any dropped
+        :mod:`amp_doctor.steps.dropped`): with a bad batch, its ``nonfinite_input``
+        finding's; otherwise, a finding of their own, which analysis folds into a layer's
+        when one was found."""
+        got = self._dropped
         if got is None or got.steps_bad == 0:
             return []
         if (got.neg_inf_only == got.steps_bad and self.step_index >= MASK_MIN_STEPS
@@ -1072,35 +1141,21 @@ class Watch:
             # model returns on purpose (a metrics forward's masked logits), not a loss the
             # loop dropped (review 48c).
             return []
-        out: list[Event] = []
-        module = got.module or self._set.label()
         made, first_made = got.steps_bad - got.input_bad, got.first_made
-        handled = self._folder.bad_input_harmless
+        handled = self._batch_handled_at()
         if got.input_bad and handled is not None:
-            # The model takes such batches in its stride (a recorded step: NaN in, finite
-            # out): their NaN is not why these forwards' outputs were (review 48a).
+            # The model takes such batches in its stride (NaN in, finite out): their NaN
+            # is not why these forwards' outputs were (review 48a).
             made += got.input_bad
             first_made = min(x for x in (first_made, got.first_input_bad) if x >= 0)
-        elif got.input_bad and self._anomaly is None:  # anomaly mode checks every batch
-            seen = next((e for e in self._extra_events if e.kind == "nonfinite_input"), None)
-            data = {"dropped_steps": got.input_bad, "dropped_first": got.first_input_bad}
-            if seen is not None:
-                seen.data.update(data)
-            else:
-                out.append(Event(kind="nonfinite_input", step=got.first_input_bad,
-                                 module=module, data={
-                                     **data, "nan": got.input_nan, "inf": got.input_inf,
-                                     "detected": "dropped forward"}))
-        if made:
-            out.append(Event(kind="nonfinite_output_dropped", step=first_made,
-                             module=module, data={
-                                 "steps_bad": made, "steps": self.step_index,
-                                 "batch_nan_handled_at": handled if got.input_bad else None,
-                                 "loss_only": got.loss_only,
-                                 "input_unknown": got.input_unknown,
-                                 "anomaly": self._anomaly is not None,
-                                 "every": self.every}))
-        return out
+        if not made:
+            return []
+        return [Event(kind="nonfinite_output_dropped", step=first_made, module=got.module
+                      or self._set.label(), data={
+                          "steps_bad": made, "steps": self.step_index,
+                          "batch_nan_handled_at": handled if got.input_bad else None,
+                          "loss_only": got.loss_only,
+                          "anomaly": self._anomaly is not None, "every": self.every})]
 
     def _write_outputs(self, session: Session) -> None:
         """The JSON report, then TensorBoard's last parts; what TensorBoard could not

@@ -389,8 +389,9 @@ def test_healthy_run_costs_at_most_one_sync_per_recorded_step() -> None:
         train(model, steps=8)
     syncs = host_syncs() - start
     assert doctor.session.recorded_steps == 4
-    # GradScaler's own per-step sync is not ours; ours: 4 recorded steps + the close.
-    assert syncs <= doctor.session.recorded_steps + 1, syncs
+    # GradScaler's own per-step sync is not ours; ours: 4 recorded steps, and at the close
+    # anomaly mode's last window and the loop's end-of-run counts (every batch is checked).
+    assert syncs <= doctor.session.recorded_steps + 2, syncs
     assert not [e for e in doctor.session.events if e.kind.startswith("nonfinite")]
 
 

@@ -233,6 +233,10 @@ ADVICE: dict[str, str] = {
         "The batch itself contains NaN/Inf: check the data pipeline "
         "(`torch.isfinite(x).all()` on each batch) before blaming the model."
     ),
+    "nonfinite_loss_poisoned_weights": (
+        "Without a GradScaler, skip an update whose gradient norm is not finite "
+        "(`clip_grad_norm_` returns it), so that one bad step does not poison the weights."
+    ),
     "scaled_grads_stepped": (
         "Let the scaler step the optimizer: `scaler.scale(loss).backward(); "
         "scaler.step(optimizer); scaler.update()`. If you need the gradients first (clipping), "
@@ -517,7 +521,8 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "`f(torch.where(mask, x, 1.0))`.")
     if e.kind == "nonfinite_forward" and spread_nan(e.op, e.data):
         return SPREAD_NAN_ADVICE
-    if e.kind == "nonfinite_input" and e.data.get("harmful") == 0:
+    if (e.kind == "nonfinite_input" and e.data.get("harmful") == 0
+            and not e.data.get("unrecorded_steps")):
         return ("Nothing to fix while the model handles them. If those values are not meant "
                 "to be there, check the data pipeline (`torch.isfinite(x).all()` on each "
                 "batch).")
@@ -525,10 +530,6 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
         return ("Guard the loss against empty batches: skip a batch whose labels are all "
                 "`ignore_index` (-100) or whose mask is empty, and compute the loss in "
                 "float32 (`loss_fn(logits.float(), labels)`).")
-    if e.kind == "nonfinite_output_dropped" and dropped_cause(e.data) == "unknown":
-        return ("Check the data before it is copied into the buffer "
-                "(`torch.isfinite(x).all()`); if it is finite, a layer made the NaN/inf: "
-                "re-run with `--every 1` or `--anomaly` to name it.")
     if (e.kind == "nonfinite_output_dropped" and e.data.get("every") == 1
             and not e.data.get("anomaly")):
         return ("Find the op: re-run with `amp-doctor diagnose --anomaly script.py` (it "
@@ -616,9 +617,7 @@ def unlocated_advice(every: int, cli: bool, raised: bool, scaler: bool) -> str:
     locate = " or ".join(ways)
     out = [locate[:1].upper() + locate[1:] + "."] if ways else []
     if not scaler:
-        out.append("Without a GradScaler, skip an update whose gradient norm is not finite "
-                   "(`clip_grad_norm_` returns it), so that one bad step does not poison the "
-                   "weights.")
+        out.append(ADVICE["nonfinite_loss_poisoned_weights"])
     return " ".join(out) or ("Run the failing step again without torch.compile, so that "
                              "every op is checked one by one.")
 

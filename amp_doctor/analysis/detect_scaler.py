@@ -175,8 +175,12 @@ def _origins_by_step(session: Session) -> dict[int, tuple[str, str]]:
             how = f"{e.op} overflowed inside {F.layer(e.module)} in the forward pass"
         else:
             how = f"{e.op} in {F.layer(e.module)} was the first op to produce NaN/Inf"
-        if e.step not in best or rank < best[e.step][0]:
-            best[e.step] = (rank, e.module, how)
+        # A batch finding moved to an earlier unrecorded step keeps its recorded step too.
+        steps = {e.step, e.data.get("recorded_first")} - {None}
+        for step in steps:
+            assert isinstance(step, int)
+            if step not in best or rank < best[step][0]:
+                best[step] = (rank, e.module, how)
     return {step: (m, how) for step, (_, m, how) in best.items()}
 
 

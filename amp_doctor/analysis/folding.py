@@ -14,8 +14,14 @@ import math
 from dataclasses import replace
 
 from amp_doctor import format as F
+from amp_doctor.analysis.advice import ADVICE
 from amp_doctor.analysis.dataflow import layers_before
-from amp_doctor.analysis.messages import CAST_OPS, dropped_cause, loss_origin_named
+from amp_doctor.analysis.messages import (
+    CAST_OPS,
+    batch_poisoned_weights,
+    dropped_cause,
+    loss_origin_named,
+)
 from amp_doctor.analysis.thresholds import MAX_PER_KIND, SHRUNK_GRAD_BITS
 from amp_doctor.records import Finding, Session, Severity
 
@@ -81,6 +87,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
     out = _gradients_a_small_gain_shrank(session, out)
     out = _batch_made_by_an_op(out)
     out = _after_a_bad_update(out)
+    out = _batch_before_poisoned_weights(session, out)
     lay_by = {lay.name: lay for lay in session.layers}
     origin_layers = sorted((lay for lay in session.layers if lay.overflow_origin_steps > 0),
                            key=lambda x: x.order)
@@ -243,11 +250,16 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                 # Not "unknown" beside the finding that names where it began.
                 at = f"{root.op} in {F.layer(root.module)}" if root.op and root.module else (
                     root.op or root.module or root.kind)
+                if root.kind == "nonfinite_input":
+                    at = f"the batch given to {F.layer(root.module)} at step {root.step}"
                 named = loss_origin_named(f.message, at)
                 if named == f.message and root.op and root.module != origin:
                     # The layer it first showed in is downstream of the op that made it.
                     named = f"{f.message} It began at {at} (see that finding)."
                 f = replace(f, message=named)
+                if f.data.get("began_unrecorded") and root.kind == "nonfinite_input":
+                    # Not how to see where it began: the batch's finding says it.
+                    f = replace(f, advice=ADVICE["nonfinite_loss_poisoned_weights"])
         if f.kind == "gradient_underflow" and (collapse is not None or clip is not None):
             host = collapse if collapse is not None else clip
             assert host is not None
@@ -455,6 +467,33 @@ def _batch_made_by_an_op(out: list[Finding]) -> list[Finding]:
             for f in out]
 
 
+def _batch_before_poisoned_weights(session: Session, out: list[Finding]) -> list[Finding]:
+    """Without a GradScaler, a batch that held NaN in an unrecorded step whose loss stayed
+    finite, and a loss that went NaN for good in the steps right after it (its finding says
+    it began in unrecorded steps, after the last recorded step before that batch): the
+    batch is the cause. A NaN the loss leaves out (``ce[valid].mean()``) still makes NaN
+    gradients in the backward (0 * NaN), which nothing skipped: that step's update
+    poisoned the weights (review 49a). It was "info: the model handles such values"."""
+    if session.amp.scaler:
+        return out
+    batch = next((f for f in out if f.kind == "nonfinite_input" and f.severity == "info"
+                  and f.data.get("detected") == "unrecorded step"
+                  and not f.data.get("unrecorded_steps")), None)
+    loss = next((f for f in out if f.kind == "nonfinite_loss" and f.severity == "error"
+                 and f.data.get("began_unrecorded")), None)
+    if batch is None or loss is None or batch.step is None:
+        return out
+    last, seen = loss.data.get("last_recorded_before"), loss.data.get("recorded_at")
+    if not ((last is None or last < batch.step) and isinstance(seen, int)
+            and batch.step < seen):
+        return out
+    promoted = replace(
+        _with(batch, "error", poisoned_weights=True),
+        message=batch_poisoned_weights(batch.module, batch.data, batch.step, seen),
+        advice=ADVICE["nonfinite_input"] + " " + ADVICE["nonfinite_loss_poisoned_weights"])
+    return [promoted if f is batch else f for f in out]
+
+
 def _one_error_per_op(out: list[Finding]) -> list[Finding]:
     """Anomaly mode's forward errors for one op of one module are one cause: an op that
     overflowed where a mask hid it (``activation_overflow`` with an op) and later made
@@ -536,8 +575,12 @@ def _consequence(f: Finding) -> str:
         return (f"the loss scale collapsed to {_scale(d.get('final_scale'))} "
                 f"({d.get('skipped')} optimizer steps skipped)")
     if f.kind == "nonfinite_loss":
-        return (f"the loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
+        said = (f"the loss was NaN/inf in {d.get('steps_bad')} of the {d.get('checked')} "
                 "steps checked")
+        if d.get("began_unrecorded") or d.get("after_grads_applied") is not None:
+            said += (" (the updates that took its NaN/inf gradients made the weights "
+                     "non-finite: no GradScaler skipped them)")
+        return said
     if f.kind == "nonfinite_output_dropped":
         return (f"the model's output was NaN/inf in {d.get('steps_bad')} more step(s), "
                 "which the loop dropped before backward")

@@ -523,11 +523,22 @@ WHERE_UNKNOWN = "No recorded step had it, so where it appeared is unknown"
 _WHERE_UNKNOWN_CLAUSE = re.compile(re.escape(WHERE_UNKNOWN) + r" \([^)]*\)")
 
 
+# The "it began in steps nobody recorded" clause of a NaN loss's message (see above).
+_BEGAN_UNRECORDED_CLAUSE = re.compile(
+    r"It began before the first recorded step that shows it: .*?to see the step it began in"
+    r"(, or use anomaly mode \(`--anomaly`\))?")
+
+
 def loss_origin_named(message: str, at: str) -> str:
     """A NaN loss's message, its "where it appeared is unknown" clause (and that clause's
     hint in parentheses) replaced by ``at``, the origin another finding named; the
-    message unchanged if it had no such clause."""
-    return _WHERE_UNKNOWN_CLAUSE.sub(f"It began at {at} (see that finding)", message)
+    message unchanged if it had no such clause. A loss that began in unrecorded steps
+    (the weights poisoned by their updates) says where it began instead of how to see it."""
+    named = _WHERE_UNKNOWN_CLAUSE.sub(f"It began at {at} (see that finding)", message)
+    return _BEGAN_UNRECORDED_CLAUSE.sub(
+        f"It began at {at} (see that finding): the updates after it took its NaN/inf "
+        "gradients, which make the weights non-finite, and every step's forward with them",
+        named)
 
 
 @message_for("nonfinite_discarded")
@@ -552,47 +563,116 @@ _DROPPED_SKIP = ("no backward reached those forwards' outputs: the loop dropped 
                  "skipped step or loss check saw them")
 
 
-def _dropped_also(d: dict[str, object]) -> str:
-    n = d.get("dropped_steps")
-    if not isinstance(n, int) or n <= 0 or d.get("detected") == "dropped forward":
+def _in_steps(n: int, first: object, unrecorded: bool = True) -> str:
+    """"at step 7" or "in 3 steps (first at step 7)", of steps no recording saw."""
+    if n == 1:
+        return f"at step {first}" + (" (not a recorded step)" if unrecorded else "")
+    return (f"in {n} steps (first at step {first}" + (", none of them recorded" if unrecorded
+                                                       else "") + ")")
+
+
+def _which_input(d: dict[str, object]) -> str:
+    """Which of a model's floating inputs held it, when it was given several."""
+    at, n = d.get("input_at"), d.get("inputs")
+    if not isinstance(at, int) or not isinstance(n, int) or n < 2:
         return ""
-    return (f" The model's output was NaN/inf with such a batch in {n} more step(s) no "
-            f"recording saw (first at step {d.get('dropped_first')}): {_DROPPED_SKIP}.")
+    return f" (in its floating input {at + 1} of {n}, in argument order)"
+
+
+def _unrecorded_also(d: dict[str, object]) -> str:
+    """The unrecorded steps' part of a batch finding that recorded steps made (see
+    ``steps/batches.py``: every step's batch is checked)."""
+    n = int(d.get("unrecorded_steps") or 0)  # type: ignore[call-overload]
+    said = ""
+    if n:
+        dropped = d.get("unrecorded_dropped")
+        said = (f" It held {nonfinite_what(d)} "
+                + _in_steps(n, d.get("unrecorded_first"), False)
+                + " that no recording saw too, and "
+                + ("the model's output was NaN/inf with it: " + _DROPPED_SKIP + "."
+                   if dropped == n else "the loss or the gradients went NaN/inf with it"
+                   + (f" ({dropped} of them the loop dropped before backward)." if dropped
+                      else ".")))
+    m = int(d.get("unrecorded_harmless") or 0)  # type: ignore[call-overload]
+    if m and (d.get("harmful") or n):
+        said += (f" In {m} other step(s) no recording saw, the loss stayed finite with such "
+                 "a batch.")
+    elif m:
+        said += f" It held such values in {m} step(s) no recording saw too."
+    return said
+
+
+def _unrecorded_input(e_module: str | None, d: dict[str, object], step: int | None) -> str:
+    """A batch finding of unrecorded steps only (every step's batch is checked)."""
+    n = int(d.get("unrecorded_steps") or 0)  # type: ignore[call-overload]
+    if not n:
+        m = int(d.get("unrecorded_harmless") or 0)  # type: ignore[call-overload]
+        return (f"The batch given to {F.layer(e_module)} held {nonfinite_what(d)}"
+                f"{_which_input(d)} {_in_steps(m, step)}, but the loss stayed finite: the "
+                "model handles such values (missing data encoded as NaN, replaced or masked in "
+                "its forward).")
+    dropped = d.get("unrecorded_dropped")
+    if dropped == n:
+        return (f"The batch given to {F.layer(e_module)} held {nonfinite_what(d)}"
+                f"{_which_input(d)} {_in_steps(n, step)}, and the model's output with it: "
+                f"{_DROPPED_SKIP}. The data was non-finite before any layer ran.")
+    return (f"The batch given to {F.layer(e_module)} already held {nonfinite_what(d)}"
+            f"{_which_input(d)} {_in_steps(n, step)}, and the loss or the gradients went "
+            "NaN/inf with it"
+            + (f" ({dropped} of them the loop dropped before backward)" if dropped else "")
+            + ": the data was non-finite before any layer ran, so what went NaN/inf after "
+            "it only carried it on.")
+
+
+def batch_poisoned_weights(module: str | None, d: dict[str, object], step: int,
+                           seen: int) -> str:
+    """A batch that held NaN in a step whose loss stayed finite, and a loss NaN for good
+    from the steps after it on, without a GradScaler (see ``folding.py``)."""
+    return (f"The batch given to {F.layer(module)} held {nonfinite_what(d)}{_which_input(d)} "
+            f"at step {step} (not a recorded step). The loss stayed finite in that step, but "
+            f"from the steps after it on it was NaN/inf (first seen at recorded step {seen}): "
+            f"with no GradScaler to skip it, step {step}'s update took that batch's "
+            "gradients, and a NaN the loss leaves out still makes NaN gradients in the "
+            "backward (0 * NaN), which poison the weights.")
 
 
 @message_for("nonfinite_input")
 def _nonfinite_input(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
-    if d.get("detected") == "dropped forward":
-        n = int(d.get("dropped_steps") or 1)
-        return (f"The batch given to {F.layer(e.module)} held {nonfinite_what(d)} in {n} "
-                f"step(s) (first at step {e.step}), and the model's output with it: "
-                f"{_DROPPED_SKIP}. The data was non-finite before any layer ran.")
-    if d.get("detected") == "recorded step" and d.get("harmful") == 0:
+    if d.get("detected") == "unrecorded step":
+        return _unrecorded_input(e.module, d, e.step)
+    if d.get("detected") == "recorded step" and not d.get("harmful") and not d.get(
+            "unrecorded_steps"):
         return (f"The batch given to {F.layer(e.module)} held {nonfinite_what(d)} ({a.at}"
                 + (f", in {a.n} recorded steps" if a.n > 1 else "") + "), but every "
                 "layer's output and the loss stayed finite: the model handles such values "
                 "(missing data encoded as NaN, replaced or masked in its forward)."
-                + _dropped_also(d))
+                + _unrecorded_also(d))
+    if d.get("detected") == "recorded step" and "recorded_first" in d:
+        # The first harmful step was an unrecorded one: the finding is at it.
+        n = int(d.get("unrecorded_steps") or 0)  # type: ignore[call-overload]
+        m = int(d.get("harmful") or 0)  # type: ignore[call-overload]
+        return (f"The batch given to {F.layer(e.module)} already held {nonfinite_what(d)} in "
+                f"{n + m} steps (first at step {e.step}; recorded step {d['recorded_first']} "
+                + (f"and {m - 1} more recorded step(s) show" if m > 1 else "shows")
+                + " it), and the loss or the gradients went NaN/inf with it: the data was "
+                "non-finite before any "
+                "layer ran, so the layers' NaN/inf outputs only carried it on."
+                + _unrecorded_also({**d, "unrecorded_steps": 0}))
     if d.get("detected") == "recorded step":
-        return (f"The batch given to {F.layer(e.module)} already held {nonfinite_what(d)} ({a.at}"
-                + (f", in {a.n} recorded steps" if a.n > 1 else "") + "): the data was "
-                "non-finite before any layer ran, so the layers' NaN/inf outputs only carried "
-                "it on." + _dropped_also(d))
+        return (f"The batch given to {F.layer(e.module)} already held {nonfinite_what(d)} "
+                f"({a.at}" + (f", in {a.n} recorded steps" if a.n > 1 else "") + "): the data "
+                "was non-finite before any layer ran, so the layers' NaN/inf outputs only "
+                "carried it on." + _unrecorded_also(d))
     return (f"The batch passed to {F.layer(e.module)} already holds {nonfinite_what(d)} "
-            f"({_op_steps(a)}): it came from the data, not from a layer." + _dropped_also(d))
+            f"({_op_steps(a)}): it came from the data, not from a layer.")
 
 
 def dropped_cause(d: dict[str, object]) -> str:
     """What made a dropped forward's NaN/inf: "loss" (a loss the model returns, beside
-    finite outputs), "unknown" (its batch was changed in place before the check), or
-    "model" (a finite batch)."""
+    finite outputs), or "model"."""
     n = int(d.get("steps_bad") or 1)  # type: ignore[call-overload]
-    if d.get("loss_only") == n:
-        return "loss"
-    if d.get("input_unknown") == n:
-        return "unknown"
-    return "model"
+    return "loss" if d.get("loss_only") == n else "model"
 
 
 @message_for("nonfinite_output_dropped")
@@ -606,15 +686,10 @@ def _nonfinite_output_dropped(a: MessageArgs) -> str:
                 f"step {e.step}) while its other outputs were finite: the loss computation "
                 "made it, not a layer (a cross-entropy over a batch whose labels are all "
                 f"ignored is 0/0). {skip}")
-    if cause == "unknown":
-        return (f"The output of {F.layer(e.module)} was NaN/inf in {n} step(s) (first at "
-                f"step {e.step}). Its batch was changed in place before it could be checked "
-                "(a reused input buffer), so whether the data already held NaN/inf is not "
-                f"known. {skip}")
     handled = d.get("batch_nan_handled_at")
     batch = ("from a finite batch" if handled is None else
-             "from a batch that held NaN/inf, as the model's batches do (at recorded step "
-             f"{handled} every output stayed finite with one: it handles them)")
+             "from a batch that held NaN/inf, as the model's batches do (at step "
+             f"{handled} the loss stayed finite with one: it handles them)")
     return (f"The output of {F.layer(e.module)} was NaN/inf in {n} step(s) "
             f"(first at step {e.step}), {batch}: a layer or an op made it in the "
             f"forward pass. {skip} Skipping such iterations hides the cause; it does not "

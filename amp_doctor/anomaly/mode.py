@@ -79,7 +79,7 @@ from torch import nn
 from amp_doctor.anomaly.checkwindow import CheckWindow, gather, input_event
 from amp_doctor.anomaly.dispatchstack import OpMode, enter_below_user_modes, remove_mode
 from amp_doctor.anomaly.events import EventLog, one_line
-from amp_doctor.anomaly.oprecord import OpRecorder, summarizable
+from amp_doctor.anomaly.oprecord import OpRecorder
 from amp_doctor.anomaly.origins import (
     MAX_ORIGINS_PER_CHECK,
     OpEntry,
@@ -89,12 +89,13 @@ from amp_doctor.anomaly.origins import (
 )
 from amp_doctor.anomaly.stepcheck import RootCall, StepCheck
 from amp_doctor.anomaly.userframes import MAX_USER_FRAMES, format_frames
-from amp_doctor.devicework import count_sync, iter_tensors, own_ops, user_autocast_enabled
+from amp_doctor.devicework import count_sync, own_ops, user_autocast_enabled
 from amp_doctor.dtypes import FORMAT_MAX, dtype_name
 from amp_doctor.errors import AmpDoctorError, NonFiniteError
 from amp_doctor.hooks import moduleends
 from amp_doctor.hooks.compiled import capturing
 from amp_doctor.hooks.patching import in_scaled_backward
+from amp_doctor.hooks.tensorkinds import given_data
 from amp_doctor.records import Event
 
 __all__ = [
@@ -282,8 +283,10 @@ class AnomalyMode:
         return self._log.events()
 
     # -- the per-step check ------------------------------------------------------
-    def check_inputs(self, module: str, args: Any, root: nn.Module | None = None) -> None:
-        """A root model is being called: note its floating inputs (the batch)."""
+    def check_inputs(self, module: str, args: Any, root: nn.Module | None = None,
+                     rows: torch.Tensor | None = None) -> None:
+        """A root model is being called: note its floating inputs (the batch). ``rows``:
+        their (min, max) rows, when the watch's own batch check made them already."""
 
         if capturing() or threading.get_ident() != self._thread:
             return  # dynamo or torch.jit.trace tracing the hook (the compiled region is
@@ -301,7 +304,7 @@ class AnomalyMode:
             if not torch.is_grad_enabled():
                 return
             with own_ops:
-                tensors = [t for t in iter_tensors(args) if summarizable(t)]
+                tensors = given_data(args, complex_too=True)
                 if not tensors:
                     return
                 frames = self._recorder.frames.capture(1)
@@ -311,8 +314,11 @@ class AnomalyMode:
                         kind="input", op=None, module=module, step=self._step_of(),
                         dtype=dtype_name(tensors[0].dtype), outs=outs, ins=[], frames=frames))
                     return
+                if rows is not None and (len(tensors) != rows.shape[0]
+                                         or any(t.is_complex() for t in tensors)):
+                    rows = None  # another selection than the watch's: its own pass
                 self._check.note_batch(self._step_of(), module, tensors, frames,
-                                       _cast_limit(tensors[0].device.type))
+                                       _cast_limit(tensors[0].device.type), rows)
         except NonFiniteError:
             raise
         except Exception as e:

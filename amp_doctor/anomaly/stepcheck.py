@@ -138,10 +138,15 @@ class StepCheck:
             self.weights.extend(StepFlag(step, f) for f in norm_sums(self.watched_params()))
 
     def note_batch(self, step: int, module: str, tensors: list[torch.Tensor],
-                   frames: tuple[Frame, ...], limit: float = math.inf) -> None:
+                   frames: tuple[Frame, ...], limit: float = math.inf,
+                   rows: torch.Tensor | None = None) -> None:
+        """The batch given to a root model: its (min, max), from ``rows`` (the watch's
+        batch check of these tensors, one row each) or by a pass of its own."""
         with own_ops:
+            row = batch_row(tensors) if rows is None else merged_extremes(
+                rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32))
             self.calls.append(RootCall(step, module, dtype_name(tensors[0].dtype), frames,
-                                       batch_row(tensors), limit))
+                                       row, limit))
 
     def note_stepped(self, params: list[torch.Tensor]) -> None:
         """An optimizer is about to step ``params``: flag their gradients as it takes them

@@ -801,7 +801,8 @@ class Probes:
         if calls.stack:
             calls.stack.pop()
         publish(module, output)
-        if calls.depth == 0 and self._on_root_output is not None and id(module) in self._roots:
+        if calls.depth == 0 and self._on_root_output is not None and (
+                id(module) in self._roots or id(module) in self._entries):
             self._on_root_output(module, output)
         # Inference passes (validation under no_grad) are not training steps; and an
         # activation-checkpointing recompute (it runs inside backward) is a second run

@@ -7,9 +7,13 @@ Sparse, nested, meta, float8, quantized and functorch-wrapped tensors (under
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["unsummarizable", "values_of"]
+from amp_doctor.devicework import iter_tensors
+
+__all__ = ["unsummarizable", "values_of", "given_data"]
 
 _FLOAT8 = frozenset(
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
@@ -49,3 +53,15 @@ def values_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor holding ``t``'s values: a sparse COO tensor's (an ``Embedding(sparse=True)``
     gradient: every non-zero is there), else ``t``. Its finiteness is ``t``'s. No copy."""
     return t._values() if t.layout is torch.sparse_coo and not t.is_meta else t
+
+
+def given_data(args: Any, complex_too: bool = False) -> list[torch.Tensor]:
+    """The tensors of a model's arguments that are data: floating (or complex, with
+    ``complex_too``), non-empty, summarisable, and not made by autograd-tracked work in this
+    step. Another watched model's output (a backbone's features given to a head, a
+    generator's samples given to a discriminator) or code on the weights has a
+    ``grad_fn``: what is wrong with it was made by the model, not brought by the batch
+    (review 49a: a backbone's overflow was "the batch given to the head held NaN")."""
+    return [t for t in iter_tensors(args) if (t.is_floating_point() or (
+        complex_too and t.is_complex())) and t.numel() > 0 and t.grad_fn is None
+        and unsummarizable(t) is None]

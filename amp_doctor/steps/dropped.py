@@ -12,17 +12,18 @@ the model's training forwards instead:
   reached;
 - at the step's end, a forward that no backward reached is dropped: only then are
   its outputs judged (NaN or inf, as :func:`bad_batch` reads a batch: an additive
-  mask's -inf is none) and the batch it was given checked (the tensors are held, not
-  copied, until then, and let go as soon as a backward reaches the forward). Two
-  views of a contrastive loss, or a generator's output that the discriminator's
-  backward does not reach but the generator's does, are reached within the step;
+  mask's -inf is none). Two views of a contrastive loss, or a generator's output that
+  the discriminator's backward does not reach but the generator's does, are reached
+  within the step;
 - on the device and without a sync, a step with a non-finite dropped forward counts,
-  unless its loss was NaN/inf too (that loss's own finding covers it). A recorded step
-  checked the batches itself: a bad one is its own finding's.
+  unless its loss was NaN/inf too (that loss's own finding covers it), apart by whether
+  the step's batch was bad (:mod:`amp_doctor.steps.batches` checks every batch, and a
+  bad one is its finding's, unless the model handles such batches).
 
-The run's counts are read once, at the end, and only in a run that dropped a
-forward at all. Dropped iterations are not steps of their own: amp-doctor counts
-steps at the optimizer, so such an iteration is part of the step it ran in.
+The run's counts are read once, at the end, and only in a run that dropped a NaN/inf
+forward (``LoopSignals.run_totals``). Dropped iterations are not steps of their own:
+amp-doctor counts steps at the optimizer, so such an iteration is part of the step it ran
+in.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from amp_doctor.device.stats import bad_batch
-from amp_doctor.devicework import host_scalars, iter_tensors, own_ops
+from amp_doctor.devicework import iter_tensors, own_ops
 from amp_doctor.hooks.tensorkinds import unsummarizable
 
 __all__ = ["DroppedForwards", "DroppedTotals", "MAX_OUTPUTS_CHECKED", "MAX_FORWARDS_HELD"]
@@ -48,23 +49,18 @@ MAX_OUTPUTS_CHECKED = 8
 MAX_FORWARDS_HELD = 64
 
 # Rows of the run's device counts.
-(_BAD, _GIVEN, _NAN, _INF, _UNKNOWN, _LOSS_ONLY, _NEG_INF_ONLY, _FIRST_GIVEN,
- _FIRST_MADE) = range(9)
+_BAD, _GIVEN, _LOSS_ONLY, _NEG_INF_ONLY, _FIRST_GIVEN, _FIRST_MADE = range(6)
 
 
 @dataclass(frozen=True)
 class DroppedTotals:
-    """What the dropped forwards of unrecorded steps held, over the run."""
+    """What the dropped forwards held, over the run."""
 
     # Steps with a dropped forward whose output was NaN/inf and a finite (or no) loss.
     steps_bad: int
-    # Of those: the steps where such a forward's batch already held NaN/inf, ...
+    # Of those: the steps whose batch already held NaN/inf, ...
     input_bad: int
-    input_nan: bool
-    input_inf: bool
-    # ... where its batch was changed in place before it could be checked (a reused
-    # buffer), and where only a loss the model returned was bad, its other outputs finite.
-    input_unknown: int
+    # ... and where only a loss the model returned was bad, its other outputs finite.
     loss_only: int
     # ... and where the only non-finite values were -inf beside positive ones.
     neg_inf_only: int
@@ -84,15 +80,13 @@ def _summable(obj: Any) -> list[torch.Tensor]:
 
 
 class _Forward:
-    """One training forward until its step ends: its batch (held, unless a backward
-    reached it), its outputs' (min, max) on the device, and the hooks that tell it was
-    reached."""
+    """One training forward until its step ends: its outputs' (min, max) on the device,
+    and the hooks that tell it was reached."""
 
-    __slots__ = ("owner", "inputs", "extremes", "scalar", "reached", "handles")
+    __slots__ = ("owner", "extremes", "scalar", "reached", "handles")
 
-    def __init__(self, owner: int, inputs: list[tuple[torch.Tensor, int]]) -> None:
+    def __init__(self, owner: int) -> None:
         self.owner = owner
-        self.inputs = inputs
         # Per output tensor: its aminmax (0-d device tensors), and whether it is a scalar.
         self.extremes: list[torch.Tensor] = []
         self.scalar: list[bool] = []
@@ -102,14 +96,12 @@ class _Forward:
     def reach(self, _grad: torch.Tensor) -> None:
         # A backward computes this output's gradient: the forward was used.
         self.reached = True
-        self.inputs = []
         self.extremes = []
 
     def let_go(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
-        self.inputs = []
         self.extremes = []
 
 
@@ -127,13 +119,12 @@ class DroppedForwards:
         self.module: str | None = None
 
     # -- the forward's life ---------------------------------------------------------
-    def started(self, args: tuple[Any, ...], owner: int, name: str | None) -> None:
+    def started(self, owner: int, name: str | None) -> None:
         """A training forward of the lead model (``id`` ``owner``, called ``name``)."""
         self.module = name
         if len(self._forwards) >= MAX_FORWARDS_HELD:
             self._judge(self._forwards.pop(0))
-        inputs = [(t, -1 if t.is_inference() else t._version) for t in _summable(args)]
-        self._forwards.append(_Forward(owner, inputs))
+        self._forwards.append(_Forward(owner))
 
     def ended(self, output: Any, owner: int) -> None:
         """Its output: each tensor's (min, max) on the device (one ``aminmax`` pass; read
@@ -184,22 +175,6 @@ class DroppedForwards:
                     # the loss computation made it (an all-ignored batch: 0/0), not a layer.
                     mask = torch.tensor(f.scalar, device=bad.device)
                     self._or("loss_only", (rows & mask).any() & ~(rows & ~mask).any())
-                # An input changed in place since (a reused buffer) holds another batch.
-                ts = [t for t, v in f.inputs if (-1 if t.is_inference() else t._version) == v]
-                given: torch.Tensor | None = None
-                if ts:
-                    try:
-                        given = torch.stack([v for t in ts for v in torch.aminmax(t.detach())]
-                                            ).view(-1, 2).float()
-                    except Exception:  # odd tensors: the batch is not known
-                        given = None
-                if given is None:
-                    if f.inputs:
-                        self._or("unknown", bad)
-                    return
-                nan = given.isnan().any() & bad
-                self._or("nan", nan)
-                self._or("inf", (bad_batch(given).any() & bad) & ~nan)
         finally:
             f.let_go()
 
@@ -214,14 +189,13 @@ class DroppedForwards:
         return self._step.get("bad")
 
     def end_step(self, step: int, loss_bad: torch.Tensor | None,
-                 recorded_input_bad: torch.Tensor | None = None,
-                 recorded: bool = False) -> None:
+                 batch_bad: torch.Tensor | None = None, recorded: bool = False) -> None:
         """Judge the step's forwards and fold its flags into the run's counts (device ops
         only, and only in a step that dropped a NaN/inf forward). A NaN loss that went on
-        to backward is the loss check's. A recorded step checked every batch it was given
-        (``recorded_input_bad``, its device flag): a bad one is its ``nonfinite_input``,
-        and the rest counts as made by the model (a 0/0, a float32 layer's NaN: no layer
-        finding may show those; review 48c)."""
+        to backward is the loss check's. ``batch_bad``: the step's batch check (a device
+        bool); a step whose batch was bad counts apart. A recorded step's bad batch is
+        its ``nonfinite_input``; the rest of it counts as made by the model (a 0/0, a
+        float32 layer's NaN: no layer finding may show those; review 48c)."""
         self.resolve()
         flags, self._step = self._step, {}
         bad = flags.get("bad")
@@ -231,15 +205,12 @@ class DroppedForwards:
             if loss_bad is not None:
                 bad = bad & ~loss_bad.to(bad.device)
             no = torch.zeros((), dtype=torch.bool, device=bad.device)
+            given = bad & batch_bad.to(bad.device) if batch_bad is not None else no
             if recorded:
-                if recorded_input_bad is not None:
-                    bad = bad & ~recorded_input_bad.to(bad.device)
-                flags = {"loss_only": flags.get("loss_only", no)}
-            nan, inf, unknown, loss_only = (bad & flags.get(k, no) for k in (
-                "nan", "inf", "unknown", "loss_only"))
-            given = nan | inf
+                bad, given = bad & ~given, no
             neg_inf_only = bad & ~flags.get("strict", no)
-            row = torch.stack((bad, given, nan, inf, unknown, loss_only, neg_inf_only)).long()
+            loss_only = bad & flags.get("loss_only", no)
+            row = torch.stack((bad, given, loss_only, neg_inf_only)).long()
             if self._totals is None:
                 self._totals = torch.cat((row, torch.full((2,), -1, device=bad.device)))
             else:
@@ -248,18 +219,17 @@ class DroppedForwards:
             now = torch.stack((given, bad & ~given)) & (firsts < 0)
             self._totals[_FIRST_GIVEN:] = torch.where(now, step, firsts)
 
-    def totals(self) -> DroppedTotals | None:
-        """The run's counts: one device->host copy, and only in a run that dropped a
-        NaN/inf forward in an unrecorded step (None otherwise)."""
-        if self._totals is None:
-            return None
-        n = [int(x) for x in host_scalars(list(self._totals))]
+    def device_totals(self) -> torch.Tensor | None:
+        """The run's counts on the device, for the run's one read at its end (None: no
+        NaN/inf forward was dropped)."""
+        return self._totals
+
+    def totals_from(self, n: list[int]) -> DroppedTotals:
+        """The run's counts from their host copy."""
         return DroppedTotals(
-            steps_bad=n[_BAD], input_bad=n[_GIVEN], input_nan=bool(n[_NAN]),
-            input_inf=bool(n[_INF]), input_unknown=n[_UNKNOWN], loss_only=n[_LOSS_ONLY],
-            neg_inf_only=n[_NEG_INF_ONLY],
-            first_input_bad=n[_FIRST_GIVEN], first_made=n[_FIRST_MADE],
-            dropped=self.dropped, module=self.module)
+            steps_bad=n[_BAD], input_bad=n[_GIVEN], loss_only=n[_LOSS_ONLY],
+            neg_inf_only=n[_NEG_INF_ONLY], first_input_bad=n[_FIRST_GIVEN],
+            first_made=n[_FIRST_MADE], dropped=self.dropped, module=self.module)
 
     def release(self) -> None:
         """Leave no reference to the user's tensors behind, and no hook (the counts stay)."""

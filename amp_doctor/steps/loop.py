@@ -11,19 +11,21 @@ elements before the optimizer's update, to see whether the update moved them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from amp_doctor.device.recorder import StepBuffer
-from amp_doctor.device.stats import bad_batch, merged_extremes
-from amp_doctor.devicework import host_scalars, iter_tensors, own_ops
+from amp_doctor.device.stats import merged_extremes
+from amp_doctor.devicework import host_scalars, own_ops
 from amp_doctor.dtypes import LOW_PRECISION_DTYPES
 from amp_doctor.hooks.probes import unsummarizable
-from amp_doctor.steps.dropped import DroppedForwards
+from amp_doctor.steps.batches import BatchChecks, BatchTotals
+from amp_doctor.steps.dropped import DroppedForwards, DroppedTotals
 from amp_doctor.steps.misuse import reaches_params
 
-__all__ = ["LoopSignals", "UPDATE_SAMPLE", "PLAIN_LOSS_KEY", "INPUT_ABSMAX"]
+__all__ = ["LoopSignals", "RunTotals", "INPUT_BAD_CODE", "UPDATE_SAMPLE", "PLAIN_LOSS_KEY",
+           "INPUT_ABSMAX"]
 
 # Pure low-precision training: parameter elements sampled per tensor on a recorded
 # step to see whether the optimizer's update changed them at all.
@@ -35,8 +37,19 @@ PLAIN_LOSS_KEY = "loss_plain"
 
 # The step flag of the largest |value| given to a model: this prefix, then its name.
 INPUT_ABSMAX = "input_absmax:"
+# The input code of a recorded step's first bad batch tensor (BatchChecks.module_of).
+INPUT_BAD_CODE = "input_bad_code"
 # The running count of NaN/inf losses, in a recorded step's scalars.
 LOSS_BAD_TOTAL_KEY = "loss_bad_total"
+
+
+class RunTotals(NamedTuple):
+    """What the run's end reads of the loop's device counts (see
+    :meth:`LoopSignals.run_totals`)."""
+
+    batches: BatchTotals | None
+    dropped: DroppedTotals | None
+    loss_bad: int | None  # steps whose loss was NaN/inf (None: not read, or no loss)
 
 
 class LoopSignals:
@@ -67,6 +80,8 @@ class LoopSignals:
         self.lp_params: list[torch.Tensor] = []
         # The model's training forwards that no backward followed (a loop's own NaN skip).
         self.dropped = DroppedForwards()
+        # The batches given to the watched models, checked at every training forward.
+        self.batches = BatchChecks()
 
     @property
     def trained_since_boundary(self) -> bool:
@@ -80,17 +95,23 @@ class LoopSignals:
         self.backward_reached = False
         self.train_forward = False
 
-    def end_step(self, step: int, recorded: bool) -> dict[str, torch.Tensor]:
+    def end_step(self, step: int, recorded: bool, skipped: bool = False
+                 ) -> dict[str, torch.Tensor]:
         """The step's device flags, handed over; the step's samples dropped. With them the
         run's count of NaN/inf losses so far (:data:`LOSS_BAD_TOTAL_KEY`), for a recorded
-        step's host copy."""
+        step's host copy. ``skipped``: a GradScaler skipped the step (its gradients were
+        NaN/inf, whatever the loss was)."""
         flags, self._flags = self._flags, {}
         self._lp_snap = []
         bad = flags.get("loss_bad")
-        # check_input sets both flags, or neither (no batch checked in this step).
-        nan, inf = flags.get("input_nan"), flags.get("input_inf")
-        self.dropped.end_step(step, bad, None if nan is None or inf is None else nan | inf,
-                              recorded)
+        dropped = self.dropped.step_flag()
+        # (Whether the batch was bad is needed now only in a step that dropped a forward.)
+        self.dropped.end_step(step, bad, self.batches.step_bad() if dropped is not None
+                              else None, recorded)
+        batch = self.batches.end_step(step, recorded, bad, dropped, skipped)
+        if batch is not None:
+            flags["input_nan"], flags["input_inf"] = batch.nan, batch.inf
+            flags[INPUT_BAD_CODE] = batch.code
         if bad is not None:
             self.loss_steps += 1
             if self._loss_bad_total is None:
@@ -101,13 +122,36 @@ class LoopSignals:
             flags[LOSS_BAD_TOTAL_KEY] = self._loss_bad_total
         return flags
 
-    def loss_bad_total(self) -> int | None:
-        """How many steps' loss was NaN/inf, over the whole run (a sync: call it once, at
-        the end, and only in a run that had one), or None when no step had a loss."""
-        if self._loss_bad_total is None:
-            return None
-        (n,) = host_scalars([self._loss_bad_total])
-        return int(n)
+    def end_dangling(self, step: int) -> None:
+        """At the end of the run: forwards after the last step that ended (a last
+        iteration the loop dropped) count as the unrecorded step ``step``."""
+        self.dropped.resolve()
+        dropped = self.dropped.step_flag()
+        self.dropped.end_step(step, None, self.batches.step_bad() if dropped is not None
+                              else None)
+        self.batches.end_step(step, False, None, dropped)
+
+    def run_totals(self, want_loss: bool) -> RunTotals:
+        """The run's end: the unrecorded steps' bad batches, the dropped forwards and
+        (``want_loss``, or when read anyway) how many steps' loss was NaN/inf. One
+        device->host copy for all (a sync: call it once, after :meth:`release`), and none
+        in a run that checked no floating batch in an unrecorded step, dropped no forward
+        and is not asked for the loss count."""
+        named = [(k, t) for k, t in (("batches", self.batches.device_totals()),
+                                     ("dropped", self.dropped.device_totals()),
+                                     ("loss", self._loss_bad_total)) if t is not None]
+        if not named or (not want_loss and all(k == "loss" for k, _ in named)):
+            return RunTotals(None, None, None)
+        with own_ops:
+            flat = torch.cat([t.reshape(-1).to(named[0][1].device) for _, t in named])
+            n = [int(x) for x in host_scalars(list(flat))]
+        got: dict[str, list[int]] = {}
+        for k, t in named:
+            got[k], n = n[: t.numel()], n[t.numel():]
+        return RunTotals(
+            self.batches.totals_from(got["batches"]) if "batches" in got else None,
+            self.dropped.totals_from(got["dropped"]) if "dropped" in got else None,
+            got["loss"][0] if "loss" in got else None)
 
     def release(self) -> None:
         """Leave no reference to the user's tensors behind."""
@@ -116,6 +160,7 @@ class LoopSignals:
         self.lp_params = []
         self._flags = {}
         self.dropped.release()
+        self.batches.release()
 
     # -- device flags ----------------------------------------------------------
     def _or_flag(self, key: str, flag: torch.Tensor) -> None:
@@ -164,36 +209,26 @@ class LoopSignals:
             bad = (ext * 0).ne(0).any()
         self._or_flag("scaled_grads_bad", bad)
 
-    def check_input(self, args: tuple[Any, ...], module: str) -> None:
-        """On a recorded step: does the batch itself hold NaN or +inf? Device flags only.
-
-        One ``aminmax`` pass per tensor, with no temporary as large as the batch
-        (an ``isnan`` and an ``isinf`` mask would be two). As in anomaly mode's
-        batch check (:func:`~amp_doctor.device.stats.bad_batch`), a tensor holding a
-        NaN reads as NaN, and an attention mask's -inf is not bad data.
-        """
-        # vmap's wrapped tensors must not escape into the step's flags; nor odd layouts.
-        ts = [t for t in iter_tensors(args) if t.is_floating_point() and t.numel() > 0
-              and unsummarizable(t) is None]
-        if not ts:
-            return
+    def check_input(self, args: tuple[Any, ...], module: str, recorded: bool
+                    ) -> torch.Tensor | None:
+        """A training forward of ``module`` is given ``args``: check the batch for NaN/inf
+        (:class:`~amp_doctor.steps.batches.BatchChecks`, device ops only). On a recorded
+        step, also the data's largest |value| per model: a finite float32 value beyond
+        float16's max is inf once autocast casts it for the first layer (an un-normalised
+        outlier). Per model given the batch: a GAN's generator gets noise, its
+        discriminator data. Returns the batch's ``[n, 2]`` (min, max) rows on the device
+        (None: no floating data), for anomaly mode's own per-step check."""
+        ext = self.batches.check(args, module)
+        if ext is None or not recorded:
+            return ext
         if self.input_module is None:
             self.input_module = module
+        key = INPUT_ABSMAX + module
         with own_ops:
-            try:
-                ext = torch.stack([v for t in ts for v in torch.aminmax(t.detach())]).view(-1, 2)
-            except Exception:  # odd tensors (nested, float8): skip the check
-                return
-            row_nan = ext.isnan().any(1)
-            self._or_flag("input_nan", row_nan.any())
-            self._or_flag("input_inf", (bad_batch(ext) & ~row_nan).any())
-            # The data's largest |value|: a finite float32 value beyond float16's max is
-            # inf once autocast casts it for the first layer (an un-normalised outlier).
-            # Per model given the batch: a GAN's generator gets noise, its discriminator data.
-            key = INPUT_ABSMAX + module
             top = merged_extremes(ext).abs().max()
             prev = self._flags.get(key)
             self._flags[key] = top if prev is None else torch.maximum(prev, top.to(prev.device))
+        return ext
 
     # -- steps without an optimizer ------------------------------------------------
     def backward_done(self, roots: list[torch.Tensor], owns: Callable[[torch.Tensor], bool],

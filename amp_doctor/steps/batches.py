@@ -1,0 +1,336 @@
+"""The batches given to the watched models, checked for NaN/inf at every training forward.
+
+A corrupt sample (a NaN in a feature, an inf from a division in the data code) is the
+commonest cause of a NaN loss, and it strikes in any step, mostly in the nine of ten
+that nobody records. A recorded step's batch check told it only when it fell on a
+recorded step: otherwise the report said "the loss was NaN at step 7, where it
+appeared is unknown", and without a GradScaler (bfloat16) the update had poisoned every
+weight by the next recorded step (review 48c).
+
+:class:`BatchChecks` owns the check. Per training forward of a watched model, one
+``aminmax`` pass over each floating tensor it is given, with no temporary as large as
+the batch, leaves the (min, max) rows on the device. At the step's end they are read as
+:func:`~amp_doctor.device.stats.bad_batch` reads a batch (NaN, +inf, or -inf among
+positive values: an additive attention mask's -inf is none), on the device and without a
+sync:
+
+- a recorded step hands its flags to the step's host copy (the step folder's finding),
+  with the model its first bad tensor was given to;
+- an unrecorded step waits in a chunk of :data:`CHUNK_STEPS` steps, evaluated at once:
+  per input (a model's floating argument, by position), the steps whose tensor was bad
+  and whose loss (or an output the loop dropped before backward) went NaN/inf with it or
+  that a GradScaler skipped, and the steps whose loss stayed finite. An input bad in a
+  step whose loss stayed finite is one the model handles (missing values it replaces);
+  the culprit is an input whose every bad step went bad with it.
+
+The totals are read once, at the end of the run (``LoopSignals.run_totals``). The check
+runs on the batch *before* the forward, so a buffer the loop reuses (``buf.copy_(x)``) is
+checked as the model saw it. Integer batches (token ids) cost nothing. What a watched
+model made is not data: a tensor with a ``grad_fn`` (another model's output, code on the
+weights), or one sharing the storage of what a watched model returned in this step or
+the one before (a generator's samples given detached to the discriminator, a recurrent
+state carried over detached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from amp_doctor.device.stats import upload
+from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.hooks.tensorkinds import given_data
+
+__all__ = ["BatchChecks", "BatchTotals", "StepBatch", "CHUNK_STEPS"]
+
+# Unrecorded steps whose batch rows wait on the device, as references, before one
+# evaluation of them all: a step pays for its ``aminmax`` and one ``stack`` per forward,
+# and about forty ops serve the whole chunk (a per-step evaluation was 130 more aten ops
+# a step on the benchmark CNN, about 2% of its step on one CPU thread).
+CHUNK_STEPS = 64
+# Columns of the run's device totals, one row per input (a model's floating argument, by
+# position): counts of steps, then the first such step (-1: none).
+(_HARMFUL, _HARMLESS, _DROPPED, _NAN_HARMFUL, _INF_HARMFUL, _NAN_HARMLESS, _INF_HARMLESS,
+ _FIRST_HARMFUL, _FIRST_HARMLESS) = range(9)
+_COUNTS = _FIRST_HARMFUL
+_COLUMNS = _FIRST_HARMLESS + 1
+# Larger than any step a run counts.
+_NONE = 1 << 62
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """The unrecorded steps' bad batches, over the run."""
+
+    # Steps whose batch held NaN/inf and whose loss (or a forward the loop dropped) was
+    # NaN/inf too; of them, the steps where the loop dropped the forward.
+    harmful: int
+    dropped: int
+    # Steps whose batch held NaN/inf while the loss and the outputs stayed finite.
+    harmless: int
+    # What the harmful steps' batches held (the harmless ones' if none was harmful).
+    nan: bool
+    inf: bool
+    first_harmful: int  # -1: none
+    first_harmless: int
+    # The model given the bad tensor (a harmful one, if any), and which of its floating
+    # inputs it was (0-based, of ``inputs``).
+    module: str | None
+    input_at: int = 0
+    inputs: int = 1
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """A recorded step's batch flags (device 0-d bools), for its host copy, and the input
+    code of its first bad tensor (device int64, -1: none; :meth:`BatchChecks.module_of`)."""
+
+    nan: torch.Tensor
+    inf: torch.Tensor
+    code: torch.Tensor
+
+
+def _bad_rows(ext: torch.Tensor) -> torch.Tensor:
+    """:func:`~amp_doctor.device.stats.bad_batch`, in fewer ops: NaN or +inf; or -inf
+    beside a positive value."""
+    odd = (ext * 0).ne(0)  # NaN, +inf or -inf
+    return odd[:, 1] | (odd[:, 0] & (ext[:, 1] > 0))
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:
+        return -1
+
+
+def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of several forwards as one ``[n, 2]`` tensor on the first one's device (models
+    on two GPUs: a device-to-device copy, no sync)."""
+    dev = rows[0].device
+    return rows[0] if len(rows) == 1 else torch.cat([r.to(dev) for r in rows])
+
+
+@dataclass
+class _Step:
+    """An unrecorded step waiting in the chunk: its loss and dropped-forward flags (device
+    bools, None: not seen)."""
+
+    step: int
+    loss_bad: torch.Tensor | None
+    dropped_bad: torch.Tensor | None
+    skipped: bool
+
+
+class BatchChecks:
+    """The batch rows of the current step and of the unrecorded steps waiting for their
+    evaluation, and the run's totals."""
+
+    def __init__(self) -> None:
+        # Rows ([n, 2] (min, max) per forward) of the current step, with their model's code.
+        self._rows: list[torch.Tensor] = []
+        self._codes: list[int] = []
+        # The chunk: rows of ended unrecorded steps, their steps' index in it and codes.
+        self._chunk_rows: list[torch.Tensor] = []
+        self._chunk_at: list[int] = []  # per row: its step's index in _steps
+        self._chunk_codes: list[int] = []  # per row
+        self._steps: list[_Step] = []
+        # Each input's code: (model, position among its floating arguments) -> row of the
+        # totals; and how many floating arguments each model was given.
+        self._inputs: dict[tuple[str, int], int] = {}
+        self._arity: dict[str, int] = {}
+        self._totals: torch.Tensor | None = None
+        # The storages of what the watched models returned in this step and the one before
+        # (addresses only): a generator's samples given detached to the discriminator, or
+        # a recurrent state carried over detached (truncated BPTT), are not data.
+        self._made: set[int] = set()
+        self._made_before: set[int] = set()
+
+    def note_output(self, output: Any) -> None:
+        """A watched model returned ``output`` in this step: what it holds is the model's
+        work, not data, when the loop gives it to a model again (``disc(fake.detach())``
+        shares the generator's storage). Metadata only."""
+        for t in iter_tensors(output):
+            if t.is_floating_point():
+                try:
+                    self._made.add(t.untyped_storage().data_ptr())
+                except Exception:  # tensor subclasses without a storage: never data here
+                    continue
+
+    def check(self, args: Any, module: str) -> torch.Tensor | None:
+        """A training forward of ``module`` is given ``args``: its floating tensors'
+        ``[n, 2]`` (min, max) rows, on the device (None: no floating tensor)."""
+        given = list(enumerate(given_data(args)))
+        if given and (self._made or self._made_before):
+            given = [(k, t) for k, t in given if _storage(t) not in self._made
+                     and _storage(t) not in self._made_before]
+        if not given:
+            return None
+        with own_ops:
+            try:
+                ext = torch.stack([v for _, t in given for v in torch.aminmax(t.detach())]
+                                  ).view(-1, 2)
+            except Exception:  # odd tensors (nested, float8): not checked
+                return None
+        self._arity[module] = max(self._arity.get(module, 0), given[-1][0] + 1)
+        self._rows.append(ext)
+        self._codes.extend(self._inputs.setdefault((module, k), len(self._inputs))
+                           for k, _ in given)
+        return ext
+
+    def step_bad(self) -> torch.Tensor | None:
+        """Whether the current step's batch held NaN/inf (a device bool; None: no floating
+        batch). A few ops: for a step that needs it now (a dropped forward)."""
+        if not self._rows:
+            return None
+        with own_ops:
+            return _bad_rows(_cat(self._rows)).any()
+
+    def end_step(self, step: int, recorded: bool, loss_bad: torch.Tensor | None,
+                 dropped_bad: torch.Tensor | None, skipped: bool = False) -> StepBatch | None:
+        """End the step. A recorded one: its flags, for its host copy (None: no floating
+        batch). An unrecorded one waits in the chunk, with whether its loss or a dropped
+        forward's output (``loss_bad``, ``dropped_bad``: device bools) went NaN/inf, or a
+        GradScaler skipped it (a NaN sample the loss leaves out still makes NaN
+        gradients: 0 * NaN): no op until the chunk is full."""
+        rows, self._rows = self._rows, []
+        codes, self._codes = self._codes, []
+        self._made_before, self._made = self._made, set()
+        if not rows:
+            return None
+        if recorded:
+            with own_ops:
+                ext = _cat(rows)
+                row_nan = ext.isnan().any(1)
+                bad = _bad_rows(ext)
+                # The model given the bad tensor (a GAN's discriminator's real batch, not
+                # the generator called first on finite noise; review 49a).
+                first = torch.where(bad, upload(codes, ext.device), _NONE).min()
+                return StepBatch(nan=row_nan.any(), inf=(bad & ~row_nan).any(),
+                                 code=torch.where(first < _NONE, first, -1))
+        at = len(self._steps)
+        self._steps.append(_Step(step, loss_bad, dropped_bad, skipped))
+        self._chunk_rows.extend(rows)
+        self._chunk_codes.extend(codes)
+        self._chunk_at.extend([at] * len(codes))
+        if len(self._steps) >= CHUNK_STEPS:
+            self._evaluate()
+        return None
+
+    def _evaluate(self) -> None:
+        """Fold the chunk's steps into the run's totals, per input: device ops, no sync."""
+        steps, self._steps = self._steps, []
+        rows, self._chunk_rows = self._chunk_rows, []
+        at, self._chunk_at = self._chunk_at, []
+        codes, self._chunk_codes = self._chunk_codes, []
+        if not steps:
+            return
+        with own_ops:
+            ext = _cat(rows)
+            dev = ext.device
+            bad_rows = _bad_rows(ext)
+            nan_rows = ext.isnan().any(1)
+            n, p = len(steps), len(self._inputs)
+            row_at = upload(at, dev)
+            # A loss or a dropped forward that went NaN/inf with the batch, or a skip.
+            # Neither a loss nor a dropped forward seen: what the batch did is not known,
+            # and a NaN batch is taken for what it usually is, the loss's poison.
+            harm = torch.zeros(n, dtype=torch.bool, device=dev)
+            dropped = torch.zeros(n, dtype=torch.bool, device=dev)
+            for pick, out in ((lambda s: s.loss_bad, harm), (lambda s: s.dropped_bad, dropped)):
+                known = [i for i, s in enumerate(steps) if pick(s) is not None]
+                if known:
+                    out[upload(known, dev)] = torch.stack(
+                        [pick(steps[i]).reshape(()).to(dev) for i in known])
+            unseen = [i for i, s in enumerate(steps) if s.skipped or (
+                s.loss_bad is None and s.dropped_bad is None)]
+            harm |= dropped
+            if unseen:
+                harm[upload(unseen, dev)] = True
+            harmful, harmless = bad_rows & harm[row_at], bad_rows & ~harm[row_at]
+            # Per (input, step): an input given twice in a step (accumulation) counts once.
+            cell = upload(codes, dev) * n + row_at
+
+            def per_cell(flags: torch.Tensor) -> torch.Tensor:
+                return (torch.zeros(p * n, dtype=torch.long, device=dev).index_add_(
+                    0, cell, flags.long()) > 0).view(p, n)
+
+            cells = [per_cell(f) for f in (
+                harmful, harmless, harmful & dropped[row_at], nan_rows & harmful,
+                harmful & ~nan_rows, nan_rows & harmless, harmless & ~nan_rows)]
+            step_no = upload([s.step for s in steps], dev)
+            firsts = [torch.where(c, step_no, _NONE).amin(1) for c in cells[:2]]
+            counts = torch.stack([c.sum(1) for c in cells], 1)
+            if self._totals is None:
+                self._totals = torch.zeros(0, _COLUMNS, dtype=torch.long, device=dev)
+            t = self._totals
+            if t.shape[0] < p:  # inputs first seen in this chunk
+                more = torch.zeros(p - t.shape[0], _COLUMNS, dtype=torch.long, device=dev)
+                more[:, _COUNTS:] = -1
+                t = self._totals = torch.cat((t, more))
+            t[:, :_COUNTS] += counts
+            now = torch.stack(firsts, 1)
+            old = t[:, _COUNTS:]
+            t[:, _COUNTS:] = torch.where((old < 0) & (now < _NONE), now, old)
+
+    def module_of(self, code: float | None) -> str | None:
+        """The model an input code (:class:`StepBatch`'s, read on the host) belongs to."""
+        if code is None or code < 0:
+            return None
+        return next((m for (m, _), c in self._inputs.items() if c == int(code)), None)
+
+    def device_totals(self) -> torch.Tensor | None:
+        """The run's totals on the device, for the run's one read at its end (None: no
+        floating batch was checked in an unrecorded step). Call :meth:`release` first."""
+        return self._totals
+
+    def totals_from(self, n: list[int]) -> BatchTotals | None:
+        """The run's totals from their host copy (the device totals, flat), or None when
+        no batch was bad. An input that was bad in a step whose loss stayed finite is
+        handled by the model (missing values replaced): its bad steps are harmless, and a
+        NaN loss beside one is another cause's. The culprit is an input whose every bad
+        step went NaN/inf with it (review 49a: a second input the model does not clean)."""
+        rows = [n[i : i + _COLUMNS] for i in range(0, len(n), _COLUMNS)]
+        bad = [i for i, r in enumerate(rows) if r[_HARMFUL] or r[_HARMLESS]]
+        if not bad:
+            return None
+        culprits = [i for i in bad if not rows[i][_HARMLESS]]
+        if culprits:
+            code = min(culprits, key=lambda i: rows[i][_FIRST_HARMFUL])
+            r = rows[code]
+            harmful, dropped, harmless = r[_HARMFUL], r[_DROPPED], 0
+            nan, inf = r[_NAN_HARMFUL], r[_INF_HARMFUL]
+            first, first_harmless = r[_FIRST_HARMFUL], -1
+        else:
+            code = min(bad, key=lambda i: min(s for s in (rows[i][_FIRST_HARMFUL],
+                                                          rows[i][_FIRST_HARMLESS]) if s >= 0))
+            r = rows[code]
+            harmful = dropped = 0
+            harmless = r[_HARMLESS] + r[_HARMFUL]
+            nan = r[_NAN_HARMLESS] + r[_NAN_HARMFUL]
+            inf = r[_INF_HARMLESS] + r[_INF_HARMFUL]
+            first = -1
+            first_harmless = min(s for s in (r[_FIRST_HARMLESS], r[_FIRST_HARMFUL]) if s >= 0)
+        module, at = next(key for key, c in self._inputs.items() if c == code)
+        return BatchTotals(
+            harmful=harmful, dropped=dropped, harmless=harmless, nan=bool(nan),
+            inf=bool(inf), first_harmful=first,
+            first_harmless=first_harmless, module=module, input_at=at,
+            inputs=self._arity.get(module, 1))
+
+    def release(self) -> None:
+        """Fold the waiting steps into the totals and leave no device rows of the user's
+        batches behind (the totals stay)."""
+        try:
+            self._evaluate()
+        finally:
+            self._rows = []
+            self._codes = []
+            self._made = set()
+            self._made_before = set()
+            self._steps = []
+            self._chunk_rows = []
+            self._chunk_at = []
+            self._chunk_codes = []
