@@ -1092,6 +1092,7 @@ class Watch:
         data = {"unrecorded_steps": harmful, "unrecorded_first": got.first_harmful,
                 "unrecorded_dropped": got.dropped, "unrecorded_harmless": got.harmless,
                 "unrecorded_harmless_first": got.first_harmless,
+                "loss_first_bad": got.first_loss_bad,
                 **({"input_at": got.input_at, "inputs": got.inputs} if got.inputs > 1
                    else {})}
         seen = next((e for e in self._extra_events if e.kind == "nonfinite_input"
@@ -1104,6 +1105,14 @@ class Watch:
                 seen.data["recorded_first"] = seen.step
                 i = self._extra_events.index(seen)
                 self._extra_events[i] = dataclasses.replace(seen, step=got.first_harmful)
+            return []
+        if (seen is not None and not harmful and got.inputs == 1
+                and got.module == seen.module and seen.data.get("harmful")):
+            # The model's one input went bad in unrecorded steps whose loss stayed finite:
+            # it handles such values, and what went wrong in a recorded step with one (a
+            # GradScaler calibrating, a layer's overflow) was another cause's (review 49b:
+            # log-features with -inf the model clamps).
+            seen.data.update(data, harmful=0, severity="info")
             return []
         if seen is not None and not harmful:
             return []  # a recorded step's error already; the harmless rest changes nothing

@@ -380,3 +380,99 @@ def test_without_a_scaler_a_nan_sample_the_loss_leaves_out_poisons_the_weights()
     assert "The loss stayed finite in that step, but from the steps after it on" in f.message
     (loss_f,) = s.findings_of("nonfinite_loss")
     assert loss_f.severity == "info"
+
+
+def test_a_batch_in_memory_a_freed_output_held_is_still_data() -> None:
+    """A denoiser's output has its batch's shape and is freed after backward: the next
+    batch often lands at its address. Matching addresses took such batches for the
+    model's own output and skipped them, a different count on every run (review 49b)."""
+    torch.manual_seed(0)
+
+    class Denoiser(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.out = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.relu(self.enc(x)).float())
+
+    model = Denoiser()
+
+    def step_fn(step: int) -> torch.Tensor:
+        x = torch.randn(32, 64)
+        if step in (7, 13, 23, 37):
+            x[5, 5] = math.nan
+        return F.mse_loss(model(x), torch.zeros(32, 64))
+
+    s = _fp16_loop(model, 40, step_fn)
+    (f,) = s.findings_of("nonfinite_input")
+    assert (f.severity, f.step, f.data["unrecorded_steps"]) == ("error", 7, 4)
+
+
+def test_of_two_inputs_bad_in_one_step_the_one_bad_more_often_is_named() -> None:
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(16, 32), nn.Linear(4, 32), nn.Linear(32, 4)
+
+        def forward(self, feat: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.a(torch.nan_to_num(feat)) + self.b(aux)))
+
+    model = Net()
+
+    def step_fn(step: int) -> torch.Tensor:
+        feat, aux = torch.randn(8, 16), torch.randn(8, 4)
+        if step == 7:
+            feat[2, 3] = math.nan  # handled, in the same step as aux's
+        if step in (7, 27):
+            aux[1, 2] = math.nan
+        return F.cross_entropy(model(feat, aux).float(), torch.randint(0, 4, (8,)))
+
+    s = _fp16_loop(model, 30, step_fn)
+    (f,) = s.findings_of("nonfinite_input")
+    assert (f.severity, f.step, f.data["input_at"], f.data["unrecorded_steps"]) == (
+        "error", 7, 1, 2)
+
+
+def test_an_input_the_model_clamps_is_no_error_for_a_calibration_skip_in_a_recorded_step(
+        ) -> None:
+    """Log-features with -inf in every step, clamped by the model: recorded step 0 fell
+    on the GradScaler's start-up skip, which made the batch an ERROR; and a layer's
+    overflow at step 13 was then "it began at the batch" (review 49b)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.big, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+            self.gain = 1.0
+
+        def forward(self, feat: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.a(feat.clamp_min(-20.0)))
+            return self.head(torch.relu(self.big(h * self.gain)))
+
+    model = Net()
+
+    def step_fn(step: int) -> torch.Tensor:
+        p = torch.rand(8, 16)
+        p[0, 0] = 0.0
+        model.gain = 1e6 if step == 13 else 1.0
+        return F.cross_entropy(model(p.log() + 1.0).float(), torch.randint(0, 4, (8,)))
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")  # 65536: it skips the first steps while calibrating
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for step in range(30):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = step_fn(step)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    (f,) = s.findings_of("nonfinite_input")
+    assert f.severity == "info"
+    (loss_f,) = s.findings_of("nonfinite_loss")
+    assert loss_f.severity == "error" and loss_f.step == 13

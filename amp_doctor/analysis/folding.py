@@ -469,11 +469,11 @@ def _batch_made_by_an_op(out: list[Finding]) -> list[Finding]:
 
 def _batch_before_poisoned_weights(session: Session, out: list[Finding]) -> list[Finding]:
     """Without a GradScaler, a batch that held NaN in an unrecorded step whose loss stayed
-    finite, and a loss that went NaN for good in the steps right after it (its finding says
-    it began in unrecorded steps, after the last recorded step before that batch): the
-    batch is the cause. A NaN the loss leaves out (``ce[valid].mean()``) still makes NaN
-    gradients in the backward (0 * NaN), which nothing skipped: that step's update
-    poisoned the weights (review 49a). It was "info: the model handles such values"."""
+    finite, and a loss that went NaN in the very next step and stayed so (its finding
+    says it began in unrecorded steps): the batch is the cause. A NaN the loss leaves out
+    (``ce[valid].mean()``) still makes NaN gradients in the backward (0 * NaN), which
+    nothing skipped: that step's update poisoned the weights (review 49a). It was "info:
+    the model handles such values"."""
     if session.amp.scaler:
         return out
     batch = next((f for f in out if f.kind == "nonfinite_input" and f.severity == "info"
@@ -483,10 +483,9 @@ def _batch_before_poisoned_weights(session: Session, out: list[Finding]) -> list
                  and f.data.get("began_unrecorded")), None)
     if batch is None or loss is None or batch.step is None:
         return out
-    last, seen = loss.data.get("last_recorded_before"), loss.data.get("recorded_at")
-    if not ((last is None or last < batch.step) and isinstance(seen, int)
-            and batch.step < seen):
-        return out
+    seen = loss.data.get("recorded_at")
+    if batch.data.get("loss_first_bad") != batch.step + 1 or not isinstance(seen, int):
+        return out  # the loss stayed finite in the step after it: the batch poisoned nothing
     promoted = replace(
         _with(batch, "error", poisoned_weights=True),
         message=batch_poisoned_weights(batch.module, batch.data, batch.step, seen),

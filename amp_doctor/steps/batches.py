@@ -27,13 +27,15 @@ The totals are read once, at the end of the run (``LoopSignals.run_totals``). Th
 runs on the batch *before* the forward, so a buffer the loop reuses (``buf.copy_(x)``) is
 checked as the model saw it. Integer batches (token ids) cost nothing. What a watched
 model made is not data: a tensor with a ``grad_fn`` (another model's output, code on the
-weights), or one sharing the storage of what a watched model returned in this step or
-the one before (a generator's samples given detached to the discriminator, a recurrent
-state carried over detached).
+weights), or one sharing the storage of a live tensor a watched model returned in this
+step (a generator's samples given detached to the discriminator). An input that first
+went bad after the loss did carries the run's own NaN (a recurrent state carried over
+detached), and is no cause.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +82,8 @@ class BatchTotals:
     module: str | None
     input_at: int = 0
     inputs: int = 1
+    # The run's first step whose loss was NaN/inf (-1: none, or not known).
+    first_loss_bad: int = -1
 
 
 @dataclass(frozen=True)
@@ -142,30 +146,41 @@ class BatchChecks:
         self._inputs: dict[tuple[str, int], int] = {}
         self._arity: dict[str, int] = {}
         self._totals: torch.Tensor | None = None
-        # The storages of what the watched models returned in this step and the one before
-        # (addresses only): a generator's samples given detached to the discriminator, or
-        # a recurrent state carried over detached (truncated BPTT), are not data.
-        self._made: set[int] = set()
-        self._made_before: set[int] = set()
+        # The first step whose loss was NaN/inf (device int64; _NONE: none yet).
+        self._first_loss: torch.Tensor | None = None
+        # What the watched models returned in this step (weak references, with their
+        # storage's address): a generator's samples given detached to the discriminator
+        # share its storage, and are not data. A live tensor's storage cannot be another's
+        # (a freed one's address is reused: review 49b saw a new batch skipped so).
+        self._made: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        # The storages of the data given in this step: a model that returns its input (a
+        # VAE's ``[recon, input, mu, logvar]``) does not make that input its own work.
+        self._given: set[int] = set()
 
     def note_output(self, output: Any) -> None:
         """A watched model returned ``output`` in this step: what it holds is the model's
-        work, not data, when the loop gives it to a model again (``disc(fake.detach())``
-        shares the generator's storage). Metadata only."""
+        work, not data, should the loop give it to a model again. Metadata only."""
         for t in iter_tensors(output):
             if t.is_floating_point():
-                try:
-                    self._made.add(t.untyped_storage().data_ptr())
-                except Exception:  # tensor subclasses without a storage: never data here
-                    continue
+                ptr = _storage(t)
+                if ptr not in self._given and ptr != -1:
+                    try:
+                        self._made.append((weakref.ref(t), ptr))
+                    except TypeError:  # not weakly referenceable: never data here
+                        continue
+
+    def _model_made(self, t: torch.Tensor) -> bool:
+        ptr = _storage(t)
+        return any(p == ptr and (m := ref()) is not None and _storage(m) == ptr
+                   for ref, p in self._made)
 
     def check(self, args: Any, module: str) -> torch.Tensor | None:
         """A training forward of ``module`` is given ``args``: its floating tensors'
         ``[n, 2]`` (min, max) rows, on the device (None: no floating tensor)."""
         given = list(enumerate(given_data(args)))
-        if given and (self._made or self._made_before):
-            given = [(k, t) for k, t in given if _storage(t) not in self._made
-                     and _storage(t) not in self._made_before]
+        if given and self._made:
+            given = [(k, t) for k, t in given if not self._model_made(t)]
+        self._given.update(_storage(t) for _, t in given)
         if not given:
             return None
         with own_ops:
@@ -197,9 +212,11 @@ class BatchChecks:
         gradients: 0 * NaN): no op until the chunk is full."""
         rows, self._rows = self._rows, []
         codes, self._codes = self._codes, []
-        self._made_before, self._made = self._made, set()
+        self._made, self._given = [], set()
         if not rows:
             return None
+        if loss_bad is not None and recorded:
+            self._note_first_loss(torch.where(loss_bad, step, _NONE))
         if recorded:
             with own_ops:
                 ext = _cat(rows)
@@ -218,6 +235,12 @@ class BatchChecks:
         if len(self._steps) >= CHUNK_STEPS:
             self._evaluate()
         return None
+
+    def _note_first_loss(self, first: torch.Tensor) -> None:
+        with own_ops:
+            first = first.reshape(()).long()
+            self._first_loss = first if self._first_loss is None else torch.minimum(
+                self._first_loss, first.to(self._first_loss.device))
 
     def _evaluate(self) -> None:
         """Fold the chunk's steps into the run's totals, per input: device ops, no sync."""
@@ -239,14 +262,17 @@ class BatchChecks:
             # and a NaN batch is taken for what it usually is, the loss's poison.
             harm = torch.zeros(n, dtype=torch.bool, device=dev)
             dropped = torch.zeros(n, dtype=torch.bool, device=dev)
-            for pick, out in ((lambda s: s.loss_bad, harm), (lambda s: s.dropped_bad, dropped)):
+            lost = torch.zeros(n, dtype=torch.bool, device=dev)
+            for pick, out in ((lambda s: s.loss_bad, lost), (lambda s: s.dropped_bad, dropped)):
                 known = [i for i, s in enumerate(steps) if pick(s) is not None]
                 if known:
                     out[upload(known, dev)] = torch.stack(
                         [pick(steps[i]).reshape(()).to(dev) for i in known])
             unseen = [i for i, s in enumerate(steps) if s.skipped or (
                 s.loss_bad is None and s.dropped_bad is None)]
-            harm |= dropped
+            step_no = upload([s.step for s in steps], dev)
+            self._note_first_loss(torch.where(lost, step_no, _NONE).min())
+            harm |= lost | dropped
             if unseen:
                 harm[upload(unseen, dev)] = True
             harmful, harmless = bad_rows & harm[row_at], bad_rows & ~harm[row_at]
@@ -260,7 +286,6 @@ class BatchChecks:
             cells = [per_cell(f) for f in (
                 harmful, harmless, harmful & dropped[row_at], nan_rows & harmful,
                 harmful & ~nan_rows, nan_rows & harmless, harmless & ~nan_rows)]
-            step_no = upload([s.step for s in steps], dev)
             firsts = [torch.where(c, step_no, _NONE).amin(1) for c in cells[:2]]
             counts = torch.stack([c.sum(1) for c in cells], 1)
             if self._totals is None:
@@ -282,9 +307,12 @@ class BatchChecks:
         return next((m for (m, _), c in self._inputs.items() if c == int(code)), None)
 
     def device_totals(self) -> torch.Tensor | None:
-        """The run's totals on the device, for the run's one read at its end (None: no
-        floating batch was checked in an unrecorded step). Call :meth:`release` first."""
-        return self._totals
+        """The run's totals on the device, flat, for the run's one read at its end (None:
+        no floating batch was checked in an unrecorded step). Call :meth:`release` first."""
+        if self._totals is None:
+            return None
+        first = self._first_loss if self._first_loss is not None else torch.tensor(_NONE)
+        return torch.cat((self._totals.reshape(-1), first.reshape(1).to(self._totals.device)))
 
     def totals_from(self, n: list[int]) -> BatchTotals | None:
         """The run's totals from their host copy (the device totals, flat), or None when
@@ -292,13 +320,21 @@ class BatchChecks:
         handled by the model (missing values replaced): its bad steps are harmless, and a
         NaN loss beside one is another cause's. The culprit is an input whose every bad
         step went NaN/inf with it (review 49a: a second input the model does not clean)."""
+        n, first_loss = n[:-1], n[-1] if n[-1] < _NONE else -1
         rows = [n[i : i + _COLUMNS] for i in range(0, len(n), _COLUMNS)]
-        bad = [i for i, r in enumerate(rows) if r[_HARMFUL] or r[_HARMLESS]]
+        # An input that first went bad after the loss did carries the run's own NaN (a
+        # recurrent state carried over detached, fed back after the model made it).
+        late = {i for i, r in enumerate(rows) if r[_HARMFUL] and not r[_HARMLESS]
+                and 0 <= first_loss < r[_FIRST_HARMFUL]}
+        bad = [i for i, r in enumerate(rows) if (r[_HARMFUL] or r[_HARMLESS])
+               and i not in late]
         if not bad:
             return None
         culprits = [i for i in bad if not rows[i][_HARMLESS]]
         if culprits:
-            code = min(culprits, key=lambda i: rows[i][_FIRST_HARMFUL])
+            # The input bad in the most such steps (a NaN in a handled input that fell in
+            # the same step as the culprit's is not it; review 49b), then the first.
+            code = min(culprits, key=lambda i: (-rows[i][_HARMFUL], rows[i][_FIRST_HARMFUL]))
             r = rows[code]
             harmful, dropped, harmless = r[_HARMFUL], r[_DROPPED], 0
             nan, inf = r[_NAN_HARMFUL], r[_INF_HARMFUL]
@@ -318,7 +354,7 @@ class BatchChecks:
             harmful=harmful, dropped=dropped, harmless=harmless, nan=bool(nan),
             inf=bool(inf), first_harmful=first,
             first_harmless=first_harmless, module=module, input_at=at,
-            inputs=self._arity.get(module, 1))
+            inputs=self._arity.get(module, 1), first_loss_bad=first_loss)
 
     def release(self) -> None:
         """Fold the waiting steps into the totals and leave no device rows of the user's
@@ -328,8 +364,8 @@ class BatchChecks:
         finally:
             self._rows = []
             self._codes = []
-            self._made = set()
-            self._made_before = set()
+            self._made = []
+            self._given = set()
             self._steps = []
             self._chunk_rows = []
             self._chunk_at = []
