@@ -66,8 +66,6 @@ from amp_doctor.hooks.patching import Subscription, in_closure_step, subscribe
 from amp_doctor.hooks.probes import COMPILED_NOTE, Probes, in_reentrant_checkpoint, own_params
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
 from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir, reused_run_note
-from amp_doctor.steps.batches import BatchTotals
-from amp_doctor.steps.dropped import DroppedTotals
 from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
 from amp_doctor.steps.loop import INPUT_BAD_CODE, LoopSignals, RunTotals
 from amp_doctor.steps.monitor import AmpMonitor, LoopCallbacks
@@ -251,10 +249,8 @@ class Watch:
         # Bytes the last recorded step filed, per device: the next one's stage size.
         self._filed_last: dict[torch.device, int] = {}
         self._extra_events: list[Event] = []
-        # The unrecorded steps' bad batches and the dropped forwards, read once when the
-        # session is built.
-        self._batches: BatchTotals | None = None
-        self._dropped: DroppedTotals | None = None
+        # The unrecorded steps' bad batches, the dropped forwards and the NaN-loss count,
+        # read once when the session is built.
         self._totals = RunTotals(None, None, None)
         self._listeners: list[StepListener] = []
         self._probes: Probes | None = None
@@ -1011,7 +1007,6 @@ class Watch:
             events.extend(self._anomaly.events())
         # The run's one read of its batch checks, dropped forwards and NaN/inf losses.
         self._totals = self._loop.run_totals(want_loss=self._folder.any_loss_bad)
-        self._batches, self._dropped = self._totals.batches, self._totals.dropped
         self._extra_events.extend(self._batch_events())
         events.extend(self._extra_events)
         events.extend(self._loop_events())
@@ -1085,7 +1080,7 @@ class Watch:
         finding when both are harmful (or both harmless), or make one of their own: an
         input the model handles (info) and another it does not (an error) are two causes.
         Anomaly mode names them itself, with their line."""
-        got = self._batches
+        got = self._totals.batches
         if got is None or self._anomaly is not None:
             return []
         harmful = got.harmful
@@ -1131,8 +1126,9 @@ class Watch:
     def _batch_handled_at(self) -> int | None:
         """The first step whose batch held NaN/inf while the loss stayed finite: the model
         takes such batches in its stride (it replaces missing values), or None."""
-        steps = [s for s in (self._folder.bad_input_harmless, self._batches.first_harmless
-                             if self._batches and self._batches.harmless else None)
+        got = self._totals.batches
+        steps = [s for s in (self._folder.bad_input_harmless,
+                             got.first_harmless if got and got.harmless else None)
                  if s is not None and s >= 0]
         return min(steps) if steps else None
 
@@ -1141,7 +1137,7 @@ class Watch:
         :mod:`amp_doctor.steps.dropped`): with a bad batch, its ``nonfinite_input``
         finding's; otherwise, a finding of their own, which analysis folds into a layer's
         when one was found."""
-        got = self._dropped
+        got = self._totals.dropped
         if got is None or got.steps_bad == 0:
             return []
         if (got.neg_inf_only == got.steps_bad and self.step_index >= MASK_MIN_STEPS
