@@ -64,6 +64,7 @@ from amp_doctor.hooks.discovery import (
 )
 from amp_doctor.hooks.patching import Subscription, in_closure_step, subscribe
 from amp_doctor.hooks.probes import COMPILED_NOTE, Probes, in_reentrant_checkpoint, own_params
+from amp_doctor.hooks.tensorkinds import input_label
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
 from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir, reused_run_note
 from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
@@ -276,6 +277,8 @@ class Watch:
         self._bounds = _Boundaries()
         # The step being ended had its update dropped by the loop (see _on_root_forward).
         self._update_dropped = False
+        # The model (its id) called under no_grad as the step's companion, until it returns.
+        self._companion: int | None = None
 
     @property
     def models(self) -> dict[str, nn.Module]:
@@ -635,6 +638,11 @@ class Watch:
             # its work would be filed into the step before.
             if self._take_pending_boundary():
                 self._probes.apply_armed()
+            # Its batch is the step's data, and its output is checked when it returns: what
+            # the loop makes from it for the trained model is not data (review 49b).
+            self._companion = id(module)
+            self._loop.check_input(args, self._probes.name_of(module) or self._set.label(),
+                                   recorded=self._buffer is not None)
         if training:
             root = self._probes.root_id(module) if self._probes is not None else id(module)
             self._bounds.trained_roots.add(root)
@@ -680,6 +688,12 @@ class Watch:
         if self.closed:
             return
         self._loop.batches.note_output(output)
+        if self._companion == id(module):
+            self._companion = None
+            name = self._probes.name_of(module) if self._probes is not None else None
+            made = self._loop.batches.check_output(output, name or self._set.label())
+            if made is not None and self._anomaly is not None:
+                self._anomaly.note_made(name or type(module).__name__, made)
         if self._bounds.lead_root == id(module):
             self._loop.dropped.ended(output, id(module))
 
@@ -1053,6 +1067,15 @@ class Watch:
         out = self._folder.loss_events(
             self.step_index, anomaly=self._anomaly is not None,
             counted=None if total is None else (total, self._loop.loss_steps))
+        got = self._totals.batches
+        if got is not None and got.made_by is not None and not got.data_bad:
+            for e in out:
+                if (e.kind == "nonfinite_loss" and e.data.get("recorded_at") is None
+                        and not e.data.get("began_unrecorded")):
+                    # No recorded step showed it: the model called under no_grad whose
+                    # output went bad from a finite batch in its first step.
+                    e.data["made_output"] = {"module": got.made_by, "step": got.made_first,
+                                             "steps": got.made_steps}
         mon = self._monitor
         metas = self._probes.layers.values() if self._probes else []
         if (self._probes is not None and (self.step_index or self._loop.backward)
@@ -1081,15 +1104,15 @@ class Watch:
         input the model handles (info) and another it does not (an error) are two causes.
         Anomaly mode names them itself, with their line."""
         got = self._totals.batches
-        if got is None or self._anomaly is not None:
+        if got is None or self._anomaly is not None or not got.data_bad:
             return []
         harmful = got.harmful
         data = {"unrecorded_steps": harmful, "unrecorded_first": got.first_harmful,
                 "unrecorded_dropped": got.dropped, "unrecorded_harmless": got.harmless,
                 "unrecorded_harmless_first": got.first_harmless,
                 "loss_first_bad": got.first_loss_bad,
-                **({"input_at": got.input_at, "inputs": got.inputs} if got.inputs > 1
-                   else {})}
+                **({"input": input_label(got.input_key), "inputs": got.inputs}
+                   if got.inputs > 1 else {})}
         seen = next((e for e in self._extra_events if e.kind == "nonfinite_input"
                      and e.data.get("detected") == "recorded step"), None)
         if seen is not None and bool(seen.data.get("harmful")) == bool(harmful):

@@ -330,8 +330,8 @@ def test_the_input_the_model_does_not_clean_is_the_culprit_beside_one_it_does() 
     s = _fp16_loop(model, 30, step_fn)
     (f,) = [f for f in s.findings if f.severity == "error"]
     assert (f.kind, f.step) == ("nonfinite_input", 7)
-    assert (f.data["input_at"], f.data["inputs"]) == (1, 2)
-    assert "(in its floating input 2 of 2, in argument order) at step 7" in f.message
+    assert (f.data["input"], f.data["inputs"]) == ("positional argument 2", 2)
+    assert "(in its positional argument 2, one of 2 floating inputs) at step 7" in f.message
 
 
 def test_a_nan_sample_the_loss_leaves_out_still_skips_the_step_and_is_the_cause() -> None:
@@ -432,8 +432,8 @@ def test_of_two_inputs_bad_in_one_step_the_one_bad_more_often_is_named() -> None
 
     s = _fp16_loop(model, 30, step_fn)
     (f,) = s.findings_of("nonfinite_input")
-    assert (f.severity, f.step, f.data["input_at"], f.data["unrecorded_steps"]) == (
-        "error", 7, 1, 2)
+    assert (f.severity, f.step, f.data["input"], f.data["unrecorded_steps"]) == (
+        "error", 7, "positional argument 2", 2)
 
 
 def test_an_input_the_model_clamps_is_no_error_for_a_calibration_skip_in_a_recorded_step(
@@ -476,3 +476,140 @@ def test_an_input_the_model_clamps_is_no_error_for_a_calibration_skip_in_a_recor
     assert f.severity == "info"
     (loss_f,) = s.findings_of("nonfinite_loss")
     assert loss_f.severity == "error" and loss_f.step == 13
+
+
+class _Backbone(nn.Module):
+    """A frozen feature extractor whose hidden values overflow float16 at ``gain`` 1e6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(16, 32)
+        self.l2 = nn.Linear(32, 32)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.l1(x)) * self.gain)
+
+
+def _frozen_backbone_run(doctor_kw: dict | None, teacher: bool = False, overflow_at: int = -1,
+                         nan_x_at: int = -1) -> tuple[list[float], amp_doctor.Session | None]:
+    """Linear probing (review 49b): a frozen backbone called under no_grad, its features
+    pooled and normalised (a new tensor: no grad_fn, storage of its own) and given to a
+    trained head; or (``teacher``) a teacher's softened output given to a student beside
+    the batch. Its hidden layer overflows float16 at ``overflow_at`` (the batch finite);
+    the batch itself holds a NaN at ``nan_x_at``."""
+    torch.manual_seed(0)
+    backbone = _Backbone().requires_grad_(False)
+    head = nn.Linear(48 if teacher else 32, 4)
+    opt = torch.optim.SGD(head.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    doctor = (amp_doctor.watch({"backbone": backbone, "head": head}, tensorboard=False,
+                               **doctor_kw) if doctor_kw is not None else None)
+    losses: list[float] = []
+    try:
+        for step in range(30):
+            x, y = torch.randn(8, 5, 16), torch.randint(0, 4, (8,))
+            if step == nan_x_at:
+                x[2, 1, 3] = math.nan
+            backbone.gain = 1e6 if step == overflow_at else 1.0
+            with torch.autocast("cpu", dtype=torch.float16):
+                with torch.no_grad():
+                    f = backbone(x).float().mean(1)
+                    post = F.softmax(f / 2.0, 1) if teacher else F.normalize(f, dim=1)
+                logits = head(torch.cat([x.mean(1), post], 1) if teacher else post)
+                loss = F.cross_entropy(logits.float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(float(loss.detach()))
+    finally:
+        session = doctor.close() if doctor is not None else None
+    return losses, session
+
+
+@pytest.mark.parametrize("teacher", [False, True])
+def test_a_frozen_backbones_overflow_at_an_unrecorded_step_is_not_the_batch(teacher: bool
+                                                                            ) -> None:
+    plain, _ = _frozen_backbone_run(None, teacher, overflow_at=7)
+    losses, s = _frozen_backbone_run({}, teacher, overflow_at=7)
+    assert _same(losses, plain) and math.isnan(losses[7])
+    assert s is not None and s.recorded_steps == 3
+    assert not s.findings_of("nonfinite_input")  # the batch was finite
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert (f.kind, f.step) == ("nonfinite_loss", 7)
+    assert "It began in backbone's output at step 7 (not a recorded step)" in f.message
+    assert "where it appeared is unknown" not in f.message
+
+
+def test_a_frozen_backbones_overflow_on_a_recorded_step_names_its_layer() -> None:
+    plain, _ = _frozen_backbone_run(None, overflow_at=7)
+    losses, s = _frozen_backbone_run({"every": 1}, overflow_at=7)
+    assert _same(losses, plain)
+    assert s is not None
+    assert not s.findings_of("nonfinite_input")
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert (f.kind, f.module, f.step) == ("nonfinite_loss", "backbone.l2", 7)
+
+
+def test_anomaly_mode_does_not_take_a_frozen_backbones_overflow_for_the_batch() -> None:
+    plain, _ = _frozen_backbone_run(None, overflow_at=7)
+    losses, s = _frozen_backbone_run({"anomaly": True}, overflow_at=7)
+    assert _same(losses, plain)
+    assert s is not None
+    assert not s.findings_of("nonfinite_input")
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert (f.kind, f.step) == ("nonfinite_loss", 7)
+    assert "backbone's output at step 7" in f.message
+
+
+@pytest.mark.parametrize("every", [10, 1])
+def test_a_nan_batch_given_to_a_frozen_backbone_is_still_the_data(every: int) -> None:
+    """Its output goes NaN too, after its batch did: the batch is the cause."""
+    plain, _ = _frozen_backbone_run(None, nan_x_at=7)
+    losses, s = _frozen_backbone_run({"every": every}, nan_x_at=7)
+    assert _same(losses, plain) and math.isnan(losses[7])
+    assert s is not None
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert (f.kind, f.module, f.step) == ("nonfinite_input", "backbone", 7)
+    assert "backbone's output" not in " ".join(x.message for x in s.findings)
+
+
+def test_an_optional_keyword_input_that_comes_and_goes_keeps_its_own_key() -> None:
+    """A multimodal collator (review 49b): ``tabular`` holds missing values as NaN in every
+    step (the model replaces them); odd steps also carry ``image``, first in the dict. At
+    step 7 an image is corrupt. By position, the image sat where ``tabular`` sits in even
+    steps, and its NaN was taken for a handled one (info, and an unknown NaN loss)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.img, self.tab, self.head = nn.Linear(12, 16), nn.Linear(6, 16), nn.Linear(16, 4)
+
+        def forward(self, image: torch.Tensor | None = None,
+                    tabular: torch.Tensor | None = None) -> torch.Tensor:
+            assert tabular is not None
+            h = self.tab(torch.nan_to_num(tabular))
+            if image is not None:
+                h = h + self.img(image)
+            return self.head(torch.relu(h))
+
+    model = Net()
+
+    def step_fn(step: int) -> torch.Tensor:
+        batch = {"tabular": torch.randn(8, 6)}
+        batch["tabular"][torch.rand(8, 6) < 0.2] = math.nan
+        if step % 2:
+            image = torch.randn(8, 12)
+            if step == 7:
+                image[0, 3] = math.nan
+            batch = {"image": image, **batch}
+        return F.cross_entropy(model(**batch).float(), torch.randint(0, 4, (8,)))
+
+    s = _fp16_loop(model, 30, step_fn)
+    (f,) = [f for f in s.findings if f.severity == "error"]
+    assert (f.kind, f.step) == ("nonfinite_input", 7)
+    assert (f.data["input"], f.data["inputs"]) == ("argument `image`", 2)
+    assert "(in its argument `image`, one of 2 floating inputs) at step 7" in f.message
+    assert "where it appeared is unknown" not in " ".join(x.message for x in s.findings)

@@ -316,6 +316,13 @@ def _nonfinite_loss(a: MessageArgs) -> str:
                  "loss kept on the module, a router z-loss), or in a call of the model under "
                  "torch.no_grad before its training forward (a target computed first), "
                  "which is not watched")
+    elif isinstance(made := d.get("made_output"), dict):
+        where = (f"It began in {F.layer(made.get('module'))}'s output at step "
+                 f"{made.get('step')} (not a recorded step): a watched model called under "
+                 "torch.no_grad in the training step (a frozen backbone, a teacher) returned "
+                 "NaN/inf from a finite batch, and what was made from it reached the loss. "
+                 "Which of its layers made it is not known: record every step (`every=1`) "
+                 "to see it")
     else:
         where = (f"{WHERE_UNKNOWN} (record every step with `every=1`"
                  + ("" if d.get("anomaly") else ", or use anomaly mode") + ")")
@@ -573,10 +580,10 @@ def _in_steps(n: int, first: object, unrecorded: bool = True) -> str:
 
 def _which_input(d: dict[str, object]) -> str:
     """Which of a model's floating inputs held it, when it was given several."""
-    at, n = d.get("input_at"), d.get("inputs")
-    if not isinstance(at, int) or not isinstance(n, int) or n < 2:
+    at, n = d.get("input"), d.get("inputs")
+    if not isinstance(at, str) or not isinstance(n, int) or n < 2:
         return ""
-    return f" (in its floating input {at + 1} of {n}, in argument order)"
+    return f" (in its {at}, one of {n} floating inputs)"
 
 
 def _unrecorded_also(d: dict[str, object]) -> str:

@@ -324,6 +324,17 @@ class AnomalyMode:
         except Exception as e:
             self._log.note_internal(e)
 
+    def note_made(self, module: str, rows: torch.Tensor) -> None:
+        """A model called under no_grad in the step (a frozen backbone, a teacher) returned
+        tensors whose (min, max) rows are ``rows``: a batch given after they went bad is
+        made from them, not data (see :meth:`StepCheck.note_made`). No sync."""
+        if self._raise or capturing() or threading.get_ident() != self._thread:
+            return
+        try:
+            self._check.note_made(self._step_of(), module, rows)
+        except Exception as e:
+            self._log.note_internal(e)
+
     def note_stepped(self, params: list[torch.Tensor]) -> None:
         """An optimizer step is about to take the gradients of ``params`` (see
         :meth:`StepCheck.note_stepped`). No sync."""
@@ -427,8 +438,12 @@ class AnomalyMode:
             if bool(bad.any()) and w.call_rows is not None:
                 rows = w.call_rows.cpu()
                 count_sync()
+                made: set[int] = set()  # steps in which a model's output went bad
                 for c, b, r in zip(w.calls, bad.tolist(), rows, strict=True):
-                    if b:
+                    if b and c.made:
+                        made.add(c.step)
+                    elif b and c.step not in made:
+                        # (A batch given after a model's output went bad is made from it.)
                         self._input_event(c, r)
         flags = host[pos:].tolist()
         bad_grads = [g.step for g, b in zip(w.grads, flags, strict=False) if b]

@@ -40,6 +40,9 @@ class RootCall:
     # The max of the format autocast casts the batch to (float16's), else inf: a finite
     # value beyond it is inf after the first layer's cast.
     limit: float = math.inf
+    # Not a batch: the output of a model called under no_grad in the step (a frozen
+    # backbone, a teacher). A batch given after it went bad is made from it.
+    made: bool = False
 
 
 @dataclass(slots=True)
@@ -147,6 +150,15 @@ class StepCheck:
                 rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32))
             self.calls.append(RootCall(step, module, dtype_name(tensors[0].dtype), frames,
                                        row, limit))
+
+    def note_made(self, step: int, module: str, rows: torch.Tensor) -> None:
+        """A model called under no_grad returned tensors whose (min, max) rows are
+        ``rows`` (the watch's check of them): a batch given after they went bad is no
+        data."""
+        with own_ops:
+            row = merged_extremes(
+                rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32))
+            self.calls.append(RootCall(step, module, "", (), row, made=True))
 
     def note_stepped(self, params: list[torch.Tensor]) -> None:
         """An optimizer is about to step ``params``: flag their gradients as it takes them

@@ -17,8 +17,9 @@ sync:
 - a recorded step hands its flags to the step's host copy (the step folder's finding),
   with the model its first bad tensor was given to;
 - an unrecorded step waits in a chunk of :data:`CHUNK_STEPS` steps, evaluated at once:
-  per input (a model's floating argument, by position), the steps whose tensor was bad
-  and whose loss (or an output the loop dropped before backward) went NaN/inf with it or
+  per input (a model's floating argument, by its position or keyword), the steps whose
+  tensor was bad and whose loss (or an output the loop dropped before backward) went
+  NaN/inf with it or
   that a GradScaler skipped, and the steps whose loss stayed finite. An input bad in a
   step whose loss stayed finite is one the model handles (missing values it replaces);
   the culprit is an input whose every bad step went bad with it.
@@ -30,7 +31,10 @@ model made is not data: a tensor with a ``grad_fn`` (another model's output, cod
 weights), or one sharing the storage of a live tensor a watched model returned in this
 step (a generator's samples given detached to the discriminator). An input that first
 went bad after the loss did carries the run's own NaN (a recurrent state carried over
-detached), and is no cause.
+detached), and is no cause. A watched model called under ``no_grad`` in a training step
+(a frozen backbone, a distillation teacher) has its output checked too: a tensor made
+from it (``F.normalize(backbone(x))``, new storage, no ``grad_fn``) given to the next
+model after it went bad is that model's work, not data (review 49b).
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ import torch
 
 from amp_doctor.device.stats import upload
 from amp_doctor.devicework import iter_tensors, own_ops
-from amp_doctor.hooks.tensorkinds import given_data
+from amp_doctor.hooks.tensorkinds import given_data, given_data_keyed
 
-__all__ = ["BatchChecks", "BatchTotals", "StepBatch", "CHUNK_STEPS"]
+__all__ = ["BatchChecks", "BatchTotals", "StepBatch", "CHUNK_STEPS", "OUTPUT_KEY"]
 
 # Unrecorded steps whose batch rows wait on the device, as references, before one
 # evaluation of them all: a step pays for its ``aminmax`` and one ``stack`` per forward,
@@ -53,13 +57,16 @@ __all__ = ["BatchChecks", "BatchTotals", "StepBatch", "CHUNK_STEPS"]
 # a step on the benchmark CNN, about 2% of its step on one CPU thread).
 CHUNK_STEPS = 64
 # Columns of the run's device totals, one row per input (a model's floating argument, by
-# position): counts of steps, then the first such step (-1: none).
+# its key): counts of steps, then the first such step (-1: none).
 (_HARMFUL, _HARMLESS, _DROPPED, _NAN_HARMFUL, _INF_HARMFUL, _NAN_HARMLESS, _INF_HARMLESS,
  _FIRST_HARMFUL, _FIRST_HARMLESS) = range(9)
 _COUNTS = _FIRST_HARMFUL
 _COLUMNS = _FIRST_HARMLESS + 1
 # Larger than any step a run counts.
 _NONE = 1 << 62
+# The key that stands for a model's output among its inputs' (see check_output); no
+# input's key (``given_data_keyed``) can be it.
+OUTPUT_KEY = "\0output"
 
 
 @dataclass(frozen=True)
@@ -77,13 +84,23 @@ class BatchTotals:
     inf: bool
     first_harmful: int  # -1: none
     first_harmless: int
-    # The model given the bad tensor (a harmful one, if any), and which of its floating
-    # inputs it was (0-based, of ``inputs``).
+    # The model given the bad tensor (a harmful one, if any), which of its inputs it was
+    # (its key: ``hooks.tensorkinds.given_data_keyed``), and how many it was given.
     module: str | None
-    input_at: int = 0
+    input_key: str = "#0"
     inputs: int = 1
     # The run's first step whose loss was NaN/inf (-1: none, or not known).
     first_loss_bad: int = -1
+    # A model called under no_grad whose output went NaN/inf from a finite batch in steps
+    # whose loss did too (a frozen backbone's overflow), the first such step and how many.
+    made_by: str | None = None
+    made_first: int = -1
+    made_steps: int = 0
+
+    @property
+    def data_bad(self) -> bool:
+        """Some batch held NaN/inf (not only a model's output)."""
+        return bool(self.harmful or self.harmless)
 
 
 @dataclass(frozen=True)
@@ -141,10 +158,12 @@ class BatchChecks:
         self._chunk_at: list[int] = []  # per row: its step's index in _steps
         self._chunk_codes: list[int] = []  # per row
         self._steps: list[_Step] = []
-        # Each input's code: (model, position among its floating arguments) -> row of the
-        # totals; and how many floating arguments each model was given.
-        self._inputs: dict[tuple[str, int], int] = {}
-        self._arity: dict[str, int] = {}
+        # Each input's code: (model, the input's key) -> row of the totals; and the keys
+        # each model was given (an optional input comes and goes: its key stays its own).
+        self._inputs: dict[tuple[str, str], int] = {}
+        self._keys: dict[str, set[str]] = {}
+        # The codes that stand for a model's output (OUTPUT_KEY), not one of its inputs.
+        self._outputs: set[int] = set()
         self._totals: torch.Tensor | None = None
         # The first step whose loss was NaN/inf (device int64; _NONE: none yet).
         self._first_loss: torch.Tensor | None = None
@@ -177,7 +196,7 @@ class BatchChecks:
     def check(self, args: Any, module: str) -> torch.Tensor | None:
         """A training forward of ``module`` is given ``args``: its floating tensors'
         ``[n, 2]`` (min, max) rows, on the device (None: no floating tensor)."""
-        given = list(enumerate(given_data(args)))
+        given = given_data_keyed(args)
         if given and self._made:
             given = [(k, t) for k, t in given if not self._model_made(t)]
         self._given.update(_storage(t) for _, t in given)
@@ -189,11 +208,53 @@ class BatchChecks:
                                   ).view(-1, 2)
             except Exception:  # odd tensors (nested, float8): not checked
                 return None
-        self._arity[module] = max(self._arity.get(module, 0), given[-1][0] + 1)
+        self._keys.setdefault(module, set()).update(k for k, _ in given)
         self._rows.append(ext)
         self._codes.extend(self._inputs.setdefault((module, k), len(self._inputs))
                            for k, _ in given)
         return ext
+
+    def check_output(self, output: Any, module: str) -> torch.Tensor | None:
+        """A watched model called under no_grad in a training step (a frozen backbone, a
+        teacher) returned ``output``: its floating tensors' ``[n, 2]`` rows join the step's
+        after its batch's (None: none to check). A tensor given to a model after them, when
+        they went bad first, is made from them: not data. One ``aminmax`` per tensor."""
+        made = given_data(output)
+        if not made:
+            return None
+        with own_ops:
+            try:
+                ext = torch.stack([v for t in made for v in torch.aminmax(t.detach())]
+                                  ).view(-1, 2)
+            except Exception:  # odd tensors (nested, float8): not checked
+                return None
+        code = self._inputs.setdefault((module, OUTPUT_KEY), len(self._inputs))
+        self._outputs.add(code)
+        self._rows.append(ext)
+        self._codes.extend([code] * len(made))
+        return ext
+
+    def _derived(self, codes: list[int], bad: torch.Tensor, row_at: torch.Tensor | None = None,
+                 steps: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per row, whether it is made from something that went bad before it in its step
+        (a tensor given after a model's output went bad; a model's output after a bad
+        batch), and whether it is a model's output; None when no row is an output's.
+        ``row_at``: each row's step among ``steps`` (default: all in one step)."""
+        if not self._outputs.intersection(codes):
+            return None
+        dev = bad.device
+        n = len(codes)
+        out = upload([int(c in self._outputs) for c in codes], dev).bool()
+        idx = torch.arange(n, device=dev)
+        firsts = []
+        for hit in (torch.where(bad & out, idx, n), torch.where(bad, idx, n)):
+            if row_at is None:
+                firsts.append(hit.min())
+            else:
+                firsts.append(torch.full((steps,), n, dtype=idx.dtype, device=dev)
+                              .scatter_reduce_(0, row_at, hit, "amin")[row_at])
+        after_out, after_any = (idx > f for f in firsts)
+        return torch.where(out, after_any, after_out), out
 
     def step_bad(self) -> torch.Tensor | None:
         """Whether the current step's batch held NaN/inf (a device bool; None: no floating
@@ -201,7 +262,11 @@ class BatchChecks:
         if not self._rows:
             return None
         with own_ops:
-            return _bad_rows(_cat(self._rows)).any()
+            bad = _bad_rows(_cat(self._rows))
+            made = self._derived(self._codes, bad)
+            if made is not None:
+                bad = bad & ~made[0] & ~made[1]
+            return bad.any()
 
     def end_step(self, step: int, recorded: bool, loss_bad: torch.Tensor | None,
                  dropped_bad: torch.Tensor | None, skipped: bool = False) -> StepBatch | None:
@@ -222,6 +287,13 @@ class BatchChecks:
                 ext = _cat(rows)
                 row_nan = ext.isnan().any(1)
                 bad = _bad_rows(ext)
+                made = self._derived(codes, bad)
+                if made is not None:
+                    # Data is what came before a model's output went bad; an output is
+                    # no data (its layers, recorded, show where it went bad).
+                    derived, out = made
+                    data = ~derived & ~out
+                    bad, row_nan = bad & data, row_nan & data
                 # The model given the bad tensor (a GAN's discriminator's real batch, not
                 # the generator called first on finite noise; review 49a).
                 first = torch.where(bad, upload(codes, ext.device), _NONE).min()
@@ -275,6 +347,9 @@ class BatchChecks:
             harm |= lost | dropped
             if unseen:
                 harm[upload(unseen, dev)] = True
+            made = self._derived(codes, bad_rows, row_at, n)
+            if made is not None:
+                bad_rows = bad_rows & ~made[0]  # made from what went bad before it
             harmful, harmless = bad_rows & harm[row_at], bad_rows & ~harm[row_at]
             # Per (input, step): an input given twice in a step (accumulation) counts once.
             cell = upload(codes, dev) * n + row_at
@@ -326,10 +401,22 @@ class BatchChecks:
         # recurrent state carried over detached, fed back after the model made it).
         late = {i for i, r in enumerate(rows) if r[_HARMFUL] and not r[_HARMLESS]
                 and 0 <= first_loss < r[_FIRST_HARMFUL]}
+        made = [i for i in self._outputs if i < len(rows) and rows[i][_HARMFUL]]
+        made_by, made_first, made_steps = None, -1, 0
+        if made:
+            first_made = min(made, key=lambda i: rows[i][_FIRST_HARMFUL])
+            made_by = next(m for (m, _), c in self._inputs.items() if c == first_made)
+            made_first = rows[first_made][_FIRST_HARMFUL]
+            made_steps = rows[first_made][_HARMFUL]
         bad = [i for i, r in enumerate(rows) if (r[_HARMFUL] or r[_HARMLESS])
-               and i not in late]
+               and i not in late and i not in self._outputs]
         if not bad:
-            return None
+            if made_by is None:
+                return None
+            return BatchTotals(harmful=0, dropped=0, harmless=0, nan=False, inf=False,
+                               first_harmful=-1, first_harmless=-1, module=None,
+                               first_loss_bad=first_loss, made_by=made_by,
+                               made_first=made_first, made_steps=made_steps)
         culprits = [i for i in bad if not rows[i][_HARMLESS]]
         if culprits:
             # The input bad in the most such steps (a NaN in a handled input that fell in
@@ -353,8 +440,9 @@ class BatchChecks:
         return BatchTotals(
             harmful=harmful, dropped=dropped, harmless=harmless, nan=bool(nan),
             inf=bool(inf), first_harmful=first,
-            first_harmless=first_harmless, module=module, input_at=at,
-            inputs=self._arity.get(module, 1), first_loss_bad=first_loss)
+            first_harmless=first_harmless, module=module, input_key=at,
+            inputs=len(self._keys.get(module, ())), first_loss_bad=first_loss,
+            made_by=made_by, made_first=made_first, made_steps=made_steps)
 
     def release(self) -> None:
         """Fold the waiting steps into the totals and leave no device rows of the user's
