@@ -67,8 +67,9 @@ from amp_doctor.hooks.probes import COMPILED_NOTE, Probes, in_reentrant_checkpoi
 from amp_doctor.hooks.tensorkinds import input_label
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
 from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir, reused_run_note
+from amp_doctor.steps.batches import MASK_CODES, mask_codes
 from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
-from amp_doctor.steps.loop import INPUT_BAD_CODE, LoopSignals, RunTotals
+from amp_doctor.steps.loop import INPUT_BAD_CODE, INPUT_BAD_CODES, LoopSignals, RunTotals
 from amp_doctor.steps.monitor import AmpMonitor, LoopCallbacks
 from amp_doctor.steps.precision import PrecisionSeen
 from amp_doctor.watch_args import check_option_names, check_watch_args
@@ -969,6 +970,10 @@ class Watch:
                 # one): a GAN's discriminator's data, not the generator's noise.
                 input_module = self._loop.batches.module_of(
                     hs.scalars.get(INPUT_BAD_CODE)) or input_module
+                mask = mask_codes(hs.scalars.get(INPUT_BAD_CODES, 0.0))
+                # (The catch-all code: which inputs were bad is not known.)
+                input_codes = (self._loop.batches.describe(mask)
+                               if mask and MASK_CODES not in mask else None)
                 if self._anomaly is not None:
                     self._anomaly.resolve(hs.scalars.get("anomaly_flagged"))
                 self.recorded += 1
@@ -984,6 +989,7 @@ class Watch:
                     param_grads_scaled=buf.param_grads_scaled, skipped=skipped,
                     scale=outcome.scale_after if outcome else None,
                     check_input=self._anomaly is None, input_module=input_module,
+                    input_codes=input_codes,
                     lp_param=self._lp_param, update_dropped=self._update_dropped)
                 if folded.loss_bad is not None:
                     loss_bad = folded.loss_bad
@@ -1135,10 +1141,16 @@ class Watch:
         if seen is not None and not harmful:
             return []  # a recorded step's error already; the harmless rest changes nothing
         first = got.first_harmful if harmful else got.first_harmless
+        # Only forwards no backward reached went bad with it, and no loss of the run did:
+        # the loop dropped them (or they were an evaluation with grad on), and training
+        # took none of it (review 49a).
+        dropped_only = bool(harmful) and got.dropped == harmful and got.first_loss_bad < 0
         ev = Event(kind="nonfinite_input", step=first, module=got.module or self._set.label(),
                    data={**data, "nan": got.nan, "inf": got.inf, "detected": "unrecorded step",
                          "occurrences": harmful or got.harmless, "harmful": harmful,
-                         **({} if harmful else {"severity": "info"})})
+                         **({} if harmful else {"severity": "info"}),
+                         **({"dropped_only": True, "severity": "warning"} if dropped_only
+                            else {})})
         if seen is not None:
             # Before the recorded steps' harmless one: a model's events of one kind are one
             # finding, made from the first (the input it handles is not the cause).

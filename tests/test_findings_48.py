@@ -63,12 +63,15 @@ def _skipping_loop(doctor_kw: dict | None, bad: str = "nan", iters: int = 25,
 def test_a_nan_batch_the_loop_skips_before_backward_is_reported_at_the_default_every() -> None:
     """The loop's own guard kept the NaN loss from backward and from the GradScaler: no
     backoff, no skip, no loss check, and the report said "Findings: none" beside the
-    user's own "loss is nan, skipping" (review 47a). Now the batch's finding names it."""
+    user's own "loss is nan, skipping" (review 47a). Now the batch's finding names it: a
+    warning, as the loop's guard kept it from training (session 50; review 49a: an ERROR
+    told the user their training was hurt)."""
     losses, params, session, skipped = _skipping_loop({})
     assert skipped == list(BAD_ITERS)
     assert session is not None and session.recorded_steps == 3
     (f,) = session.findings_of("nonfinite_input")
-    assert f.severity == "error" and f.step == 7 and f.module == "Sequential"
+    assert f.severity == "warning" and f.step == 7 and f.module == "Sequential"
+    assert "training took none of it" in f.message
     assert f.data["unrecorded_steps"] == f.data["unrecorded_dropped"] == 2
     assert f.data["nan"] is True
     assert "held NaN in 2 steps (first at step 7, none of them recorded)" in f.message
@@ -190,7 +193,7 @@ def test_the_cli_reports_a_loop_that_skips_nan_batches(tmp_path: Path) -> None:
                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "iter 7: loss is nan, skipping" in r.stdout
-    assert "ERROR  nonfinite_input  Sequential step 7" in r.stderr
+    assert "WARN   nonfinite_input  Sequential step 7" in r.stderr
     assert "held NaN in 2 steps (first at step 7, none of them recorded)" in r.stderr
 
 
@@ -340,7 +343,8 @@ def test_every_output_tensor_is_checked_and_a_reused_buffer_is_checked_as_the_mo
     else:
         assert not s.findings_of("nonfinite_output_dropped")
         (f,) = s.findings_of("nonfinite_input")
-        assert (f.severity, f.step, f.data["unrecorded_steps"]) == ("error", 13, 2)
+        # (The loop dropped those steps: training took none of it.)
+        assert (f.severity, f.step, f.data["unrecorded_steps"]) == ("warning", 13, 2)
 
 
 class _FM(nn.Module):
@@ -767,7 +771,8 @@ def test_a_batch_given_as_keyword_arguments_is_checked() -> None:
     for every in (10, 1):
         s = _train(model, 12, step, every=every)
         (f,) = s.findings_of("nonfinite_input")
-        assert f.step == 4 and f.severity == "error", every
+        # (The loop dropped that step: training took none of it.)
+        assert f.step == 4 and f.severity == "warning", every
         assert not s.findings_of("nonfinite_output_dropped")
 
 

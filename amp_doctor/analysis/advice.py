@@ -521,6 +521,11 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "`f(torch.where(mask, x, 1.0))`.")
     if e.kind == "nonfinite_forward" and spread_nan(e.op, e.data):
         return SPREAD_NAN_ADVICE
+    if e.kind == "nonfinite_input" and (e.data.get("dropped_only") or (
+            e.data.get("harmful") == 0 and e.data.get("outputs_dropped"))):
+        return ("Training is safe from it, but the data holds NaN/inf: check the data "
+                "pipeline (`torch.isfinite(x).all()` on each batch). If that forward was an "
+                "evaluation, run it under `torch.no_grad()` (and `model.eval()`).")
     if (e.kind == "nonfinite_input" and e.data.get("harmful") == 0
             and not e.data.get("unrecorded_steps")):
         return ("Nothing to fix while the model handles them. If those values are not meant "

@@ -622,7 +622,9 @@ def _unrecorded_input(e_module: str | None, d: dict[str, object], step: int | No
     if dropped == n:
         return (f"The batch given to {F.layer(e_module)} held {nonfinite_what(d)}"
                 f"{_which_input(d)} {_in_steps(n, step)}, and the model's output with it: "
-                f"{_DROPPED_SKIP}. The data was non-finite before any layer ran.")
+                f"{_DROPPED_SKIP}. The data was non-finite before any layer ran"
+                + ("; training took none of it (no step's loss went NaN/inf)."
+                   if d.get("dropped_only") else "."))
     return (f"The batch given to {F.layer(e_module)} already held {nonfinite_what(d)}"
             f"{_which_input(d)} {_in_steps(n, step)}, and the loss or the gradients went "
             "NaN/inf with it"
@@ -649,11 +651,23 @@ def _nonfinite_input(a: MessageArgs) -> str:
     if d.get("detected") == "unrecorded step":
         return _unrecorded_input(e.module, d, e.step)
     if d.get("detected") == "recorded step" and not d.get("harmful") and not d.get(
-            "unrecorded_steps"):
+            "unrecorded_steps") and d.get("outputs_dropped"):
         return (f"The batch given to {F.layer(e.module)} held {nonfinite_what(d)} ({a.at}"
-                + (f", in {a.n} recorded steps" if a.n > 1 else "") + "), but every "
-                "layer's output and the loss stayed finite: the model handles such values "
-                "(missing data encoded as NaN, replaced or masked in its forward)."
+                + (f", in {a.n} recorded steps" if a.n > 1 else "") + "), and the model's "
+                "output with it, but the loss and every gradient stayed finite: "
+                f"{_DROPPED_SKIP}. The data was non-finite before any layer ran; training "
+                "took none of it." + _unrecorded_also(d))
+    if d.get("detected") == "recorded step" and not d.get("harmful") and not d.get(
+            "unrecorded_steps"):
+        beside = int(d.get("beside") or 0)  # type: ignore[call-overload]
+        calm = ("every layer's output and the loss stayed finite" if not beside else
+                f"in {a.n - beside} of them every layer's output and the loss stayed finite")
+        return (f"The batch given to {F.layer(e.module)} held {nonfinite_what(d)} ({a.at}"
+                + (f", in {a.n} recorded steps" if a.n > 1 else "") + f"), but {calm}: the "
+                "model handles such values (missing data encoded as NaN, replaced or masked "
+                "in its forward)"
+                + (f"; the other {beside} step(s) went wrong for another reason (see the "
+                   "other findings)." if beside else ".")
                 + _unrecorded_also(d))
     if d.get("detected") == "recorded step" and "recorded_first" in d:
         # The first harmful step was an unrecorded one: the finding is at it.
@@ -667,12 +681,27 @@ def _nonfinite_input(a: MessageArgs) -> str:
                 "layer ran, so the layers' NaN/inf outputs only carried it on."
                 + _unrecorded_also({**d, "unrecorded_steps": 0}))
     if d.get("detected") == "recorded step":
-        return (f"The batch given to {F.layer(e.module)} already held {nonfinite_what(d)} "
-                f"({a.at}" + (f", in {a.n} recorded steps" if a.n > 1 else "") + "): the data "
-                "was non-finite before any layer ran, so the layers' NaN/inf outputs only "
-                "carried it on." + _unrecorded_also(d))
-    return (f"The batch passed to {F.layer(e.module)} already holds {nonfinite_what(d)} "
-            f"({_op_steps(a)}): it came from the data, not from a layer.")
+        # The steps it did harm in (a.n counts those the model took in its stride too).
+        n = min(a.n, int(d.get("harmful") or a.n))  # type: ignore[call-overload]
+        return (f"The batch given to {F.layer(e.module)} already held {nonfinite_what(d)}"
+                f"{_which_input(d)} ({a.at}" + (f", in {n} recorded steps" if n > 1 else "")
+                + "): the data was non-finite before any layer ran, so the layers' NaN/inf "
+                "outputs only carried it on." + _unrecorded_also(d))
+    if d.get("handled"):
+        n = int(d["handled"])  # type: ignore[call-overload]
+        beside = int(d.get("beside") or 0)  # type: ignore[call-overload]
+        calm = ("the loss and every gradient stayed finite" if not beside else
+                f"in {n} of them the loss and every gradient stayed finite")
+        return (f"The batch passed to {F.layer(e.module)} held {nonfinite_what(d)} "
+                + (f"in {n + beside} steps (first at step {e.step})" if n + beside > 1
+                   else f"at step {e.step}")
+                + f", but {calm}: the model handles such values (missing data encoded as "
+                "NaN, replaced or masked in its forward), or that forward's output reached no "
+                "backward (an evaluation with grad on)"
+                + (f"; the other {beside} step(s) went wrong for another reason (see the "
+                   "other findings)." if beside else "."))
+    return (f"The batch passed to {F.layer(e.module)} already holds {nonfinite_what(d)}"
+            f"{_which_input(d)} ({_op_steps(a)}): it came from the data, not from a layer.")
 
 
 def dropped_cause(d: dict[str, object]) -> str:

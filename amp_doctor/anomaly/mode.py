@@ -69,6 +69,7 @@ extra graph break or recompile.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -78,7 +79,7 @@ from torch import nn
 
 from amp_doctor.anomaly.checkwindow import CheckWindow, gather, input_event
 from amp_doctor.anomaly.dispatchstack import OpMode, enter_below_user_modes, remove_mode
-from amp_doctor.anomaly.events import EventLog, one_line
+from amp_doctor.anomaly.events import MAX_EVENTS_PER_KEY, EventLog, one_line
 from amp_doctor.anomaly.oprecord import OpRecorder
 from amp_doctor.anomaly.origins import (
     MAX_ORIGINS_PER_CHECK,
@@ -89,13 +90,14 @@ from amp_doctor.anomaly.origins import (
 )
 from amp_doctor.anomaly.stepcheck import RootCall, StepCheck
 from amp_doctor.anomaly.userframes import MAX_USER_FRAMES, format_frames
+from amp_doctor.device.stats import bad_batch
 from amp_doctor.devicework import count_sync, own_ops, user_autocast_enabled
 from amp_doctor.dtypes import FORMAT_MAX, dtype_name
 from amp_doctor.errors import AmpDoctorError, NonFiniteError
 from amp_doctor.hooks import moduleends
 from amp_doctor.hooks.compiled import capturing
 from amp_doctor.hooks.patching import in_scaled_backward
-from amp_doctor.hooks.tensorkinds import given_data
+from amp_doctor.hooks.tensorkinds import given_data_keyed, input_label
 from amp_doctor.records import Event
 
 __all__ = [
@@ -195,6 +197,13 @@ class AnomalyMode:
         self._unexplained_count = 0
         self._skipped: set[int] = set()
         self._input_steps: set[int] = set()
+        # Per model, the first batch that held NaN/inf in a step whose loss and gradients
+        # stayed finite (the model handles such values, or that forward reached no backward).
+        self._handled: dict[str, Event] = {}
+        self._handled_keys: set[tuple[str, str]] = set()  # (model, input key)
+        # The batches that held NaN/inf in a step that went wrong, with their bad inputs'
+        # keys: judged at the end, when every step the model handled such values is known.
+        self._bad_calls: list[tuple[RootCall, torch.Tensor, tuple[str, ...]]] = []
         # The one event of batches beyond the cast format's max (see _beyond_events).
         self._beyond: Event | None = None
         self._first_bad: int | None = None
@@ -280,7 +289,39 @@ class AnomalyMode:
         return self._recorder.op_dtypes()
 
     def events(self) -> list[Event]:
-        return self._log.events()
+        out = self._log.events()
+        out.extend(self._input_events())
+        return out
+
+    def _input_events(self) -> list[Event]:
+        """The batches judged (see :meth:`_finish`): an error per model given an input that
+        held NaN/inf in a step that went wrong and that it does not handle in others (a
+        second input it does not clean); an info per model that took every such batch in
+        its stride, or whose bad steps went wrong for another reason (a GradScaler
+        calibrating, a layer's overflow: review 49b)."""
+        culprits: dict[str, list[tuple[RootCall, torch.Tensor, tuple[str, ...]]]] = {}
+        handled = {m: dataclasses.replace(e, data=dict(e.data)) for m, e in self._handled.items()}
+        for c, r, keys in self._bad_calls:
+            bad = [k for k in keys if (c.module, k) not in self._handled_keys]
+            if bad or c.module not in handled:
+                culprits.setdefault(c.module, []).append((c, r, tuple(bad or keys)))
+            else:
+                e = handled[c.module]
+                e.data["beside"] = int(e.data.get("beside", 0)) + 1
+                e.data["occurrences"] = int(e.data["occurrences"]) + 1
+                if c.step < e.step:
+                    handled[c.module] = dataclasses.replace(e, step=c.step)
+        out: list[Event] = []
+        for m, calls in culprits.items():
+            for i, (c, r, keys) in enumerate(calls[:MAX_EVENTS_PER_KEY]):
+                e = input_event(c, r)
+                if len(c.keys) > 1 and keys[0]:
+                    e.data.update(input=input_label(keys[0]), inputs=len(c.keys))
+                if i == 0:
+                    e.data["occurrences"] = len({x.step for x, _, _ in calls})
+                out.append(e)
+            handled.pop(m, None)
+        return out + list(handled.values())
 
     # -- the per-step check ------------------------------------------------------
     def check_inputs(self, module: str, args: Any, root: nn.Module | None = None,
@@ -304,7 +345,8 @@ class AnomalyMode:
             if not torch.is_grad_enabled():
                 return
             with own_ops:
-                tensors = given_data(args, complex_too=True)
+                keyed = given_data_keyed(args, complex_too=True)
+                tensors = [t for _, t in keyed]
                 if not tensors:
                     return
                 frames = self._recorder.frames.capture(1)
@@ -318,7 +360,8 @@ class AnomalyMode:
                                          or any(t.is_complex() for t in tensors)):
                     rows = None  # another selection than the watch's: its own pass
                 self._check.note_batch(self._step_of(), module, tensors, frames,
-                                       _cast_limit(tensors[0].device.type), rows)
+                                       _cast_limit(tensors[0].device.type), rows,
+                                       tuple(k for k, _ in keyed))
         except NonFiniteError:
             raise
         except Exception as e:
@@ -438,13 +481,27 @@ class AnomalyMode:
             if bool(bad.any()) and w.call_rows is not None:
                 rows = w.call_rows.cpu()
                 count_sync()
+                # Steps whose loss was checked and stayed finite; of them, the ones whose
+                # gradients stayed finite too.
+                at = pos
+                loss_ok = w.finite_loss_steps()
+                calm = loss_ok - {g.step for g, b in zip(
+                    w.grads, host[at:at + len(w.grads)].tolist(), strict=True) if b}
                 made: set[int] = set()  # steps in which a model's output went bad
                 for c, b, r in zip(w.calls, bad.tolist(), rows, strict=True):
-                    if b and c.made:
+                    if not b:
+                        continue
+                    if c.made:
                         made.add(c.step)
-                    elif b and c.step not in made:
-                        # (A batch given after a model's output went bad is made from it.)
-                        self._input_event(c, r)
+                    elif c.step in calm:
+                        self._handled_input(c, r, self._bad_keys(c))
+                    elif c.step not in made:
+                        # The step went wrong (or only its gradients did: a GradScaler
+                        # calibrating, or a NaN sample the loss leaves out), or the weights
+                        # were NaN already (review 49b); a batch given after a model's output
+                        # went bad is made from it.
+                        self._bad_calls.append((c, r, self._bad_keys(c)))
+                        self._input_steps.add(c.step)
         flags = host[pos:].tolist()
         bad_grads = [g.step for g, b in zip(w.grads, flags, strict=False) if b]
         if w.beyond is not None:
@@ -461,9 +518,26 @@ class AnomalyMode:
         if found:
             self._explained()
 
-    def _input_event(self, c: RootCall, row: torch.Tensor) -> None:
-        self._log.store(input_event(c, row), [c.step])
-        self._input_steps.add(c.step)
+    def _bad_keys(self, c: RootCall) -> tuple[str, ...]:
+        """The keys of a bad call's inputs that held NaN/inf ("": not known). Syncs: read
+        in an abnormal window only."""
+        if c.per is None or len(c.keys) != c.per.shape[0]:
+            return ("",)
+        flags = bad_batch(c.per).tolist()
+        count_sync()
+        return tuple(k for k, b in zip(c.keys, flags, strict=True) if b) or ("",)
+
+    def _handled_input(self, c: RootCall, row: torch.Tensor, keys: tuple[str, ...]) -> None:
+        """A batch that held NaN/inf in a step whose loss and gradients stayed finite: the
+        model took it in its stride (it replaces missing values), or that forward reached
+        no backward (an evaluation with grad on; review 49a). Info, counted per model."""
+        e = self._handled.get(c.module)
+        if e is None:
+            e = self._handled[c.module] = input_event(c, row)
+            e.data.update(harmful=0, handled=0, severity="info")
+        e.data["handled"] = int(e.data["handled"]) + 1
+        e.data["occurrences"] = e.data["handled"]
+        self._handled_keys.update((c.module, k) for k in keys)
 
     def _beyond_events(self, w: CheckWindow, bad_steps: set[int]) -> None:
         """Batches with finite values beyond the format autocast cast them to, in steps

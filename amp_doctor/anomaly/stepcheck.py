@@ -25,7 +25,7 @@ from amp_doctor.devicework import own_ops
 from amp_doctor.dtypes import dtype_name
 from amp_doctor.hooks.tensorkinds import values_of
 
-__all__ = ["RootCall", "StepFlag", "StepCheck", "norm_sums", "batch_row"]
+__all__ = ["RootCall", "StepFlag", "StepCheck", "norm_sums", "batch_row", "tensor_rows"]
 
 
 @dataclass(slots=True)
@@ -43,6 +43,11 @@ class RootCall:
     # Not a batch: the output of a model called under no_grad in the step (a frozen
     # backbone, a teacher). A batch given after it went bad is made from it.
     made: bool = False
+    # Each input's key (``hooks.tensorkinds.given_data_keyed``) and [n, 2] (min, max) row:
+    # read when the call was bad, to tell which input (one the model handles in other
+    # steps is not the cause).
+    keys: tuple[str, ...] = ()
+    per: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -88,14 +93,16 @@ def _row_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def batch_row(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[2] float32 (float64 for float64 data): the (min, max) over all of ``tensors``
-    but an attention mask's -inf (:func:`~amp_doctor.device.stats.merged_extremes`), on
-    the device. No sync."""
-    rows = [torch.stack(torch.aminmax(t)).to(_row_dtype(t)) for t in tensors]
-    if len(rows) == 1:
-        return rows[0]
-    return merged_extremes(torch.stack(rows))
+def tensor_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[n, 2] float32 (float64 for float64 data): each tensor's (min, max), on the device.
+    No sync."""
+    return torch.stack([torch.stack(torch.aminmax(t)).to(_row_dtype(t)) for t in tensors])
+
+
+def batch_row(rows: torch.Tensor) -> torch.Tensor:
+    """[2]: the (min, max) over all of :func:`tensor_rows` ``rows`` but an attention mask's
+    -inf (:func:`~amp_doctor.device.stats.merged_extremes`), on the device. No sync."""
+    return rows[0] if rows.shape[0] == 1 else merged_extremes(rows)
 
 
 class StepCheck:
@@ -142,14 +149,15 @@ class StepCheck:
 
     def note_batch(self, step: int, module: str, tensors: list[torch.Tensor],
                    frames: tuple[Frame, ...], limit: float = math.inf,
-                   rows: torch.Tensor | None = None) -> None:
+                   rows: torch.Tensor | None = None, keys: tuple[str, ...] = ()) -> None:
         """The batch given to a root model: its (min, max), from ``rows`` (the watch's
-        batch check of these tensors, one row each) or by a pass of its own."""
+        batch check of these tensors, one row each) or by a pass of its own; ``keys``:
+        each tensor's key."""
         with own_ops:
-            row = batch_row(tensors) if rows is None else merged_extremes(
-                rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32))
+            per = tensor_rows(tensors) if rows is None else rows.to(
+                torch.float64 if rows.dtype == torch.float64 else torch.float32)
             self.calls.append(RootCall(step, module, dtype_name(tensors[0].dtype), frames,
-                                       row, limit))
+                                       batch_row(per), limit, keys=keys, per=per))
 
     def note_made(self, step: int, module: str, rows: torch.Tensor) -> None:
         """A model called under no_grad returned tensors whose (min, max) rows are

@@ -49,7 +49,8 @@ from amp_doctor.device.stats import upload
 from amp_doctor.devicework import iter_tensors, own_ops
 from amp_doctor.hooks.tensorkinds import given_data, given_data_keyed
 
-__all__ = ["BatchChecks", "BatchTotals", "StepBatch", "CHUNK_STEPS", "OUTPUT_KEY"]
+__all__ = ["BatchChecks", "BatchTotals", "StepBatch", "CHUNK_STEPS", "OUTPUT_KEY",
+           "MASK_CODES", "mask_codes"]
 
 # Unrecorded steps whose batch rows wait on the device, as references, before one
 # evaluation of them all: a step pays for its ``aminmax`` and one ``stack`` per forward,
@@ -103,14 +104,29 @@ class BatchTotals:
         return bool(self.harmful or self.harmless)
 
 
+# Input codes a recorded step's bad-input mask tells apart (bit i: code i); a code above
+# them sets the last bit, which stands for "another input". A float64 host copy keeps 53
+# bits exact.
+MASK_CODES = 52
+
+
 @dataclass(frozen=True)
 class StepBatch:
-    """A recorded step's batch flags (device 0-d bools), for its host copy, and the input
-    code of its first bad tensor (device int64, -1: none; :meth:`BatchChecks.module_of`)."""
+    """A recorded step's batch flags (device 0-d bools), for its host copy, the input
+    code of its first bad tensor (device int64, -1: none; :meth:`BatchChecks.module_of`)
+    and the mask of every bad input's code (device int64; :func:`mask_codes`)."""
 
     nan: torch.Tensor
     inf: torch.Tensor
     code: torch.Tensor
+    codes: torch.Tensor
+
+
+def mask_codes(mask: float) -> frozenset[int]:
+    """The input codes a :class:`StepBatch` mask (read on the host) holds; MASK_CODES
+    stands for any code beyond the others."""
+    m = int(mask)
+    return frozenset(i for i in range(MASK_CODES + 1) if m >> i & 1)
 
 
 def _bad_rows(ext: torch.Tensor) -> torch.Tensor:
@@ -296,9 +312,14 @@ class BatchChecks:
                     bad, row_nan = bad & data, row_nan & data
                 # The model given the bad tensor (a GAN's discriminator's real batch, not
                 # the generator called first on finite noise; review 49a).
-                first = torch.where(bad, upload(codes, ext.device), _NONE).min()
+                code_t = upload(codes, ext.device)
+                first = torch.where(bad, code_t, _NONE).min()
+                slot = code_t.clamp(max=MASK_CODES)
+                per_code = torch.zeros(MASK_CODES + 1, dtype=torch.long, device=ext.device
+                                       ).scatter_reduce_(0, slot, bad.long(), "amax")
+                mask = (per_code << torch.arange(MASK_CODES + 1, device=ext.device)).sum()
                 return StepBatch(nan=row_nan.any(), inf=(bad & ~row_nan).any(),
-                                 code=torch.where(first < _NONE, first, -1))
+                                 code=torch.where(first < _NONE, first, -1), codes=mask)
         at = len(self._steps)
         self._steps.append(_Step(step, loss_bad, dropped_bad, skipped))
         self._chunk_rows.extend(rows)
@@ -380,6 +401,15 @@ class BatchChecks:
         if code is None or code < 0:
             return None
         return next((m for (m, _), c in self._inputs.items() if c == int(code)), None)
+
+    def describe(self, codes: frozenset[int]) -> dict[int, tuple[str, str, int]]:
+        """Per input code: its model, its key and how many inputs that model was given
+        (codes of a :func:`mask_codes`; the catch-all MASK_CODES is left out)."""
+        out = {}
+        for (m, k), c in self._inputs.items():
+            if c in codes and c < MASK_CODES and k != OUTPUT_KEY:
+                out[c] = (m, k, len(self._keys.get(m, ())))
+        return out
 
     def device_totals(self) -> torch.Tensor | None:
         """The run's totals on the device, flat, for the run's one read at its end (None:

@@ -23,7 +23,7 @@ import torch
 from amp_doctor.device.recorder import HistSums, HostCopy
 from amp_doctor.devicework import count_sync
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, FormatLimits
-from amp_doctor.hooks.tensorkinds import values_of
+from amp_doctor.hooks.tensorkinds import input_label, values_of
 from amp_doctor.records import Event, LayerSummary, StepRecord
 from amp_doctor.steps.aggregates import LayerAggregates
 from amp_doctor.steps.history import History
@@ -116,6 +116,9 @@ class StepFolder:
         # The first recorded step whose batch held NaN/inf while every layer's output and
         # the loss stayed finite: the model handles such values (missing data as NaN).
         self.bad_input_harmless: int | None = None
+        # The input codes seen bad in recorded steps that stayed finite (or only dropped
+        # forwards went bad): inputs the model handles.
+        self._handled_codes: set[int] = set()
         self._bad_before_unseen: tuple[int, int | None] | None = None
 
     @property
@@ -134,6 +137,7 @@ class StepFolder:
     def fold(self, hs: HostCopy, *, fmt: FormatLimits, param_grads_scaled: bool,
              skipped: bool, scale: float | None, check_input: bool,
              input_module: str | None = None,
+             input_codes: Mapping[int, tuple[str, str, int]] | None = None,
              formats: Mapping[str, FormatLimits] | None = None,
              lp_param: Callable[[int], tuple[str | None, str]] | None = None,
              update_dropped: bool = False) -> FoldedStep:
@@ -143,8 +147,10 @@ class StepFolder:
         another (see ``dtypes.judged_format``).
 
         ``check_input``: report a NaN/inf batch here (anomaly mode reports it otherwise),
-        as given to ``input_module`` (default: the model). ``update_dropped``: the loop
-        took no update in this step (it skipped the optimizer on a non-finite norm).
+        as given to ``input_module`` (default: the model). ``input_codes``: the inputs that
+        held NaN/inf, by code: (model, key, how many inputs it takes); None if not known.
+        ``update_dropped``: the loop took no update in this step (it skipped the optimizer
+        on a non-finite norm).
         """
         step = hs.step
         grad_scale = hs.scalars.get(GRAD_SCALE_KEY)
@@ -156,16 +162,38 @@ class StepFolder:
         bad_outputs = self._bad_outputs(hs, layers, fmt, formats)
         origin = bad_outputs[0] if bad_outputs else None
         input_bad = bool(hs.scalars.get("input_nan") or hs.scalars.get("input_inf"))
+        codes = dict(input_codes) if input_codes else {}
+        finite_after = not skipped and not hs.scalars.get("loss_bad")
+        if input_bad and codes and set(codes) <= self._handled_codes:
+            # Only inputs the model took in its stride in an earlier recorded step: not
+            # this step's cause, which its layers show (a layer's overflow, a GradScaler
+            # calibrating; review 49a: an unrelated overflow was "the batch").
+            input_bad = False
+            if check_input:
+                m, _, _ = codes[min(codes)]
+                self._note_bad_input(step, hs.scalars, m, True,
+                                     beside=bool(bad_outputs) or not finite_after)
         if input_bad:
             # The batch was already non-finite: no layer is the origin.
             origin = None
+            if codes and (new := sorted(set(codes) - self._handled_codes)):
+                # The input the model does not handle, beside those it does.
+                input_module, key, n = codes[new[0]]
             if check_input:
-                harmless = (not bad_outputs and not skipped
-                            and not hs.scalars.get("loss_bad"))
+                harmless = not bad_outputs and finite_after
+                # Outputs that went bad with it, but no backward reached them: the loss (it
+                # was checked) and every gradient stayed finite. A forward the loop dropped,
+                # or an evaluation with grad on (review 49a): training took none of it.
+                dropped = (bool(bad_outputs) and finite_after and "loss_bad" in hs.scalars
+                           and not layers.where((layers.column(GRAD, NONFINITE) > 0)
+                                                | (layers.column(PG, NONFINITE) > 0)))
                 if harmless and self.bad_input_harmless is None:
                     self.bad_input_harmless = step
+                if harmless or dropped:
+                    self._handled_codes.update(codes)
+                which = (input_label(key), n) if codes and new and n > 1 else None
                 self._note_bad_input(step, hs.scalars, input_module or self._model_label(),
-                                     harmless)
+                                     harmless or dropped, dropped, which=which)
         culprits = self._culprits(hs, layers) if skipped else []
         if not input_bad and (first_bad := origin or next(iter(culprits), None)):
             # The batch's cast can make inf where no layer's output shows it: a GRU's
@@ -306,10 +334,15 @@ class StepFolder:
                                   data={"count": made, "dtype": dtype}))
 
     def _note_bad_input(self, step: int, scalars: dict[str, float], module: str,
-                        harmless: bool) -> None:
+                        harmless: bool, dropped: bool = False, beside: bool = False,
+                        which: tuple[str, int] | None = None) -> None:
         """A recorded step's batch held NaN/inf. One event per run: an error once such a
         batch made a layer's output or the loss non-finite (or the step was skipped), info
-        while the model took every such batch in its stride (it masks missing values)."""
+        while the model took every such batch in its stride (it masks missing values), a
+        warning while the only outputs it made non-finite reached no backward
+        (``dropped``). ``beside``: a step that went wrong for another reason, beside an
+        input the model handles. ``which``: the bad input's label and how many the model
+        takes, when it takes several."""
         e = next((e for e in self._events if e.kind == "nonfinite_input"
                   and e.data.get("detected") == "recorded step"), None)
         if e is None:
@@ -326,10 +359,16 @@ class StepFolder:
                 # Where it first did harm.
                 self._events[self._events.index(e)] = dataclasses.replace(e, step=step)
             d["harmful"] = int(d["harmful"]) + 1
+        if dropped:
+            d["outputs_dropped"] = int(d.get("outputs_dropped", 0)) + 1
+        if beside:
+            d["beside"] = int(d.get("beside", 0)) + 1
+        if which is not None and not harmless and "input" not in d:
+            d["input"], d["inputs"] = which
         if d["harmful"]:
             d.pop("severity", None)
         else:
-            d["severity"] = "info"
+            d["severity"] = "warning" if d.get("outputs_dropped") else "info"
 
     def _forward_origin(self, hs: HostCopy, layers: StepTable, fmt: FormatLimits,
                         formats: Mapping[str, FormatLimits] | None = None,

@@ -24,8 +24,8 @@ from amp_doctor.steps.batches import BatchChecks, BatchTotals
 from amp_doctor.steps.dropped import DroppedForwards, DroppedTotals
 from amp_doctor.steps.misuse import reaches_params
 
-__all__ = ["LoopSignals", "RunTotals", "INPUT_BAD_CODE", "UPDATE_SAMPLE", "PLAIN_LOSS_KEY",
-           "INPUT_ABSMAX"]
+__all__ = ["LoopSignals", "RunTotals", "INPUT_BAD_CODE", "INPUT_BAD_CODES", "UPDATE_SAMPLE",
+           "PLAIN_LOSS_KEY", "INPUT_ABSMAX"]
 
 # Pure low-precision training: parameter elements sampled per tensor on a recorded
 # step to see whether the optimizer's update changed them at all.
@@ -39,6 +39,8 @@ PLAIN_LOSS_KEY = "loss_plain"
 INPUT_ABSMAX = "input_absmax:"
 # The input code of a recorded step's first bad batch tensor (BatchChecks.module_of).
 INPUT_BAD_CODE = "input_bad_code"
+# The mask of every bad input's code (steps/batches.mask_codes).
+INPUT_BAD_CODES = "input_bad_codes"
 # The running count of NaN/inf losses, in a recorded step's scalars.
 LOSS_BAD_TOTAL_KEY = "loss_bad_total"
 
@@ -112,6 +114,7 @@ class LoopSignals:
         if batch is not None:
             flags["input_nan"], flags["input_inf"] = batch.nan, batch.inf
             flags[INPUT_BAD_CODE] = batch.code
+            flags[INPUT_BAD_CODES] = batch.codes
         if bad is not None:
             self.loss_steps += 1
             if self._loss_bad_total is None:
