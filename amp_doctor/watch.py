@@ -1143,8 +1143,11 @@ class Watch:
         first = got.first_harmful if harmful else got.first_harmless
         # Only forwards no backward reached went bad with it, and no loss of the run did:
         # the loop dropped them (or they were an evaluation with grad on), and training
-        # took none of it (review 49a).
-        dropped_only = bool(harmful) and got.dropped == harmful and got.first_loss_bad < 0
+        # took none of it (review 49a). Not in a run that ended on an error: a loop that
+        # raises on a NaN loss before backward ended there.
+        ended_well = self._run_meta.get("outcome", "completed") in ("completed", "stopped")
+        dropped_only = (bool(harmful) and got.dropped == harmful and got.first_loss_bad < 0
+                        and ended_well)
         ev = Event(kind="nonfinite_input", step=first, module=got.module or self._set.label(),
                    data={**data, "nan": got.nan, "inf": got.inf, "detected": "unrecorded step",
                          "occurrences": harmful or got.harmless, "harmful": harmful,

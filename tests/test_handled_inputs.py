@@ -177,3 +177,31 @@ def test_a_nan_batch_only_an_evaluation_with_grad_on_took_is_a_warning(tmp_path:
     assert "WARN nonfinite_input Sequential step 8" in text
     assert "training took none of it" in text
     assert "If that forward was an evaluation, run it under `torch.no_grad()`" in text
+
+
+def test_a_nan_batch_the_loop_raises_on_before_backward_is_still_an_error(tmp_path: Path
+                                                                          ) -> None:
+    """The loop raises as soon as the loss is NaN, before backward: no backward took that
+    forward, but the run ended on it (review 49a's c13)."""
+    script = tmp_path / "raise_now.py"
+    script.write_text(
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "torch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+        "scaler = torch.amp.GradScaler('cpu')\n"
+        "for it in range(20):\n"
+        "    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))\n"
+        "    if it == 7:\n"
+        "        x[0, 0] = float('nan')\n"
+        "    with torch.autocast('cpu', dtype=torch.float16):\n"
+        "        loss = F.cross_entropy(model(x), y)\n"
+        "    if torch.isnan(loss):\n"
+        "        raise RuntimeError(f'NaN loss at iteration {it}')\n"
+        "    opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()\n")
+    r = subprocess.run([console_script(), "diagnose", "--no-tensorboard",
+                        "--logdir", str(tmp_path / "runs"), str(script)],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 1
+    assert "RuntimeError: NaN loss at iteration 7" in r.stderr
+    assert "ERROR  nonfinite_input  Sequential step 7" in r.stderr
