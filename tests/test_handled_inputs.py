@@ -205,3 +205,30 @@ def test_a_nan_batch_the_loop_raises_on_before_backward_is_still_an_error(tmp_pa
     assert r.returncode == 1
     assert "RuntimeError: NaN loss at iteration 7" in r.stderr
     assert "ERROR  nonfinite_input  Sequential step 7" in r.stderr
+
+
+def test_a_nan_batch_the_loop_once_dropped_is_still_the_cause_when_it_reaches_backward(
+        ) -> None:
+    """Recorded every step: the loop drops the NaN loss of step 7 itself, but not step
+    15's (a GradScaler skip). The loop, not the model, kept step 7 from training: that
+    input is no "handled" one, and step 15's batch is the error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        for it in range(20):
+            x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+            if it in (7, 15):
+                x[0, 0] = math.nan
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            if it == 7:
+                continue  # the loop's own guard, this once
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    (f,) = doctor.session.findings_of("nonfinite_input")
+    # (Iteration 7, which no optimizer step ended, is counted into the step after it.)
+    assert f.severity == "error" and f.step == 14

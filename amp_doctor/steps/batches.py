@@ -19,10 +19,9 @@ sync:
 - an unrecorded step waits in a chunk of :data:`CHUNK_STEPS` steps, evaluated at once:
   per input (a model's floating argument, by its position or keyword), the steps whose
   tensor was bad and whose loss (or an output the loop dropped before backward) went
-  NaN/inf with it or
-  that a GradScaler skipped, and the steps whose loss stayed finite. An input bad in a
-  step whose loss stayed finite is one the model handles (missing values it replaces);
-  the culprit is an input whose every bad step went bad with it.
+  NaN/inf with it or that a GradScaler skipped, and the steps whose loss stayed finite.
+  An input bad in a step whose loss stayed finite is one the model handles (missing
+  values it replaces); the culprit is an input whose every bad step went bad with it.
 
 The totals are read once, at the end of the run (``LoopSignals.run_totals``). The check
 runs on the batch *before* the forward, so a buffer the loop reuses (``buf.copy_(x)``) is

@@ -116,8 +116,8 @@ class StepFolder:
         # The first recorded step whose batch held NaN/inf while every layer's output and
         # the loss stayed finite: the model handles such values (missing data as NaN).
         self.bad_input_harmless: int | None = None
-        # The input codes seen bad in recorded steps that stayed finite (or only dropped
-        # forwards went bad): inputs the model handles.
+        # The input codes seen bad in recorded steps whose outputs and loss stayed finite:
+        # inputs the model handles.
         self._handled_codes: set[int] = set()
         self._bad_before_unseen: tuple[int, int | None] | None = None
 
@@ -189,7 +189,8 @@ class StepFolder:
                                                 | (layers.column(PG, NONFINITE) > 0)))
                 if harmless and self.bad_input_harmless is None:
                     self.bad_input_harmless = step
-                if harmless or dropped:
+                if harmless:
+                    # (Not a dropped forward's: the loop kept it from training, not the model.)
                     self._handled_codes.update(codes)
                 which = (input_label(key), n) if codes and new and n > 1 else None
                 self._note_bad_input(step, hs.scalars, input_module or self._model_label(),
