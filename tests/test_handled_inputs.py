@@ -232,3 +232,44 @@ def test_a_nan_batch_the_loop_once_dropped_is_still_the_cause_when_it_reaches_ba
     (f,) = doctor.session.findings_of("nonfinite_input")
     # (Iteration 7, which no optimizer step ended, is counted into the step after it.)
     assert f.severity == "error" and f.step == 14
+
+
+def test_anomaly_mode_keeps_bounded_rows_when_every_step_goes_wrong() -> None:
+    """bfloat16, no GradScaler: missing values in every batch (handled), and a layer's
+    overflow at step 3 makes the weights NaN for good: every later step goes wrong beside
+    a bad batch. The batch is still info, and anomaly mode keeps device rows for the first
+    calls only (a long broken run does not grow them per step)."""
+    from amp_doctor.anomaly.events import MAX_EVENTS_PER_KEY
+
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    class Clean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.gain = body, 1.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(torch.nan_to_num(x) * self.gain)
+
+    net = Clean()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    steps = MAX_EVENTS_PER_KEY + 40
+    with amp_doctor.watch(net, tensorboard=False, anomaly=True) as doctor:
+        for step in range(steps):
+            x = torch.randn(8, 16)
+            x[0, 0] = math.nan
+            net.gain = 1e38 if step == 3 else 1.0
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(net(x), torch.randint(0, 4, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    (info,) = s.findings_of("nonfinite_input")
+    assert info.severity == "info" and info.step == 0
+    mode = doctor._anomaly
+    assert mode is not None
+    calls = mode._bad_calls
+    assert len(calls) > MAX_EVENTS_PER_KEY  # every step after the overflow went wrong
+    assert sum(1 for c, r, _ in calls if c.per is not None or r.numel()) == MAX_EVENTS_PER_KEY

@@ -204,6 +204,7 @@ class AnomalyMode:
         # The batches that held NaN/inf in a step that went wrong, with their bad inputs'
         # keys: judged at the end, when every step the model handled such values is known.
         self._bad_calls: list[tuple[RootCall, torch.Tensor, tuple[str, ...]]] = []
+        self._bad_kinds: dict[tuple[str, tuple[str, ...]], int] = {}
         # The one event of batches beyond the cast format's max (see _beyond_events).
         self._beyond: Event | None = None
         self._first_bad: int | None = None
@@ -314,6 +315,8 @@ class AnomalyMode:
         out: list[Event] = []
         for m, calls in culprits.items():
             for i, (c, r, keys) in enumerate(calls[:MAX_EVENTS_PER_KEY]):
+                if not r.numel():
+                    break  # (kept for its step only)
                 e = input_event(c, r)
                 if len(c.keys) > 1 and keys[0]:
                     e.data.update(input=input_label(keys[0]), inputs=len(c.keys))
@@ -500,7 +503,7 @@ class AnomalyMode:
                         # calibrating, or a NaN sample the loss leaves out), or the weights
                         # were NaN already (review 49b); a batch given after a model's output
                         # went bad is made from it.
-                        self._bad_calls.append((c, r, self._bad_keys(c)))
+                        self._note_bad_call(c, r, self._bad_keys(c))
                         self._input_steps.add(c.step)
         flags = host[pos:].tolist()
         bad_grads = [g.step for g, b in zip(w.grads, flags, strict=False) if b]
@@ -517,6 +520,18 @@ class AnomalyMode:
         self._note_bad(sorted(set(bad_grads)))
         if found:
             self._explained()
+
+    def _note_bad_call(self, c: RootCall, row: torch.Tensor, keys: tuple[str, ...]) -> None:
+        """Keep a bad call for the end's judgment: its row and frames for the first
+        MAX_EVENTS_PER_KEY per model and set of bad inputs, only its step beyond them (a
+        long run whose every step goes wrong holds no device rows per step)."""
+        kind = (c.module, keys)
+        self._bad_kinds[kind] = self._bad_kinds.get(kind, 0) + 1
+        if self._bad_kinds[kind] > MAX_EVENTS_PER_KEY:
+            # (No view of the rows: it would keep their storage.)
+            row = torch.empty(0)
+            c = dataclasses.replace(c, frames=(), row=row, per=None)
+        self._bad_calls.append((c, row, keys))
 
     def _bad_keys(self, c: RootCall) -> tuple[str, ...]:
         """The keys of a bad call's inputs that held NaN/inf ("": not known). Syncs: read
