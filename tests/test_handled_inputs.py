@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,7 +166,7 @@ def _val_grad_on_script(tmp_path: Path) -> Path:
 def test_a_nan_batch_only_an_evaluation_with_grad_on_took_is_a_warning(tmp_path: Path,
                                                                        every: str) -> None:
     script = _val_grad_on_script(tmp_path)
-    plain = subprocess.run(["python", str(script)], capture_output=True, text=True,
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                            cwd=tmp_path, timeout=300)
     r = subprocess.run([console_script(), "diagnose", "--no-tensorboard", "--every", every,
                         "--logdir", str(tmp_path / "runs"), str(script)],
