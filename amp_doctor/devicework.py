@@ -24,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
@@ -32,8 +33,10 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
+from amp_doctor.dtypes import FLOAT16, FORMAT_MAX
+
 __all__ = ["own_ops", "OWN_MODE_FLAG", "pop_dispatch_modes", "push_dispatch_modes",
-           "as_own_work", "without_subclasses", "user_autocast_enabled",
+           "as_own_work", "without_subclasses", "user_autocast_enabled", "cast_limit",
            "count_sync", "host_syncs",
            "host_scalars", "iter_tensors", "map_tensors", "MAX_OUTPUT_DEPTH"]
 
@@ -85,6 +88,19 @@ def user_autocast_enabled(device_type: str) -> bool:
     :data:`own_ops` (which turns it off for amp-doctor's own work)."""
     return device_type in getattr(_own, "autocast_off", ()) or torch.is_autocast_enabled(
         device_type)
+
+
+def cast_limit(device_type: str) -> float:
+    """The max of the format the user's autocast casts to on ``device_type`` (float16's),
+    or inf: a finite batch value beyond it is inf after the first layer's cast. Two C
+    calls, no tensor op."""
+    try:
+        if user_autocast_enabled(device_type) and \
+                torch.get_autocast_dtype(device_type) == torch.float16:
+            return FORMAT_MAX[FLOAT16]
+    except Exception:  # a device type this torch build does not know
+        pass
+    return math.inf
 
 
 def _torch_function_off() -> contextlib.AbstractContextManager[None] | None:

@@ -43,6 +43,8 @@ from amp_doctor.anomaly.userframes import raised_at
 from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.devicework import as_own_work, iter_tensors, own_ops
 from amp_doctor.dtypes import (
+    FLOAT16,
+    FORMAT_MAX,
     LOW_PRECISION_NAMES,
     FormatLimits,
     dtype_name,
@@ -1028,6 +1030,7 @@ class Watch:
         # The run's one read of its batch checks, dropped forwards and NaN/inf losses.
         self._totals = self._loop.run_totals(want_loss=self._folder.any_loss_bad)
         self._extra_events.extend(self._batch_events())
+        self._extra_events.extend(self._beyond_events())
         events.extend(self._extra_events)
         events.extend(self._loop_events())
         scaler_on = bool(timeline and timeline.enabled)
@@ -1160,6 +1163,26 @@ class Watch:
             self._extra_events.insert(self._extra_events.index(seen), ev)
             return []
         return [ev]
+
+    def _beyond_events(self) -> list[Event]:
+        """A batch with finite values beyond float16's max in unrecorded steps whose loss
+        went NaN/inf (autocast's cast of them is inf; see :mod:`amp_doctor.steps.batches`):
+        the finding anomaly mode's per-step check makes, when no recorded step's fold
+        made one (and not in anomaly mode, which makes its own)."""
+        got = self._totals.batches
+        if (got is None or got.beyond_module is None or self._anomaly is not None
+                or any(e.kind == "input_beyond_format" for e in self._extra_events)):
+            return []
+        listed = list(got.beyond_listed)
+        return [Event(kind="input_beyond_format", step=listed[0] if listed else 0,
+                      module=got.beyond_module, data={
+                          "absmax": got.beyond_absmax, "dtype": FLOAT16,
+                          "max": FORMAT_MAX[FLOAT16], "occurrences": got.beyond_steps,
+                          "steps": listed, "from_step_check": True,
+                          "detected": "unrecorded step",
+                          **({"input": input_label(got.beyond_key)}
+                             if len(self._loop.batches.keys_of(got.beyond_module)) > 1
+                             else {})})]
 
     def _batch_handled_at(self) -> int | None:
         """The first step whose batch held NaN/inf while the loss stayed finite: the model

@@ -277,21 +277,32 @@ def _input_beyond_format(session: Session, told: set[str]) -> Iterable[Finding]:
 
 
 def _batch_beyond_in_step_check(e: Event) -> Finding:
+    """Anomaly mode's per-step check, or the check of every step's batch (its
+    ``detected``: "unrecorded step"), saw the batch beyond the format's max in steps
+    that went non-finite."""
     d = e.data
     steps = [int(x) for x in d.get("steps") or [e.step]]
+    n = max(int(d.get("occurrences") or 0), len(steps))
     dtype = d.get("dtype")
+    listed = ("step " if len(steps) == 1 else "steps ") + F.steps_list(steps) + (
+        ", ..." if n > len(steps) else "")
+    if d.get("detected") == "unrecorded step":
+        what, how = "loss", ("not a recorded step: the check of every step's batch"
+                             if n == 1 else "the check of every step's batch")
+    else:
+        what, how = "gradients", "anomaly mode's check of every step's batch" + (
+            f", the model called at {e.frame}" if e.frame else "")
+    which = f" (in its argument `{d['input']}`)" if d.get("input") else ""
     return Finding(
         kind="input_beyond_format", severity="error", module=e.module, op=None, step=e.step,
-        message=(f"The batch given to {F.layer(e.module)} held values up to "
+        message=(f"The batch given to {F.layer(e.module)}{which} held values up to "
                  f"{F.num(d.get('absmax'))}, beyond {dtype}'s max "
-                 f"{float(d.get('max') or 0):g}, in {F.counted(len(steps), 'step')} whose "
-                 f"gradients went non-finite (steps {F.steps_list(steps)}; anomaly mode's "
-                 f"check of every step's batch" + (f", the model called at {e.frame}"
-                                                   if e.frame else "")
-                 + f"). Autocast's cast of such values to {dtype} is inf."),
+                 f"{float(d.get('max') or 0):g}, in {F.counted(n, 'step')} whose "
+                 f"{what} went non-finite ({listed}; {how}). Autocast's cast of such "
+                 f"values to {dtype} is inf."),
         advice=ADVICE["input_beyond_format"],
         steps=steps,
-        data={"input_absmax": d.get("absmax"), "dtype": dtype, "occurrences": len(steps),
+        data={"input_absmax": d.get("absmax"), "dtype": dtype, "occurrences": n,
               "first_bad_layer": None, "batch_steps": steps},
     )
 

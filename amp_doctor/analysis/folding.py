@@ -172,6 +172,10 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                       and root_for_module(f.data["origin"]) is None
                       and not any(e.kind == "nonfinite_input" for e in errors)), None)
     kept = []
+    # A finding folded into another (its original's id -> that root): what was folded into
+    # it goes on to its root (a backoff of the NaN loss's step, when that loss's origin
+    # is a finding of its own).
+    folded_into: dict[int, Finding] = {}
     for f in out:
         origin = None
         if f.kind == "scaler_backoff" and f.severity == "warning":
@@ -245,6 +249,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             root = next((e for e in errors if e.kind in FORWARD_MADE_KINDS), None)
         if root is not None:
             consequences.setdefault(id(root), []).append(_consequence(f))
+            folded_into[id(f)] = root
             f = _with(f, "info", follow_on_of=root.module)
             if f.kind == "nonfinite_loss":
                 # Not "unknown" beside the finding that names where it began.
@@ -266,6 +271,12 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             carried.setdefault(id(host), []).append(f.module or "?")
             continue
         kept.append(f)
+    for key in list(consequences):
+        final, hops = key, 0
+        while final in folded_into and hops < len(folded_into):
+            final, hops = id(folded_into[final]), hops + 1
+        if final != key:
+            consequences.setdefault(final, []).extend(consequences.pop(key))
     result = []
     for f in kept:
         if f.kind == "scale_collapse" and collapse is not None and id(collapse) in carried:

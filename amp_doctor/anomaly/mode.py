@@ -91,8 +91,8 @@ from amp_doctor.anomaly.origins import (
 from amp_doctor.anomaly.stepcheck import RootCall, StepCheck
 from amp_doctor.anomaly.userframes import MAX_USER_FRAMES, format_frames
 from amp_doctor.device.stats import bad_batch
-from amp_doctor.devicework import count_sync, own_ops, user_autocast_enabled
-from amp_doctor.dtypes import FORMAT_MAX, dtype_name
+from amp_doctor.devicework import cast_limit, count_sync, own_ops
+from amp_doctor.dtypes import dtype_name
 from amp_doctor.errors import AmpDoctorError, NonFiniteError
 from amp_doctor.hooks import moduleends
 from amp_doctor.hooks.compiled import capturing
@@ -131,18 +131,6 @@ MAX_LISTED_STEPS = 50
 # most this many.
 MAX_AIMED_SEARCHES = 4
 
-
-
-def _cast_limit(device_type: str) -> float:
-    """The max of the format the user's autocast casts to on ``device_type`` (float16's),
-    or inf: a finite batch value beyond it is inf after the first layer's cast."""
-    try:
-        if user_autocast_enabled(device_type) and \
-                torch.get_autocast_dtype(device_type) == torch.float16:
-            return FORMAT_MAX["float16"]
-    except Exception:  # a device type this torch build does not know
-        pass
-    return float("inf")
 
 class _RootRunning(NamedTuple):
     """The root model whose forward is running, and its name."""
@@ -363,7 +351,7 @@ class AnomalyMode:
                                          or any(t.is_complex() for t in tensors)):
                     rows = None  # another selection than the watch's: its own pass
                 self._check.note_batch(self._step_of(), module, tensors, frames,
-                                       _cast_limit(tensors[0].device.type), rows,
+                                       cast_limit(tensors[0].device.type), rows,
                                        tuple(k for k, _ in keyed))
         except NonFiniteError:
             raise

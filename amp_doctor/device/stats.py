@@ -314,14 +314,15 @@ def merged_extremes(extremes: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo.min(), hi.max()))
 
 
-def upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """A small int64 host list on ``device`` without a host sync.
+def upload(values: list[int] | list[float], device: torch.device,
+           dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small host list on ``device`` (int64 unless ``dtype``) without a host sync.
 
     A blocking host->device copy synchronizes the stream on CUDA; a pinned
     source copied with ``non_blocking`` does not (the caching host allocator
     keeps the pinned block alive until the copy has run).
     """
-    t = torch.tensor(values, dtype=torch.int64)
+    t = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
         return t
     if device.type == "cuda":

@@ -23,6 +23,13 @@ sync:
   An input bad in a step whose loss stayed finite is one the model handles (missing
   values it replaces); the culprit is an input whose every bad step went bad with it.
 
+Under a float16 autocast, the same rows also tell a finite value beyond float16's max (an
+un-normalised outlier: a raw count, a price), which autocast's cast for the first layer
+makes inf: per input, the unrecorded steps whose batch held one and whose loss went
+NaN/inf with it, and those whose loss stayed finite (a model that clamps or normalises in
+float32 first takes such values in its stride). A recorded step's batch is judged by the
+step folder, from the batch's largest |value| in the step's host copy.
+
 The totals are read once, at the end of the run (``LoopSignals.run_totals``). The check
 runs on the batch *before* the forward, so a buffer the loop reuses (``buf.copy_(x)``) is
 checked as the model saw it. Integer batches (token ids) cost nothing. What a watched
@@ -38,6 +45,7 @@ model after it went bad is that model's work, not data (review 49b).
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +53,7 @@ from typing import Any
 import torch
 
 from amp_doctor.device.stats import upload
-from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.devicework import cast_limit, iter_tensors, own_ops
 from amp_doctor.hooks.tensorkinds import given_data, given_data_keyed
 
 __all__ = ["BatchChecks", "BatchTotals", "StepBatch", "CHUNK_STEPS", "OUTPUT_KEY",
@@ -57,11 +65,16 @@ __all__ = ["BatchChecks", "BatchTotals", "StepBatch", "CHUNK_STEPS", "OUTPUT_KEY
 # a step on the benchmark CNN, about 2% of its step on one CPU thread).
 CHUNK_STEPS = 64
 # Columns of the run's device totals, one row per input (a model's floating argument, by
-# its key): counts of steps, then the first such step (-1: none).
+# its key): counts of steps, then the first such step (-1: none). BEYOND: finite values
+# beyond the cast format's max, in steps whose loss went bad with them / stayed finite.
 (_HARMFUL, _HARMLESS, _DROPPED, _NAN_HARMFUL, _INF_HARMFUL, _NAN_HARMLESS, _INF_HARMLESS,
- _FIRST_HARMFUL, _FIRST_HARMLESS) = range(9)
+ _BEYOND_HARMFUL, _BEYOND_CALM, _FIRST_HARMFUL, _FIRST_HARMLESS, _FIRST_BEYOND) = range(12)
 _COUNTS = _FIRST_HARMFUL
-_COLUMNS = _FIRST_HARMLESS + 1
+_COLUMNS = _FIRST_BEYOND + 1
+# Steps listed (the first ones) whose batch held a value beyond the cast format's max and
+# whose loss went NaN/inf: a finding's steps, which the NaN loss's folds into.
+MAX_BEYOND_STEPS = 50
+_F32_MAX = torch.finfo(torch.float32).max
 # Larger than any step a run counts.
 _NONE = 1 << 62
 # The key that stands for a model's output among its inputs' (see check_output); no
@@ -96,6 +109,14 @@ class BatchTotals:
     made_by: str | None = None
     made_first: int = -1
     made_steps: int = 0
+    # An input that held finite values beyond the cast format's max (float16's) in steps
+    # whose loss went NaN/inf, and in no step whose loss stayed finite: its model and key,
+    # how many such steps, the first of them listed, and the largest |value|.
+    beyond_module: str | None = None
+    beyond_key: str = "#0"
+    beyond_steps: int = 0
+    beyond_listed: tuple[int, ...] = ()
+    beyond_absmax: float = 0.0
 
     @property
     def data_bad(self) -> bool:
@@ -165,13 +186,16 @@ class BatchChecks:
     evaluation, and the run's totals."""
 
     def __init__(self) -> None:
-        # Rows ([n, 2] (min, max) per forward) of the current step, with their model's code.
+        # Rows ([n, 2] (min, max) per forward) of the current step, with their model's code
+        # and the max of the format autocast casts them to (inf: none, or not float16).
         self._rows: list[torch.Tensor] = []
         self._codes: list[int] = []
+        self._limits: list[float] = []
         # The chunk: rows of ended unrecorded steps, their steps' index in it and codes.
         self._chunk_rows: list[torch.Tensor] = []
         self._chunk_at: list[int] = []  # per row: its step's index in _steps
         self._chunk_codes: list[int] = []  # per row
+        self._chunk_limits: list[float] = []  # per row
         self._steps: list[_Step] = []
         # Each input's code: (model, the input's key) -> row of the totals; and the keys
         # each model was given (an optional input comes and goes: its key stays its own).
@@ -180,6 +204,10 @@ class BatchChecks:
         # The codes that stand for a model's output (OUTPUT_KEY), not one of its inputs.
         self._outputs: set[int] = set()
         self._totals: torch.Tensor | None = None
+        # Per input (float64), the largest |value| beyond the cast format's max in a step
+        # whose loss went bad; the first such steps of any input (_NONE-padded int64).
+        self._beyond_top: torch.Tensor | None = None
+        self._beyond_steps: torch.Tensor | None = None
         # The first step whose loss was NaN/inf (device int64; _NONE: none yet).
         self._first_loss: torch.Tensor | None = None
         # What the watched models returned in this step (weak references, with their
@@ -227,6 +255,7 @@ class BatchChecks:
         self._rows.append(ext)
         self._codes.extend(self._inputs.setdefault((module, k), len(self._inputs))
                            for k, _ in given)
+        self._limits.extend([cast_limit(given[0][1].device.type)] * len(given))
         return ext
 
     def check_output(self, output: Any, module: str) -> torch.Tensor | None:
@@ -247,6 +276,7 @@ class BatchChecks:
         self._outputs.add(code)
         self._rows.append(ext)
         self._codes.extend([code] * len(made))
+        self._limits.extend([math.inf] * len(made))  # not cast as a batch is
         return ext
 
     def _derived(self, codes: list[int], bad: torch.Tensor, row_at: torch.Tensor | None = None,
@@ -292,6 +322,7 @@ class BatchChecks:
         gradients: 0 * NaN): no op until the chunk is full."""
         rows, self._rows = self._rows, []
         codes, self._codes = self._codes, []
+        limits, self._limits = self._limits, []
         self._made, self._given = [], set()
         if not rows:
             return None
@@ -323,6 +354,7 @@ class BatchChecks:
         self._steps.append(_Step(step, loss_bad, dropped_bad, skipped))
         self._chunk_rows.extend(rows)
         self._chunk_codes.extend(codes)
+        self._chunk_limits.extend(limits)
         self._chunk_at.extend([at] * len(codes))
         if len(self._steps) >= CHUNK_STEPS:
             self._evaluate()
@@ -340,6 +372,7 @@ class BatchChecks:
         rows, self._chunk_rows = self._chunk_rows, []
         at, self._chunk_at = self._chunk_at, []
         codes, self._chunk_codes = self._chunk_codes, []
+        limits, self._chunk_limits = self._chunk_limits, []
         if not steps:
             return
         with own_ops:
@@ -364,15 +397,25 @@ class BatchChecks:
                 s.loss_bad is None and s.dropped_bad is None)]
             step_no = upload([s.step for s in steps], dev)
             self._note_first_loss(torch.where(lost, step_no, _NONE).min())
+            finite_loss = ~(lost | dropped)
+            if unseen:
+                # (A skip's loss, or one not seen: no step whose loss stayed finite.)
+                finite_loss[upload(unseen, dev)] = False
             harm |= lost | dropped
             if unseen:
                 harm[upload(unseen, dev)] = True
+            beyond = None
+            if any(lim < math.inf for lim in limits):
+                beyond = self._beyond_rows(ext, limits, bad_rows | nan_rows)
             made = self._derived(codes, bad_rows, row_at, n)
             if made is not None:
                 bad_rows = bad_rows & ~made[0]  # made from what went bad before it
+                if beyond is not None:
+                    beyond = beyond & ~made[0] & ~made[1]
             harmful, harmless = bad_rows & harm[row_at], bad_rows & ~harm[row_at]
             # Per (input, step): an input given twice in a step (accumulation) counts once.
-            cell = upload(codes, dev) * n + row_at
+            code_t = upload(codes, dev)
+            cell = code_t * n + row_at
 
             def per_cell(flags: torch.Tensor) -> torch.Tensor:
                 return (torch.zeros(p * n, dtype=torch.long, device=dev).index_add_(
@@ -381,25 +424,75 @@ class BatchChecks:
             cells = [per_cell(f) for f in (
                 harmful, harmless, harmful & dropped[row_at], nan_rows & harmful,
                 harmful & ~nan_rows, nan_rows & harmless, harmless & ~nan_rows)]
-            firsts = [torch.where(c, step_no, _NONE).amin(1) for c in cells[:2]]
+            if beyond is not None:
+                # A step whose batch held NaN/inf too is that one's; the cast's inf goes
+                # into the forward, so a skip with a finite loss is not its doing.
+                nonfinite_step = torch.zeros(n, dtype=torch.long, device=dev).index_add_(
+                    0, row_at, bad_rows.long()) > 0
+                b_harm = beyond & ((lost | dropped) & ~nonfinite_step)[row_at]
+                cells += [per_cell(b_harm), per_cell(beyond & finite_loss[row_at])]
+            else:
+                none = torch.zeros(p, n, dtype=torch.bool, device=dev)
+                cells += [none, none]
+            firsts = [torch.where(c, step_no, _NONE).amin(1) for c in (cells[0], cells[1],
+                                                                        cells[7])]
             counts = torch.stack([c.sum(1) for c in cells], 1)
             if self._totals is None:
                 self._totals = torch.zeros(0, _COLUMNS, dtype=torch.long, device=dev)
+                self._beyond_top = torch.zeros(0, dtype=torch.float64, device=dev)
             t = self._totals
             if t.shape[0] < p:  # inputs first seen in this chunk
                 more = torch.zeros(p - t.shape[0], _COLUMNS, dtype=torch.long, device=dev)
                 more[:, _COUNTS:] = -1
                 t = self._totals = torch.cat((t, more))
+                assert self._beyond_top is not None
+                self._beyond_top = torch.cat((self._beyond_top, torch.zeros(
+                    p - self._beyond_top.shape[0], dtype=torch.float64, device=dev)))
             t[:, :_COUNTS] += counts
             now = torch.stack(firsts, 1)
             old = t[:, _COUNTS:]
             t[:, _COUNTS:] = torch.where((old < 0) & (now < _NONE), now, old)
+            if beyond is not None:
+                self._note_beyond(ext, b_harm, code_t, row_at, step_no, p)
+
+    @staticmethod
+    def _beyond_rows(ext: torch.Tensor, limits: list[float], odd: torch.Tensor
+                     ) -> torch.Tensor:
+        """Per row, finite values beyond its cast format's max: above it, or below minus
+        it beside a positive value (an additive mask of float32's lowest value is none)."""
+        lim = upload(limits, ext.device, torch.float64)
+        lo, hi = ext[:, 0].double(), ext[:, 1].double()
+        return ~odd & ((hi > lim) | ((lo < -lim) & (hi > 0)))
+
+    def _note_beyond(self, ext: torch.Tensor, harm: torch.Tensor, code_t: torch.Tensor,
+                     row_at: torch.Tensor, step_no: torch.Tensor, p: int) -> None:
+        """Keep, per input, the largest |value| of its harmful rows beyond the max, and the
+        first steps with such a row."""
+        dev = ext.device
+        # (Clamped: the run's end reads it in float32, where float64 data could be inf.)
+        top = torch.where(harm, ext.double().abs().amax(1), 0.0).clamp(max=_F32_MAX)
+        assert self._beyond_top is not None
+        self._beyond_top = torch.maximum(self._beyond_top, torch.zeros(
+            p, dtype=torch.float64, device=dev).scatter_reduce_(0, code_t, top, "amax"))
+        at = torch.zeros(step_no.shape[0], dtype=torch.long, device=dev).index_add_(
+            0, row_at, harm.long()) > 0
+        listed = torch.where(at, step_no, _NONE)
+        if self._beyond_steps is not None:
+            listed = torch.cat((self._beyond_steps, listed))
+        if listed.shape[0] < MAX_BEYOND_STEPS:
+            listed = torch.cat((listed, torch.full((MAX_BEYOND_STEPS - listed.shape[0],),
+                                                   _NONE, dtype=torch.long, device=dev)))
+        self._beyond_steps = listed.sort().values[:MAX_BEYOND_STEPS]
 
     def module_of(self, code: float | None) -> str | None:
         """The model an input code (:class:`StepBatch`'s, read on the host) belongs to."""
         if code is None or code < 0:
             return None
         return next((m for (m, _), c in self._inputs.items() if c == int(code)), None)
+
+    def keys_of(self, module: str) -> set[str]:
+        """The keys of the inputs ``module`` was given in the run."""
+        return self._keys.get(module, set())
 
     def describe(self, codes: frozenset[int]) -> dict[int, tuple[str, str, int]]:
         """Per input code: its model, its key and how many inputs that model was given
@@ -415,8 +508,14 @@ class BatchChecks:
         no floating batch was checked in an unrecorded step). Call :meth:`release` first."""
         if self._totals is None:
             return None
+        dev = self._totals.device
         first = self._first_loss if self._first_loss is not None else torch.tensor(_NONE)
-        return torch.cat((self._totals.reshape(-1), first.reshape(1).to(self._totals.device)))
+        listed = (self._beyond_steps if self._beyond_steps is not None
+                  else torch.full((MAX_BEYOND_STEPS,), _NONE, dtype=torch.long))
+        assert self._beyond_top is not None
+        # (float64 for the |values|: the counts and steps stay exact in it.)
+        return torch.cat((self._totals.reshape(-1).double(), first.reshape(1).to(dev),
+                          self._beyond_top, listed.to(dev)))
 
     def totals_from(self, n: list[int]) -> BatchTotals | None:
         """The run's totals from their host copy (the device totals, flat), or None when
@@ -424,8 +523,13 @@ class BatchChecks:
         handled by the model (missing values replaced): its bad steps are harmless, and a
         NaN loss beside one is another cause's. The culprit is an input whose every bad
         step went NaN/inf with it (review 49a: a second input the model does not clean)."""
-        n, first_loss = n[:-1], n[-1] if n[-1] < _NONE else -1
-        rows = [n[i : i + _COLUMNS] for i in range(0, len(n), _COLUMNS)]
+        p = (len(n) - 1 - MAX_BEYOND_STEPS) // (_COLUMNS + 1)
+        first_loss = int(n[p * _COLUMNS]) if n[p * _COLUMNS] < _NONE else -1
+        tops = [float(x) for x in n[p * _COLUMNS + 1 : p * _COLUMNS + 1 + p]]
+        listed = tuple(int(s) for s in n[len(n) - MAX_BEYOND_STEPS:] if s < _NONE)
+        flat = [int(x) for x in n[: p * _COLUMNS]]
+        rows = [flat[i : i + _COLUMNS] for i in range(0, len(flat), _COLUMNS)]
+        beyond = self._beyond_from(rows, tops, listed, first_loss)
         # An input that first went bad after the loss did carries the run's own NaN (a
         # recurrent state carried over detached, fed back after the model made it).
         late = {i for i, r in enumerate(rows) if r[_HARMFUL] and not r[_HARMLESS]
@@ -440,12 +544,12 @@ class BatchChecks:
         bad = [i for i, r in enumerate(rows) if (r[_HARMFUL] or r[_HARMLESS])
                and i not in late and i not in self._outputs]
         if not bad:
-            if made_by is None:
+            if made_by is None and not beyond:
                 return None
             return BatchTotals(harmful=0, dropped=0, harmless=0, nan=False, inf=False,
                                first_harmful=-1, first_harmless=-1, module=None,
                                first_loss_bad=first_loss, made_by=made_by,
-                               made_first=made_first, made_steps=made_steps)
+                               made_first=made_first, made_steps=made_steps, **beyond)
         culprits = [i for i in bad if not rows[i][_HARMLESS]]
         if culprits:
             # The input bad in the most such steps (a NaN in a handled input that fell in
@@ -471,7 +575,24 @@ class BatchChecks:
             inf=bool(inf), first_harmful=first,
             first_harmless=first_harmless, module=module, input_key=at,
             inputs=len(self._keys.get(module, ())), first_loss_bad=first_loss,
-            made_by=made_by, made_first=made_first, made_steps=made_steps)
+            made_by=made_by, made_first=made_first, made_steps=made_steps, **beyond)
+
+    def _beyond_from(self, rows: list[list[int]], tops: list[float], listed: tuple[int, ...],
+                     first_loss: int) -> dict[str, Any]:
+        """The :class:`BatchTotals` fields of the input whose finite values beyond the cast
+        format's max went with a NaN/inf loss in every step it held them ({}: none). Not
+        one the model took in its stride in another step (it clamps or normalises them in
+        float32 first), nor one first beyond after the loss first went bad (the run's own
+        NaN did it: weights an update made NaN)."""
+        cands = [i for i, r in enumerate(rows) if r[_BEYOND_HARMFUL] and not r[_BEYOND_CALM]
+                 and i not in self._outputs and not 0 <= first_loss < r[_FIRST_BEYOND]]
+        if not cands:
+            return {}
+        code = min(cands, key=lambda i: (-rows[i][_BEYOND_HARMFUL], rows[i][_FIRST_BEYOND]))
+        module, key = next(k for k, c in self._inputs.items() if c == code)
+        return {"beyond_module": module, "beyond_key": key,
+                "beyond_steps": rows[code][_BEYOND_HARMFUL], "beyond_listed": listed,
+                "beyond_absmax": tops[code] if code < len(tops) else 0.0}
 
     def release(self) -> None:
         """Fold the waiting steps into the totals and leave no device rows of the user's
@@ -481,9 +602,11 @@ class BatchChecks:
         finally:
             self._rows = []
             self._codes = []
+            self._limits = []
             self._made = []
             self._given = set()
             self._steps = []
             self._chunk_rows = []
             self._chunk_at = []
             self._chunk_codes = []
+            self._chunk_limits = []
