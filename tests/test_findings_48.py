@@ -541,9 +541,11 @@ def test_an_overflow_whose_input_came_from_unseen_code_sends_to_anomaly_mode_fir
 
 def test_anomaly_mode_does_not_call_a_minus_inf_batch_values_beyond_the_max() -> None:
     """Log features made in the loop (``torch.log`` of zero-padded frames: -inf among
-    negative values, what an additive mask looks like) given to a Linear: the batch was
-    "values up to inf, beyond float16's max: autocast's cast of such values is inf", a
-    second error beside the Linear's NaN (review 48b)."""
+    negative values) given to a Linear: the batch was "values up to inf, beyond float16's
+    max: autocast's cast of such values is inf", a second error beside the Linear's NaN
+    (review 48b). Since review 49a #8 the -inf among negatives (max below 0, where a
+    mask's is 0) is the data's: one error, the batch, with the Linear's NaN its
+    consequence."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.Adam(model.parameters(), 1e-3)
@@ -561,8 +563,11 @@ def test_anomaly_mode_does_not_call_a_minus_inf_batch_values_beyond_the_max() ->
     s = doctor.session
     assert not s.findings_of("input_beyond_format")
     (f,) = [x for x in s.findings if x.severity == "error"]
-    assert (f.kind, f.module, f.op) == ("nonfinite_forward", "0", "aten.addmm")
-    assert "An inf came in" in f.message
+    assert (f.kind, f.module, f.step) == ("nonfinite_input", "Sequential", 0)
+    assert "already holds -inf" in f.message
+    assert "aten.addmm in layer 0 made NaN of that inf at step 0" in " ".join(f.message.split())
+    (op,) = s.findings_of("nonfinite_forward")
+    assert (op.severity, op.module, op.op) == ("info", "0", "aten.addmm")
 
 
 class _MissingAware(nn.Module):

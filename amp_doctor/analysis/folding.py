@@ -20,6 +20,7 @@ from amp_doctor.analysis.messages import (
     CAST_OPS,
     batch_poisoned_weights,
     dropped_cause,
+    inputs_held_inf,
     loss_origin_named,
 )
 from amp_doctor.analysis.thresholds import MAX_PER_KIND, SHRUNK_GRAD_BITS
@@ -243,6 +244,13 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             # 48b: a regression head that must pass 65504 to fit its targets).
             root = next((e for e in errors if e.kind == "activation_overflow"
                          and e.module == f.module and e.op is None), None)
+        if root is None and f.kind == "nonfinite_forward" and inputs_held_inf(f.data):
+            # An op that made NaN of an inf that came in, in a step whose batch held inf
+            # (log features of zero-padded frames given to a Linear): the data's inf, not
+            # a mask's the op mishandled.
+            root = next((e for e in errors if e.kind == "nonfinite_input" and e is not f
+                         and any(e.data.get(k) for k in ("inf", "pos_inf", "neg_inf"))
+                         and f.step in steps_of(e)), None)
         if (root is None and f.kind == "nonfinite_output_dropped"
                 and dropped_cause(f.data) == "model"):
             # The steps the loop dropped went NaN where a found forward origin makes it.
@@ -591,6 +599,9 @@ def _consequence(f: Finding) -> str:
             said += (" (the updates that took its NaN/inf gradients made the weights "
                      "non-finite: no GradScaler skipped them)")
         return said
+    if f.kind == "nonfinite_forward":
+        where = f" in {F.layer(f.module)}" if f.module else ""
+        return f"{f.op}{where} made NaN of that inf at step {f.step} (the first op to make NaN)"
     if f.kind == "nonfinite_output_dropped":
         return (f"the model's output was NaN/inf in {d.get('steps_bad')} more step(s), "
                 "which the loop dropped before backward")

@@ -296,22 +296,30 @@ def exp_histogram(codes: torch.Tensor, nbins: int, device_path: bool | None = No
     return torch.histc(codes.float(), bins=nbins, min=-0.5, max=nbins - 0.5).long()
 
 
-def bad_batch(extremes: torch.Tensor) -> torch.Tensor:
+def bad_batch(extremes: torch.Tensor, outputs: bool = False) -> torch.Tensor:
     """Which rows of (min, max) describe a tensor given to a model that is bad data: a
-    NaN, +inf, or -inf among positive values. An additive attention mask is -inf beside
-    zeros and other non-positive biases (``generate_square_subsequent_mask``,
-    ``masked_fill(mask, -inf)``, ALiBi): its max is at most 0. On the device, no sync."""
+    NaN, +inf, or -inf beside anything but a zero max. An additive attention mask is
+    -inf beside zeros and other non-positive biases (``generate_square_subsequent_mask``,
+    ``masked_fill(mask, -inf)``, ALiBi): its max is exactly 0, where a position attends
+    unbiased. Log-probabilities with a log(0) are -inf among negatives only (review 49a:
+    a model's features): their max is below 0. ``outputs``: rows of what a model
+    returned, where -inf among non-positive values is its own (masked log-probabilities).
+    On the device, no sync."""
     lo, hi = extremes[:, 0], extremes[:, 1]
     return (lo.isnan() | hi.isnan() | (hi == math.inf)
-            | ((lo == -math.inf) & (hi > 0)))
+            | ((lo == -math.inf) & ((hi > 0) if outputs else (hi != 0))))
 
 
 def merged_extremes(extremes: torch.Tensor) -> torch.Tensor:
     """[2]: the (min, max) of several tensors given to a model, from their [n, 2] rows,
     leaving out an attention mask's -inf (see :func:`bad_batch`): the data's range."""
     lo, hi = extremes[:, 0], extremes[:, 1]
-    lo = torch.where((lo == -math.inf) & (hi <= 0), hi, lo)
-    return torch.stack((lo.min(), hi.max()))
+    # A mask's row is left out whole: its max 0 beside a row of -inf data would make
+    # the merged row read as a mask's.
+    mask = (lo == -math.inf) & (hi == 0)
+    out = torch.stack((torch.where(mask, math.inf, lo).min(),
+                       torch.where(mask, -math.inf, hi).max()))
+    return torch.where(mask.all(), 0.0, out)
 
 
 def upload(values: list[int] | list[float], device: torch.device,

@@ -10,8 +10,8 @@ weight by the next recorded step (review 48c).
 :class:`BatchChecks` owns the check. Per training forward of a watched model, one
 ``aminmax`` pass over each floating tensor it is given, with no temporary as large as
 the batch, leaves the (min, max) rows on the device. At the step's end they are read as
-:func:`~amp_doctor.device.stats.bad_batch` reads a batch (NaN, +inf, or -inf among
-positive values: an additive attention mask's -inf is none), on the device and without a
+:func:`~amp_doctor.device.stats.bad_batch` reads a batch (NaN, +inf, or -inf beside a
+max other than 0: an additive attention mask's -inf is none), on the device and without a
 sync:
 
 - a recorded step hands its flags to the step's host copy (the step folder's finding),
@@ -151,9 +151,9 @@ def mask_codes(mask: float) -> frozenset[int]:
 
 def _bad_rows(ext: torch.Tensor) -> torch.Tensor:
     """:func:`~amp_doctor.device.stats.bad_batch`, in fewer ops: NaN or +inf; or -inf
-    beside a positive value."""
+    beside a max other than 0 (a mask's)."""
     odd = (ext * 0).ne(0)  # NaN, +inf or -inf
-    return odd[:, 1] | (odd[:, 0] & (ext[:, 1] > 0))
+    return odd[:, 1] | (odd[:, 0] & (ext[:, 1] != 0))
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -459,10 +459,10 @@ class BatchChecks:
     def _beyond_rows(ext: torch.Tensor, limits: list[float], odd: torch.Tensor
                      ) -> torch.Tensor:
         """Per row, finite values beyond its cast format's max: above it, or below minus
-        it beside a positive value (an additive mask of float32's lowest value is none)."""
+        it beside a max other than 0 (an additive mask of float32's lowest value is none)."""
         lim = upload(limits, ext.device, torch.float64)
         lo, hi = ext[:, 0].double(), ext[:, 1].double()
-        return ~odd & ((hi > lim) | ((lo < -lim) & (hi > 0)))
+        return ~odd & ((hi > lim) | ((lo < -lim) & (hi != 0)))
 
     def _note_beyond(self, ext: torch.Tensor, harm: torch.Tensor, code_t: torch.Tensor,
                      row_at: torch.Tensor, step_no: torch.Tensor, p: int) -> None:

@@ -164,7 +164,7 @@ class DroppedForwards:
             self.dropped += 1
             with own_ops:
                 ext = torch.stack(f.extremes).view(-1, 2).float()
-                rows = bad_batch(ext)
+                rows = bad_batch(ext, outputs=True)
                 bad = rows.any()
                 self._or("bad", bad)
                 # NaN or +inf, not only a -inf beside positive values (a mask's, or an
