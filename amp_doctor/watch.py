@@ -568,10 +568,23 @@ class Watch:
         probes = self._probes
         if probes is None or probes.watches(model):
             return
+        # Roots found before it that are part of it (``model.visual(x)`` called by itself
+        # under no_grad before training; review 51): its layers, under its names.
+        parts = [] if probes.trained_any() else [
+            m for m in self._set.models.values()
+            if m is not model and not any(m is g for g in self._set.given.values())
+            and any(m is sub for sub in model.modules())]
+        old: dict[int, str] = {}
+        for part in parts:
+            old.update(probes.forget_root(part))
+            self._set.remove(part)
         added = self._set.add(model, name if name is not None else type(model).__name__)
         if added.renamed is not None:
             self._rename(probes.rename_root(*added.renamed))
         probes.add_root(added.prefix, model)
+        if old:
+            self._rename({was: now for mid, was in old.items()
+                          if (now := probes.name_of_id(mid)) is not None and now != was})
         self._attach_wrappers(given)
         if self._monitor is not None:
             self._monitor.models_changed()

@@ -32,6 +32,14 @@ ADVICE: dict[str, str] = {
         "or train with `dtype=torch.bfloat16`, which has float32's range. If the "
         "weights grew large, add weight decay or normalisation before it."
     ),
+    "activation_overflow_own_code": (
+        "The op is in the model's own forward code, not in one of its layers: find it "
+        "with anomaly mode (`amp-doctor diagnose --anomaly`, or `watch(model, "
+        "anomaly=True)`), then compute it in float32 (`with torch.autocast(device_type, "
+        "enabled=False):` around it, its inputs `.float()`) or bound what grows (clamp a "
+        "learned scale or temperature, as CLIP clamps its logit scale at 100), or train "
+        "with `dtype=torch.bfloat16`."
+    ),
     "activation_overflow_output": (
         "This layer returns the model's output: a prediction beyond float16's max means "
         "targets that large (prices, counts, raw sensor units). Standardise the targets, "

@@ -197,9 +197,15 @@ def event_findings(session: Session) -> Iterable[Finding]:
             first = dataclasses.replace(first, data={
                 **first.data, "code_before": code_before(session, module)})
         if kind == "nonfinite_unlocated" and first.data.get("scaler_skipped_only"):
-            if set(loss_bad_steps(session)).intersection(first.data.get("steps") or []):
-                # Not scaled gradients overflowing: the loss itself was NaN/inf there.
-                first = dataclasses.replace(first, data={**first.data, "loss_nonfinite": True})
+            lost = sorted(set(loss_bad_steps(session)).intersection(
+                first.data.get("steps") or []))
+            if lost:
+                # Not scaled gradients overflowing: the loss itself was NaN/inf there. From
+                # its first such step: the steps before it were the scaler's own skips (a
+                # calibration's), whose loss was finite (review 51: "loss already NaN/inf,
+                # first at step 1", a calibration skip, for a NaN loss at step 19).
+                first = dataclasses.replace(first, step=lost[0], data={
+                    **first.data, "loss_nonfinite": True, "loss_steps": lost})
         if kind == "nonfinite_loss" and module is not None and loss_reaching_mask(
                 session, module) is not None:
             first = dataclasses.replace(first, data={

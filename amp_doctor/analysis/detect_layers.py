@@ -350,10 +350,24 @@ def _input_unseen(session: Session, lay: LayerSummary) -> str:
             e.module == lay.name or lay.name.startswith(e.module + "."))
             for e in session.events):
         return ""
+    if _batch_was_fine(session, lay):
+        return (f" Its input is the batch, which amp-doctor checks at every step: it held "
+                f"no NaN/inf and no value beyond the format's max, so the inf was made in "
+                f"{F.layer(lay.name)}'s own forward code, between its layers or on its "
+                "parameters (a product, the exp of a learned scale or temperature): anomaly "
+                "mode (`--anomaly`) names the op and its line.")
     owner = code_before(session, lay.name)
     return (f" Its input was not a watched layer's output (made by {owner} own forward "
             "code, or the batch), so whether the inf came in with it is not known: anomaly "
             "mode (`--anomaly`) names the op that made it.")
+
+
+def _batch_was_fine(session: Session, lay: LayerSummary) -> bool:
+    """``lay`` is a watched model given the batch, whose every step's check found it
+    neither non-finite nor beyond the format's max (review 51: a CLIP model's logits
+    overflowed by its exp(logit_scale) and were said to be its input's cast)."""
+    return lay.name in session.run.models and not any(
+        e.kind in ("nonfinite_input", "input_beyond_format") for e in session.events)
 
 
 def _wholly_nonfinite(session: Session, lay: LayerSummary) -> bool:
@@ -370,7 +384,8 @@ def _cast_input(session: Session, lay: LayerSummary, fmt: str) -> str:
     """A layer that autocast fed a float32 input: values of it past the format's max are
     inf once cast, before the layer computes anything (review 44a: a float32 LayerNorm
     output past 65504 into a Linear)."""
-    if "float32" not in lay.input_dtypes or not _wholly_nonfinite(session, lay):
+    if ("float32" not in lay.input_dtypes or not _wholly_nonfinite(session, lay)
+            or _batch_was_fine(session, lay)):
         return ""
     return (f" Its input came in float32 and autocast casts it to {fmt}: input values past "
             f"{fmt}'s max are inf before the layer computes anything (a float32 residual "
@@ -479,8 +494,11 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                      f"{lay.recorded_steps} recorded steps." + (
                          _unconfirmed(session, lay) or _input_unseen(session, lay))
                      + _cast_input(session, lay, fmt)),
-            # The model's output past the max: what it predicts is that large.
-            advice=ADVICE["activation_overflow_output" if lay.model_output
+            # The model's output past the max: what it predicts is that large. Unless the
+            # model's own code made it from a fine batch: there, the op is to be found.
+            advice=ADVICE["activation_overflow_own_code" if _batch_was_fine(session, lay)
+                          and not lay.inputs_known
+                          else "activation_overflow_output" if lay.model_output
                           else "activation_overflow"],
             data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
         )

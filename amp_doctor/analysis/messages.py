@@ -305,6 +305,13 @@ def _nonfinite_loss(a: MessageArgs) -> str:
             where += (f". Its input is not checked: if it was non-finite already, the op "
                       f"that made it is {code}; anomaly mode (`--anomaly`, or "
                       "`watch(..., anomaly=True)`) names the op and its line")
+            if d.get("attn_mask_given"):
+                # Float32 does not help a softmax over a row masked whole (review 51: a
+                # fully padded sample; `--fp32` on the attention left the NaN).
+                where += (". The model was given an additive attention mask holding -inf in "
+                          "that step: if it covers a row whole (a sample that is all "
+                          "padding), that row's softmax is 0/0, NaN in float32 too; leave "
+                          "every row a position, or mask with `torch.finfo(dtype).min`")
     elif d.get("input_bad"):
         where = (f"The batch given to the model already held NaN/inf on recorded step "
                  f"{d.get('recorded_at')}: it came from the data, not from a layer")

@@ -210,6 +210,11 @@ class ModelSet:
         self._owned.update(id(p) for p in model.parameters())
         return Added(prefix, renamed)
 
+    def remove(self, model: nn.Module) -> None:
+        """Watch ``model`` no longer as a root (a model it is part of takes it in)."""
+        self.models = {k: m for k, m in self.models.items() if m is not model}
+        self.scan_params()
+
     def label(self) -> str:
         """The model's name in a message about the whole model."""
         root = next(iter(self.models), "")

@@ -334,6 +334,8 @@ class Probes:
         self._step_owners: list[list[str]] = []
         self.param_owner: dict[int, str] = {}
         self._root_prefix: dict[int, str] = {}
+        # Each root's own pre/post hook handles (also in _handles), for forget_root.
+        self._root_handles: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
         # Every recorded layer in forward order (of completion: children before their
         # parent), and the furthest place in it that this step's forward has reached: a
         # layer first seen in a later step (an MoE expert that got no tokens before) goes
@@ -382,7 +384,9 @@ class Probes:
             self.layers[name] = meta
             self._names[id(mod)] = name
             if mod is model:
-                self._handles.extend(self._hook(mod))
+                hs = self._hook(mod)
+                self._root_handles[id(mod)] = hs
+                self._handles.extend(hs)
             else:
                 self._subs.append(mod)
                 if self.armed:
@@ -434,6 +438,35 @@ class Probes:
             for h in self._sub_handles.pop(mid, ()):
                 h.remove()
             self._subs = [m for m in self._subs if m is not mod]
+
+    def forget_root(self, model: nn.Module) -> dict[int, str]:
+        """Stop watching the root ``model`` as a root (the model it is part of is found, and
+        watches it under its own names); returns each of its modules' old name, by ``id``.
+        Only before any training forward: its figures so far are renamed, not merged."""
+        rid = id(model)
+        old: dict[int, str] = {}
+        for h in self._root_handles.pop(rid, ()):
+            h.remove()
+            self._handles = [x for x in self._handles if x is not h]
+        for mod in model.modules():
+            mid = id(mod)
+            name = self._names.get(mid)
+            if name is None or self.layers[name].root != rid:
+                continue
+            old[mid] = self._names.pop(mid)
+            self.layers.pop(name, None)
+            for h in self._sub_handles.pop(mid, ()):
+                h.remove()
+        gone = set(old)
+        self._subs = [m for m in self._subs if id(m) not in gone]
+        self._entries -= gone
+        names = set(old.values())
+        self.param_owner = {k: v for k, v in self.param_owner.items() if v not in names}
+        self._roots.discard(rid)
+        self._root_prefix.pop(rid, None)
+        self._roots_called.discard(rid)
+        self._frozen.discard(rid)
+        return old
 
     def _entry(self, module: nn.Module) -> bool:
         """``module``, a submodule of a watched model, is called by the loop itself (a
@@ -610,6 +643,9 @@ class Probes:
 
     def name_of(self, module: nn.Module) -> str | None:
         return self._names.get(id(module))
+
+    def name_of_id(self, module_id: int) -> str | None:
+        return self._names.get(module_id)
 
     def current_module(self) -> str | None:
         stack = self._calls.stack

@@ -133,13 +133,15 @@ MASK_CODES = 52
 @dataclass(frozen=True)
 class StepBatch:
     """A recorded step's batch flags (device 0-d bools), for its host copy, the input
-    code of its first bad tensor (device int64, -1: none; :meth:`BatchChecks.module_of`)
-    and the mask of every bad input's code (device int64; :func:`mask_codes`)."""
+    code of its first bad tensor (device int64, -1: none; :meth:`BatchChecks.module_of`),
+    the mask of every bad input's code (device int64; :func:`mask_codes`) and whether an
+    additive attention mask (-inf beside a max of 0) was given (device 0-d bool)."""
 
     nan: torch.Tensor
     inf: torch.Tensor
     code: torch.Tensor
     codes: torch.Tensor
+    attn_mask: torch.Tensor
 
 
 def mask_codes(mask: float) -> frozenset[int]:
@@ -348,8 +350,11 @@ class BatchChecks:
                 per_code = torch.zeros(MASK_CODES + 1, dtype=torch.long, device=ext.device
                                        ).scatter_reduce_(0, slot, bad.long(), "amax")
                 mask = (per_code << torch.arange(MASK_CODES + 1, device=ext.device)).sum()
+                # A row the mask covers whole is softmax's 0/0 in any precision.
+                attn_mask = ((ext[:, 0] == -math.inf) & (ext[:, 1] == 0)).any()
                 return StepBatch(nan=row_nan.any(), inf=(bad & ~row_nan).any(),
-                                 code=torch.where(first < _NONE, first, -1), codes=mask)
+                                 code=torch.where(first < _NONE, first, -1), codes=mask,
+                                 attn_mask=attn_mask)
         at = len(self._steps)
         self._steps.append(_Step(step, loss_bad, dropped_bad, skipped))
         self._chunk_rows.extend(rows)

@@ -28,7 +28,12 @@ from amp_doctor.records import Event, LayerSummary, StepRecord
 from amp_doctor.steps.aggregates import LayerAggregates
 from amp_doctor.steps.history import History
 from amp_doctor.steps.listeners import StepListener, StepRows
-from amp_doctor.steps.loop import INPUT_ABSMAX, LOSS_BAD_TOTAL_KEY, PLAIN_LOSS_KEY
+from amp_doctor.steps.loop import (
+    INPUT_ABSMAX,
+    INPUT_ATTN_MASK,
+    LOSS_BAD_TOTAL_KEY,
+    PLAIN_LOSS_KEY,
+)
 from amp_doctor.steps.table import (
     ACT,
     GRAD,
@@ -100,6 +105,8 @@ class StepFolder:
         # batch itself was non-finite there (a later one's may be the first's doing:
         # weights the bad update made NaN).
         self._loss_origin: tuple[int, str | None, bool] | None = None
+        # The model was given an additive attention mask in that step.
+        self._loss_origin_attn_mask = False
         # ... and that step's first layer to overflow (+inf, or values past the max),
         # other than with -inf alone: for when the first is a mask (below).
         self._loss_origin_past_masks: str | None = None
@@ -235,6 +242,7 @@ class StepFolder:
                 self._neg_inf_beside_finite_loss.update(neg_inf_only)
             elif self._loss_origin is None:
                 self._loss_origin = (step, origin, input_bad)
+                self._loss_origin_attn_mask = bool(hs.scalars.get(INPUT_ATTN_MASK))
                 if not input_bad:
                     self._loss_origin_past_masks = self._forward_origin(
                         hs, layers, fmt, formats, neg_inf_only, overflowed=True)
@@ -544,6 +552,7 @@ class StepFolder:
                           "masks_beside_finite_loss": sorted(
                               self._neg_inf_beside_finite_loss)[:MAX_MASKS_KEPT],
                           "input_bad": seen[2] if seen else False,
+                          "attn_mask_given": self._loss_origin_attn_mask,
                           "anomaly": anomaly,
                           # Bounded: a run-long NaN loss is one finding, not a list.
                           "bad_steps": sorted(self._loss_bad)[:MAX_BAD_STEPS_KEPT]})]

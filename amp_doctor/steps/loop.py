@@ -25,7 +25,7 @@ from amp_doctor.steps.dropped import DroppedForwards, DroppedTotals
 from amp_doctor.steps.misuse import reaches_params
 
 __all__ = ["LoopSignals", "RunTotals", "INPUT_BAD_CODE", "INPUT_BAD_CODES", "UPDATE_SAMPLE",
-           "PLAIN_LOSS_KEY", "INPUT_ABSMAX"]
+           "PLAIN_LOSS_KEY", "INPUT_ABSMAX", "INPUT_ATTN_MASK"]
 
 # Pure low-precision training: parameter elements sampled per tensor on a recorded
 # step to see whether the optimizer's update changed them at all.
@@ -41,6 +41,8 @@ INPUT_ABSMAX = "input_absmax:"
 INPUT_BAD_CODE = "input_bad_code"
 # The mask of every bad input's code (steps/batches.mask_codes).
 INPUT_BAD_CODES = "input_bad_codes"
+# Whether an additive attention mask (-inf beside a max of 0) was given in the step.
+INPUT_ATTN_MASK = "input_attn_mask"
 # The running count of NaN/inf losses, in a recorded step's scalars.
 LOSS_BAD_TOTAL_KEY = "loss_bad_total"
 
@@ -115,6 +117,7 @@ class LoopSignals:
             flags["input_nan"], flags["input_inf"] = batch.nan, batch.inf
             flags[INPUT_BAD_CODE] = batch.code
             flags[INPUT_BAD_CODES] = batch.codes
+            flags[INPUT_ATTN_MASK] = batch.attn_mask
         if bad is not None:
             self.loss_steps += 1
             if self._loss_bad_total is None:
