@@ -212,6 +212,15 @@ def test_a_nan_beside_a_minus_inf_mask_says_a_row_masked_whole_is_nan_in_float32
     assert ("The model was given an additive attention mask holding -inf in that step: if it "
             "covers a row whole (a sample that is all padding), that row's softmax is 0/0, NaN "
             "in float32 too") in " ".join(f.message.split())
+    # The op first, where `--fp32` on the attention would leave the NaN.
+    import dataclasses
+
+    from amp_doctor.commands.publish import next_steps
+    s = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
+    first, *rest = next_steps(s)
+    assert first.endswith("amp-doctor diagnose --anomaly --on-nonfinite raise t.py")
+    assert "float32 would not help then" in first
+    assert not any("--anomaly" in line for line in rest)
 
 
 _PART_FIRST = '''
@@ -259,3 +268,20 @@ def test_a_part_called_by_itself_before_training_is_named_within_its_model(
     assert report["run"]["models"] == ["Net"]
     recorded = {lay["name"]: lay["recorded_steps"] for lay in report["layers"]}
     assert recorded["visual.0"] == recorded["head"] == 4
+
+
+def test_anomaly_mode_says_a_learned_scale_beyond_float16_is_to_be_bounded(
+        tmp_path: Path) -> None:
+    """Anomaly mode named ``aten.mul`` and its line, with the fix for a log of a softmax or
+    a division by an epsilon (review 51)."""
+    (tmp_path / "clip.py").write_text(_CLIP)
+    r = subprocess.run([console_script(), "diagnose", "--anomaly", "--no-tensorboard",
+                        "--logdir", "out", "clip.py"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stderr.split())
+    assert text.count("ERROR") == 1 and "ERROR nonfinite_forward CLIP [aten.mul]" in text
+    assert "One of its inputs is a single value, " in text
+    assert "beyond float16's max: a 0-dim tensor (a learned scale or temperature" in text
+    assert "fix: Bound the scale that grew: clamp it where it is used" in text
+    assert "log_softmax" not in text.split("fix: Bound the scale")[1].split("info")[0]

@@ -17,6 +17,7 @@ from amp_doctor.analysis.messages import (
     denominator_dtype,
     dropped_cause,
     inputs_held_inf,
+    scalar_beyond,
     zero_denominator,
 )
 from amp_doctor.analysis.thresholds import DIVERGED_INPUT_ABSMAX
@@ -527,6 +528,11 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "`x.clamp_min(eps)` before the op; a `torch.where(mask, f(x), 0)` on the "
                 "output still gives NaN gradients, so mask the input instead: "
                 "`f(torch.where(mask, x, 1.0))`.")
+    if e.kind == "nonfinite_forward" and scalar_beyond(e.data) is not None:
+        return ("Bound the scale that grew: clamp it where it is used (CLIP: "
+                "`logit_scale.exp().clamp(max=100)`) or clamp the parameter after each "
+                "optimizer step; or compute this product in float32 (`with "
+                "torch.autocast(device_type, enabled=False):`, inputs `.float()`).")
     if e.kind == "nonfinite_forward" and spread_nan(e.op, e.data):
         return SPREAD_NAN_ADVICE
     if e.kind == "nonfinite_input" and (e.data.get("dropped_only") or (

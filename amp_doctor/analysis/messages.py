@@ -504,6 +504,22 @@ def cast_overflow(op: str | None, d: dict[str, object]) -> str | None:
     return f"cast values up to {_num(top)} to {dtype}, beyond its max {limit:g}"
 
 
+def scalar_beyond(d: dict[str, Any]) -> float | None:
+    """The value of an op's input that is one number (its min equals its max) beyond the
+    max of the op's output format, finite: a 0-dim float32 tensor (a learned scale, the
+    exp of a parameter) times a float16 tensor is float16 by type promotion, and inf
+    there (review 51: CLIP's ``logit_scale.exp() * img``). None otherwise."""
+    dtype, ranges = d.get("dtype"), d.get("input_ranges")
+    limit = FORMAT_MAX.get(dtype) if isinstance(dtype, str) else None
+    if limit is None or not isinstance(ranges, list):
+        return None
+    for r in ranges:
+        if (isinstance(r, list) and len(r) == 2 and all(isinstance(v, (int, float)) for v in r)
+                and r[0] == r[1] and limit < abs(r[0]) < math.inf):
+            return float(r[0])
+    return None
+
+
 # Logarithms: -inf at an input of exactly 0, which is no overflow.
 LOG_OPS = ("aten.log", "aten.log_", "aten.log2", "aten.log10")
 
@@ -812,6 +828,11 @@ def _nonfinite_forward(a: MessageArgs) -> str:
     elif inputs_held_inf(d):
         tail = (" An inf came in (a -inf mask, or an inf passed on), and this op made "
                 "NaN of it (inf - inf, 0 * inf)." + tail)
+    if (big := scalar_beyond(d)) is not None:
+        tail = (f" One of its inputs is a single value, {_num(big)}, beyond {d.get('dtype')}'s "
+                f"max: a 0-dim tensor (a learned scale or temperature, the exp of a "
+                f"parameter) whose product with a {d.get('dtype')} tensor is {d.get('dtype')}."
+                + tail)
     own = d.get("later_origins") or []
     after = ("every op after it only passed it on" if not own else
              "later in that step an op in " + ", ".join(F.layer(m) for m in own)
