@@ -16,6 +16,7 @@ from dataclasses import replace
 from amp_doctor import format as F
 from amp_doctor.analysis.advice import ADVICE
 from amp_doctor.analysis.dataflow import layers_before
+from amp_doctor.analysis.detect_scaler import normal_backoff_steps
 from amp_doctor.analysis.messages import (
     CAST_OPS,
     batch_poisoned_weights,
@@ -89,6 +90,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
     out = _batch_made_by_an_op(out)
     out = _after_a_bad_update(out)
     out = _batch_before_poisoned_weights(session, out)
+    out = _backward_op_of_the_collapse(session, out)
     lay_by = {lay.name: lay for lay in session.layers}
     origin_layers = sorted((lay for lay in session.layers if lay.overflow_origin_steps > 0),
                            key=lambda x: x.order)
@@ -123,7 +125,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
         return max(ancestors, key=lambda f: len(f.module or "")) if ancestors else None
 
     carried: dict[int, list[str]] = {}
-    consequences: dict[int, list[str]] = {}
+    consequences: dict[int, list[Finding]] = {}
     kept: list[Finding] = []
     for f in out:
         lay = lay_by.get(f.module or "")
@@ -162,7 +164,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
         out = [_with(f, "info", follow_on_of=op.module,
                      extra=f"It began at {op.op} in {F.layer(op.module)} (see that finding).")
                if f is loss else f for f in out]
-        consequences.setdefault(id(errors[-1]), []).append(_consequence(loss))
+        consequences.setdefault(id(errors[-1]), []).append(loss)
     # The scaler and the loss: consequences of the origin they name.
     collapse = next((f for f in out if f.kind == "scale_collapse"), None)
     clip = next((f for f in out if f.kind == "clip_before_unscale"), None)
@@ -204,6 +206,16 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                          and x.severity == "error"), None)
         if root is None and f.kind == "nonfinite_loss":
             root = next((e for e in errors if e.kind == "nonfinite_input"), None)
+        loss_code = None
+        if root is None and f.kind == "nonfinite_loss" and _made_in_loss_code(f):
+            # Every watched output finite at a NaN loss: the code after the model made it,
+            # where the collapse's large gradients were made too (review 51: a focal loss's
+            # log of a float16 probability, -inf in forward, 1/p in backward). One root.
+            loss_code = root = next((e for e in errors if e.kind == "nonfinite_backward"
+                                     and not e.module), None) or (
+                collapse if collapse is not None and collapse.severity == "error"
+                and collapse.data.get("loss_too_large")
+                and not collapse.data.get("loss_nonfinite") else None)
         if root is None and f.kind == "nonfinite_loss" and isinstance(origin, str):
             # It first showed in a layer fed by an origin whose only non-finite values
             # were -inf (a log of 0 in a weightless front end): the loss's origin skips
@@ -256,8 +268,13 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             # The steps the loop dropped went NaN where a found forward origin makes it.
             root = next((e for e in errors if e.kind in FORWARD_MADE_KINDS), None)
         if root is not None:
-            consequences.setdefault(id(root), []).append(_consequence(f))
+            consequences.setdefault(id(root), []).append(f)
             folded_into[id(f)] = root
+            if f.severity != "info" and f.kind in ("scaler_backoff", "scale_collapse",
+                                                   "nonfinite_loss"):
+                # Its own advice is for a cause of its own (the culprit layer in float32):
+                # the root's is the fix (review 51: a backoff of a NaN batch).
+                f = replace(f, advice=_follow_advice(root))
             f = _with(f, "info", follow_on_of=root.module)
             if f.kind == "nonfinite_loss":
                 # Not "unknown" beside the finding that names where it began.
@@ -266,6 +283,13 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                 if root.kind == "nonfinite_input":
                     at = f"the batch given to {F.layer(root.module)} at step {root.step}"
                 named = loss_origin_named(f.message, at)
+                if loss_code is not None:
+                    named = f"{f.message} " + (
+                        f"The op-level search found {root.op} (the backward of "
+                        f"{root.data.get('forward_op')}) overflow in that code (see that "
+                        "finding): one root cause." if root.kind == "nonfinite_backward" else
+                        "The loss scale's collapse began in that code too (see that "
+                        "finding): one root cause.")
                 if named == f.message and root.op and root.module != origin:
                     # The layer it first showed in is downstream of the op that made it.
                     named = f"{f.message} It began at {at} (see that finding)."
@@ -287,6 +311,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             consequences.setdefault(final, []).extend(consequences.pop(key))
     result = []
     for f in kept:
+        key = id(f)  # before the collapse's finding below is replaced
         if f.kind == "scale_collapse" and collapse is not None and id(collapse) in carried:
             names = carried.pop(id(collapse))
             f = _with(f, extra=(f"The gradients of {len(names)} layer(s) underflow float16 at "
@@ -300,9 +325,9 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                                 f"({', '.join(names[:6])}) only because they were clipped "
                                 "while scaled; unscale before clipping and look again."),
                       underflow_follow_ons=names)
-        if id(f) in carried or id(f) in consequences:
-            names = carried.pop(id(f), [])
-            cons = consequences.pop(id(f), [])
+        if key in carried or key in consequences:
+            names = carried.pop(key, [])
+            cons = [_consequence(x) for x in consequences.pop(key, [])]
             extra = ""
             if names:
                 extra += (f"{len(names)} later layer(s) only carried its inf/NaN on and are "
@@ -313,6 +338,37 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             f = _with(f, extra=extra, also_affected=names, consequences=cons)
         result.append(f)
     return _unlocated_dropped_forward(_backoffs_of_the_collapse(result))
+
+
+def _made_in_loss_code(f: Finding) -> bool:
+    """A NaN loss that a recorded step saw with every watched output finite, from a
+    finite batch: the code between the model and the loss made it."""
+    d = f.data
+    return (d.get("origin") is None and d.get("recorded_at") is not None
+            and not d.get("input_bad") and not d.get("masks_beside_finite_loss"))
+
+
+def _backward_op_of_the_collapse(session: Session, out: list[Finding]) -> list[Finding]:
+    """A backward op the op-level search saw overflow on scaled gradients at a backoff of
+    a collapsing scale that was no calibration or probe of the GradScaler's is how the
+    scale collapsed, not the scaler's search (review 51: a focal loss's LogBackward0
+    dividing by a float16 probability near 0, until the scale fell below 1): the error,
+    which the collapse folds into."""
+    collapse = next((f for f in out if f.kind == "scale_collapse" and f.severity == "error"
+                     and not f.data.get("origin") and not f.data.get("loss_nonfinite")),
+                    None)
+    if collapse is None or any(f.kind == "nonfinite_backward" and f.severity == "error"
+                               for f in out):
+        return out
+    steps = set(steps_of(collapse)) - normal_backoff_steps(session)
+    op = min((f for f in out if f.kind == "nonfinite_backward" and f.step in steps),
+             key=_first_step, default=None)
+    if op is None:
+        return out
+    advice = (collapse.advice if collapse.data.get("loss_too_large") and not op.module
+              else op.advice)
+    return [replace(f, severity="error", advice=advice,
+                    data={**f.data, "collapse_made": True}) if f is op else f for f in out]
 
 
 def _unlocated_dropped_forward(out: list[Finding]) -> list[Finding]:
@@ -578,6 +634,13 @@ def _backward_follow_ons(out: list[Finding]) -> dict[int, Finding]:
         if root is not None:
             found[id(b)] = root
     return found
+
+
+def _follow_advice(root: Finding) -> str:
+    """The fix of a finding folded into ``root``: the root's."""
+    at = " in ".join(x for x in (root.op, F.layer(root.module) if root.module else None) if x)
+    return (f"Nothing of its own to fix: it follows from the {root.kind} error"
+            + (f" ({at})" if at else "") + "; fix that one (see its finding).")
 
 
 def _consequence(f: Finding) -> str:

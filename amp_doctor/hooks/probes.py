@@ -629,6 +629,7 @@ class Probes:
         for h in (*self._handles, *subs, *self._tensor_handles):
             h.remove()
         self._handles.clear()
+        self._root_handles.clear()  # the same handles as in _handles, removed above
         self._sub_handles.clear()
         self._tensor_handles.clear()
         self._leaf_hooks = WeakIdKeyDictionary()

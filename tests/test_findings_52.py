@@ -1,0 +1,145 @@
+"""Review 51, left open: one root cause, one error, in the loss code.
+
+A hand-written focal loss takes ``torch.log`` of a float16 softmax probability. Once the
+model is confident, a mislabelled sample's probability is near 0: the backward of log
+(a division by it) overflows float16 every few steps, and the scale collapses below 1;
+where it underflows to exactly 0, the forward's log is -inf and the loss inf. The report
+said two errors, the NaN loss and the collapse, both made by the same line; anomaly
+mode's op-level search found that line's LogBackward0 and called it the scaler's own
+search ("nothing to fix").
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import console_script
+
+_FOCAL = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+N_FEAT, N_CLS = 32, 8
+centres = 3.0 * torch.randn(N_CLS, N_FEAT)
+def make_batch(bs=64):
+    y = torch.randint(0, N_CLS, (bs,))
+    x = centres[y] + torch.randn(bs, N_FEAT)
+    noisy = torch.rand(bs) < 0.02
+    return x, torch.where(noisy, torch.randint(0, N_CLS, (bs,)), y)
+def focal_loss(logits, target, gamma=2.0):
+    probs = F.softmax(logits, dim=-1)
+    pt = probs.gather(1, target[:, None]).squeeze(1)
+    return (-(1 - pt) ** gamma * torch.log(pt)).mean()
+model = nn.Sequential(nn.Linear(N_FEAT, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                      nn.Linear(128, N_CLS))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(40):
+    x, y = make_batch()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = focal_loss(model(x), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    print(step, loss.item(), scaler.get_scale())
+'''
+
+
+@pytest.fixture(scope="module")
+def focal(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[str]]]:
+    d = tmp_path_factory.mktemp("focal")
+    (d / "focal.py").write_text(_FOCAL)
+    plain = subprocess.run([sys.executable, "focal.py"], cwd=d, capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    return d, [line.split() for line in plain.stdout.splitlines()]
+
+
+def _diagnose(d: Path, rows: list[list[str]], *args: str) -> tuple[str, list[dict]]:
+    out = d / ("out" + "".join(args).replace("-", "_"))
+    r = subprocess.run([console_script(), "diagnose", "--no-tensorboard", "--logdir", str(out),
+                        *args, "focal.py"], cwd=d, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert [line.split() for line in r.stdout.splitlines()] == rows  # numerics unchanged
+    findings = json.loads((out / "amp_doctor.json").read_text())["findings"]
+    return " ".join(r.stderr.split()), findings
+
+
+def test_the_run_has_both_symptoms(focal: tuple[Path, list[list[str]]]) -> None:
+    _, rows = focal
+    bad = [int(s) for s, loss, _ in rows if loss in ("inf", "nan")]
+    assert len(bad) >= 3
+    assert float(rows[-1][2]) < 1.0  # the scale collapsed below 1
+    # More backoffs than NaN losses: the backward of log overflowed with a finite loss too.
+    backoffs = [int(s) for (s, _, sc), (_, _, prev) in zip(rows[1:], rows, strict=False)
+                if float(sc) < float(prev)]
+    assert len(backoffs) > len(bad) + 3
+
+
+def test_default_the_nan_loss_is_the_collapses_consequence(
+        focal: tuple[Path, list[list[str]]]) -> None:
+    d, rows = focal
+    text, findings = _diagnose(d, rows)
+    errors = [f for f in findings if f["severity"] == "error"]
+    assert [f["kind"] for f in errors] == ["scale_collapse"]
+    assert "log_softmax" in errors[0]["advice"]
+    bad = sum(loss in ("inf", "nan") for _, loss, _ in rows)
+    assert f"Consequences: the loss was NaN/inf in {bad} of the 40 steps checked" in text
+    loss = next(f for f in findings if f["kind"] == "nonfinite_loss")
+    assert loss["severity"] == "info"
+    assert "The loss scale's collapse began in that code too" in loss["message"]
+
+
+def test_anomaly_names_the_backward_of_log_in_the_loss_code_as_the_one_error(
+        focal: tuple[Path, list[list[str]]]) -> None:
+    d, rows = focal
+    text, findings = _diagnose(d, rows, "--anomaly")
+    errors = [f for f in findings if f["severity"] == "error"]
+    assert [(f["kind"], f["op"]) for f in errors] == [("nonfinite_backward", "aten.div")]
+    e = errors[0]
+    assert e["data"]["forward_op"] == "aten.log" and e["data"]["node"] == "LogBackward0"
+    assert e["frame"].endswith("focal.py:14 in focal_loss")
+    assert "Nothing to fix" not in e["advice"] and "log_softmax" in e["advice"]
+    assert "the loss scale collapsed to 0.125 (19 optimizer steps skipped)" in text
+    assert "the loss was NaN/inf in" in text
+    kinds = {f["kind"]: f["severity"] for f in findings if f["kind"] != "nonfinite_backward"}
+    assert kinds["nonfinite_loss"] == "info" and kinds["scale_collapse"] == "info"
+
+
+def test_a_backoff_of_a_nan_batch_points_at_the_batch_not_at_a_layer_in_float32() -> None:
+    """Review 51 (accumulation with a NaN feature in one micro-batch): the backoff, folded
+    into the batch's error, kept its own fix, "keep the first culprit layer in float32"."""
+    import torch
+    from torch import nn
+
+    import amp_doctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for step in range(16):
+            opt.zero_grad()
+            for micro in range(4):
+                x = torch.randn(16, 12)
+                y = x[:, :4].argmax(-1)
+                if step == 13 and micro == 2:
+                    x[3, 7] = float("nan")
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(x), y) / 4
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    errors = [f for f in doctor.session.findings if f.severity == "error"]
+    assert [(f.kind, f.step) for f in errors] == [("nonfinite_input", 13)]
+    (backoff,) = doctor.session.findings_of("scaler_backoff")
+    assert backoff.severity == "info" and backoff.step == 13
+    assert backoff.advice == ("Nothing of its own to fix: it follows from the nonfinite_input "
+                              "error (Sequential); fix that one (see its finding).")
+    assert "float32" not in backoff.advice
