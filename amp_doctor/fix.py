@@ -228,7 +228,9 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
         key = frozenset(cand)
         if not key or key in tried:
             return None
-        if len(result.trials) >= max_trials:
+        # The budget is for float32 sets: the baseline's repeat, a check of the baseline,
+        # is not one (with --trials 1 it used the budget up, and no set was tried).
+        if sum(1 for x in result.trials if x.fp32) >= max_trials:
             result.budget_exhausted = True
             return None
         tried.add(key)
@@ -474,6 +476,14 @@ def render_fix(r: FixResult) -> str:
                    "that run.")
         out.append(f"Cost: {n} layer(s) now run in float32, {mm} of the model's {total} "
                    "matmul/convolution layers.")
+        if total and mm == total:
+            # Review 52a: a regression head's un-normalised targets, "fixed" by turning
+            # autocast off for the whole model.
+            out.append("That is every matmul/convolution layer: mixed precision is off for "
+                       "the whole model, and with it autocast's speed and memory gains. "
+                       "Try the fix the diagnosis gives for the error first (its `fix:` "
+                       "line in `amp-doctor diagnose`: normalised targets or inputs, a scale "
+                       "in the model's own code); keep this one as the fallback.")
         script = " ".join(shlex.quote(c) for c in r.command) or "SCRIPT [ARGS]"
         forced = " ".join(f"--fp32 {shlex.quote(x)}" for x in best)
         target = f"--target-dtype {r.target_dtype} " if r.target_dtype else ""

@@ -1038,10 +1038,16 @@ class Watch:
         mon = self._monitor
         timeline = mon.timeline() if mon is not None else None
         events = mon.events() if mon is not None else []
-        if self._anomaly is not None:
-            events.extend(self._anomaly.events())
+        anomaly = self._anomaly
+        dropped_inputs = anomaly is not None and anomaly.saw_dropped_inputs
         # The run's one read of its batch checks, dropped forwards and NaN/inf losses.
-        self._totals = self._loop.run_totals(want_loss=self._folder.any_loss_bad)
+        self._totals = self._loop.run_totals(
+            want_loss=self._folder.any_loss_bad or dropped_inputs)
+        if anomaly is not None:
+            ended_well = self._run_meta.get("outcome", "completed") in ("completed", "stopped")
+            events.extend(anomaly.events(training_clean=dropped_inputs and ended_well
+                                         and not self._folder.any_loss_bad
+                                         and self._totals.loss_bad == 0))
         self._extra_events.extend(self._batch_events())
         self._extra_events.extend(self._beyond_events())
         events.extend(self._extra_events)

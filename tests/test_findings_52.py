@@ -143,3 +143,126 @@ def test_a_backoff_of_a_nan_batch_points_at_the_batch_not_at_a_layer_in_float32(
     assert backoff.advice == ("Nothing of its own to fix: it follows from the nonfinite_input "
                               "error (Sequential); fix that one (see its finding).")
     assert "float32" not in backoff.advice
+
+
+def _val_loop(val_nan: set[int], train_nan: set[int] = frozenset(),  # type: ignore[assignment]
+              raise_on_nan: bool = False) -> tuple[object, list[str]]:
+    """Training on clean batches; every 4th iteration, and at ``val_nan``, a validation
+    forward with grad on (no ``no_grad``) whose loss is only printed."""
+    import torch
+    from torch import nn
+
+    import amp_doctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    xv_all, yv = torch.randn(40, 8, 16), torch.randint(0, 4, (8,))
+    printed: list[str] = []
+    try:
+        with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+            for it in range(40):
+                x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+                if it in train_nan:
+                    x[0, 0] = float("nan")
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                if it in val_nan or it % 4 == 3:
+                    xv = xv_all[it].clone()
+                    if it in val_nan:
+                        xv[0, 0] = float("nan")
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        vl = nn.functional.cross_entropy(model(xv), yv)
+                    if raise_on_nan and not torch.isfinite(vl):
+                        raise FloatingPointError(f"val loss {vl.item()}")
+                    printed.append(f"{it} {vl.item():.6f}")
+            printed.append(repr(sum(p.double().sum().item() for p in model.parameters())))
+    except FloatingPointError:
+        pass  # the run ended on it, as a script's would
+    return doctor.session, printed
+
+
+def test_anomaly_mode_a_nan_batch_only_an_evaluation_forward_took_is_a_warning() -> None:
+    """Review 49a (c11), left open in anomaly mode: a validation forward run with grad on
+    whose batch held NaN, in a run whose training stayed finite, was an ERROR in anomaly
+    mode ("it came from the data") while the default mode says training took none of it."""
+    import amp_doctor
+
+    session, printed = _val_loop({7, 9})
+    errors = [f for f in session.findings if f.severity in ("error", "warning")]
+    assert [(f.kind, f.severity, f.step) for f in errors] == [
+        ("nonfinite_input", "warning", 8)]
+    f = errors[0]
+    assert f.data["dropped_only"] is True and f.data["occurrences"] == 2
+    assert "training took none of it" in f.message and "in 2 steps" in f.message
+    assert "no_grad" in f.advice
+    assert f.frame is not None and "_val_loop" in f.frame
+    # The same as the default mode says, and the run's numbers unchanged by either.
+    import torch
+    from torch import nn
+    plain = []
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    xv_all, yv = torch.randn(40, 8, 16), torch.randint(0, 4, (8,))
+    for it in range(40):
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if it in (7, 9) or it % 4 == 3:
+            xv = xv_all[it].clone()
+            if it in (7, 9):
+                xv[0, 0] = float("nan")
+            with torch.autocast("cpu", dtype=torch.float16):
+                vl = nn.functional.cross_entropy(model(xv), yv)
+            plain.append(f"{it} {vl.item():.6f}")
+    plain.append(repr(sum(p.double().sum().item() for p in model.parameters())))
+    assert printed == plain
+    assert isinstance(session, amp_doctor.Session)
+
+
+def test_anomaly_mode_a_nan_batch_stays_the_error_when_training_took_one_too() -> None:
+    session, _ = _val_loop({7}, train_nan={20})
+    errors = [f for f in session.findings if f.severity == "error"]
+    assert [(f.kind, f.step) for f in errors] == [("nonfinite_input", 8)]
+    assert not errors[0].data.get("dropped_only")
+
+
+def test_anomaly_mode_a_nan_batch_stays_the_error_when_the_loop_raised_on_it() -> None:
+    session, printed = _val_loop({7}, raise_on_nan=True)
+    assert printed[-1] == "3 " + printed[-1].split()[1] and len(printed) == 1
+    errors = [f for f in session.findings if f.severity == "error"]
+    assert ("nonfinite_input", 8) in [(f.kind, f.step) for f in errors]
+
+
+def test_a_layer_output_nan_whole_gets_no_absmax_point_but_a_zero_output_does() -> None:
+    """Review 52b: an output NaN whole was charted with absmax 0.0 (a dead layer's look);
+    the README says such a step has no point there."""
+    import math
+
+    import torch
+
+    from amp_doctor.dtypes import limits
+    from amp_doctor.records import LayerStep, TensorStats
+    from amp_doctor.sinks.tensorboard import layer_scalars
+
+    nan = math.nan
+    all_nan = TensorStats(numel=64, min=nan, max=nan, absmax=0.0, zero_frac=0.0,
+                          nonfinite_frac=1.0, overflow_frac=0.0, underflow_frac=0.0,
+                          headroom=math.inf)
+    got = layer_scalars(LayerStep(act=all_nan), limits(torch.float16))
+    assert "absmax" not in got and "headroom" not in got and got["nonfinite"] == 64
+    zeros = TensorStats(numel=64, min=0.0, max=0.0, absmax=0.0, zero_frac=1.0,
+                        nonfinite_frac=0.0, overflow_frac=0.0, underflow_frac=0.0,
+                        headroom=math.inf)
+    assert layer_scalars(LayerStep(act=zeros), limits(torch.float16))["absmax"] == 0.0

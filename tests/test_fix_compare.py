@@ -463,3 +463,34 @@ def test_what_if_lists_name_each_layer_apart_from_its_figures() -> None:
     assert ("tensors would lose values (to zero, or beyond the format's max in steps whose "
             "amax outran the delayed scale): layer 0 (gradients, e5m2: beyond the max in 1 "
             "step)") in fp8
+
+
+def test_fix_with_one_trial_tries_one_float32_set_not_only_the_baseline_again() -> None:
+    """Review 52a: `fix --trials 1` spent its one trial on the baseline's repeat, tried no
+    set, and said none removed the errors "within the trial budget"."""
+    calls: list[tuple[str, ...]] = []
+
+    def run(fp32: tuple[str, ...]) -> tuple[Session | None, int]:
+        calls.append(fp32)
+        return _run("hidden_op_overflow", "OutlierNet", fp32=fp32, steps=6, anomaly=True), 0
+
+    result = find_fix(run, max_trials=1)
+    assert calls == [(), (), ("mlp.act",)]  # baseline, its repeat, one set
+    assert result.best is not None and result.best.fp32 == ("mlp.act",)
+    assert "mixed precision is off" not in render_fix(result)  # one layer of three
+
+
+def test_fix_that_keeps_every_matmul_in_float32_says_mixed_precision_is_off() -> None:
+    """Review 52a: a regression head's raw targets "fixed" by the whole net in float32
+    read as the smallest fix, with no word that autocast no longer does anything."""
+    from amp_doctor.fix import FixResult, Trial
+
+    base = Trial((), "baseline", ("scale_collapse@net.head",), 0, 20, 1e9, 12)
+    best = Trial(("net",), "parent", (), 0, 20, 0.5, 0)
+    types = {"net": "Sequential", "net.fc1": "Linear", "net.act": "ReLU", "net.head": "Linear"}
+    text = " ".join(render_fix(FixResult(base, [best], best, layer_types=types,
+                                         models=["net"], device_type="cpu")).split())
+    assert "Smallest fix found: keep net in float32" in text
+    assert "2 of the model's 2 matmul/convolution layers" in text
+    assert "mixed precision is off for the whole model" in text
+    assert "Try the fix the diagnosis gives for the error first" in text

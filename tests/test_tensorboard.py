@@ -112,8 +112,8 @@ def _expected_layer(a: TensorStats | None, g: TensorStats | None) -> dict[str, f
                    nonfinite=round(a.nonfinite_frac * a.numel))
         if math.isfinite(a.headroom) and not a.nonfinite_frac:
             out["headroom"] = a.headroom
-        if math.isfinite(a.absmax):
-            out["absmax"] = a.absmax
+        if math.isfinite(a.absmax) and a.nonfinite_frac < 1.0:
+            out["absmax"] = a.absmax  # an output NaN whole has no finite value to chart
     if g is not None:
         out.update(grad_underflow=g.underflow_frac, grad_zeros=g.zero_frac,
                    grad_nonfinite=round(g.nonfinite_frac * g.numel))
@@ -211,6 +211,9 @@ def test_scalars_match_the_session_step_for_step(run: tuple[Path, Session]) -> N
     assert dict(_scalars(acc, "nonfinite/fc1"))[3] > 0
     assert 3 not in dict(_scalars(acc, "headroom/fc1"))
     assert 3 not in dict(_scalars(acc, "absmax/fc1"))
+    # fc2 carried it on, NaN whole: no absmax point of 0 (a dead layer's look).
+    assert s.history[3].layers["fc2"].act.nonfinite_frac == 1.0  # type: ignore[union-attr]
+    assert 3 not in dict(_scalars(acc, "absmax/fc2"))
     span = F16.max_exponent - F16.min_exponent
     for tag in acc.Tags()["scalars"]:
         # The culprits' own headroom chart is the documented exception: clipped at -span.

@@ -723,6 +723,14 @@ def _nonfinite_input(a: MessageArgs) -> str:
                 "backward (an evaluation with grad on)"
                 + (f"; the other {beside} step(s) went wrong for another reason (see the "
                    "other findings)." if beside else "."))
+    if d.get("dropped_only"):
+        n = int(d.get("occurrences") or 1)  # type: ignore[call-overload]
+        return (f"The batch passed to {F.layer(e.module)} held {nonfinite_what(d)}"
+                f"{_which_input(d)} " + (f"in {n} steps (first at step {e.step})" if n > 1
+                                         else f"at step {e.step}")
+                + f", and the model's output with it: {_DROPPED_SKIP}. The data was "
+                "non-finite before any layer ran; training took none of it (no step's loss "
+                "went NaN/inf).")
     return (f"The batch passed to {F.layer(e.module)} already holds {nonfinite_what(d)}"
             f"{_which_input(d)} ({_op_steps(a)}): it came from the data, not from a layer.")
 

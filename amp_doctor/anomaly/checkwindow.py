@@ -56,6 +56,21 @@ class CheckWindow:
         bad_steps = {s.step for s, b in zip(self.losses, bad, strict=True) if b}
         return frozenset(s.step for s in self.losses if s.step not in bad_steps)
 
+    def dropped_only_steps(self, grad_flags: list[bool]) -> frozenset[int]:
+        """The steps that went bad only in a forward the loop dropped before backward:
+        its output was NaN/inf while the step's own loss and gradients stayed finite
+        (``grad_flags``: :attr:`grads`' flags, read already). Syncs: abnormal window only."""
+        if not any(s.dropped for s in self.losses):
+            return frozenset()
+        home = self.losses[0].value.device
+        bad = torch.stack([s.value.to(home) for s in self.losses]).tolist()
+        count_sync()
+        dropped = {s.step for s, b in zip(self.losses, bad, strict=True) if b and s.dropped}
+        own_bad = {s.step for s, b in zip(self.losses, bad, strict=True) if b and not s.dropped}
+        own_bad |= {g.step for g, b in zip(self.grads, grad_flags, strict=True)
+                    if b and not g.dropped}
+        return frozenset(dropped - own_bad)
+
 
 def gather(p: OpWindow, calls: list[RootCall], grads: list[StepFlag],
            weights: list[StepFlag], losses: list[StepFlag] | None = None

@@ -188,6 +188,9 @@ class AnomalyMode:
         # Per model, the first batch that held NaN/inf in a step whose loss and gradients
         # stayed finite (the model handles such values, or that forward reached no backward).
         self._handled: dict[str, Event] = {}
+        # Bad calls whose step went bad only through a forward the loop dropped.
+        self._dropped_calls: list[tuple[RootCall, torch.Tensor, tuple[str, ...]]] = []
+        self._dropped_more: dict[str, int] = {}  # such calls beyond those kept, per model
         self._handled_keys: set[tuple[str, str]] = set()  # (model, input key)
         # The batches that held NaN/inf in a step that went wrong, with their bad inputs'
         # keys: judged at the end, when every step the model handled such values is known.
@@ -277,20 +280,54 @@ class AnomalyMode:
         (from the searched steps: the first step and those after a non-finite value)."""
         return self._recorder.op_dtypes()
 
-    def events(self) -> list[Event]:
+    @property
+    def saw_dropped_inputs(self) -> bool:
+        """Some batch that held NaN/inf went only to forwards the loop dropped: whether
+        training took none of it is judged with the run's losses (:meth:`events`)."""
+        return bool(self._dropped_calls)
+
+    def events(self, training_clean: bool = False) -> list[Event]:
+        """The run's events. ``training_clean``: no step's loss went NaN/inf and the run
+        ended well, so a batch only dropped forwards took harmed nothing."""
         out = self._log.events()
-        out.extend(self._input_events())
+        out.extend(self._input_events(training_clean))
         return out
 
-    def _input_events(self) -> list[Event]:
+    def _dropped_input_events(self) -> list[Event]:
+        """A warning per model whose bad batches only forwards the loop dropped took, in
+        a run whose training stayed finite (the default mode's rule, review 49a)."""
+        by_module: dict[str, list[tuple[RootCall, torch.Tensor, tuple[str, ...]]]] = {}
+        for call in self._dropped_calls:
+            by_module.setdefault(call[0].module, []).append(call)
+        out = []
+        for calls in by_module.values():
+            c, r, keys = min(calls, key=lambda x: x[0].step)
+            e = input_event(c, r)
+            n = len({x[0].step for x in calls}) + self._dropped_more.get(c.module, 0)
+            e.data.update(dropped_only=True, severity="warning", harmful=n, occurrences=n)
+            if len(c.keys) > 1 and keys[0]:
+                e.data.update(input=input_label(keys[0]), inputs=len(c.keys))
+            out.append(e)
+        return out
+
+    def _input_events(self, training_clean: bool = False) -> list[Event]:
         """The batches judged (see :meth:`_finish`): an error per model given an input that
         held NaN/inf in a step that went wrong and that it does not handle in others (a
         second input it does not clean); an info per model that took every such batch in
         its stride, or whose bad steps went wrong for another reason (a GradScaler
-        calibrating, a layer's overflow: review 49b)."""
+        calibrating, a layer's overflow: review 49b); a warning per model whose bad
+        batches only forwards the loop dropped took, when ``training_clean``."""
         culprits: dict[str, list[tuple[RootCall, torch.Tensor, tuple[str, ...]]]] = {}
         handled = {m: dataclasses.replace(e, data=dict(e.data)) for m, e in self._handled.items()}
-        for c, r, keys in self._bad_calls:
+        dropped: list[Event] = []
+        bad_calls = self._bad_calls
+        if training_clean:
+            dropped = self._dropped_input_events()
+        elif self._dropped_calls:
+            # Training went wrong somewhere, or the run ended on an error (a loop that
+            # raises on the NaN loss before backward): the batch is the cause, as before.
+            bad_calls = sorted(bad_calls + self._dropped_calls, key=lambda x: x[0].step)
+        for c, r, keys in bad_calls:
             bad = [k for k in keys if (c.module, k) not in self._handled_keys]
             if bad or c.module not in handled:
                 culprits.setdefault(c.module, []).append((c, r, tuple(bad or keys)))
@@ -312,7 +349,7 @@ class AnomalyMode:
                     e.data["occurrences"] = len({x.step for x, _, _ in calls})
                 out.append(e)
             handled.pop(m, None)
-        return out + list(handled.values())
+        return out + list(handled.values()) + dropped
 
     # -- the per-step check ------------------------------------------------------
     def check_inputs(self, module: str, args: Any, root: nn.Module | None = None,
@@ -476,8 +513,10 @@ class AnomalyMode:
                 # gradients stayed finite too.
                 at = pos
                 loss_ok = w.finite_loss_steps()
-                calm = loss_ok - {g.step for g, b in zip(
-                    w.grads, host[at:at + len(w.grads)].tolist(), strict=True) if b}
+                grad_flags = host[at:at + len(w.grads)].tolist()
+                calm = loss_ok - {g.step for g, b in zip(w.grads, grad_flags, strict=True)
+                                  if b}
+                dropped_only = w.dropped_only_steps(grad_flags)
                 made: set[int] = set()  # steps in which a model's output went bad
                 for c, b, r in zip(w.calls, bad.tolist(), rows, strict=True):
                     if not b:
@@ -486,6 +525,17 @@ class AnomalyMode:
                         made.add(c.step)
                     elif c.step in calm:
                         self._handled_input(c, r, self._bad_keys(c))
+                    elif c.step in dropped_only:
+                        # Only a forward the loop dropped took it (or an evaluation with
+                        # grad on): judged at the end, with the run's losses (review 49a).
+                        # Bounded as bad calls are: rows for the first few per model.
+                        if sum(x[0].module == c.module for x in self._dropped_calls
+                               ) < MAX_EVENTS_PER_KEY:
+                            self._dropped_calls.append((c, r, self._bad_keys(c)))
+                        else:
+                            self._dropped_more[c.module] = self._dropped_more.get(
+                                c.module, 0) + 1
+                        self._input_steps.add(c.step)
                     elif c.step not in made:
                         # The step went wrong (or only its gradients did: a GradScaler
                         # calibrating, or a NaN sample the loss leaves out), or the weights

@@ -56,6 +56,9 @@ class StepFlag:
 
     step: int
     value: torch.Tensor
+    # The flag of a forward the loop dropped before backward (its output went NaN/inf):
+    # a bad step, whose loss and gradients may still have been finite.
+    dropped: bool = False
 
 
 def norm_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -182,21 +185,21 @@ class StepCheck:
         check (a device bool), when it had one. ``dropped_bad``: a forward the loop
         dropped before backward had a NaN/inf output (its loss never reached backward):
         flagged as a bad step, and as a bad loss."""
-        if dropped_bad is not None:
-            loss_bad = dropped_bad if loss_bad is None else loss_bad | dropped_bad.to(
-                loss_bad.device)
         if loss_bad is not None:
             self.losses.append(StepFlag(step, loss_bad))
+        if dropped_bad is not None:
+            self.losses.append(StepFlag(step, dropped_bad, dropped=True))
         if self._stepped:
             flags, self._stepped = self._stepped, []
         else:
             grads = [g for p in self.watched_params() if (g := p.grad) is not None]
             with own_ops:
                 flags = norm_sums(grads)
+        self.grads.extend(StepFlag(step, f) for f in flags)
         if dropped_bad is not None:
             with own_ops:
-                flags = [*flags, torch.where(dropped_bad, math.inf, 0.0).double()]
-        self.grads.extend(StepFlag(step, f) for f in flags)
+                self.grads.append(StepFlag(step, torch.where(dropped_bad, math.inf, 0.0).double(),
+                                           dropped=True))
         self.light_steps += 1
 
     def take(self) -> tuple[list[RootCall], list[StepFlag], list[StepFlag], list[StepFlag]]:

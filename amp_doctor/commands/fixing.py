@@ -31,7 +31,7 @@ __all__ = ["fix"]
 @click.option("--max-steps", "old_max_steps", type=click.IntRange(min=1), default=None,
               hidden=True)
 @click.option("--trials", type=click.IntRange(min=1), default=None,
-              help="Most trial runs after the baseline [default: 12].")
+              help="Most float32 layer sets to try [default: 12].")
 @click.option("--anomaly/--no-anomaly", default=True, show_default=True,
               help="Name op-level origins in every trial (slower, more precise culprits).")
 @click.option("--target-dtype", type=click.Choice(["float16", "float8"]), default=None,

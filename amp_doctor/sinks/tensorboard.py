@@ -320,7 +320,8 @@ def layer_scalars(ls: LayerStep, fmt: FormatLimits) -> dict[str, float]:
         out["zeros"] = a.zero_frac
         if math.isfinite(a.headroom) and not a.nonfinite_frac:
             out["headroom"] = a.headroom
-        if math.isfinite(a.absmax):
+        if math.isfinite(a.absmax) and a.nonfinite_frac < 1.0:
+            # (An output NaN whole has no finite value: its 0 read as a dead layer.)
             out["absmax"] = a.absmax
         out["nonfinite"] = _count(a, a.nonfinite_frac)
     if (g := ls.grad) is not None and g.numel:
