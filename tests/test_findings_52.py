@@ -12,6 +12,7 @@ search ("nothing to fix").
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -266,3 +267,94 @@ def test_a_layer_output_nan_whole_gets_no_absmax_point_but_a_zero_output_does() 
                         nonfinite_frac=0.0, overflow_frac=0.0, underflow_frac=0.0,
                         headroom=math.inf)
     assert layer_scalars(LayerStep(act=zeros), limits(torch.float16))["absmax"] == 0.0
+
+
+def _forecaster(float32_stat: bool) -> tuple[object, list[float]]:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    import amp_doctor
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(dim))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if float32_stat:
+                var = x.float().pow(2).mean(-1, keepdim=True)
+                return (x.float() * torch.rsqrt(var + 1e-6)).type_as(x) * self.weight
+            var = x.pow(2).mean(-1, keepdim=True)  # inf in float16 once |x| > 256
+            return x * torch.rsqrt(var + 1e-6) * self.weight
+
+    class Block(nn.Module):
+        def __init__(self, dim: int) -> None:
+            super().__init__()
+            self.norm = RMSNorm(dim)
+            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.mlp(self.norm(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(6, 32)
+            self.blocks = nn.ModuleList([Block(32) for _ in range(2)])
+            self.norm_f = RMSNorm(32)
+            self.head = nn.Linear(32, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            for b in self.blocks:
+                h = b(h)
+            return self.head(self.norm_f(h))
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    # Raw station features (irradiance in W/m^2, degrees, %): not standardised.
+    X = torch.rand(2048, 6, generator=g) * torch.tensor([1000.0, 360, 100, 8, 24, 20])
+    y = (X[:, :1] / 1000 - X[:, 2:3] / 300)
+    y = (y - y.mean()) / y.std()
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    losses = []
+    with amp_doctor.watch(model, every=5, tensorboard=False) as doctor:
+        for _ in range(30):
+            idx = torch.randint(0, len(X), (128,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(X[idx]).float(), y[idx])
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    return doctor.session, losses
+
+
+def test_a_hand_written_rmsnorm_whose_square_overflows_zeroes_rows_silently() -> None:
+    """Review 52a (s4): `x.pow(2).mean()` in float16 is inf for the rows with an |x| > 256,
+    and `x * rsqrt(inf)` zeroes them: two thirds of every norm's rows, the loss finite, no
+    backoff beyond the start-up. The report said nothing (0 errors), and the norms read as
+    float32 layers (their `* weight` returns float32)."""
+    session, losses = _forecaster(float32_stat=False)
+    assert all(math.isfinite(v) for v in losses)
+    norms = [lay for lay in session.layers if lay.type == "RMSNorm"]  # type: ignore[attr-defined]
+    assert [lay.name for lay in norms] == ["blocks.0.norm", "blocks.1.norm", "norm_f"]
+    assert all(lay.zero_frac > 0.3 for lay in norms)
+    errors = [f for f in session.findings if f.severity == "error"]  # type: ignore[attr-defined]
+    assert [(f.kind, f.module) for f in errors] == [("zeroed_output", "blocks.0.norm")]
+    e = errors[0]
+    assert e.data["partly"] and e.data["also"] == ["blocks.1.norm", "norm_f"]
+    assert e.data["input_from"] == "inp" and e.data["input_absmax"] > 256
+    assert "x.float().pow(2).mean(-1, keepdim=True)" in e.advice
+    assert "--fp32 blocks.0.norm --fp32 blocks.1.norm --fp32 norm_f" in e.message
+
+
+def test_the_rmsnorm_with_its_statistic_in_float32_has_no_zeroed_rows() -> None:
+    session, _ = _forecaster(float32_stat=True)
+    norms = [lay for lay in session.layers if lay.type == "RMSNorm"]  # type: ignore[attr-defined]
+    assert norms and all(lay.zero_frac < 0.01 for lay in norms)
+    assert not session.findings_of("zeroed_output")  # type: ignore[attr-defined]

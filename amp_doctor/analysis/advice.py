@@ -316,6 +316,13 @@ ADVICE: dict[str, str] = {
         "layer in float32: try it with `amp-doctor diagnose --fp32 <layer>`, then in code "
         "`with torch.autocast(device_type, enabled=False): y = layer(x.float())`."
     ),
+    "zeroed_output_partly": (
+        "Compute the norm's statistic in float32 and cast back: `var = x.float().pow(2)"
+        ".mean(-1, keepdim=True); y = (x.float() * torch.rsqrt(var + eps)).type_as(x) * "
+        "weight` (as LLaMA's RMSNorm does), or run the layer in float32: try it with "
+        "`amp-doctor diagnose --fp32 <layer>`. `amp-doctor diagnose --anomaly` names the op "
+        "and its line. bfloat16 also keeps such squares finite."
+    ),
     "output_resolution": (
         "Run the output layer in float32: try it with `amp-doctor diagnose --fp32 <layer>`, "
         "then in code `with torch.autocast(device_type, enabled=False): y = head(h.float())`; "

@@ -18,6 +18,8 @@ __all__ = [
     "ACT_UNDERFLOW_WARN",
     "DIVERGED_LOSS_RISE",
     "STARVED_ZERO_FRAC",
+    "PARTLY_ZEROED_FRAC",
+    "ZEROS_OF_INPUT_RATIO",
     "SHRUNK_GRAD_BITS",
     "TREND_MIN_STEPS",
     "WHOLLY_NONFINITE_FRAC",
@@ -64,6 +66,11 @@ TREND_MIN_STEPS = 2
 # A layer whose weight gradients were at least this share exact zeros, flushed on their
 # way back from a later layer, gets no update: it does not train (an error, not a warning).
 STARVED_ZERO_FRAC = 0.999
+# A layer with weights whose float16 output holds at least this share of exact zeros,
+# from inputs with at most ZEROS_OF_INPUT_RATIO times as many, is partly zeroed (an op
+# inside it overflowed and was divided by, row by row): an error (zeroed.py).
+PARTLY_ZEROED_FRAC = 0.10
+ZEROS_OF_INPUT_RATIO = 0.1
 # The recorded loss rising more than this many times above its running minimum before
 # its first non-finite value is a run diverging (a learning rate too high): its overflow
 # is the divergence's end, not its cause (see analysis.divergence).

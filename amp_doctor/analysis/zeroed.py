@@ -20,8 +20,12 @@ from collections.abc import Iterable
 from amp_doctor import format as F
 from amp_doctor.analysis.advice import ADVICE
 from amp_doctor.analysis.dataflow import layers_after, layers_before, producers
-from amp_doctor.analysis.thresholds import STARVED_ZERO_FRAC
-from amp_doctor.dtypes import LOW_PRECISION_NAMES
+from amp_doctor.analysis.thresholds import (
+    PARTLY_ZEROED_FRAC,
+    STARVED_ZERO_FRAC,
+    ZEROS_OF_INPUT_RATIO,
+)
+from amp_doctor.dtypes import FORMAT_MAX, LOW_PRECISION_NAMES
 from amp_doctor.records import Finding, LayerSummary, Session
 
 __all__ = ["zeroed_findings", "fold_zeroed"]
@@ -29,6 +33,8 @@ __all__ = ["zeroed_findings", "fold_zeroed"]
 # Layers that make zeros of negative values by design: all-zero output from an input
 # with no positive value is a dead unit, not an op that overflowed.
 _RECTIFIERS = frozenset({"ReLU", "ReLU6", "Threshold", "Hardtanh"})
+# The layers a partly zeroed finding's `--fp32` hint names, at most.
+MAX_NAMED_FP32 = 4
 # One recorded step's zeros may be a zero-initialised layer's first step.
 MIN_RECORDED = 2
 # Findings of the layers after it that only follow from the constant it fed them.
@@ -53,7 +59,66 @@ def _zeroed(session: Session, lay: LayerSummary) -> list[LayerSummary] | None:
     return fed or None
 
 
+def _partly_zeroed(session: Session, lay: LayerSummary) -> list[LayerSummary] | None:
+    """Its float16 inputs (the layers that fed it), when its output held many more exact
+    zeros than any of them and one of them was large enough that its square overflows
+    float16; None for any other layer. A hand-written norm's ``x.pow(2).mean()`` is inf
+    for the rows with an |x| > 256, and ``x * rsqrt(inf)`` zeroes those rows only
+    (review 52a: two thirds of every RMSNorm's rows, the loss finite and no backoff)."""
+    if (lay.recorded_steps < MIN_RECORDED or lay.passthrough or lay.nonfinite_steps
+            or not lay.param_dtypes or lay.type in _RECTIFIERS
+            or "float16" not in lay.input_dtypes
+            or not PARTLY_ZEROED_FRAC <= lay.zero_frac < 1.0):
+        return None
+    fed = [p for p in producers(session, lay) if p.recorded_steps]
+    if not fed or any(p.zero_frac > lay.zero_frac * ZEROS_OF_INPUT_RATIO for p in fed):
+        return None  # the zeros may be the input's own (a ReLU before it)
+    if max(p.absmax for p in fed) ** 2 <= FORMAT_MAX["float16"]:
+        return None
+    return fed
+
+
+def _partly_zeroed_findings(session: Session) -> Iterable[Finding]:
+    """One finding per layer type (its instances share the code that overflows)."""
+    by_type: dict[str, list[tuple[LayerSummary, list[LayerSummary]]]] = {}
+    for lay in session.layers:
+        fed = _partly_zeroed(session, lay)
+        if fed is not None:
+            by_type.setdefault(lay.type, []).append((lay, fed))
+    for found in by_type.values():
+        lay, fed = found[0]
+        src = max(fed, key=lambda p: p.absmax)
+        also = [x.name for x, _ in found[1:]]
+        same = (f" So were {F.counted(len(also), 'other layer')} of its type, fed alike: "
+                f"{', '.join(F.layer(n) for n in also[:6])}" + (", ..." if len(also) > 6 else "")
+                + "." if also else "")
+        why = (" In float16 that is the mark of an op inside it that overflowed to inf and was "
+               "then divided by: a hand-written norm's `x.pow(2).mean()` is inf for every row "
+               f"with an |x| > 256 (its input reached {F.num(src.absmax)}), and "
+               "`x * torch.rsqrt(inf)` is 0. Those rows (samples, tokens) are zeroed silently: "
+               "the loss stays finite, no GradScaler backoff shows it, and they give the "
+               "layers before it no gradient. `"
+               + " ".join(f"--fp32 {n}" for n in [lay.name, *also][:MAX_NAMED_FP32])
+               + f"` runs {'them' if also else 'it'} in float32 without editing the code; "
+               "anomaly mode (`--anomaly`) names the op and its line.")
+        yield Finding(
+            kind="zeroed_output", severity="error",
+            module=lay.name, op=None, step=None,
+            message=(f"{F.layer(lay.name)} ({lay.type})'s output was exactly zero in "
+                     f"{F.pct(lay.zero_frac)} of its values over {lay.recorded_steps} recorded "
+                     f"steps, though its float16 input had almost none ({F.layer(src.name)}'s "
+                     f"output: {F.pct(src.zero_frac)} zeros, absmax {F.num(src.absmax)})."
+                     + same + why),
+            advice=ADVICE["zeroed_output_partly"],
+            data={"input_absmax": src.absmax, "input_from": src.name, "partly": True,
+                  "zero_frac": lay.zero_frac, "also": also, "starved_layers": [],
+                  "own_weights_starved": False, "after": [], "dtype": "float16",
+                  "hint": why},
+        )
+
+
 def zeroed_findings(session: Session) -> Iterable[Finding]:
+    yield from _partly_zeroed_findings(session)
     for lay in session.layers:
         fed = _zeroed(session, lay)
         if fed is None:
@@ -107,10 +172,12 @@ def fold_zeroed(session: Session, out: list[Finding]) -> list[Finding]:
     for f in out:
         root = next((r for r in roots if (
             f.kind in _DOWNSTREAM_KINDS and f.module in r.data["after"]) or (
-            f.kind == "nonfinite_discarded" and f.module == r.module)), None)
+            f.kind in ("nonfinite_discarded", "activation_overflow") and f.op
+            and (f.kind == "nonfinite_discarded" or f.data.get("hidden"))
+            and f.module in (r.module, *r.data.get("also", ())))), None)
         if root is None:
             result.append(f)
-        elif f.kind == "nonfinite_discarded" and id(root) not in named:
+        elif f.kind in ("nonfinite_discarded", "activation_overflow") and id(root) not in named:
             named[id(root)] = f  # its op names the cause: said in the root's message
         else:
             result.append(dataclasses.replace(

@@ -154,13 +154,15 @@ def next_steps(session: Session) -> list[str]:
     # and a whole model in float32 is no mixed precision left to try.
     roots = set(session.run.models)
     layers = list(dict.fromkeys(
-        _fp32_target(session, f) for f in errors
+        # (A zeroed norm's other instances, which share its code, with it.)
+        name for f in errors
         if f.kind in ERROR_KINDS_FIXED_BY_FP32 and f.module and f.module not in roots
         and not f.data.get("loss_too_large")
         and not (f.kind == "nonfinite_forward" and inputs_held_inf(f.data))
         and not (f.kind in ("nonfinite_forward", "nonfinite_backward")
                  and f.data.get("dtype") in WIDE_FORMATS)
-        and not (f.kind == "nonfinite_forward" and spread_nan(f.op, f.data))))
+        and not (f.kind == "nonfinite_forward" and spread_nan(f.op, f.data))
+        for name in (_fp32_target(session, f), *map(str, f.data.get("also") or ()))))
     # Each error is an independent cause (follow-ons were folded): try them together.
     layers = [n for n in layers if not any(n.startswith(m + ".") for m in layers)]
     layers = layers[:MAX_NEXT_FP32]
