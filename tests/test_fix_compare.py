@@ -494,3 +494,25 @@ def test_fix_that_keeps_every_matmul_in_float32_says_mixed_precision_is_off() ->
     assert "2 of the model's 2 matmul/convolution layers" in text
     assert "mixed precision is off for the whole model" in text
     assert "Try the fix the diagnosis gives for the error first" in text
+
+
+def test_compare_keeps_a_scale_collapse_that_moved_to_another_layer_unchanged() -> None:
+    """Review 52a: with the blamed head in float32 the collapse remained, blamed on the
+    layer before it: compare said "1 error(s) resolved, 1 new" (matched by module)."""
+    import dataclasses
+
+    a = _run("scale_collapse", "PriceRegressor", steps=30)
+    (ca,) = a.findings_of("scale_collapse")
+    assert ca.severity == "error"
+    b = dataclasses.replace(a, findings=[
+        dataclasses.replace(f, module="elsewhere") if f.kind == "scale_collapse" else f
+        for f in a.findings])
+    c = compare(a, b, "before", "after")
+    (d,) = [x for x in c.findings if x.kind == "scale_collapse"]
+    assert d.status == "unchanged" and d.module == f"{ca.module} -> elsewhere"
+    assert "0 error(s) resolved, 0 new, 1 unchanged" in render(c)
+    # A layer's own finding that moved is another layer's problem: resolved and new.
+    b2 = dataclasses.replace(a, findings=[
+        *a.findings, dataclasses.replace(ca, kind="activation_overflow", module="x")])
+    assert [x.status for x in compare(a, b2).findings if x.kind == "activation_overflow"
+            ] == ["new"]

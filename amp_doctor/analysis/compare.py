@@ -241,6 +241,25 @@ def _layer_deltas(a: Session, b: Session) -> list[LayerDelta]:
     return out
 
 
+# Findings about the whole run, whose module only names where they showed first: one
+# in each run is the same problem, moved (review 52a: a scale collapse blamed on the
+# head, then, with the head in float32, on the layer before it, read as "1 resolved, 1
+# new").
+RUN_LEVEL_KINDS = ("scale_collapse", "nonfinite_loss", "nonfinite_unlocated", "fp8_readiness")
+
+
+def _moved(fa: dict[_Key, Finding], fb: dict[_Key, Finding]) -> dict[_Key, _Key]:
+    """A's key -> B's, for a run-level finding each run has once, under another module."""
+    out: dict[_Key, _Key] = {}
+    for kind in RUN_LEVEL_KINDS:
+        only_a = [k for k in fa if k[0] == kind and k not in fb]
+        only_b = [k for k in fb if k[0] == kind and k not in fa]
+        if (len(only_a) == len(only_b) == 1 and only_a[0][3] == only_b[0][3]
+                and sum(k[0] == kind for k in fa) == sum(k[0] == kind for k in fb) == 1):
+            out[only_a[0]] = only_b[0]
+    return out
+
+
 def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> Comparison:
     """What changed from run A to run B."""
     fa: dict[_Key, Finding] = {}
@@ -250,9 +269,14 @@ def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> C
     for f in b.findings:
         fb.setdefault(_key(f), f)
     rank = {s: i for i, s in enumerate(SEVERITIES)}
+    moved = _moved(fa, fb)
     deltas = []
     for k in [*fa, *(k for k in fb if k not in fa)]:
+        if k in moved.values():
+            continue  # B's side of a run-level finding that moved: said with A's
         x, y = fa.get(k), fb.get(k)
+        if k in moved:
+            y = fb[moved[k]]
         sa, sb = (x.severity if x else None), (y.severity if y else None)
         if x and y:
             # A problem that is now only a note is resolved; the reverse is new.
@@ -263,9 +287,12 @@ def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> C
         worst = min((v for v in (sa, sb) if v is not None), key=lambda v: rank.get(v, 9))
         g = y if y is not None else x
         assert g is not None
+        module = g.module
+        if x and y and x.module != y.module:
+            module = f"{x.module or '-'} -> {y.module or '-'}"
         deltas.append(FindingDelta(
             status=status, kind=g.kind, severity=worst, severity_a=sa, severity_b=sb,
-            module=g.module, op=g.op, count_a=x.count if x else 0,
+            module=module, op=g.op, count_a=x.count if x else 0,
             count_b=y.count if y else 0, message=g.message))
     status_rank = {"resolved": 0, "new": 1, "unchanged": 2}
     deltas.sort(key=lambda d: (status_rank[d.status], rank.get(d.severity, 9)))
