@@ -358,3 +358,37 @@ def test_the_rmsnorm_with_its_statistic_in_float32_has_no_zeroed_rows() -> None:
     norms = [lay for lay in session.layers if lay.type == "RMSNorm"]  # type: ignore[attr-defined]
     assert norms and all(lay.zero_frac < 0.01 for lay in norms)
     assert not session.findings_of("zeroed_output")  # type: ignore[attr-defined]
+
+
+def test_anomaly_modes_overflow_of_a_regression_head_says_to_standardise_the_targets() -> None:
+    """Review 52a (s2): a price regressor on raw targets; the default mode's error on the
+    head said to standardise them, anomaly mode's op (aten.addmm in it) to scale an
+    attention score down (`q * d**-0.5`)."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    import amp_doctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[2].bias.fill_(6.3e4)  # started near the prices' mean, in raw dollars
+        model[2].weight.mul_(1e5)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+        for _ in range(6):
+            x = torch.randn(16, 8)
+            y = 7e4 + 1e4 * torch.randn(16, 1)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    errors = [f for f in doctor.session.findings if f.severity == "error"]
+    assert [(f.kind, f.module, f.op) for f in errors] == [
+        ("nonfinite_forward", "2", "aten.addmm")]
+    assert errors[0].advice.startswith("This layer returns the model's output")
+    assert "Standardise the targets" in errors[0].advice and "d**-0.5" not in errors[0].advice

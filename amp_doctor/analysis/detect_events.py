@@ -217,6 +217,15 @@ def event_findings(session: Session) -> Iterable[Finding]:
             # skips by design (its backoff finding says "nothing to fix" too).
             first = dataclasses.replace(first, data={
                 **first.data, "advice": ADVICE["scaled_backward_probe"]})
+        if (kind == "nonfinite_forward" and module is not None and op in PRODUCT_OPS
+                and first.data.get("pos_inf") and not first.data.get("nan")
+                and _returns_model_output(session, module)):
+            # A product in the layer that returns the model's output went past float16's
+            # max: the prediction is that large, as the default mode's finding of the same
+            # layer says, not an attention score to scale down (review 52a: a regression
+            # head on raw prices, whose --anomaly advice was `q * d**-0.5`).
+            first = dataclasses.replace(first, data={
+                **first.data, "advice": ADVICE["activation_overflow_output"]})
         if kind == "nonfinite_loss" and first.data.get("began_unrecorded"):
             # Where it began was not recorded: how to see it, not a fix for where it showed.
             first = dataclasses.replace(first, data={**first.data, "advice": unlocated_advice(
@@ -242,6 +251,15 @@ def event_findings(session: Session) -> Iterable[Finding]:
             frame=first.frame, count=n, steps=steps[:MAX_STEPS_KEPT],
             data={k: v for k, v in first.data.items() if k not in ("message", "advice")},
         )
+
+
+# Ops of a Linear, a matmul: what a layer that returns the model's output computes it with.
+PRODUCT_OPS = frozenset({"aten.mm", "aten.addmm", "aten.matmul", "aten.linear", "aten.bmm"})
+
+
+def _returns_model_output(session: Session, module: str) -> bool:
+    lay = next((x for x in session.layers if x.name == module), None)
+    return lay is not None and lay.model_output and not lay.passthrough
 
 
 def _overflowed_itself(session: Session, module: str) -> bool:
