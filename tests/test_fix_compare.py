@@ -226,10 +226,19 @@ def test_diagnose_points_to_the_next_step_and_a_fp32_run_is_not_told_to_keep_it(
         f"{sample}",
         "amp-doctor: next: to name the op and the line that made the first inf/NaN: "
         f"amp-doctor diagnose --anomaly {sample}"]
+    # The report file ends with them too (review 52b: on the terminal only, they scrolled
+    # away), and `amp-doctor report` renders that file again from the JSON.
+    text = (tmp_path / "a" / "report.txt").read_text()
+    assert text.endswith("\nNext:\n" + "".join(
+        "- " + ln.removeprefix("amp-doctor: next: ") + "\n" for ln in nexts))
+    again = subprocess.run([console_script(), "report", str(tmp_path / "a")],
+                           capture_output=True, text=True, timeout=300)
+    assert again.stdout == text
     fixed = subprocess.run([console_script(), "diagnose", "--no-tensorboard", "--logdir",
                             str(tmp_path / "b"), "--fp32", "proj", str(sample)],
                            capture_output=True, text=True, timeout=300)
     assert "amp-doctor: next:" not in fixed.stderr
+    assert "\nNext:\n" not in (tmp_path / "b" / "report.txt").read_text()
     (f,) = [f for f in Session.load(tmp_path / "b" / "amp_doctor.json").findings
             if f.module == "proj" and f.kind == "activation_overflow"]
     assert f.severity == "info" and "ran in float32 by --fp32" in f.message

@@ -51,9 +51,17 @@ def write_or_warn(write: Any, path: Path, console: Console) -> bool:
 
 
 def render_report(session: Session) -> str:
+    """The text report as its file holds it: the report, then what to run next (review
+    52b: the `next:` commands were on the terminal only, gone once it scrolled)."""
     from amp_doctor.sinks.text import render_text
 
-    return render_text(session)
+    return render_text(session) + next_section(session)
+
+
+def next_section(session: Session) -> str:
+    """The `next:` commands as the report file's last section ("" when there are none)."""
+    lines = [x.removeprefix(NEXT_PREFIX) for x in next_steps(session)]
+    return "\nNext:\n" + "".join(f"- {x}\n" for x in lines) if lines else ""
 
 
 def publish(session: Session, logdir: Path, json_out: Path | None, report_out: Path | None,
@@ -72,15 +80,17 @@ def publish(session: Session, logdir: Path, json_out: Path | None, report_out: P
         finally:
             console.close()
     from amp_doctor.sinks.jsonfile import write_json, write_text_atomic
+    from amp_doctor.sinks.text import render_text
 
-    text = render_report(session)
+    text = render_text(session)  # the terminal's: its `next:` lines come last, below
     text_file = text_report_path(logdir)
     if text_file.name != TEXT_NAME:
         console.echo(f"amp-doctor: {logdir / TEXT_NAME} is not amp-doctor's (the script's "
                      f"own?): it is kept, and the report goes to {text_file.name} beside it.")
-    write_or_warn(lambda: write_text_atomic(text_file, text), text_file, console)
+    file_text = text + next_section(session)
+    write_or_warn(lambda: write_text_atomic(text_file, file_text), text_file, console)
     if report_out is not None:
-        write_or_warn(lambda: write_text_atomic(report_out, text), report_out, console)
+        write_or_warn(lambda: write_text_atomic(report_out, file_text), report_out, console)
     if json_out is not None:
         write_or_warn(lambda: write_json(session, json_out), json_out, console)
     print_user_exit(exc, console)
@@ -99,6 +109,8 @@ def publish(session: Session, logdir: Path, json_out: Path | None, report_out: P
 
 # The layers at most one `next:` line puts in float32.
 MAX_NEXT_FP32 = 4
+# What each line of :func:`next_steps` starts with on the terminal.
+NEXT_PREFIX = "amp-doctor: next: "
 
 
 # How many steps past the first error's step a suggested `fix` trial runs.

@@ -21,7 +21,8 @@ __all__ = ["compare", "report"]
               show_default=True)
 def report(run: Path, fmt: str) -> None:
     """Render RUN (a run directory or its amp_doctor.json) from the JSON alone."""
-    from amp_doctor.sinks.text import render_markdown, render_text
+    from amp_doctor.commands.publish import render_report
+    from amp_doctor.sinks.text import render_markdown
 
     session = load_session(run)
     if fmt == "json":
@@ -29,7 +30,7 @@ def report(run: Path, fmt: str) -> None:
     elif fmt == "markdown":
         click.echo(render_markdown(session), nl=False)
     else:
-        click.echo(render_text(session), nl=False)
+        click.echo(render_report(session), nl=False)  # as its report.txt holds it
 
 
 @click.command(short_help="Compare two saved runs (e.g. before and after a fix).")
