@@ -525,3 +525,21 @@ def test_compare_keeps_a_scale_collapse_that_moved_to_another_layer_unchanged() 
         *a.findings, dataclasses.replace(ca, kind="activation_overflow", module="x")])
     assert [x.status for x in compare(a, b2).findings if x.kind == "activation_overflow"
             ] == ["new"]
+
+
+def test_fp8_readiness_with_nothing_lost_has_no_remedy_for_losses() -> None:
+    """Review 52a: the all-fine FP8 note ("keep at least 99.9% of their values") still
+    advised finer scales and shorter amax windows for losses it had none of."""
+    from amp_doctor.analysis.whatif import AFFECTED_SHARE
+
+    torch.manual_seed(0)
+    model = MLP()
+    with amp_doctor.watch(model, every=1, tensorboard=False, target_dtype="float8") as w:
+        train(model, steps=6)
+    (f,) = w.session.findings_of("fp8_readiness")
+    rows = f.data["rows"]
+    assert rows and not any(r["zero_share"] >= AFFECTED_SHARE or r["steps_amax_beyond_scale"]
+                            for r in rows)  # the all-fine case
+    assert f.severity == "info" and "keep at least" in f.message
+    assert f.advice.startswith("Nothing to fix for FP8 in the recorded steps")
+    assert "finer scale" not in f.advice

@@ -324,7 +324,10 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
             step=None, message=msg,
             advice=("Layers that lose values to zero need a finer scale (per-channel or "
                     "per-block scaling) or must stay in 16-bit; a large amax spread or an "
-                    "amax that outruns the scale needs a shorter amax window."),
+                    "amax that outruns the scale needs a shorter amax window." if bad else
+                    # (Review 52a: the all-fine note kept the remedy for losses it had none of.)
+                    "Nothing to fix for FP8 in the recorded steps: per-tensor delayed "
+                    "scaling would keep these tensors' values."),
             data={"rows": [asdict(r) for r in rows8], "window": FP8_AMAX_WINDOW},
         ))
     return out
