@@ -1044,8 +1044,7 @@ class Watch:
         self._totals = self._loop.run_totals(
             want_loss=self._folder.any_loss_bad or dropped_inputs)
         if anomaly is not None:
-            ended_well = self._run_meta.get("outcome", "completed") in ("completed", "stopped")
-            events.extend(anomaly.events(training_clean=dropped_inputs and ended_well
+            events.extend(anomaly.events(training_clean=dropped_inputs and self._ended_well()
                                          and not self._folder.any_loss_bad
                                          and self._totals.loss_bad == 0))
         self._extra_events.extend(self._batch_events())
@@ -1125,6 +1124,10 @@ class Watch:
         out.extend(self._dropped_events())
         return out + self._folder.lowp_events(d for m in metas for d in m.param_dtypes)
 
+    def _ended_well(self) -> bool:
+        """The run completed, or was stopped on purpose: not ended on an error."""
+        return self._run_meta.get("outcome", "completed") in ("completed", "stopped")
+
     def _batch_events(self) -> list[Event]:
         """The batches of unrecorded steps that held NaN/inf (see
         :mod:`amp_doctor.steps.batches`): they join the recorded steps' ``nonfinite_input``
@@ -1167,9 +1170,8 @@ class Watch:
         # the loop dropped them (or they were an evaluation with grad on), and training
         # took none of it (review 49a). Not in a run that ended on an error: a loop that
         # raises on a NaN loss before backward ended there.
-        ended_well = self._run_meta.get("outcome", "completed") in ("completed", "stopped")
         dropped_only = (bool(harmful) and got.dropped == harmful and got.first_loss_bad < 0
-                        and ended_well)
+                        and self._ended_well())
         ev = Event(kind="nonfinite_input", step=first, module=got.module or self._set.label(),
                    data={**data, "nan": got.nan, "inf": got.inf, "detected": "unrecorded step",
                          "occurrences": harmful or got.harmless, "harmful": harmful,

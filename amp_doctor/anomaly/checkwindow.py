@@ -46,13 +46,22 @@ class CheckWindow:
     # no anomaly; read when a step's gradients are flagged).
     beyond: torch.Tensor | None = None
 
+    # The loss flags on the host, read once (see :meth:`_losses_bad`).
+    _loss_bad: list[bool] | None = field(default=None, repr=False)
+
+    def _losses_bad(self) -> list[bool]:
+        """Each of :attr:`losses`' flags on the host: one sync, the first time only."""
+        if self._loss_bad is None:
+            home = self.losses[0].value.device
+            self._loss_bad = torch.stack([s.value.to(home) for s in self.losses]).tolist()
+            count_sync()
+        return self._loss_bad
+
     def finite_loss_steps(self) -> frozenset[int]:
         """The steps whose loss was checked and finite (syncs: an abnormal window only)."""
         if not self.losses:
             return frozenset()
-        home = self.losses[0].value.device
-        bad = torch.stack([s.value.to(home) for s in self.losses]).tolist()
-        count_sync()
+        bad = self._losses_bad()
         bad_steps = {s.step for s, b in zip(self.losses, bad, strict=True) if b}
         return frozenset(s.step for s in self.losses if s.step not in bad_steps)
 
@@ -62,9 +71,7 @@ class CheckWindow:
         (``grad_flags``: :attr:`grads`' flags, read already). Syncs: abnormal window only."""
         if not any(s.dropped for s in self.losses):
             return frozenset()
-        home = self.losses[0].value.device
-        bad = torch.stack([s.value.to(home) for s in self.losses]).tolist()
-        count_sync()
+        bad = self._losses_bad()
         dropped = {s.step for s, b in zip(self.losses, bad, strict=True) if b and s.dropped}
         own_bad = {s.step for s, b in zip(self.losses, bad, strict=True) if b and not s.dropped}
         own_bad |= {g.step for g, b in zip(self.grads, grad_flags, strict=True)
