@@ -126,7 +126,7 @@ def _per_layer_tags(acc: ea_mod.EventAccumulator) -> dict[str, set[str]]:
     by_layer: dict[str, set[str]] = {}
     for tag in acc.Tags()["scalars"]:
         group, _, layer = tag.partition("/")
-        if group not in ("scaler", "culprits"):
+        if group not in ("scaler", "culprits", tbv.LOSS_TAG):
             by_layer.setdefault(layer, set()).add(group)
     return by_layer
 
@@ -191,6 +191,11 @@ def test_scalars_match_the_session_step_for_step(run: tuple[Path, Session]) -> N
         (st, float(sum(b <= st for b in s.scaler.backoff_steps))) for st in steps]
     assert _scalars(acc, "scaler/skipped") == [
         (st, float(sum(b <= st for b in s.scaler.skipped_steps))) for st in steps]
+    # The loss at each recorded step, before the loss scale (review 52b: no loss chart).
+    # The spike's NaN loss (step 3) has no point.
+    losses = {rec.step: rec.loss for rec in s.history}
+    assert len(losses) == 8 and math.isnan(losses.pop(3))  # type: ignore[arg-type]
+    assert _scalars(acc, tbv.LOSS_TAG) == [(st, _f32(v)) for st, v in losses.items()]  # type: ignore[arg-type]
 
     # 4 layers <= top_k: every layer, every recorded step, written live; the root
     # returns fc2's output, so its tags would be fc2's again: left out.
@@ -507,7 +512,9 @@ def test_a_second_gradscaler_has_its_own_scaler_charts(tmp_path: Path) -> None:
         r"^scaler/scale$"]
     (rx,) = charts[f"scale backoffs (cumulative): GradScaler of {other.name} (params of gen)"]
     assert re.match(rx, prefix + "backoffs") and not re.match(rx, "scaler/backoffs")
-    assert len(charts) == 8
+    # One loss chart, whatever the scalers.
+    assert charts[tbv.LOSS_TITLE] == [r"^loss$"]
+    assert len(charts) == 9
 
 
 def test_bfloat16_histograms_span_bfloat16(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from amp_doctor.records import Session
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "LAUNCHER_ENV", "OWNS_PROCESS", "SMOOTHING_HINT",
+           "DASHBOARD_FRAGMENT", "OUTLIERS_HINT",
            "RunsAScript", "fail", "load_session", "owns_process", "severity_reached"]
 
 EXIT_USAGE = 2
@@ -29,6 +30,14 @@ OWNS_PROCESS = "owns_process"
 # outliers" TensorBoard may scale a two-point chart so that both points fall outside.
 SMOOTHING_HINT = ("in TensorBoard's left panel, set Smoothing to 0 and untick 'Ignore outliers in "
                   "chart scaling' to see each step's true value")
+# Where `view` sends the user: the CUSTOM SCALARS tab (amp-doctor's groups), unsmoothed.
+# TensorBoard's default smoothing (0.6) drew a line from a run's first point to nowhere
+# near its second, and a layer recorded every 10th step has few (review 52b). That tab
+# reads its smoothing from the URL's fragment; the outlier option lives in the browser's
+# storage only, hence OUTLIERS_HINT.
+DASHBOARD_FRAGMENT = "#custom_scalars&_smoothingWeight=0"
+OUTLIERS_HINT = ("it opens unsmoothed; untick 'Ignore outliers in chart scaling' in its left "
+                 "panel to see every step's value")
 
 
 class RunsAScript(click.Command):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from amp_doctor.commands.common import SMOOTHING_HINT, fail
+from amp_doctor.commands.common import DASHBOARD_FRAGMENT, OUTLIERS_HINT, fail
 from amp_doctor.runfiles import JSON_NAME
 
 __all__ = ["view"]
@@ -134,9 +134,10 @@ def _serve_tensorboard(logdir: Path, host: str, port: int, names: str) -> int:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0)
         if url or proc.poll() is None:  # still starting after the wait: say where it will be
-            at = url[0] if url else f"http://{host}:{port}/"
-            click.echo(f"amp-doctor: TensorBoard at {at}  (runs: {names}; Ctrl-C to stop)")
-            click.echo(f"amp-doctor: {SMOOTHING_HINT}.")
+            at = (url[0] if url else f"http://{host}:{port}/").rstrip("/") + "/"
+            click.echo(f"amp-doctor: TensorBoard at {at}{DASHBOARD_FRAGMENT}  (runs: {names}; "
+                       "Ctrl-C to stop)")
+            click.echo(f"amp-doctor: {OUTLIERS_HINT}.")
         proc.wait()
     except KeyboardInterrupt:
         proc.terminate()

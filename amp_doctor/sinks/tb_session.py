@@ -22,7 +22,7 @@ from amp_doctor.records import ScalerTimeline, Session, TensorStats
 from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
 
 __all__ = ["CULPRIT_GROUPS", "CULPRIT_HEADROOM_TITLE", "CULPRIT_GRAD_HEADROOM_TITLE",
-           "CULPRITS_GROUP", "LAYOUT", "culprit_headroom",
+           "CULPRITS_GROUP", "LAYOUT", "LOSS_TAG", "LOSS_TITLE", "culprit_headroom",
            "headroom_floor", "ORIGIN_KINDS", "SCALER_FILL_LIMIT", "backoff_groups",
            "culprit_layers", "heatmap_grids", "heatmap_images", "heatmap_layers",
            "heatmap_legend", "origin_cells", "scaler_series", "scaler_tag_prefix",
@@ -77,6 +77,10 @@ CULPRIT_HEADROOM_TITLE = (
 CULPRIT_GRAD_HEADROOM_TITLE = (
     "headroom of (scaled) output grads (bits; a step with inf/NaN grads drawn at "
     f"{headroom_floor(_F16):g} in float16, {headroom_floor(_BF16):g} in bfloat16)")
+# The loss as the step computed it (before the GradScaler's scale), at recorded steps:
+# beside the scale, when it went NaN/inf (no point then) or began to climb (review 52b).
+LOSS_TAG = "loss"
+LOSS_TITLE = "loss (recorded steps; no point where it was inf/NaN)"
 CULPRITS_GROUP = "Culprits (where inf/NaN or overflow started)"
 
 # The custom-scalars tab. Regexes are anchored: the plugin's backend uses re.match, and
@@ -94,6 +98,7 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
             "Multiline", [r"^scaler/log2_scale$"]],
         "skipped optimizer steps (cumulative)": ["Multiline", [r"^scaler/skipped$"]],
         "scale backoffs (cumulative)": ["Multiline", [r"^scaler/backoffs$"]],
+        LOSS_TITLE: ["Multiline", [rf"^{LOSS_TAG}$"]],
     },
     "Overflow risk": {
         "headroom to the format's max (bits; < 0 = overflow; no point in a step with inf/NaN)":
@@ -143,8 +148,11 @@ def layout_with_scalers(session: Session) -> dict[str, dict[str, list[Any]]]:
     for i, sc in enumerate([session.scaler, *session.other_scalers]):
         prefix = "scaler/" if i == 0 else scaler_tag_prefix(sc)
         for title, (kind, (rx,)) in LAYOUT["Scaler"].items():
+            if title == LOSS_TITLE:
+                continue
             charts[f"{title}: GradScaler of {sc.label}"] = [
                 kind, ["^" + re.escape(prefix) + rx.removeprefix("^scaler/")]]
+    charts[LOSS_TITLE] = LAYOUT["Scaler"][LOSS_TITLE]  # one loss, whatever the scalers
     return {**layout, "Scaler": charts}
 
 

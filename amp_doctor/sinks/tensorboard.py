@@ -19,6 +19,7 @@ What goes where (tags are stable; see the README section "TensorBoard dashboards
   not report live are written from the finished session's timeline at the end.
 * **Per recorded step, live** (:meth:`TensorBoardSink.on_step`, right after the step's
   single host copy; everything it reads is already a host float or a host tensor):
+  ``loss`` (the step's loss before the loss scale; no point where it was inf/NaN),
   per-layer scalars ``overflow/``, ``underflow/``, ``zeros/``, ``headroom/``,
   ``absmax/``, ``nonfinite/``, ``grad_underflow/``, ``grad_zeros/``,
   ``grad_headroom/``, ``grad_nonfinite/`` ``<layer>``, and exponent histograms
@@ -122,6 +123,7 @@ from amp_doctor.records import LayerStep, Session, StepRecord, TensorStats
 from amp_doctor.sinks.tb_session import (
     CULPRIT_GROUPS,
     LAYOUT,
+    LOSS_TAG,
     backoff_groups,
     culprit_headroom,
     culprit_layers,
@@ -461,6 +463,8 @@ class TensorBoardSink:
                 self._deferred = True
         step = rec.step
         self._last_step = step
+        if rec.loss is not None and math.isfinite(rec.loss):
+            w.add_scalar(LOSS_TAG, rec.loss, global_step=step)
         i = self._recorded
         self._recorded += 1
         # Only live layers are thinned; a model with none needs no look at the step.
