@@ -166,3 +166,19 @@ def test_the_cli_names_an_outlier_in_an_unrecorded_step(tmp_path: Path) -> None:
     assert "ERROR  input_beyond_format  Sequential step 4" in r.stderr  # sample 77: step 4
     assert "held values up to 2.50e+05" in " ".join(r.stderr.split())
     assert r.stderr.count("ERROR") == 1
+    # What to run next: the data is the fix, and --every 1 shows the layers it broke
+    # (review 52a: the error had no next: line). Float32 layers are not offered: past the
+    # first one, the next cast is inf again.
+    nexts = [ln for ln in r.stderr.splitlines() if ln.startswith("amp-doctor: next:")]
+    assert nexts == ["amp-doctor: next: the fix is in the data (normalise or clip it, see the "
+                     "error); to see which layers the batch broke: amp-doctor diagnose "
+                     f"--every 1 {script}"]
+    every = subprocess.run([console_script(), "diagnose", "--no-tensorboard", "--every", "1",
+                            "--logdir", str(tmp_path / "every"), str(script)],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert "ERROR  activation_overflow  layer 0 step 4" in every.stderr, every.stderr
+    # The layer's input is the batch the finding names: no "find where the inf began in
+    # code amp-doctor does not see", nor the op search for autocast's cast.
+    nexts = [ln for ln in every.stderr.splitlines() if ln.startswith("amp-doctor: next:")]
+    assert nexts[0].startswith("amp-doctor: next: try 0 in float32 without editing the code")
+    assert not [ln for ln in nexts if "--anomaly" in ln], nexts

@@ -209,7 +209,7 @@ def test_an_output_layer_seen_through_a_view_or_cast_is_the_models_output() -> N
     # Review 44c: nothing beside it says to run v in float32.
     (backoff,) = s.findings_of("scaler_backoff")
     assert backoff.severity == "info" and backoff.advice == collapse.advice
-    from amp_doctor.commands.publish import next_steps
+    from amp_doctor.analysis.next_steps import next_steps
 
     as_cli = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
     assert not [line for line in next_steps(as_cli) if "--fp32" in line or "--anomaly" in line]

@@ -149,7 +149,7 @@ def test_two_layers_that_overflow_apart_are_two_errors_and_both_are_tried() -> N
     origin when every input it took was a watched layer's finite output."""
     import dataclasses
 
-    from amp_doctor.commands.publish import next_steps
+    from amp_doctor.analysis.next_steps import next_steps
 
     torch.manual_seed(0)
     model = _Towers()
@@ -192,7 +192,7 @@ def test_a_nan_loss_first_seen_after_its_parents_code_tries_the_parent() -> None
     fix that, `--fp32 attn` (the parent, whose code made it) does."""
     import dataclasses
 
-    from amp_doctor.commands.publish import next_steps
+    from amp_doctor.analysis.next_steps import next_steps
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -219,7 +219,7 @@ def test_the_suggested_fix_runs_past_the_step_where_the_problem_began() -> None:
     error to fix. The suggested command now runs its trials past the first NaN loss."""
     import dataclasses
 
-    from amp_doctor.commands.publish import next_steps
+    from amp_doctor.analysis.next_steps import next_steps
     from amp_doctor.fix import DEFAULT_MAX_STEPS
 
     torch.manual_seed(0)
@@ -241,7 +241,7 @@ def test_after_a_search_that_missed_the_next_step_is_not_the_same_search() -> No
     the check of every op, which stops at the op (`--on-nonfinite raise`)."""
     import dataclasses
 
-    from amp_doctor.commands.publish import next_steps
+    from amp_doctor.analysis.next_steps import next_steps
 
     torch.manual_seed(0)
     _, s = _towers_losses_of(_Towers())
@@ -541,7 +541,7 @@ def test_a_fp32_try_that_left_errors_points_at_the_search() -> None:
     """Review 45b: a `--fp32` rerun that still had errors printed no `next:` line at all."""
     import dataclasses
 
-    from amp_doctor.commands.publish import next_steps
+    from amp_doctor.analysis.next_steps import next_steps
 
     torch.manual_seed(0)
     _, s = _towers_losses_of(_Towers())

@@ -514,7 +514,7 @@ def test_an_overflow_whose_input_came_from_unseen_code_sends_to_anomaly_mode_fir
     came in with its input is not known; the first `next:` line now finds out."""
     import dataclasses
 
-    from amp_doctor.commands.publish import next_steps
+    from amp_doctor.analysis.next_steps import next_steps
 
     torch.manual_seed(0)
     model = _VAE()

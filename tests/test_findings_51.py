@@ -215,7 +215,7 @@ def test_a_nan_beside_a_minus_inf_mask_says_a_row_masked_whole_is_nan_in_float32
     # The op first, where `--fp32` on the attention would leave the NaN.
     import dataclasses
 
-    from amp_doctor.commands.publish import next_steps
+    from amp_doctor.analysis.next_steps import next_steps
     s = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
     first, *rest = next_steps(s)
     assert first.endswith("amp-doctor diagnose --anomaly --on-nonfinite raise t.py")

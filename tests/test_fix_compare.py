@@ -215,7 +215,7 @@ def test_diagnose_points_to_the_next_step_and_a_fp32_run_is_not_told_to_keep_it(
     # The report never named --fp32, fix or --anomaly; and under --fp32 proj, proj's own
     # finding still advised wrapping it in float32 (review 38).
     sample = SAMPLES / "fp16_activation_overflow.py"
-    proc = subprocess.run([console_script(), "diagnose", "--no-tensorboard", "--logdir",
+    proc = subprocess.run([console_script(), "diagnose", "--logdir",
                            str(tmp_path / "a"), str(sample)],
                           capture_output=True, text=True, timeout=300)
     nexts = [ln for ln in proc.stderr.splitlines() if ln.startswith("amp-doctor: next:")]
@@ -234,11 +234,30 @@ def test_diagnose_points_to_the_next_step_and_a_fp32_run_is_not_told_to_keep_it(
     again = subprocess.run([console_script(), "report", str(tmp_path / "a")],
                            capture_output=True, text=True, timeout=300)
     assert again.stdout == text
+    # And TensorBoard's TEXT tab, below the findings, each command set in code.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "a"))
+    acc.Reload()
+    (md,) = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("findings/text_summary")]
+    assert "**Next**" in md and (
+        f"- try proj in float32 without editing the code: `amp-doctor diagnose --fp32 proj "
+        f"{sample}`") in md, md
     fixed = subprocess.run([console_script(), "diagnose", "--no-tensorboard", "--logdir",
                             str(tmp_path / "b"), "--fp32", "proj", str(sample)],
                            capture_output=True, text=True, timeout=300)
-    assert "amp-doctor: next:" not in fixed.stderr
-    assert "\nNext:\n" not in (tmp_path / "b" / "report.txt").read_text()
+    # Not told to keep it, nor to try it again: what it changed (review 52a: a --fp32 run
+    # that removed the errors said nothing more).
+    nexts = [ln for ln in fixed.stderr.splitlines() if ln.startswith("amp-doctor: next:")]
+    assert nexts == ["amp-doctor: next: no errors with proj in float32; to see what that "
+                     "changed against the run before it: amp-doctor compare RUN_BEFORE "
+                     f"{tmp_path / 'b'}"]
+    assert (tmp_path / "b" / "report.txt").read_text().endswith(
+        "\nNext:\n- " + nexts[0].removeprefix("amp-doctor: next: ") + "\n")
+    compared = subprocess.run([console_script(), "compare", str(tmp_path / "a"),
+                               str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+    assert compared.returncode == 0
+    assert compared.stdout.startswith("From a to b: 1 error(s) resolved, 0 new"), compared.stdout
     (f,) = [f for f in Session.load(tmp_path / "b" / "amp_doctor.json").findings
             if f.module == "proj" and f.kind == "activation_overflow"]
     assert f.severity == "info" and "ran in float32 by --fp32" in f.message

@@ -30,7 +30,8 @@ def report(run: Path, fmt: str) -> None:
     elif fmt == "markdown":
         click.echo(render_markdown(session), nl=False)
     else:
-        click.echo(render_report(session), nl=False)  # as its report.txt holds it
+        folder = run.parent if run.is_file() else run
+        click.echo(render_report(session, str(folder)), nl=False)  # as its report.txt holds it
 
 
 @click.command(short_help="Compare two saved runs (e.g. before and after a fix).")

@@ -23,6 +23,7 @@ from amp_doctor.analysis.detect_layers import (
     neg_inf_mask,
     shown_grad_underflow,
 )
+from amp_doctor.analysis.next_steps import next_commands
 from amp_doctor.analysis.risk import risk_order
 from amp_doctor.analysis.thresholds import ALL_ZERO_SHOWN
 from amp_doctor.dtypes import FORMAT_MAX
@@ -403,6 +404,15 @@ def render_markdown(s: Session, max_layers: int = MAX_LAYERS) -> str:
         out += [_counts_line(s), "", "---", ""]
         for g in groups:
             out.append(_md_group(g))
+    nxt = next_commands(s)
+    if nxt:
+        # The report file's Next: section, here too: the tab is where a user of the
+        # dashboards reads the findings (review 52b).
+        out.extend(["**Next**", ""])
+        for line in nxt:
+            said, sep, cmd = line.rpartition(": amp-doctor ")
+            out.append(f"- {_md(said)}: `amp-doctor {cmd}`" if sep else f"- {_md(line)}")
+        out.append("")
     sl = _scaler_line(s)
     if sl:
         out.extend(["---", "", sl])

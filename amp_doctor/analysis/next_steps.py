@@ -1,0 +1,182 @@
+"""What to run next, after a report with errors: the ``next:`` commands.
+
+The terminal prints them last, the report file ends with them (its *Next:* section), and
+TensorBoard's TEXT tab shows them under ``next``: one owner for all three. Each is a
+command line to copy: ``--fp32`` on the culprit (the fix without editing code), ``fix``
+(the search of the smallest such set), ``--anomaly`` (the op and the line).
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import TYPE_CHECKING
+
+from amp_doctor import format as F
+
+if TYPE_CHECKING:
+    from amp_doctor.records import Finding, Session
+
+__all__ = ["NEXT_PREFIX", "next_section", "next_steps", "next_commands"]
+
+
+# The layers at most one `next:` line puts in float32.
+MAX_NEXT_FP32 = 4
+# What each line of :func:`next_steps` starts with on the terminal.
+NEXT_PREFIX = "amp-doctor: next: "
+
+
+# How many steps past the first error's step a suggested `fix` trial runs.
+FIX_STEPS_PAST_FIRST_ERROR = 10
+
+
+def _fp32_target(session: Session, f: Finding) -> str:
+    """The layer to put in float32 for an error: its own, or its parent, whose float32
+    covers the parent's own code and the layer, when the inf may have come in with the
+    layer's input, made by that code (attention scores before the output projection, a
+    reparameterisation before a decoder): a NaN loss first seen in a layer whose output
+    never overflowed, or a layer without an op named whose inputs were not all watched
+    layers' outputs."""
+    from amp_doctor.analysis.detect_layers import code_before
+
+    assert f.module is not None
+    maybe_input = (not f.data.get("made_here") if f.kind == "nonfinite_loss"
+                   else _input_unseen(session, f))
+    before = code_before(session, f.module)
+    if maybe_input and before != "the model's":
+        return before[:-2]  # "x's" -> "x"
+    return f.module
+
+
+def next_steps(session: Session, here: str | None = None) -> list[str]:
+    """What to run next when the report has an error: try the fix on the culprit without
+    editing code (--fp32), have amp-doctor search the smallest one (fix), and, when no
+    finding names an op yet, find the op and the line (--anomaly)."""
+    from amp_doctor.analysis.advice import WIDE_FORMATS, spread_nan
+    from amp_doctor.analysis.folding import steps_of
+    from amp_doctor.analysis.messages import inputs_held_inf
+    from amp_doctor.fix import DEFAULT_MAX_STEPS, ERROR_KINDS_FIXED_BY_FP32
+
+    cmd = list(session.run.command or [])
+    errors = [f for f in session.findings if f.severity == "error"]
+    if len(cmd) < 2:
+        return []
+    if not errors and session.run.fp32_modules and session.run.outcome == "completed":
+        # The --fp32 try worked: what it changed, beside the run it was suggested by
+        # (review 52a: a run that removed the errors said nothing more).
+        forced = F.and_list(session.run.fp32_modules)
+        this = shlex.quote(here) if here else "THIS_RUN"
+        return [f"amp-doctor: next: no errors with {forced} in float32; to see what that "
+                f"changed against the run before it: amp-doctor compare RUN_BEFORE {this}"]
+    if not errors:
+        return []
+    script = shlex.join(cmd[1:])  # the command without its "python"
+    out = []
+    if session.run.fp32_modules:
+        # A --fp32 try that left errors: not the same try again, but the search, and the
+        # op's line when no finding names one.
+        forced = ", ".join(session.run.fp32_modules)
+        out.append(f"amp-doctor: next: errors remain with {forced} in float32; to search a "
+                   f"set of float32 layers that removes them: amp-doctor fix {script}")
+        if not any(f.op for f in session.findings):
+            out.append("amp-doctor: next: to name the op and the line that made the first "
+                       f"inf/NaN: amp-doctor diagnose --anomaly {script}")
+        return out
+    # An op that made NaN of an inf it received (a softmax over a row masked whole) makes
+    # it in float32 too.
+    # Nor does float32 help an op that ran in float32 already, nor a std of one sample;
+    # and a whole model in float32 is no mixed precision left to try.
+    roots = set(session.run.models)
+    layers = list(dict.fromkeys(
+        # (A zeroed norm's other instances, which share its code, with it.)
+        name for f in errors
+        if f.kind in ERROR_KINDS_FIXED_BY_FP32 and f.module and f.module not in roots
+        and not f.data.get("loss_too_large")
+        and not (f.kind == "nonfinite_forward" and inputs_held_inf(f.data))
+        and not (f.kind in ("nonfinite_forward", "nonfinite_backward")
+                 and f.data.get("dtype") in WIDE_FORMATS)
+        and not (f.kind == "nonfinite_forward" and spread_nan(f.op, f.data))
+        for name in (_fp32_target(session, f), *map(str, f.data.get("also") or ()))))
+    # Each error is an independent cause (follow-ons were folded): try them together.
+    layers = [n for n in layers if not any(n.startswith(m + ".") for m in layers)]
+    layers = layers[:MAX_NEXT_FP32]
+    if layers:
+        names = F.and_list(layers)
+        flags = " ".join(f"--fp32 {shlex.quote(n)}" for n in layers)
+        out.append(f"amp-doctor: next: try {names} in float32 without editing the code: "
+                   f"amp-doctor diagnose {flags} {script}")
+        # The trials stop after DEFAULT_MAX_STEPS steps: a problem that begins later
+        # needs longer ones, or the baseline shows no error to fix.
+        # (An overflow error spans its recorded steps; the NaN loss it led to says when.)
+        first = min((st for f in errors for st in steps_of(f)), default=None)
+        if first is None:
+            first = min((st for f in session.findings if f.kind == "nonfinite_loss"
+                         for st in steps_of(f)), default=0)
+        longer = (f"--stop-after {first + FIX_STEPS_PAST_FIRST_ERROR} "
+                  if first + 1 > DEFAULT_MAX_STEPS else "")
+        out.append(f"amp-doctor: next: or search the smallest such set of layers: "
+                   f"amp-doctor fix {longer}{script}")
+    if not any(f.op for f in session.findings) and any(
+            f.kind in ERROR_KINDS_FIXED_BY_FP32 and not f.data.get("loss_too_large")
+            and f.kind != "output_resolution"  # no inf/NaN: no op to name
+            # The op is autocast's cast of the batch, which the finding names.
+            and f.kind != "input_beyond_format" and f.data.get("input_absmax") is None
+            for f in errors):
+        searched = any(f.kind == "nonfinite_unlocated" or (
+            f.kind == "nonfinite_loss" and f.data.get("anomaly")) for f in session.findings)
+        if searched:
+            # Anomaly mode ran and its search, armed after the fact, missed a one-off:
+            # the same command would miss it again; checking every op stops at it.
+            out.append("amp-doctor: next: the op search ran after the NaN and did not see it "
+                       "again; to check every op and stop at the one that made it, with its "
+                       f"line: amp-doctor diagnose --on-nonfinite raise {script}")
+        else:
+            line = ("amp-doctor: next: to name the op and the line that made the first "
+                    f"inf/NaN: amp-doctor diagnose --anomaly {script}")
+            unseen = [f.module for f in errors if f.module in layers
+                      and _input_unseen(session, f)]
+            if unseen and len(unseen) == len(layers):
+                # The inf may have come in with the layer's input, made by the model's own
+                # code before it (a VAE's exp(0.5 * logvar) before its decoder): float32
+                # for the layer would not touch it (review 48b). The op's name first.
+                out.insert(0, f"amp-doctor: next: first find where the inf began ("
+                           f"{F.and_list(unseen)}'s input was made by code amp-doctor does "
+                           "not see, and may have brought it): amp-doctor diagnose "
+                           f"--anomaly {script}")
+            else:
+                out.append(line)
+    if not out and any(f.kind == "input_beyond_format" and f.module in roots for f in errors):
+        # Seen by the check of every step's batch, in steps nobody recorded: the layer it
+        # broke is not known (review 52a: an error with nothing to run next).
+        # Float32 layers are no fix for it: past the first, the next cast is inf again.
+        out.append("amp-doctor: next: the fix is in the data (normalise or clip it, see the "
+                   "error); to see which layers the batch broke: "
+                   f"amp-doctor diagnose --every 1 {script}")
+    if any(f.data.get("attn_mask_given") for f in errors) and out:
+        # A row the -inf mask covers whole is NaN in float32 too: the op first (review 51:
+        # `--fp32` on the attention left the NaN). The one step is caught as it happens.
+        out = [line for line in out if "--anomaly" not in line and "--on-nonfinite" not in line]
+        out.insert(0, "amp-doctor: next: first check whether a row the -inf mask covers whole "
+                      "made it (float32 would not help then), at the op and its line: "
+                      f"amp-doctor diagnose --anomaly --on-nonfinite raise {script}")
+    return out
+
+
+def _input_unseen(session: Session, f: Finding) -> bool:
+    """An error about a layer (no op named) whose inputs were not all watched layers'
+    outputs: what made its inf may be the code before it."""
+    if f.kind == "input_beyond_format" or f.data.get("input_absmax") is not None:
+        return False  # it came in with the batch, which the finding names (review 52a)
+    lay = next((x for x in session.layers if x.name == f.module), None)
+    return f.op is None and f.kind != "nonfinite_loss" and lay is not None and \
+        not lay.inputs_known
+
+
+def next_section(session: Session, here: str | None = None) -> str:
+    """The `next:` commands as the report file's last section ("" when there are none)."""
+    lines = next_commands(session, here)
+    return "\nNext:\n" + "".join(f"- {x}\n" for x in lines) if lines else ""
+
+
+def next_commands(session: Session, here: str | None = None) -> list[str]:
+    """:func:`next_steps` without the terminal's prefix: what each line says to run."""
+    return [x.removeprefix(NEXT_PREFIX) for x in next_steps(session, here)]
