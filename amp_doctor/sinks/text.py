@@ -398,21 +398,22 @@ def _md_group(g: FindingGroup) -> str:
 
 def render_markdown(s: Session, max_layers: int = MAX_LAYERS) -> str:
     """Markdown for TensorBoard's TEXT tab: verdict first, then one block per finding."""
-    out = [render_verdict(s), "", f"*{summary_line(s)}*", ""]
-    if s.findings:
-        groups = group_findings(s.findings, s.layers)
-        out += [_counts_line(s), "", "---", ""]
-        for g in groups:
-            out.append(_md_group(g))
+    out = [render_verdict(s), ""]
     nxt = next_commands(s)
     if nxt:
-        # The report file's Next: section, here too: the tab is where a user of the
-        # dashboards reads the findings (review 52b).
+        # The report file's Next: section, here under the verdict: the card scrolls, and
+        # below the findings it was out of sight (review 52b).
         out.extend(["**Next**", ""])
         for line in nxt:
             said, sep, cmd = line.rpartition(": amp-doctor ")
             out.append(f"- {_md(said)}: `amp-doctor {cmd}`" if sep else f"- {_md(line)}")
         out.append("")
+    out.extend([f"*{summary_line(s)}*", ""])
+    if s.findings:
+        groups = group_findings(s.findings, s.layers)
+        out += [_counts_line(s), "", "---", ""]
+        for g in groups:
+            out.append(_md_group(g))
     sl = _scaler_line(s)
     if sl:
         out.extend(["---", "", sl])
