@@ -751,7 +751,7 @@ def test_view_shows_two_runs_side_by_side_under_their_names(tmp_path: Path) -> N
         assert proc.stdout is not None
         first = proc.stdout.readline()
         assert f"http://127.0.0.1:{port}/" in first and "fp16, bf16" in first
-        assert "Smoothing to 0" in proc.stdout.readline()
+        assert "opens unsmoothed" in proc.stdout.readline()
         deadline = time.monotonic() + 120
         runs: list[str] = []
         while sorted(runs) != ["bf16", "fp16"]:

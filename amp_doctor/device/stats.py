@@ -14,11 +14,11 @@ what-if figures at no extra cost.
 
 Bounded cost per tensor, batched across tensors. A hook pays for
 :meth:`Batch.add`: the exact min and max over the whole tensor (one ``aminmax``
-pass with no temporary), a copy of a bounded sample into a staging buffer and,
-unless the tensor is float16, the sample's non-zero count. Everything else is
-batched: one pass over the staging buffer turns the staged values of many
-tensors into histogram codes (sign, exponent and top mantissa bit of the
-float32 bit pattern, offset by the row) and counts them with one histogram,
+pass with no temporary) and a copy of a bounded sample into a staging buffer.
+Everything else is batched: one pass over the staging buffer turns the staged
+values of many tensors into histogram codes (sign, exponent and top mantissa bit
+of the float32 bit pattern, or a code of its own for an exact zero, offset by the
+row) and counts them with one histogram,
 and the step's rows are packed by a handful of ops (:meth:`Batch.finish`). So
 the extremes, and whether any NaN, Inf or overflowing value is present, are
 exact; histogram and counts come from an evenly strided sample of at most
@@ -162,9 +162,15 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
 # arithmetic shift, so the sign stays) keeps the sign, the 8-bit exponent and the top
 # mantissa bit, which tells a quiet NaN (set) from an inf (clear) in exponent 255.
 # Each row's codes are offset by ``_CODE_BIAS + row * CODES_PER_ROW`` so that one
-# histogram counts a whole pass; the sign is folded away after counting.
-CODES_PER_ROW = 4 * N_EXP_BINS
-_CODE_BIAS = 2 * N_EXP_BINS  # codes are in [-512, 512)
+# histogram counts a whole pass; the sign is folded away after counting. An exact zero
+# (either sign) gets a code of its own past them, _ZERO_CODE: the pass counts every row's
+# zeros with the histogram, where a ``count_nonzero`` per tensor (per size of parameter
+# gradient) was one more op each (review of issue 15: a tenth of a recorded step's
+# device ops on a bfloat16 transformer). (A float64 value below float32's least
+# subnormal is staged as 0 and so counted as a zero; it is far below every format's range.)
+_CODE_BIAS = 2 * N_EXP_BINS  # shifted codes are in [-512, 512)
+_ZERO_CODE = 2 * N_EXP_BINS  # shifted, before the bias: 1024 after it
+CODES_PER_ROW = 4 * N_EXP_BINS + 1
 _CODE_SHIFT = 22
 # Values staged per device before one batched pass (float32: 256 KB).
 STAGE_LIMIT = 1 << 16
@@ -185,13 +191,14 @@ STAGE_HEAD_START = 1 / 4
 # counts per row, 4 MB at 512 rows) and keeps every code exact in float32 for
 # ``histc`` (< 2**24).
 ROWS_PER_PASS = 512
-# A pass's folded histogram row: the N_EXP_BINS exponent bins, then NaNs and the
-# code-0 count. Each code goes to one column, so a NaN is in _H_NANS and not in
-# the top exponent bin, and code 0 in _H_CODE0 and not in bin 0: :meth:`Batch.finish`
-# adds them back, once for every row.
+# A pass's folded histogram row: the N_EXP_BINS exponent bins, then NaNs, the code-0
+# count (float32 subnormals below 2**-127) and the exact zeros. Each code goes to one
+# column, so a NaN is in _H_NANS and not in the top exponent bin, and code 0 and the
+# zeros are not in bin 0: :meth:`Batch.finish` adds them back, once for every row.
 _H_NANS = N_EXP_BINS
 _H_CODE0 = N_EXP_BINS + 1
-_HIST_COLS = N_EXP_BINS + 2
+_H_ZEROS = N_EXP_BINS + 2
+_HIST_COLS = N_EXP_BINS + 3
 
 
 @functools.cache
@@ -203,6 +210,7 @@ def _fold_index(device: torch.device) -> torch.Tensor:
     col = exp.clone()
     col[(exp == N_EXP_BINS - 1) & (top_bit == 1)] = _H_NANS
     col[(exp == 0) & (top_bit == 0)] = _H_CODE0
+    col[_CODE_BIAS + _ZERO_CODE] = _H_ZEROS
     return col.to(device)
 @functools.cache
 def _row_offsets(device: torch.device) -> torch.Tensor:
@@ -228,6 +236,7 @@ _STEPS_NS_PER_VALUE = 0.5
 
 
 _F32_MAX = torch.finfo(torch.float32).max
+_F32_TINY = 2.0**-149  # float32's least subnormal
 
 # Formats whose every value is exact in the float32 stage (see Batch.add_many).
 _STAGED_EXACT = (torch.float16, torch.bfloat16, torch.float32)
@@ -348,11 +357,10 @@ def stage_size(filed_bytes: int) -> int:
 class Batch:
     """The summaries of one device's tensors in one step, made with batched ops.
 
-    Per tensor, :meth:`add` pays two or three small ops: the exact min and max
-    over the whole tensor (one ``aminmax`` pass, no temporary), a copy of a
-    bounded sample into a float32 staging buffer (a bfloat16 or float16 value is
-    exact in float32) and, unless the tensor is float16, the sample's non-zero
-    count. Whenever the stage is full, and at :meth:`finish`, one pass of a few
+    Per tensor, :meth:`add` pays two small ops: the exact min and max over the
+    whole tensor (one ``aminmax`` pass, no temporary) and a copy of a bounded
+    sample into a float32 staging buffer (a bfloat16 or float16 value is exact in
+    float32). Whenever the stage is full, and at :meth:`finish`, one pass of a few
     ops turns every staged value of many rows into a histogram code offset by its
     row and counts them all at once. Memory is bounded by the stage and about
     0.5 KB per row, whatever the tensors' sizes; no tensor outlives its ``add``
@@ -367,8 +375,6 @@ class Batch:
         self.sampled: list[int] = []
         self._mins = _Column()
         self._maxs = _Column()
-        self._nonzeros = _Column()
-        self._counted: list[int] = []  # the rows that have a _nonzeros entry, in order
         self._stage: torch.Tensor | None = None
         self._used = 0
         self._filed_bytes = 0  # of every tensor filed in this batch, for the stage's size
@@ -408,17 +414,17 @@ class Batch:
         mn, mx = torch.aminmax(x)
         self._mins.append(mn)
         self._maxs.append(mx)
-        if x.dtype is not torch.float16:
-            # A float16 value is never a float32 subnormal, so its zeros are exactly
-            # its code-0 count in the histogram; other formats need a count of their own.
-            self._nonzeros.append(torch.count_nonzero(sample))
-            self._counted.append(len(self.numel))
         if x.dtype is torch.float64:
             # Beyond float32's range a float64 value would be staged as inf, and counted
             # as one: the largest finite float32 keeps it finite, and beyond every
-            # low-precision format's max (its exact min and max are kept above).
+            # low-precision format's max (its exact min and max are kept above). Below
+            # its least subnormal it would be staged as 0, and counted as a zero: that
+            # subnormal keeps it non-zero, and below every format's range.
             with own_ops:
                 sample = torch.where(sample.isinf(), sample, sample.clamp(-_F32_MAX, _F32_MAX))
+                sample = torch.where((sample != 0) & (sample.abs() < _F32_TINY),
+                                     torch.copysign(torch.full_like(sample, _F32_TINY), sample),
+                                     sample)
         assert self._stage is not None
         self._stage[self._used : self._used + k].copy_(sample)
         self._used += k
@@ -435,10 +441,10 @@ class Batch:
         Whole-sampled tensors (at most :data:`SAMPLE_LIMIT` values, float16, bfloat16 or
         float32: exact in the float32 stage) are filed by size, on consecutive rows: the
         tensors of one size are copied into the stage by one ``cat`` and reduced there
-        as the lines of a 2-D view (``aminmax`` and ``count_nonzero`` along a dim), so
-        their exact min, max and non-zero count cost three ops for all of them, where
-        :meth:`add` pays three per tensor. A model repeats a few parameter shapes (a
-        GPT's 646 are of six sizes). Others are filed by :meth:`add`.
+        as the lines of a 2-D view (``aminmax`` along a dim), so their exact min and max
+        cost two ops for all of them, where :meth:`add` pays two per tensor. A model
+        repeats a few parameter shapes (a GPT's 646 are of six sizes). Others are filed
+        by :meth:`add`.
         """
         rows = [0] * len(xs)
         by_size: dict[int, list[int]] = {}
@@ -474,11 +480,8 @@ class Batch:
             torch.cat(part, out=seg)
             lines = seg.view(n, k)
             mn, mx = torch.aminmax(lines, dim=1)
-            rows = len(self.numel)
             self._mins.extend(mn)
             self._maxs.extend(mx)
-            self._nonzeros.extend(torch.count_nonzero(lines, dim=1))
-            self._counted.extend(range(rows, rows + n))
             self._filed_bytes += sum(f.numel() * f.element_size() for f in part)
             self._used += n * k
             self._lengths.extend([k] * n)
@@ -505,8 +508,12 @@ class Batch:
         # The staged values are not needed once coded: code them in place (fresh
         # 256 KB temporaries would each be a new mmap, page-faulted on first touch),
         # in as few sweeps as possible: the stage has gone cold in the cache since.
-        codes = self._stage[: self._used].view(torch.int32)
+        staged = self._stage[: self._used]
+        zero = staged == 0  # (a bool per value: a quarter of the stage, for this pass only)
+        codes = staged.view(torch.int32)
         codes >>= _CODE_SHIFT
+        codes.masked_fill_(zero, _ZERO_CODE)
+        del zero
         runs = _equal_runs(self._lengths)
         if len(runs) * _ROW_OP_NS <= _STEPS_FIXED_NS + self._used * _STEPS_NS_PER_VALUE:
             # Few runs of rows of one length (a model's blocks repeat their shapes): one
@@ -576,17 +583,11 @@ class Batch:
         rows[:, HIST:].copy_(h[:, :N_EXP_BINS])
         rows[:, NANS].copy_(h[:, _H_NANS])
         rows[:, HIST + N_EXP_BINS - 1] += rows[:, NANS]
-        rows[:, HIST] += h[:, _H_CODE0]
-        # Non-zeros: every sampled value but code 0 (zero, or |x| < 2**-127; exact for
-        # float16, see add()) ...
-        torch.sub(upload(self.sampled, dev), h[:, _H_CODE0], out=rows[:, ZEROS])
-        if self._counted:
-            # ... and the exact count where code 0 may hold non-zeros (not float16).
-            rows[:, ZEROS].index_copy_(0, upload(self._counted, dev),
-                                       self._nonzeros.stacked().to(f64))
+        rows[:, HIST] += h[:, _H_CODE0] + h[:, _H_ZEROS]
+        # Non-zeros: every sampled value but the exact zeros.
+        torch.sub(upload(self.sampled, dev), h[:, _H_ZEROS], out=rows[:, ZEROS])
         self._hists = []
-        self._mins, self._maxs, self._nonzeros = _Column(), _Column(), _Column()
-        self._counted = []
+        self._mins, self._maxs = _Column(), _Column()
         return out
 
 
