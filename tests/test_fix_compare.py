@@ -381,6 +381,27 @@ def test_bfloat16_run_predicts_the_float16_overflow() -> None:
     assert all(0.0 <= r.zero_share <= 1.0 and r.format in ("e4m3", "e5m2") for r in rows)
 
 
+def test_compare_says_a_float16_what_if_came_true_in_the_float16_run() -> None:
+    # A bfloat16 run predicts proj's overflow in float16; the float16 run has it. The
+    # what-if is not "resolved" beside the new error (review 52a).
+    bf16 = _run("fp16_activation_overflow", "SensorRegressor", dtype=torch.bfloat16, steps=6)
+    fp16 = _run("fp16_activation_overflow", "SensorRegressor", steps=6)
+    c = compare(bf16, fp16, "bf16", "fp16")
+    (d,) = [d for d in c.findings if d.kind == "whatif_float16"]
+    assert (d.status, d.module, d.count_a, d.count_b) == ("came true", "proj", 1, 0)
+    assert not c.resolved
+    assert [(d.kind, d.module) for d in c.new if d.severity == "error"] == [
+        ("activation_overflow", "proj")]
+    assert "came true  info" in render(c)
+    # Back the other way, or beside a float16 run without errors, it is what it was.
+    back = compare(fp16, bf16)
+    assert [d.status for d in back.findings if d.kind == "whatif_float16"] == ["new"]
+    fixed = _run("fp16_activation_overflow", "SensorRegressor", fp32=("proj",), steps=6)
+    assert not [f for f in fixed.findings if f.severity == "error"]
+    assert [d.status for d in compare(bf16, fixed).findings
+            if d.kind == "whatif_float16"] == ["resolved"]
+
+
 def _bf16_whatif_run(scaler: bool) -> Session:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))

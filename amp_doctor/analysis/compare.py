@@ -36,8 +36,9 @@ NONFINITE_CHANGE = 100.0
 
 @dataclass(frozen=True)
 class FindingDelta:
-    # resolved: gone in B, or down to info from a warning/error; new: the reverse.
-    status: str  # resolved | new | unchanged
+    # resolved: gone in B, or down to info from a warning/error; new: the reverse;
+    # came true: A's what-if for B's format, gone in B because B has the real problem.
+    status: str  # resolved | new | unchanged | came true
     kind: str
     severity: str  # the worse of the two
     severity_a: str | None
@@ -260,6 +261,19 @@ def _moved(fa: dict[_Key, Finding], fb: dict[_Key, Finding]) -> dict[_Key, _Key]
     return out
 
 
+# A what-if finding of run A, and the format it predicts for.
+_WHATIF_FORMAT = {"whatif_float16": "float16"}
+
+
+def _came_true(x: Finding, b: Session) -> bool:
+    """A's what-if (float16's range, say, seen from a bfloat16 run) is gone in B because
+    B runs that format and has the errors it predicted: not resolved (review 52a: "resolved
+    whatif_float16" beside "new error" of the same layer)."""
+    fmt = _WHATIF_FORMAT.get(x.kind)
+    return (fmt is not None and b.amp.dtype == fmt
+            and any(f.severity == "error" for f in b.findings))
+
+
 def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> Comparison:
     """What changed from run A to run B."""
     fa: dict[_Key, Finding] = {}
@@ -284,6 +298,8 @@ def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> C
                       "new" if sa == "info" and sb != "info" else "unchanged")
         else:
             status = "resolved" if x else "new"
+            if x is not None and _came_true(x, b):
+                status = "came true"
         worst = min((v for v in (sa, sb) if v is not None), key=lambda v: rank.get(v, 9))
         g = y if y is not None else x
         assert g is not None
@@ -294,7 +310,7 @@ def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> C
             status=status, kind=g.kind, severity=worst, severity_a=sa, severity_b=sb,
             module=module, op=g.op, count_a=x.count if x else 0,
             count_b=y.count if y else 0, message=g.message))
-    status_rank = {"resolved": 0, "new": 1, "unchanged": 2}
+    status_rank = {"resolved": 0, "new": 1, "came true": 2, "unchanged": 3}
     deltas.sort(key=lambda d: (status_rank[d.status], rank.get(d.severity, 9)))
     type_a, type_b = {x.name: x.type for x in a.layers}, {x.name: x.type for x in b.layers}
     common = [n for n in type_a if n in type_b]
