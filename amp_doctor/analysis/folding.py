@@ -327,7 +327,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                       underflow_follow_ons=names)
         if key in carried or key in consequences:
             names = carried.pop(key, [])
-            cons = [_consequence(x) for x in consequences.pop(key, [])]
+            cons = [_consequence(x) for x in _merged_backoffs(consequences.pop(key, []))]
             extra = ""
             if names:
                 extra += (f"{len(names)} later layer(s) only carried its inf/NaN on and are "
@@ -641,6 +641,33 @@ def _follow_advice(root: Finding) -> str:
     at = " in ".join(x for x in (root.op, F.layer(root.module) if root.module else None) if x)
     return (f"Nothing of its own to fix: it follows from the {root.kind} error"
             + (f" ({at})" if at else "") + "; fix that one (see its finding).")
+
+
+def _merged_backoffs(fs: list[Finding]) -> list[Finding]:
+    """One backoff consequence per GradScaler: backoff findings folded into one root were
+    told apart by the layers their gradients went non-finite in, and their interleaved
+    scale ranges read as two overlapping falls (review 52a: "142x (65536 -> 2^-134)"
+    beside "8x (0.0625 -> 2^-12)")."""
+    out: list[Finding] = []
+    first: dict[object, int] = {}
+    for f in fs:
+        if f.kind != "scaler_backoff":
+            out.append(f)
+            continue
+        who = f.data.get("scaler")
+        if who not in first:
+            first[who] = len(out)
+            out.append(f)
+            continue
+        g = out[first[who]]
+        a, b = (g, f) if (g.step or 0) <= (f.step or 0) else (f, g)
+        lows = [x for x in (g.data.get("scale_after"), f.data.get("scale_after"))
+                if isinstance(x, (int, float))]
+        out[first[who]] = replace(a, data={
+            **a.data, "backoffs": int(a.data.get("backoffs", a.count))
+            + int(b.data.get("backoffs", b.count)),
+            "scale_after": min(lows) if lows else None})
+    return out
 
 
 def _consequence(f: Finding) -> str:
