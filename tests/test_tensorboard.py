@@ -101,7 +101,8 @@ def _text(acc: ea_mod.EventAccumulator, tag: str) -> list[str]:
     return [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{tag}/text_summary")]
 
 
-def _expected_layer(a: TensorStats | None, g: TensorStats | None) -> dict[str, float]:
+def _expected_layer(a: TensorStats | None, g: TensorStats | None,
+                    p: TensorStats | None = None) -> dict[str, float]:
     """What the sink must write for one layer-step, derived here from the record.
 
     Only real numbers: an infinite headroom or absmax has no point at all.
@@ -119,6 +120,8 @@ def _expected_layer(a: TensorStats | None, g: TensorStats | None) -> dict[str, f
                    grad_nonfinite=round(g.nonfinite_frac * g.numel))
         if math.isfinite(g.headroom) and not g.nonfinite_frac:
             out["grad_headroom"] = g.headroom
+    if p is not None:
+        out["param_grad_nonfinite"] = round(p.nonfinite_frac * p.numel)
     return out
 
 
@@ -206,7 +209,7 @@ def test_scalars_match_the_session_step_for_step(run: tuple[Path, Session]) -> N
         want: dict[str, list[tuple[int, float]]] = {}
         for rec in s.history:
             ls = rec.layers[name]
-            for group, v in _expected_layer(ls.act, ls.grad).items():
+            for group, v in _expected_layer(ls.act, ls.grad, ls.param_grad).items():
                 want.setdefault(group, []).append((rec.step, _f32(v)))
         for group, pts in want.items():
             assert _scalars(acc, f"{group}/{name}") == pts, (group, name)
@@ -219,6 +222,12 @@ def test_scalars_match_the_session_step_for_step(run: tuple[Path, Session]) -> N
     # fc2 carried it on, NaN whole: no absmax point of 0 (a dead layer's look).
     assert s.history[3].layers["fc2"].act.nonfinite_frac == 1.0  # type: ignore[union-attr]
     assert 3 not in dict(_scalars(acc, "absmax/fc2"))
+    # The weights' gradients, what the GradScaler skipped step 3 on, are charted too: the
+    # backoff note names layers by them (review 52b).
+    assert dict(_scalars(acc, "param_grad_nonfinite/fc1"))[3] > 0
+    assert dict(_scalars(acc, "param_grad_nonfinite/fc1"))[2] == 0
+    assert "act" not in {t.split("/", 1)[1] for t in acc.Tags()["scalars"]
+                         if t.startswith("param_grad_nonfinite/")}  # no weights, no chart
     span = F16.max_exponent - F16.min_exponent
     for tag in acc.Tags()["scalars"]:
         # The culprits' own headroom chart is the documented exception: clipped at -span.

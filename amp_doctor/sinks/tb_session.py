@@ -119,6 +119,8 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
         "headroom of (scaled) output grads (bits; no point in a step with inf/NaN)": [
             "Multiline", [r"^grad_headroom/"]],
         "inf/NaN output grads (count)": ["Multiline", [r"^grad_nonfinite/"]],
+        "inf/NaN weight grads (count; a GradScaler skips the step on any)": [
+            "Multiline", [r"^param_grad_nonfinite/"]],
     },
 }
 

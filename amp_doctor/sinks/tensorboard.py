@@ -22,7 +22,8 @@ What goes where (tags are stable; see the README section "TensorBoard dashboards
   ``loss`` (the step's loss before the loss scale; no point where it was inf/NaN),
   per-layer scalars ``overflow/``, ``underflow/``, ``zeros/``, ``headroom/``,
   ``absmax/``, ``nonfinite/``, ``grad_underflow/``, ``grad_zeros/``,
-  ``grad_headroom/``, ``grad_nonfinite/`` ``<layer>``, and exponent histograms
+  ``grad_headroom/``, ``grad_nonfinite/``, ``param_grad_nonfinite/`` (inf/NaN in the
+  layer's weight gradients, what a GradScaler skips on) ``<layer>``, and exponent histograms
   ``act_exp/<layer>`` and ``grad_exp/<layer>``. A figure is written only where it is
   a real number: an infinite headroom or absmax (an all-zero output, or inf in it) gets
   no point; the inf/NaN values are counted in ``nonfinite/`` instead. Layers whose
@@ -188,7 +189,7 @@ def _notable(rec: StepRecord) -> bool:
 # Per-layer scalar groups, in the order the README documents them.
 LAYER_GROUPS: tuple[str, ...] = (
     "overflow", "underflow", "zeros", "headroom", "absmax", "nonfinite",
-    "grad_underflow", "grad_zeros", "grad_headroom", "grad_nonfinite",
+    "grad_underflow", "grad_zeros", "grad_headroom", "grad_nonfinite", "param_grad_nonfinite",
 )
 
 # -- exponent histograms ---------------------------------------------------------------
@@ -333,6 +334,11 @@ def layer_scalars(ls: LayerStep, fmt: FormatLimits) -> dict[str, float]:
         if math.isfinite(g.headroom) and not g.nonfinite_frac:
             out["grad_headroom"] = g.headroom
         out["grad_nonfinite"] = _count(g, g.nonfinite_frac)
+    if (p := ls.param_grad) is not None and p.numel:
+        # The weights' gradients are what GradScaler's skip checks, and what the backoff
+        # notes name their layers by; an output gradient can be finite beside them (a
+        # float32 layer's, an embedding's) (review 52b).
+        out["param_grad_nonfinite"] = _count(p, p.nonfinite_frac)
     return out
 
 
