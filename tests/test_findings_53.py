@@ -59,3 +59,17 @@ def test_backoffs_folded_into_one_error_are_one_fall_of_the_scale() -> None:
     lowest = min(float(f.data["scale_after"]) for f in backoffs)
     assert said == [f"GradScaler backed off {total}x and skipped that many optimizer steps "
                     f"(scale 65536 -> {fmt.scale(lowest)})"]
+
+
+def test_a_sampled_tensor_without_zeros_has_a_zero_share_of_exactly_zero() -> None:
+    # Its sample's zero count (0), scaled by n / sampled, left 1e-12 of a value behind:
+    # charts of "share of outputs that are exactly zero" had an axis of 1e-16 (review 53).
+    from amp_doctor.device import stats as S
+    from amp_doctor.dtypes import limits
+
+    torch.manual_seed(0)
+    for shape in [(12301,), (12322,), (128, 67)]:  # n - k * (n / k) != 0 for the first two
+        x = torch.randn(shape).half() + 8.0  # no zero
+        row = S.summary_row(x)
+        assert row[S.NUMEL].item() > S.SAMPLE_LIMIT and row[S.ZEROS].item() == 0.0
+        assert S.decode(row.tolist(), limits(torch.float16)).zero_frac == 0.0
