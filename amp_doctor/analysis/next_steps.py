@@ -1,7 +1,7 @@
 """What to run next, after a report with errors: the ``next:`` commands.
 
 The terminal prints them last, the report file ends with them (its *Next:* section), and
-TensorBoard's TEXT tab shows them under ``next``: one owner for all three. Each is a
+TensorBoard's findings card shows them under its verdict: one owner for all three. Each is a
 command line to copy: ``--fp32`` on the culprit (the fix without editing code), ``fix``
 (the search of the smallest such set), ``--anomaly`` (the op and the line).
 """
