@@ -17,6 +17,7 @@ from torch import nn
 
 import amp_doctor
 from amp_doctor.analysis.compare import compare, render
+from amp_doctor.analysis.next_steps import next_steps
 from amp_doctor.analysis.whatif import FORMATS, _shares, fp8_rows, whatif_findings
 from amp_doctor.fix import find_fix, render_fix, snippet
 from amp_doctor.records import Session
@@ -248,10 +249,19 @@ def test_diagnose_points_to_the_next_step_and_a_fp32_run_is_not_told_to_keep_it(
                            capture_output=True, text=True, timeout=300)
     # Not told to keep it, nor to try it again: what it changed (review 52a: a --fp32 run
     # that removed the errors said nothing more).
+    # The run it came from is named: the newest other run of the same command beside it,
+    # without --fp32, with errors (run a).
     nexts = [ln for ln in fixed.stderr.splitlines() if ln.startswith("amp-doctor: next:")]
     assert nexts == ["amp-doctor: next: no errors with proj in float32; to see what that "
-                     "changed against the run before it: amp-doctor compare RUN_BEFORE "
-                     f"{tmp_path / 'b'}"]
+                     "changed against the run before it: amp-doctor compare "
+                     f"{tmp_path / 'a'} {tmp_path / 'b'}"]
+    again = subprocess.run([console_script(), "report", str(tmp_path / "b")],
+                           capture_output=True, text=True, timeout=300)
+    assert again.stdout == (tmp_path / "b" / "report.txt").read_text()
+    # Without the folders (TensorBoard's card), placeholders say what goes there.
+    assert next_steps(Session.load(tmp_path / "b" / "amp_doctor.json")) == [
+        "amp-doctor: next: no errors with proj in float32; to see what that changed against "
+        "the run before it: amp-doctor compare RUN_BEFORE THIS_RUN"]
     assert (tmp_path / "b" / "report.txt").read_text().endswith(
         "\nNext:\n- " + nexts[0].removeprefix("amp-doctor: next: ") + "\n")
     compared = subprocess.run([console_script(), "compare", str(tmp_path / "a"),

@@ -47,10 +47,12 @@ def _fp32_target(session: Session, f: Finding) -> str:
     return f.module
 
 
-def next_steps(session: Session, here: str | None = None) -> list[str]:
+def next_steps(session: Session, here: str | None = None,
+               before: str | None = None) -> list[str]:
     """What to run next when the report has an error: try the fix on the culprit without
     editing code (--fp32), have amp-doctor search the smallest one (fix), and, when no
-    finding names an op yet, find the op and the line (--anomaly)."""
+    finding names an op yet, find the op and the line (--anomaly). ``here``: this run's
+    folder; ``before``: the run a successful --fp32 try came from, when known."""
     from amp_doctor.analysis.advice import WIDE_FORMATS, spread_nan
     from amp_doctor.analysis.folding import steps_of
     from amp_doctor.analysis.messages import inputs_held_inf
@@ -65,8 +67,9 @@ def next_steps(session: Session, here: str | None = None) -> list[str]:
         # (review 52a: a run that removed the errors said nothing more).
         forced = F.and_list(session.run.fp32_modules)
         this = shlex.quote(here) if here else "THIS_RUN"
+        that = shlex.quote(before) if before else "RUN_BEFORE"
         return [f"amp-doctor: next: no errors with {forced} in float32; to see what that "
-                f"changed against the run before it: amp-doctor compare RUN_BEFORE {this}"]
+                f"changed against the run before it: amp-doctor compare {that} {this}"]
     if not errors:
         return []
     script = shlex.join(cmd[1:])  # the command without its "python"
@@ -171,12 +174,14 @@ def _input_unseen(session: Session, f: Finding) -> bool:
         not lay.inputs_known
 
 
-def next_section(session: Session, here: str | None = None) -> str:
+def next_section(session: Session, here: str | None = None,
+                 before: str | None = None) -> str:
     """The `next:` commands as the report file's last section ("" when there are none)."""
-    lines = next_commands(session, here)
+    lines = next_commands(session, here, before)
     return "\nNext:\n" + "".join(f"- {x}\n" for x in lines) if lines else ""
 
 
-def next_commands(session: Session, here: str | None = None) -> list[str]:
+def next_commands(session: Session, here: str | None = None,
+                  before: str | None = None) -> list[str]:
     """:func:`next_steps` without the terminal's prefix: what each line says to run."""
-    return [x.removeprefix(NEXT_PREFIX) for x in next_steps(session, here)]
+    return [x.removeprefix(NEXT_PREFIX) for x in next_steps(session, here, before)]

@@ -20,7 +20,8 @@ from amp_doctor.runfiles import JSON_NAME, TEXT_NAME, text_report_path
 if TYPE_CHECKING:
     from amp_doctor.records import Session
 
-__all__ = ["MAX_PRINTED_LINES", "print_user_exit", "publish", "render_report", "view_hint",
+__all__ = ["MAX_PRINTED_LINES", "MAX_SIBLINGS_READ", "print_user_exit", "publish", "render_report",
+           "run_before", "view_hint",
            "write_or_warn"]
 
 # A report longer than this many lines is written to a file and only its
@@ -50,13 +51,55 @@ def write_or_warn(write: Any, path: Path, console: Console) -> bool:
     return True
 
 
-def render_report(session: Session, here: str | None = None) -> str:
+def render_report(session: Session, here: Path | None = None) -> str:
     """The text report as its file holds it: the report, then what to run next (review
     52b: the `next:` commands were on the terminal only, gone once it scrolled). ``here``:
     the run's folder, for a command that names it."""
     from amp_doctor.sinks.text import render_text
 
-    return render_text(session) + next_section(session, here)
+    return render_text(session) + _next_section(session, here)
+
+
+# Sibling runs read, newest first, to name the run a successful --fp32 try came from.
+MAX_SIBLINGS_READ = 20
+
+
+def run_before(here: Path, session: Session) -> Path | None:
+    """The run a --fp32 try came from: the newest other run in the same parent folder
+    (the CLI's runs/amp-doctor/) of the same command, without --fp32, that had errors.
+    Read only for a --fp32 run, from at most :data:`MAX_SIBLINGS_READ` reports."""
+    import json
+
+    if not session.run.fp32_modules or not session.run.command:
+        return None
+    found: list[tuple[float, Path]] = []
+    try:
+        me = here.resolve()
+        for p in here.parent.iterdir():
+            with contextlib.suppress(OSError):
+                if p.resolve() != me and (p / JSON_NAME).is_file():
+                    found.append(((p / JSON_NAME).stat().st_mtime, p))
+    except OSError:
+        return None
+    for _, p in sorted(found, reverse=True)[:MAX_SIBLINGS_READ]:
+        try:
+            d = json.loads((p / JSON_NAME).read_text())
+        except (OSError, ValueError):
+            continue
+        run = d.get("run") if isinstance(d, dict) else None
+        if (isinstance(run, dict) and run.get("command") == session.run.command
+                and not run.get("fp32_modules")
+                and str(run.get("started", "")) < session.run.started
+                and any(isinstance(f, dict) and f.get("severity") == "error"
+                        for f in d.get("findings") or [])):
+            return p
+    return None
+
+
+def _next_section(session: Session, here: Path | None) -> str:
+    before = run_before(here, session) if here is not None else None
+    return next_section(session, None if here is None else str(here),
+                        None if before is None else str(before))
 
 
 def publish(session: Session, logdir: Path, json_out: Path | None, report_out: Path | None,
@@ -82,7 +125,8 @@ def publish(session: Session, logdir: Path, json_out: Path | None, report_out: P
     if text_file.name != TEXT_NAME:
         console.echo(f"amp-doctor: {logdir / TEXT_NAME} is not amp-doctor's (the script's "
                      f"own?): it is kept, and the report goes to {text_file.name} beside it.")
-    file_text = text + next_section(session, str(logdir))
+    before = run_before(logdir, session)
+    file_text = text + next_section(session, str(logdir), None if before is None else str(before))
     write_or_warn(lambda: write_text_atomic(text_file, file_text), text_file, console)
     if report_out is not None:
         write_or_warn(lambda: write_text_atomic(report_out, file_text), report_out, console)
@@ -94,7 +138,7 @@ def publish(session: Session, logdir: Path, json_out: Path | None, report_out: P
         console.echo(f"amp-doctor: JSON report: {logdir / JSON_NAME}")
     if tensorboard and _has_events(logdir):  # not when TensorBoard could not start
         console.echo(view_hint(logdir))
-    for line in next_steps(session, str(logdir)):
+    for line in next_steps(session, str(logdir), None if before is None else str(before)):
         console.echo(line)
     if code == 0 and severity_reached(session, fail_on):
         console.echo(f"amp-doctor: exit 1: findings at or above '{fail_on}' (--fail-on).")

@@ -31,7 +31,7 @@ def report(run: Path, fmt: str) -> None:
         click.echo(render_markdown(session), nl=False)
     else:
         folder = run.parent if run.is_file() else run
-        click.echo(render_report(session, str(folder)), nl=False)  # as its report.txt holds it
+        click.echo(render_report(session, folder), nl=False)  # as its report.txt holds it
 
 
 @click.command(short_help="Compare two saved runs (e.g. before and after a fix).")
