@@ -509,7 +509,9 @@ class Batch:
         # 256 KB temporaries would each be a new mmap, page-faulted on first touch),
         # in as few sweeps as possible: the stage has gone cold in the cache since.
         staged = self._stage[: self._used]
-        zero = staged == 0  # (a bool per value: a quarter of the stage, for this pass only)
+        # (A bool per value: a quarter of the stage, for this pass only. ``logical_not``, not
+        # ``== 0``: the same mask, both zeros and no NaN, at a sixth of the time on the CPU.)
+        zero = torch.logical_not(staged)
         codes = staged.view(torch.int32)
         codes >>= _CODE_SHIFT
         codes.masked_fill_(zero, _ZERO_CODE)
