@@ -481,7 +481,10 @@ class Watch:
         assert self._probes is not None
         inner = unwrap(given)
         name = self._probes.name_of(inner)
-        if name is not None and (compile_wrappers(given) or compiled_by_method(inner)):
+        wrappers = compile_wrappers(given)
+        for w in wrappers:
+            self._probes.hook_wrapper(w, inner)
+        if name is not None and (wrappers or compiled_by_method(inner)):
             self._probes.freeze(inner)
             self._on_compiled(name, "")
 

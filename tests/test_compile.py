@@ -343,3 +343,57 @@ def test_a_graph_compiled_before_the_watch_and_reused_is_named_not_taken_for_no_
     assert f.severity == "warning" and f.data["compiled"] is True and f.data["steps"] == 3
     assert "torch._dynamo.reset()" in f.advice
     torch._dynamo.reset()
+
+
+def _run_sequential(watched: bool, discover: bool) -> tuple[list[str], dict[str, Any], Any,
+                                                            list[torch.Tensor]]:
+    """torch.compile of a ``torch.nn`` module (nn.Sequential), whose call dynamo traces
+    whole, root hooks included; a NaN in the batch at step 5, not a recorded step."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    cmodel = torch.compile(model)
+    w: Watch | None = None
+    if watched:
+        w = Watch(None, every=10, discover=True).start() if discover \
+            else amp_doctor.watch(cmodel, every=10)
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    losses = []
+    try:
+        for step in range(8):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            if step == 5:
+                x[3, 5] = float("nan")
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(cmodel(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(repr(float(loss.detach())))
+    finally:
+        session = w.close() if w is not None else None
+    return losses, _counts(), session, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("discover", [False, True])
+def test_a_compiled_torch_nn_module_has_its_batch_checked(discover: bool) -> None:
+    """Review 49a: dynamo traces a compiled nn.Sequential's own call, root hooks included,
+    so its NaN batch went unchecked ("where it appeared is unknown"). The compile wrapper's
+    hooks run eagerly: the batch is checked and the model's output recorded, with the same
+    graphs, recompiles, losses and parameters as without amp-doctor."""
+    plain_losses, plain_counts, _, plain_params = _run_sequential(False, discover)
+    losses, counts, session, params = _run_sequential(True, discover)
+    assert plain_counts["stats"]["unique_graphs"] >= 1
+    assert losses == plain_losses and losses[5] == "nan"
+    assert counts == plain_counts
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
+    errors = [(f.kind, f.module, f.step) for f in session.findings if f.severity == "error"]
+    assert errors == [("nonfinite_input", "Sequential", 5)]
+    by_name = {lay.name: lay for lay in session.layers}
+    assert by_name["Sequential"].recorded_steps == 1  # step 0, its output
+    assert by_name["Sequential"].output_dtypes == ["float16"]
+    assert 0 < by_name["Sequential"].absmax < 10

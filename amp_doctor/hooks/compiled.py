@@ -22,8 +22,9 @@ __all__ = ["COMPILED_NOTE", "run_eagerly_when_called_by_dynamo", "capturing", "c
 COMPILED_NOTE = (
     "ran under torch.compile: activations and gradients of the layers inside the compiled "
     "graph are not recorded (hooks there would add graph breaks and recompiles). Recorded: "
-    "the model's own output where torch calls its hooks outside the graph (a model with its "
-    "own forward, compiled with torch.compile(model) or model.compile()), parameter "
+    "the batch (checked for NaN/Inf) and the model's own output, outside the graph (not "
+    "when watch() was given the model but the loop calls its torch.compile wrapper: give "
+    "watch() the compiled model), parameter "
     "gradients, the GradScaler and the optimizer. For per-layer statistics, run a few steps "
     "without compiling. Under anomaly mode (--anomaly) the ops inside the compiled graph "
     "are not searched one by one: a NaN/Inf made there is still seen by the per-step check "

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
@@ -103,6 +104,53 @@ class _PostHook(WeakHook["Probes"]):
         probes = self.owner()
         if probes is not None:
             without_subclasses(probes._post, module, args, kwargs, output)
+        return None
+
+
+class _WrapperHook(WeakHook["Probes"]):
+    """A hook on the ``torch.compile`` wrapper (``OptimizedModule``) of a watched root.
+    For a ``torch.nn`` module (``nn.Sequential``) dynamo traces the module's own call,
+    root hooks included, into the graph, where they do nothing: only the wrapper's hooks
+    run eagerly around it."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, probes: Probes, inner: nn.Module) -> None:
+        super().__init__(probes)
+        self._inner = weakref.ref(inner)
+
+
+class _WrapperPreHook(_WrapperHook):
+    """Notes the call, for :class:`_WrapperPostHook`."""
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        probes, inner = self.owner(), self._inner()
+        if probes is not None and inner is not None and not capturing():
+            probes._wrapper_calls.add(id(inner))
+        return None
+
+
+class _WrapperPostHook(_WrapperHook):
+    """The root's own hooks, run from its wrapper's post-hook when they did not run
+    eagerly during the call (they were traced into the compiled graph): the batch is
+    checked and the model's output recorded as for a model whose hooks torch calls
+    outside the graph (review 49a: a compiled ``nn.Sequential``'s NaN batch went
+    unchecked). After the forward: the batch as given, unless the model changed it in
+    place."""
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 output: Any) -> None:
+        probes, inner = self.owner(), self._inner()
+        if probes is None or inner is None or capturing():
+            return None
+        if id(inner) in probes._wrapper_calls:
+            probes._wrapper_calls.discard(id(inner))
+            without_subclasses(probes._pre, inner, args, kwargs)
+            without_subclasses(probes._post, inner, args, kwargs, output)
         return None
 
 
@@ -336,6 +384,10 @@ class Probes:
         self._root_prefix: dict[int, str] = {}
         # Each root's own pre/post hook handles (also in _handles), for forget_root.
         self._root_handles: dict[int, tuple[RemovableHandle, RemovableHandle]] = {}
+        # Roots called through a hooked torch.compile wrapper whose own pre-hook has not
+        # run eagerly in that call (yet): see _WrapperPostHook.
+        self._wrapper_calls: set[int] = set()
+        self._wrapped: set[int] = set()  # wrappers hooked, by id
         # Every recorded layer in forward order (of completion: children before their
         # parent), and the furthest place in it that this step's forward has reached: a
         # layer first seen in a later step (an MoE expert that got no tokens before) goes
@@ -546,6 +598,17 @@ class Probes:
         """The ``id()`` of the watched model ``module`` belongs to (itself for a root)."""
         return self._root_of(id(module))
 
+    def hook_wrapper(self, wrapper: nn.Module, inner: nn.Module) -> None:
+        """Run the root ``inner``'s hooks around ``wrapper``'s call (a ``torch.compile``
+        wrapper of it) when dynamo traced them into the graph (see _WrapperPostHook)."""
+        if id(wrapper) in self._wrapped or id(inner) not in self._roots:
+            return
+        self._wrapped.add(id(wrapper))
+        self._handles.append(wrapper.register_forward_pre_hook(
+            _WrapperPreHook(self, inner), with_kwargs=True))
+        self._handles.append(wrapper.register_forward_hook(
+            _WrapperPostHook(self, inner), with_kwargs=True, always_call=True))
+
     def freeze(self, model: nn.Module) -> None:
         """``model`` runs under torch.compile: leave its sublayer hooks as they are now."""
         self._frozen.add(id(model))
@@ -630,6 +693,8 @@ class Probes:
             h.remove()
         self._handles.clear()
         self._root_handles.clear()  # the same handles as in _handles, removed above
+        self._wrapper_calls.clear()
+        self._wrapped.clear()
         self._sub_handles.clear()
         self._tensor_handles.clear()
         self._leaf_hooks = WeakIdKeyDictionary()
@@ -769,6 +834,8 @@ class Probes:
             return
         calls = self._calls
         if calls.depth == 0:
+            if self._wrapper_calls:
+                self._wrapper_calls.discard(id(module))  # its hooks run eagerly: not again
             calls.in_backward = torch._C._current_graph_task_id() != -1
             # A model run whole through a reentrant checkpoint trains under no_grad.
             ckpt = not torch.is_grad_enabled() and in_reentrant_checkpoint()
