@@ -542,9 +542,11 @@ def _op_steps(a: MessageArgs) -> str:
     at = f"in {a.n} step(s), {a.at}" if a.n > 1 else a.at
     first = a.event.data.get("first_seen_step")
     if isinstance(first, int) and first < a.event.step:
-        # The op-level search runs after the per-step check saw the values: say when.
-        at += (f" (the step the op-level search looked at; the per-step check first saw "
-               f"NaN/Inf at step {first})")
+        # The op-level search runs after the per-step check saw the values: say when. Of
+        # this origin's run of non-finite steps, not of the run's (an earlier origin may
+        # have its own finding): "armed by", not "first saw" (review 52a).
+        at += (f" (the step the op-level search looked at; it was armed by the NaN/Inf "
+               f"the per-step check saw at step {first})")
     return at
 
 
