@@ -616,7 +616,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "thread, else wall (CUDA steps: torch.cuda.Event)")
     p.add_argument("--stat", choices=sorted(STATS), default="low",
                    help="how a variant's step times become its cost: low, the "
-                        f"{LOW_QUANTILE:.0%} quantile (other guests of a shared machine "
+                        f"{LOW_QUANTILE * 100:.0f}%% quantile (other guests of a shared machine "
                         "only add time, in bursts), or median")
     p.add_argument("--mem-steps", type=int, default=DEFAULT_EVERY + 1,
                    help="steps of the memory pass; the default records steps 0 and "

@@ -213,3 +213,20 @@ def test_each_missed_time_target_names_the_floors_beneath_it() -> None:
     assert "The read-once floor is above the target" in every1
     del cell.runs["copy_floor"]  # a run without the floors explains nothing
     assert floor_notes(cell) == []
+
+
+# The benchmark scripts with a command line (the others are modules they import).
+SCRIPTS = ("run.py", "bench_scale.py", "bench_gc.py", "bench_commits.py", "bench_compile.py",
+           "bench_foreach.py", "bench_guard.py", "bench_output_size.py", "count_work.py",
+           "profile_close.py", "profile_overhead.py")
+
+
+def test_every_benchmark_script_prints_its_help() -> None:
+    """``run.py --help`` raised on a "%" in a help text (argparse formats them)."""
+    assert set(SCRIPTS) == {p.name for p in BENCH.glob("*.py")
+                            if "__main__" in p.read_text()}
+    for name in SCRIPTS:
+        proc = subprocess.run([sys.executable, str(BENCH / name), "--help"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 0, (name, proc.stderr[-1000:])
+        assert proc.stdout.startswith("usage: "), name
