@@ -128,6 +128,24 @@ def test_the_absmax_of_nan_and_zeros_is_zero_not_the_smallest_bin() -> None:
     assert _decoded(torch.tensor([math.nan, 0.0, 0.5]), F16).absmax == 1.0
 
 
+@pytest.mark.parametrize("n", [12_301, 100_000, 1_000_003])
+def test_a_sampled_tensor_of_nan_and_zeros_has_no_absmax_and_no_underflow(n: int) -> None:
+    """Review 54: a sampled gradient of zeros and NaN read absmax 2**-126 and 142 bits of
+    headroom (and an FP8 amax spread of 132 bits): its zero count is rounded to a whole
+    number, bin 0 (the zeros, scaled) was not, and the difference read as a subnormal."""
+    x = torch.zeros(n, dtype=torch.float16)
+    x[::4] = math.nan
+    d = _decoded(x, F16)
+    assert d.absmax == 0.0 and d.headroom == math.inf
+    assert d.underflow_frac == 0.0 and 0.74 < d.zero_frac < 0.76
+    # A sampled tensor with real subnormals still has them.
+    y = torch.zeros(n)
+    y[::3] = 1e-40
+    y[1] = math.nan
+    dy = _decoded(y, F16)
+    assert dy.absmax == 2.0 ** -126 and dy.underflow_frac > 0.3
+
+
 def test_the_torch_free_format_names_and_maxima_agree_with_torch() -> None:
     from amp_doctor import dtypes
 

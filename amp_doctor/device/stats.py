@@ -610,8 +610,12 @@ def host_rows(rows: torch.Tensor, numel: list[int], sampled: list[int]) -> torch
     rows[:, ZEROS:] *= (n / torch.tensor(sampled, dtype=torch.float64)).unsqueeze(1)
     torch.sub(n, rows[:, ZEROS], out=rows[:, ZEROS])
     # A count: a sample with no zero, scaled by n / sampled, left 1e-12 of one behind
-    # (a zero share of 1e-16 in the charts' axis and the JSON).
-    rows[:, ZEROS].round_()
+    # (a zero share of 1e-16 in the charts' axis and the JSON). Bin 0 holds the zeros
+    # too: it moves with them, so that what it holds beside them stays as sampled (the
+    # rounding read as up to half a subnormal value: review 54, an absmax of 2**-126).
+    rounded = rows[:, ZEROS].round()
+    rows[:, HIST] += rounded - rows[:, ZEROS]
+    rows[:, ZEROS] = rounded
     return rows
 
 
@@ -674,6 +678,8 @@ DECODED_FIELDS = ("numel", "min", "max", "absmax", "zero_frac", "nonfinite_frac"
                   "inf_count", "overflow_frac", "underflow_frac", "headroom", "over_count")
 
 _BINS = torch.arange(N_EXP_BINS, device="cpu")  # not the user's default device
+# Counts below this are no value: the float rounding of a difference of scaled counts.
+_HALF_VALUE = 0.5
 
 
 def _band_sums(hist: torch.Tensor, index: torch.Tensor, shifts: torch.Tensor,
@@ -734,8 +740,10 @@ def decode_table(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int],
         # aminmax propagates NaN; fall back to the top populated finite bin.
         sel = with_nan.nonzero().squeeze(1)
         populated = hist.index_select(0, idx[sel])[:, : N_EXP_BINS - 1] > 0
-        # Bin 0 holds the zeros too: populated only by values besides them (subnormals).
-        populated[:, 0] = hist[idx[sel], 0] > zeros[sel]
+        # Bin 0 holds the zeros too: populated only by values besides them (subnormals),
+        # at least one (a sampled count is at least n / sampled; below half a value the
+        # difference is the float rounding of two scaled counts).
+        populated[:, 0] = hist[idx[sel], 0] - zeros[sel] >= _HALF_VALUE
         top_bin = torch.where(populated, _BINS[: N_EXP_BINS - 1].to(f64), -math.inf).amax(1)
         absmax[sel] = torch.where(top_bin >= 0, torch.exp2(top_bin - _F32_BIAS + 1), 0.0)
     # log2(max / 0) = inf (all zeros), log2(max / inf) = -inf, NaN stays NaN.
@@ -747,7 +755,8 @@ def decode_table(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int],
         ((nans + infs) / n).clamp(max=1.0),
         nans.round(), infs.round(),
         (over / n).clamp(max=1.0),
-        ((under_all - zeros).clamp(min=0) / n).clamp(max=1.0),
+        (torch.where(under_all - zeros >= _HALF_VALUE, under_all - zeros, 0.0) / n
+         ).clamp(max=1.0),
         headroom, over,
     ], dim=1)
 
