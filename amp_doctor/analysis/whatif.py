@@ -108,14 +108,25 @@ class Fp8Row:
     # Recorded steps right after another recorded step: only there is the amax compared
     # with the delayed scale (it updates every step; `every=10` records one step in ten).
     compared: int = 0
+    # Recorded steps whose tensor held inf/NaN: left out of the simulation, since the
+    # magnitudes of the values that overflowed are not known (review 52a: a layer 13 of
+    # 20 steps inf read as an ordinary row, and "nothing to fix for FP8").
+    nonfinite_steps: int = 0
+    steps: int = 0  # recorded steps the layer ran in
 
 
-def _amaxes(s: Session, name: str, grad: bool) -> list[tuple[int, float]]:
-    """(step, amax) of the layer's recorded steps."""
+def _amaxes(s: Session, name: str, grad: bool, unscaled: bool = False
+            ) -> list[tuple[int, float]]:
+    """(step, amax) of the layer's recorded steps; ``unscaled``: a gradient's amax as if
+    no GradScaler had scaled it (where the step has that view), as FP8 training would
+    hold it."""
     out = []
     for r in s.history:
         ls = r.layers.get(name)
-        st = (ls.grad if grad else ls.act) if ls is not None else None
+        st = None
+        if ls is not None:
+            st = ls.act if not grad else (
+                ls.grad_unscaled if unscaled and ls.grad_unscaled is not None else ls.grad)
         if st is not None and math.isfinite(st.absmax) and st.absmax > 0:
             out.append((r.step, st.absmax))
     return out
@@ -141,7 +152,11 @@ def _fp8_row(s: Session, lay: LayerSummary, grad: bool) -> Fp8Row | None:
     if not hist or sum(hist[1:N_BINS - 1]) <= 0:
         return None
     fmt = FORMATS["e5m2" if grad else "e4m3"]
+    # The amaxes in the histogram's terms (a gradient's as the GradScaler scaled it), for
+    # the scale against it; and as FP8 training would see them, for how they move: a loss
+    # scale that fell 2^150 is no spread of the gradients' own.
     stepped = _amaxes(s, lay.name, grad)
+    own = _amaxes(s, lay.name, grad, unscaled=True) if grad else stepped
     amaxes = [a for _, a in stepped]
     amax = max(amaxes) if amaxes else (lay.grad_absmax if grad else lay.absmax)
     if amax is None or not math.isfinite(amax) or amax <= 0:
@@ -149,10 +164,12 @@ def _fp8_row(s: Session, lay: LayerSummary, grad: bool) -> Fp8Row | None:
     # The most conservative scale the window ever had: the run's largest amax.
     shift = math.log2(fmt.max / amax)
     zero, sub, _ = _shares(hist, fmt, shift)
-    beyond, compared = _outran(stepped)
-    spread = math.log2(max(amaxes) / min(amaxes)) if len(amaxes) >= 2 else None
+    beyond, compared = _outran(own)
+    moved = [a for _, a in own]
+    spread = math.log2(max(moved) / min(moved)) if len(moved) >= 2 else None
     return Fp8Row(lay.name, "gradient" if grad else "activation", fmt.name, zero, sub,
-                  spread, beyond, len(amaxes), compared)
+                  spread, beyond, len(amaxes), compared,
+                  lay.grad_nonfinite_steps if grad else lay.nonfinite_steps, lay.recorded_steps)
 
 
 def fp8_rows(s: Session) -> list[Fp8Row]:
@@ -232,7 +249,19 @@ def render_fp8_table(s: Session, max_rows: int = 24) -> str:
                   if not any(r.compared for r in rows) else "")
     return ("FP8 readiness, simulated from the recorded histograms (per-tensor delayed "
             f"scaling, amax window {FP8_AMAX_WINDOW} steps; not FP8 training):\n"
-            + table + more + unmeasured)
+            + table + more + unmeasured + _nonfinite_note(rows, "\n"))
+
+
+def _nonfinite_note(rows: list[Fp8Row], lead: str) -> str:
+    """What the simulation left out: the steps of tensors that held inf/NaN."""
+    hit = [r for r in rows if r.nonfinite_steps]
+    if not hit:
+        return ""
+    listed = _listed(f"{F.layer(r.layer)} {r.tensor}s (in {r.nonfinite_steps} of "
+                     f"{max(r.steps, r.nonfinite_steps)} recorded steps)" for r in hit)
+    return (f"{lead}Left out of the simulation: the inf/NaN values of {listed}; their "
+            "magnitudes are not known. Fix those first (see their findings): FP8 would not "
+            "mend them.")
 
 
 def _listed(items: Iterable[str]) -> str:
@@ -319,6 +348,7 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
                    f"{len(rows8)} low-precision tensors keep at least "
                    f"{100 - AFFECTED_SHARE * 100:g}% of their values after scaling.")
             sev8 = "info"
+        msg += _nonfinite_note(rows8, " ")
         out.append(Finding(
             kind="fp8_readiness", severity=sev8, module=bad[0].layer if bad else None, op=None,
             step=None, message=msg,
@@ -327,7 +357,10 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
                     "amax that outruns the scale needs a shorter amax window." if bad else
                     # (Review 52a: the all-fine note kept the remedy for losses it had none of.)
                     "Nothing to fix for FP8 in the recorded steps: per-tensor delayed "
-                    "scaling would keep these tensors' values."),
+                    "scaling would keep these tensors' values." if not any(
+                        r.nonfinite_steps for r in rows8) else
+                    "Nothing to fix for FP8 in the finite recorded steps: per-tensor "
+                    "delayed scaling would keep those values. The inf/NaN come first."),
             data={"rows": [asdict(r) for r in rows8], "window": FP8_AMAX_WINDOW},
         ))
     return out
