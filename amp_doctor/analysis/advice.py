@@ -566,6 +566,13 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "every step (`--every 1`) so that the failing step's layer figures name the "
                 "layer, or check every op and stop at the first non-finite one with its line "
                 "(`--anomaly --on-nonfinite raise`).")
+    if e.kind == "nonfinite_discarded" and e.data.get("grads_nonfinite"):
+        # The gradients did go non-finite: "nothing to do" would not be true (review 54).
+        where = f" in {F.layer(e.module)}" if e.module else ""
+        return (f"Make the input of {e.op}{where} safe before the op rather than masking "
+                "its output after: an epsilon the format holds (>= 1e-5 in float16), "
+                "`x.clamp_min(eps)`, or the op in float32 (`with torch.autocast(device_type, "
+                "enabled=False):` and `.float()`); a masked NaN still gives NaN gradients.")
     if e.kind == "lowp_updates_lost":
         # The weights' own format decides: bfloat16 weights are not told to move to float16.
         weights = e.data.get("dtypes") or []

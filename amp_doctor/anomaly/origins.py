@@ -261,7 +261,10 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
         # after it: its own backward is where its harm shows (a cube inside a GELU).
         if key[3] == 2 or (key[3] and ev.kind == "nonfinite_forward"):
             ev = Event(kind="nonfinite_discarded", step=ev.step, module=ev.module, op=ev.op,
-                       frame=ev.frame, data={**ev.data, "made": ev.kind})
+                       frame=ev.frame, data={**ev.data, "made": ev.kind,
+                                             # the step's gradients went non-finite all
+                                             # the same, first in a backward op of its own
+                                             "grads_nonfinite": key[3] == 1})
         store(ev, sorted({w.entries[j].step for j in members}))
         if first is None or (first.kind == "nonfinite_discarded"
                              and ev.kind != "nonfinite_discarded"):
