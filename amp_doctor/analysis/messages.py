@@ -539,7 +539,9 @@ def _where(e: Event) -> str:
 
 
 def _op_steps(a: MessageArgs) -> str:
-    at = f"in {a.n} step(s), {a.at}" if a.n > 1 else a.at
+    # The op-level search looks only at the steps it is armed for: "in 2 step(s)" of an
+    # op that failed in all 40 read as a frequency (review 54).
+    at = f"in {a.n} step(s) the op-level search looked at, {a.at}" if a.n > 1 else a.at
     first = a.event.data.get("first_seen_step")
     if isinstance(first, int) and first < a.event.step:
         # The op-level search runs after the per-step check saw the values: say when. Of
@@ -582,6 +584,17 @@ def _nonfinite_discarded(a: MessageArgs) -> str:
                 "was finite: those values went into gradients that no optimizer used (a "
                 "GAN's discriminator gradients from the generator's backward, which the "
                 "next `zero_grad()` drops). Training is not affected.")
+    if d.get("grads_nonfinite"):
+        # Review 54: NaN in padded positions whose labels were ignored kept the loss
+        # finite, yet reached the gradients (0 x NaN in cross-entropy's backward): the
+        # backward's own origin does not show that these values played no part.
+        return (f"{e.op} {_where(e)} made {nonfinite_what(d)}{_op_range(d)}, "
+                f"{_op_steps(a)}, but the step's loss stayed finite: a later op kept those "
+                "values out of it (a mask, an ignored label, a `torch.where`). The step's "
+                "gradients went non-finite all the same, first in a backward op (see the "
+                "nonfinite_backward finding); these values may have fed it, since a masked "
+                "NaN still gives NaN in backward (0 x NaN), so fix this op too if that "
+                "finding does not explain them.")
     return (f"{e.op} {_where(e)} made {nonfinite_what(d)}{_op_range(d)}, {_op_steps(a)}, "
             "but the step's loss stayed finite and no gradient took them on: a later op "
             "dropped those values (a `torch.where`, a mask, a cast to integers), as "

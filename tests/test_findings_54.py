@@ -1,0 +1,115 @@
+"""Session 54: the FP8 table of a run whose loss scale fell and whose output overflowed;
+a masked NaN in anomaly mode."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import amp_doctor
+from amp_doctor.analysis.whatif import fp8_rows, render_fp8_table
+from tests.test_findings_53 import _house_prices
+
+
+def test_fp8_amax_spread_of_gradients_is_their_own_not_the_loss_scales() -> None:
+    # The gradients' amaxes as the GradScaler scaled them moved with the scale's fall:
+    # "amax spread (bits) 138" for a layer whose own gradients moved 15 bits (review 54).
+    s = _house_prices(192)
+    rows = {(r.layer, r.tensor): r for r in fp8_rows(s)}
+    row = rows[("0", "gradient")]
+    own = [r.layers["0"].grad_unscaled.absmax for r in s.history
+           if "0" in r.layers and r.layers["0"].grad_unscaled is not None
+           and math.isfinite(r.layers["0"].grad_unscaled.absmax)
+           and r.layers["0"].grad_unscaled.absmax > 0]
+    scaled = [r.layers["0"].grad.absmax for r in s.history
+              if "0" in r.layers and r.layers["0"].grad is not None
+              and math.isfinite(r.layers["0"].grad.absmax) and r.layers["0"].grad.absmax > 0]
+    assert len(own) >= 2
+    assert row.amax_spread_bits == math.log2(max(own) / min(own))
+    assert row.amax_spread_bits + 8 < math.log2(max(scaled) / min(scaled))
+
+
+def test_fp8_table_says_which_tensors_held_inf_or_nan_and_were_left_out() -> None:
+    # Review 52a: the head's output was inf in most recorded steps, yet its FP8 row read as
+    # any other (from its finite values), and an all-fine note said "nothing to fix".
+    s = _house_prices(192)
+    head = next(lay for lay in s.layers if lay.name == "4")
+    assert head.nonfinite_steps > 0
+    row = next(r for r in fp8_rows(s) if (r.layer, r.tensor) == ("4", "activation"))
+    assert (row.nonfinite_steps, row.steps) == (head.nonfinite_steps, head.recorded_steps)
+    table = render_fp8_table(s)
+    assert (f"Left out of the simulation: the inf/NaN values of layer 4 activations (in "
+            f"{head.nonfinite_steps} of {head.recorded_steps} recorded steps)") in table
+    (fp8,) = [f for f in s.findings if f.kind == "fp8_readiness"]
+    left_out = fp8.message.split("Left out of the simulation: the inf/NaN values of ")[1]
+    assert f"layer 4 activations (in {head.nonfinite_steps} of " in left_out
+
+
+class _BertLayerNorm(nn.Module):
+    """BERT's hand-written LayerNorm, epsilon 1e-12 (0 in float16)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = x.mean(-1, keepdim=True)
+        s = (x - u).pow(2).mean(-1, keepdim=True)
+        return self.weight * ((x - u) / torch.sqrt(s + 1e-12)) + self.bias
+
+
+class _Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=0)
+        self.mix = nn.Linear(16, 16, bias=False)
+        self.norm = _BertLayerNorm(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.mix(self.emb(ids))))
+
+
+STEPS_54 = 24
+
+
+def test_a_masked_nan_whose_gradients_went_nan_is_not_called_harmless() -> None:
+    # Review 54: padded positions (zero embeddings) make 0/0 in a float16 LayerNorm; their
+    # labels are ignored, so the loss stays finite, but cross-entropy's backward multiplies
+    # their NaN by 0 and every step's gradients go NaN. The forward origin read "Training
+    # is not affected" beside 4 of 4 steps skipped.
+    torch.manual_seed(0)
+    model = _Tagger()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, anomaly=True, every=1, tensorboard=False) as doctor:
+        for _ in range(STEPS_54):
+            ids = torch.randint(1, 50, (4, 8), generator=g)
+            ids[:, 6:] = 0
+            labels = ids.remainder(5).masked_fill(ids == 0, -100)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(ids).view(-1, 5), labels.view(-1))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert torch.isfinite(loss)
+    s = doctor.session
+    assert s.scaler is not None and len(s.scaler.skipped_steps) == STEPS_54
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module, f.op) for f in errors] == [("nonfinite_backward", "norm",
+                                                            "aten.div")]
+    # It failed in every step; the op-level search looked at a few of them (review 54: "in
+    # 2 step(s)" read as how often it failed).
+    searched = errors[0].message.split(" step(s) the op-level search looked at, first at")
+    assert len(searched) == 2 and 1 < int(searched[0].rsplit(" ", 1)[1]) < STEPS_54
+    for f in s.findings_of("nonfinite_discarded"):
+        assert "not affected" not in f.message and "Nothing to do" not in f.advice
+        assert "The step's gradients went non-finite all the same" in f.message
+        assert f.advice.startswith("Make the input of aten.div in norm safe before the op")
+    assert s.findings_of("nonfinite_discarded")
