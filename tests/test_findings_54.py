@@ -113,3 +113,31 @@ def test_a_masked_nan_whose_gradients_went_nan_is_not_called_harmless() -> None:
         assert "The step's gradients went non-finite all the same" in f.message
         assert f.advice.startswith("Make the input of aten.div in norm safe before the op")
     assert s.findings_of("nonfinite_discarded")
+
+
+def test_anomaly_mode_names_a_cast_parameter_not_the_data() -> None:
+    # Review 54: an output bias initialised at the mean price (2.5e5) is cast to float16 by
+    # autocast at every use; anomaly mode told the user to fix "the data", where the
+    # default mode's activation_overflow said to standardise the targets.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[-1].bias.fill_(2.5e5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(32, 12), torch.full((32, 1), 2.5e5)
+    with amp_doctor.watch(model, anomaly=True, every=1, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    (err,) = [f for f in doctor.session.findings if f.severity == "error"]
+    assert (err.kind, err.module, err.op) == ("nonfinite_forward", "2", "aten._to_copy")
+    assert "cast values up to 2.50e+05 to float16" in err.message
+    assert "Those values are a parameter of layer 2 (a weight or bias, in float32)" in err.message
+    assert err.advice.startswith("A parameter of layer 2 holds values beyond the format's max")
+    assert "standardise the targets" in err.advice and "--fp32 2 " in err.advice
+    assert "the data" not in err.advice

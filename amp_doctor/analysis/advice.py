@@ -566,6 +566,15 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "every step (`--every 1`) so that the failing step's layer figures name the "
                 "layer, or check every op and stop at the first non-finite one with its line "
                 "(`--anomaly --on-nonfinite raise`).")
+    if e.kind == "nonfinite_forward" and e.op == "aten._to_copy" and e.data.get(
+            "casts_parameter"):
+        where = F.layer(e.module) if e.module else "the layer"
+        return (f"A parameter of {where} holds values beyond the format's max. A bias that "
+                "large is often learned (or initialised) to fit targets of that size: "
+                "standardise the targets (`(y - mean) / std`, the predictions scaled back "
+                "for reporting) so the layer's parameters stay small. Or keep the layer in "
+                f"float32 (try it: `amp-doctor diagnose --fp32 {e.module or 'LAYER'} "
+                "script.py`); bfloat16 holds such values.")
     if e.kind == "nonfinite_discarded" and e.data.get("grads_nonfinite"):
         # The gradients did go non-finite: "nothing to do" would not be true (review 54).
         where = f" in {F.layer(e.module)}" if e.module else ""

@@ -841,6 +841,14 @@ def _nonfinite_forward(a: MessageArgs) -> str:
     e, d = a.event, a.event.data
     tail = f" {F.layer(e.module)}'s output stayed finite." if d.get("module_output_finite") else ""
     cast = cast_overflow(e.op, d)
+    if cast is not None and d.get("casts_parameter"):
+        # Review 54: an output bias of 2.5e5 (a regression on raw targets) is the layer's
+        # own value, which autocast casts at every use: not the data's.
+        return (f"{e.op} {_where(e)} was the first op to produce {nonfinite_what(d)}: it "
+                f"{cast}, {_op_steps(a)}. Those values are a parameter of "
+                f"{F.layer(e.module) if e.module else 'the model'} (a weight or bias, in "
+                f"float32), which autocast casts to {d.get('dtype')} at every use: every op "
+                f"after it only passed them on.{tail}")
     if cast is not None:
         return (f"{e.op} {_where(e)} was the first op to produce {nonfinite_what(d)}: it "
                 f"{cast}, {_op_steps(a)}. Those values were beyond the format before any "

@@ -74,6 +74,8 @@ class _Cached(NamedTuple):
 
 
 _DIVISIONS = frozenset({"aten.div", "aten.div_", "aten.true_divide"})
+# autocast's cast of a float32 input to the low-precision format.
+_CAST = "aten._to_copy"
 
 
 class _PreOp(NamedTuple):
@@ -88,6 +90,9 @@ class _PreOp(NamedTuple):
     # A division's input dtypes: a float16 denominator of exactly 0 may be an underflow
     # (eps=1e-12 is 0 there), a float32 one is not.
     in_dtypes: tuple[str, ...] = ()
+    # A cast of a parameter (autocast's of a float32 weight or bias): its values beyond
+    # the format are the layer's own, not the data's.
+    casts_parameter: bool = False
 
 
 class _ToTag(NamedTuple):
@@ -247,7 +252,8 @@ class OpRecorder:
         allowed = constant_inf or name in _UNINITIALIZED
         in_dtypes = (tuple(dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor))
                      if name in _DIVISIONS else ())
-        return _PreOp(name, ins, False, allowed, None, step, in_dtypes)
+        param = name == _CAST and bool(args) and isinstance(args[0], torch.nn.Parameter)
+        return _PreOp(name, ins, False, allowed, None, step, in_dtypes, param)
 
     def _after(self, pre: _PreOp, out: Any) -> None:
         name = pre.name
@@ -288,7 +294,8 @@ class OpRecorder:
             return
         self.add(OpEntry(kind=kind, op=name, module=module, step=pre.step, dtype=dtype,
                          outs=summaries, ins=pre.ins, frames=frames, node=node_name,
-                         forward_op=fwd_op, in_dtypes=pre.in_dtypes))
+                         forward_op=fwd_op, in_dtypes=pre.in_dtypes,
+                         casts_parameter=pre.casts_parameter))
 
     def _after_view(self, pre: _PreOp, outs: list[torch.Tensor], forward: bool) -> None:
         # Same values as the viewed tensor: share its summary, record nothing. A part of it

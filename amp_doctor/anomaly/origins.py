@@ -57,6 +57,7 @@ class OpEntry:
     node: str | None = None
     forward_op: str | None = None
     in_dtypes: tuple[str, ...] = ()  # a division's input dtypes
+    casts_parameter: bool = False  # a cast whose input is an nn.Parameter
 
 
 @dataclass(slots=True)
@@ -283,6 +284,8 @@ def _event_for(e: OpEntry, o: torch.Tensor, x: torch.Tensor, call: torch.Tensor)
     }
     if e.in_dtypes:
         data["input_dtypes"] = list(e.in_dtypes)
+    if e.casts_parameter:
+        data["casts_parameter"] = True
     if len(x):
         lo, hi = float(x[:, 0].min()), float(x[:, 1].max())
         data.update(input_min=lo, input_max=hi, input_absmax=max(abs(lo), abs(hi)))
