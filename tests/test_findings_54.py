@@ -141,3 +141,35 @@ def test_anomaly_mode_names_a_cast_parameter_not_the_data() -> None:
     assert err.advice.startswith("A parameter of layer 2 holds values beyond the format's max")
     assert "standardise the targets" in err.advice and "--fp32 2 " in err.advice
     assert "the data" not in err.advice
+
+
+def test_a_loss_beyond_float16_with_its_output_layer_in_float32_is_still_the_losss() -> None:
+    # Review 54: a regression on raw prices (loss ~1e9) run with its output layer in float32
+    # (`--fp32 4`, as the report's next step offered): the overflow moved to the layer below,
+    # and the report blamed that layer ("run it in float32"), never the loss's size.
+    torch.manual_seed(0)
+    x = torch.randn(1024, 12)
+    y = (x @ (torch.rand(12) * 3e4) + 2.5e5).unsqueeze(1)
+    model = nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 1))
+    with torch.no_grad():
+        model[-1].bias.fill_(2.5e5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, fp32=["4"], tensorboard=False) as doctor:
+        for _ in range(40):
+            idx = torch.randint(0, 1024, (64,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x[idx]), y[idx])
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    (err,) = [f for f in s.findings if f.severity == "error"]
+    assert err.kind == "scale_collapse" and err.data["loss_too_large"]
+    assert err.module in ("2", "3")
+    assert "in the recorded steps that backed off, beyond float16's max 65504" in err.message
+    assert err.message.endswith(f"so the loss is too large, not {err.module}.")
+    assert err.advice.startswith("Keep the loss O(1): normalise the data and targets")

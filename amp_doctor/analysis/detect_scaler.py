@@ -268,7 +268,7 @@ def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
     # One backoff is the scaler's calibration at a scale too high for any loss: the size
     # of the loss shows in the backoffs that keep coming.
     if len(first) < LOSS_TOO_LARGE_MIN_BACKOFFS or 2 * len(first) < len(rec):
-        return None
+        return _loss_beyond_format(session, [e for e, c in leads if c is not None], rec)
     top = max(dict.fromkeys(first), key=first.count)
     said = (f"; in {len(first)} of {len(rec)} recorded backoffs the first non-finite "
             f"gradients were those of {top}, which returns the model's output: the "
@@ -280,6 +280,25 @@ def _loss_gradient_overflow(session: Session, backoffs: list[ScalerEvent]
                             "of the loss code makes the large gradient in its backward, not "
                             f"the loss's size, nor {top}")
     return top, said + f"so the loss is too large for float16, not {top}"
+
+
+def _loss_beyond_format(session: Session, evs: list[ScalerEvent], leads: list[str]
+                        ) -> tuple[str, str] | None:
+    """(layer, words) when the loss itself was beyond the format's max in the recorded
+    backoffs: its gradient, times the scale, overflows whatever layer still runs in the
+    format, the output layer or (run in float32: review 54, `--fp32` on a regression on
+    raw prices, a loss of 2.4e9) the one before it. Not that layer's doing."""
+    fmax = FORMAT_MAX.get(low_format(session))
+    peak = loss_peak(session, evs)
+    if (fmax is None or peak is None or peak <= fmax
+            or len(leads) < LOSS_TOO_LARGE_MIN_BACKOFFS):
+        return None
+    top = max(dict.fromkeys(leads), key=leads.count)
+    return top, (f"; the loss was up to {F.num(peak)} in the recorded steps that backed off, "
+                 f"beyond {low_format(session)}'s max {fmax:g}: the gradient it sends back, "
+                 "times the scale, overflows the layers that still run in that format "
+                 "(running the output layer in float32 only moves the overflow to the layer "
+                 f"before it), so the loss is too large, not {top}")
 
 
 def loss_peak(session: Session, evs: list[ScalerEvent]) -> float | None:
