@@ -139,8 +139,9 @@ ADVICE: dict[str, str] = {
         "enabled=False)`, add normalisation, lower the learning rate, or use bfloat16."
     ),
     "scale_collapse": (
-        "The loss scale keeps falling because gradients keep overflowing; the optimizer is "
-        "skipping steps. Fix the culprit layer named in the backoffs (run it in float32 or "
+        "The loss scale keeps falling because gradients keep becoming inf/NaN (an overflow, "
+        "or a NaN such as a 0/0 the scale cannot prevent); the optimizer is skipping steps. "
+        "Fix the culprit layer named in the backoffs (run it in float32 or "
         "use bfloat16); do not just lower `init_scale`. If the model was trained in bf16, "
         "fine-tune it in bf16 (`dtype=torch.bfloat16`) rather than float16."
     ),
