@@ -82,8 +82,10 @@ ADVICE: dict[str, str] = {
     ),
     "input_beyond_format": (
         "Normalise or clip the data before the model (a value beyond the format's max is "
-        "inf once autocast casts it), or run the first layer in float32 with "
-        "`with torch.autocast(device_type, enabled=False): out = layer(x.float())`."
+        "inf once autocast casts it). Float32 for the first layer (`with "
+        "torch.autocast(device_type, enabled=False): out = layer(x.float())`) helps only "
+        "when that layer brings the values back in range (a normalisation): values it "
+        "passes on large overflow further on."
     ),
     "activation_headroom": (
         "Values are within 2x of the format's max: rescale the input (normalise it), "

@@ -94,6 +94,10 @@ def next_steps(session: Session, here: str | None = None,
         name for f in errors
         if f.kind in ERROR_KINDS_FIXED_BY_FP32 and f.module and f.module not in roots
         and not f.data.get("loss_too_large")
+        # A batch beyond the format, cast to inf before the layer: float32 for it lets the
+        # large values through to overflow further on (review 54: `--fp32 stem` left the
+        # same steps skipped, then called "as designed").
+        and f.data.get("input_absmax") is None
         and not (f.kind == "nonfinite_forward" and inputs_held_inf(f.data))
         and not (f.kind in ("nonfinite_forward", "nonfinite_backward")
                  and f.data.get("dtype") in WIDE_FORMATS)
@@ -154,6 +158,10 @@ def next_steps(session: Session, here: str | None = None,
         out.append("amp-doctor: next: the fix is in the data (normalise or clip it, see the "
                    "error); to see which layers the batch broke: "
                    f"amp-doctor diagnose --every 1 {script}")
+    elif not out and any(f.data.get("input_absmax") is not None for f in errors):
+        # The layers it broke were recorded: nothing more to run, but where the fix is.
+        out.append("amp-doctor: next: the fix is in the data: normalise or clip it before "
+                   f"the model (see the error), then run again: amp-doctor diagnose {script}")
     if any(f.data.get("attn_mask_given") for f in errors) and out:
         # A row the -inf mask covers whole is NaN in float32 too: the op first (review 51:
         # `--fp32` on the attention left the NaN). The one step is caught as it happens.
