@@ -173,3 +173,26 @@ def test_a_loss_beyond_float16_with_its_output_layer_in_float32_is_still_the_los
     assert "in the recorded steps that backed off, beyond float16's max 65504" in err.message
     assert err.message.endswith(f"so the loss is too large, not {err.module}.")
     assert err.advice.startswith("Keep the loss O(1): normalise the data and targets")
+
+
+def test_the_header_of_a_run_with_a_disabled_gradscaler_says_disabled() -> None:
+    # Review 54: "no GradScaler" in the header, "GradScaler present but disabled" below it
+    # (a `torch.cuda.amp.GradScaler()` disables itself without CUDA).
+    from amp_doctor.sinks.text import render_text
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    text = render_text(doctor.session)
+    header = text.splitlines()[0]
+    assert "| GradScaler disabled |" in header and "no GradScaler" not in header
+    assert "Scaler: GradScaler present but disabled" in text

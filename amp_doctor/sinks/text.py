@@ -64,6 +64,8 @@ def summary_line(s: Session) -> str:
         # A scaler that scales the loss but never steps: the header must not deny it.
         "GradScaler scales but never steps" if any(
             e.kind == "scaled_grads_stepped" for e in s.events)
+        # (Review 54: "no GradScaler" above "Scaler: GradScaler present but disabled".)
+        else "GradScaler disabled" if s.scaler is not None and not s.scaler.enabled
         else "no GradScaler" if s.steps else "no GradScaler used before the end")
     # The step a run ended in is recorded, though it never finished: say so, rather than
     # count more recorded steps than steps.
