@@ -97,6 +97,11 @@ class StepBuffer:
         """Keep a device scalar (loss, scale) for the step's single host copy."""
         self._scalars[key] = value.detach().reshape(-1)[:1].to(torch.float64)
 
+    def add_scalar(self, key: str, value: torch.Tensor) -> None:
+        """Add ``value`` to the device scalar kept as ``key`` (one op, no sync)."""
+        self._scalars[key] = self._scalars[key] + value.detach().reshape(-1)[:1].to(
+            device=self._scalars[key].device, dtype=torch.float64)
+
     def rename(self, mapping: dict[str, str]) -> None:
         """Layers were renamed mid-step (a second model prefixes the first's names)."""
         self.assigned = {(mapping.get(k, k), f): v for (k, f), v in self.assigned.items()}
