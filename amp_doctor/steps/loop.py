@@ -62,6 +62,7 @@ class LoopSignals:
     def __init__(self) -> None:
         # Device flags of the current step: "loss_bad", "input_nan", "input_inf".
         self._flags: dict[str, torch.Tensor] = {}
+        self._losses_since_step = False  # a backward's loss noted since the last update
         self.train_forward = False
         self.backward = False
         # The module given the step's first checked batch (check_input).
@@ -190,9 +191,14 @@ class LoopSignals:
         bad = (x * 0).ne(0)
         bad = bad if len(losses) == 1 else bad.any()
         # The step's loss, for a loop without scaler.scale (which notes it unscaled): the
-        # first backward's, with no op for the later ones.
-        if PLAIN_LOSS_KEY not in self._flags:
-            self._flags[PLAIN_LOSS_KEY] = (x if len(losses) == 1 else x[0]).float()
+        # sum of the backwards' since the last optimizer step (gradient accumulation's
+        # micro-batches, as under scaler.scale; a GAN's second optimizer starts anew).
+        loss = (x if len(losses) == 1 else x[0]).float()
+        if PLAIN_LOSS_KEY in self._flags and self._losses_since_step:
+            self._flags[PLAIN_LOSS_KEY] = self._flags[PLAIN_LOSS_KEY] + loss
+        else:
+            self._flags[PLAIN_LOSS_KEY] = loss
+        self._losses_since_step = True
         scaled = self._flags.get("scaled_grads_bad")
         if scaled is not None:
             # A loss made of gradients that overflowed under the loss scale (a gradient
@@ -273,6 +279,7 @@ class LoopSignals:
     def optimizer_stepped(self) -> None:
         """An optimizer stepped: the iteration's update was taken."""
         self._sentinel = None
+        self._losses_since_step = False
 
     def grads_taken(self, params: list[torch.Tensor]) -> None:
         """``torch.autograd.grad`` took these watched weights' gradients: the step ends
