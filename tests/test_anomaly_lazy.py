@@ -278,8 +278,8 @@ def test_a_nan_that_recurs_every_epoch_is_located_by_an_aimed_search() -> None:
     assert not [e for e in s.events if e.kind == "nonfinite_unlocated"], s.events
     (f,) = [f for f in s.findings if f.kind == "nonfinite_forward"]
     assert f.severity == "error" and f.message.startswith("aten.std in layer 1 was the first op")
-    assert ("(the step the op-level search looked at; it was armed by the NaN/Inf the "
-            "per-step check saw at step 5)") in f.message
+    assert ("step(s) the op-level search looked at, first at step 17 (it was armed by the "
+            "NaN/Inf the per-step check saw at step 5)") in f.message
     # The std of one sample is NaN in float32 too: no "keep it in float32" advice.
     assert f.advice.startswith("A std or var over a dimension with no more values than its "
                                "correction is NaN in any precision")

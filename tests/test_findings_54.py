@@ -231,3 +231,19 @@ def test_the_loss_of_an_accumulated_step_is_the_sum_of_its_micro_batches(
     assert len(got) == 3
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, sums, strict=True))
     assert all(1.0 < v < 1.3 for v in got)  # about ln 3: the whole batch's mean loss
+
+
+def test_an_op_findings_steps_say_what_the_search_looked_at_and_what_armed_it() -> None:
+    from amp_doctor.analysis.messages import MessageArgs, _op_steps
+    from amp_doctor.records import Event
+
+    ev = Event("nonfinite_forward", 17, "1", "aten.std", data={"first_seen_step": 5})
+    assert _op_steps(MessageArgs(ev, 1, "at step 17", [17])) == (
+        "at step 17 (the step the op-level search looked at; it was armed by the NaN/Inf "
+        "the per-step check saw at step 5)")
+    assert _op_steps(MessageArgs(ev, 3, "first at step 17", [17, 29, 41])) == (
+        "in 3 step(s) the op-level search looked at, first at step 17 (it was armed by the "
+        "NaN/Inf the per-step check saw at step 5)")
+    plain = Event("nonfinite_forward", 0, "1", "aten.std", data={"first_seen_step": 0})
+    assert _op_steps(MessageArgs(plain, 2, "first at step 0", [0, 9])) == (
+        "in 2 step(s) the op-level search looked at, first at step 0")

@@ -539,17 +539,18 @@ def _where(e: Event) -> str:
 
 
 def _op_steps(a: MessageArgs) -> str:
-    # The op-level search looks only at the steps it is armed for: "in 2 step(s)" of an
-    # op that failed in all 40 read as a frequency (review 54).
-    at = f"in {a.n} step(s) the op-level search looked at, {a.at}" if a.n > 1 else a.at
     first = a.event.data.get("first_seen_step")
-    if isinstance(first, int) and first < a.event.step:
-        # The op-level search runs after the per-step check saw the values: say when. Of
-        # this origin's run of non-finite steps, not of the run's (an earlier origin may
-        # have its own finding): "armed by", not "first saw" (review 52a).
-        at += (f" (the step the op-level search looked at; it was armed by the NaN/Inf "
-               f"the per-step check saw at step {first})")
-    return at
+    # The op-level search runs after the per-step check saw the values: say when. Of
+    # this origin's run of non-finite steps, not of the run's (an earlier origin may
+    # have its own finding): "armed by", not "first saw" (review 52a).
+    armed = (f"it was armed by the NaN/Inf the per-step check saw at step {first}"
+             if isinstance(first, int) and first < a.event.step else "")
+    if a.n > 1:
+        # It looks only at the steps it is armed for: "in 2 step(s)" of an op that failed
+        # in all 40 read as a frequency (review 54).
+        return (f"in {a.n} step(s) the op-level search looked at, {a.at}"
+                + (f" ({armed})" if armed else ""))
+    return a.at + (f" (the step the op-level search looked at; {armed})" if armed else "")
 
 
 # What a NaN loss's message says when no recorded step showed where it began.
