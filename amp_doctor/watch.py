@@ -282,10 +282,6 @@ class Watch:
         self._update_dropped = False
         # The model (its id) called under no_grad as the step's companion, until it returns.
         self._companion: int | None = None
-        # Losses scaled since the last optimizer step, summed into the step's loss: the
-        # micro-batches of gradient accumulation (review 54: the last one's loss / 4 was
-        # the step's), or two terms scaled apart; a GAN's next optimizer starts anew.
-        self._losses_since_step = False
 
     @property
     def models(self) -> dict[str, nn.Module]:
@@ -729,14 +725,12 @@ class Watch:
         ts = [t for t in iter_tensors(outputs) if t.is_floating_point() and t.numel() >= 1]
         if ts:
             loss = ts[0].detach().float().mean()
-            if self._losses_since_step and buf.has_scalar("loss"):
+            if self._loop.continues_loss("loss") and buf.has_scalar("loss"):
                 buf.add_scalar("loss", loss)
             else:
                 buf.put_scalar("loss", loss)
-            self._losses_since_step = True
 
     def _on_param_grads(self, params: list[torch.Tensor], scale: float | None) -> None:
-        self._losses_since_step = False
         self._loop.optimizer_stepped()
         if self._anomaly is not None and not in_closure_step():
             # (A closure computes them inside the step: the boundary's check reads them.)

@@ -62,7 +62,8 @@ class LoopSignals:
     def __init__(self) -> None:
         # Device flags of the current step: "loss_bad", "input_nan", "input_inf".
         self._flags: dict[str, torch.Tensor] = {}
-        self._losses_since_step = False  # a backward's loss noted since the last update
+        # The step's losses with a term noted since the last optimizer step, by key.
+        self._loss_terms: set[str] = set()
         self.train_forward = False
         self.backward = False
         # The module given the step's first checked batch (check_input).
@@ -107,6 +108,7 @@ class LoopSignals:
         step's host copy. ``skipped``: a GradScaler skipped the step (its gradients were
         NaN/inf, whatever the loss was)."""
         flags, self._flags = self._flags, {}
+        self._loss_terms.clear()
         self._lp_snap = []
         bad = flags.get("loss_bad")
         dropped = self.dropped.step_flag()
@@ -166,6 +168,7 @@ class LoopSignals:
         self._lp_snap = []
         self.lp_params = []
         self._flags = {}
+        self._loss_terms.clear()
         self.dropped.release()
         self.batches.release()
 
@@ -194,11 +197,10 @@ class LoopSignals:
         # sum of the backwards' since the last optimizer step (gradient accumulation's
         # micro-batches, as under scaler.scale; a GAN's second optimizer starts anew).
         loss = (x if len(losses) == 1 else x[0]).float()
-        if PLAIN_LOSS_KEY in self._flags and self._losses_since_step:
+        if self.continues_loss(PLAIN_LOSS_KEY) and PLAIN_LOSS_KEY in self._flags:
             self._flags[PLAIN_LOSS_KEY] = self._flags[PLAIN_LOSS_KEY] + loss
         else:
             self._flags[PLAIN_LOSS_KEY] = loss
-        self._losses_since_step = True
         scaled = self._flags.get("scaled_grads_bad")
         if scaled is not None:
             # A loss made of gradients that overflowed under the loss scale (a gradient
@@ -276,10 +278,19 @@ class LoopSignals:
         g = p.grad
         return p._version == pver and (g is None or id(g) != gid or g._version != gver)
 
+    def continues_loss(self, key: str) -> bool:
+        """Whether the step's loss ``key`` has a term noted since the last optimizer step,
+        which this one adds to (gradient accumulation's micro-batches; review 54: the last
+        one's loss / 4 was the step's); notes this term. A GAN's second optimizer's loss
+        starts anew."""
+        more = key in self._loss_terms
+        self._loss_terms.add(key)
+        return more
+
     def optimizer_stepped(self) -> None:
         """An optimizer stepped: the iteration's update was taken."""
         self._sentinel = None
-        self._losses_since_step = False
+        self._loss_terms.clear()
 
     def grads_taken(self, params: list[torch.Tensor]) -> None:
         """``torch.autograd.grad`` took these watched weights' gradients: the step ends
