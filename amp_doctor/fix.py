@@ -458,9 +458,12 @@ def render_fix(r: FixResult) -> str:
                 loss, "ok" if t.ok else (t.rejected or ", ".join(t.errors)
                                          or f"exit {t.exit_code}")]
 
-    rows = [row(0, r.baseline)] + [row(i + 1, t) for i, t in enumerate(r.trials)]
-    out = ["Trials (each a real run of the script; float32 = layers forced with --fp32):",
-           tabulate(rows, headers=["#", "float32", "why", "steps", "skipped", "last loss",
+    # Numbered as the trials' folders are (trial01 is the baseline), in the order they ran
+    # (review 54: rows from 0 beside folders from 1).
+    rows = [row(i, t) for i, t in enumerate([r.baseline, *r.trials], start=1)]
+    out = ["Trials (each a real run of the script; float32 = layers forced with --fp32; its "
+           "report in the folder trialNN):",
+           tabulate(rows, headers=["trial", "float32", "why", "steps", "skipped", "last loss",
                                    "errors left"], tablefmt="simple", disable_numparse=True),
            ""]
     out.extend(r.notes)

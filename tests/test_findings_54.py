@@ -247,3 +247,27 @@ def test_an_op_findings_steps_say_what_the_search_looked_at_and_what_armed_it() 
     plain = Event("nonfinite_forward", 0, "1", "aten.std", data={"first_seen_step": 0})
     assert _op_steps(MessageArgs(plain, 2, "first at step 0", [0, 9])) == (
         "in 2 step(s) the op-level search looked at, first at step 0")
+
+
+def test_fix_numbers_its_trials_as_their_folders() -> None:
+    # Review 54: the table's rows counted from 0 (the baseline) while the trials' folders
+    # count from trial01: row 2 was trial03.
+    from amp_doctor.fix import FixResult, Trial, render_fix
+
+    def trial(fp32: tuple[str, ...], why: str, errors: tuple[str, ...]) -> Trial:
+        return Trial(fp32=fp32, why=why, errors=errors, exit_code=0, steps=20,
+                     final_loss=0.5, skipped=0)
+
+    bad = ("activation_overflow@proj",)
+    r = FixResult(baseline=trial((), "baseline", bad),
+                  trials=[trial((), "baseline, repeated", bad),
+                          trial(("proj",), "culprit", ())],
+                  best=trial(("proj",), "culprit", ()), device_type="cpu", models=["Net"],
+                  command=["t.py"])
+    text = render_fix(r)
+    assert "its report in the folder trialNN" in text
+    lines = text.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("trial "))
+    firsts = [ln.split()[0] for ln in lines[head + 2 : head + 5]]
+    assert firsts == ["1", "2", "3"]
+    assert lines[head + 4].split()[1] == "proj"
