@@ -53,6 +53,7 @@ from amp_doctor.dtypes import (
     parse_dtype,
 )
 from amp_doctor.errors import AmpDoctorError, UsageError, tensorboard_path_error
+from amp_doctor.hooks import interrupts
 from amp_doctor.hooks.compiled import dynamo_compiled_something
 from amp_doctor.hooks.discovery import (
     GlobalDiscovery,
@@ -282,6 +283,7 @@ class Watch:
         self._update_dropped = False
         # The model (its id) called under no_grad as the step's companion, until it returns.
         self._companion: int | None = None
+        self._holds_interrupts = False  # see hooks.interrupts
 
     @property
     def models(self) -> dict[str, nn.Module]:
@@ -355,6 +357,8 @@ class Watch:
                 if self._tb is not None:
                     self._listeners.append(self._tb.on_step)
             self._set_recording()
+            interrupts.hold()
+            self._holds_interrupts = True
         except BaseException:
             self._teardown()
             if self._tb is not None:
@@ -515,6 +519,9 @@ class Watch:
         if self._buffer is not None:
             self._buffer.closed = True
         self._buffer = None
+        if self._holds_interrupts:
+            self._holds_interrupts = False
+            interrupts.let_go()
 
     # -- public API ------------------------------------------------------------
     @as_own_work

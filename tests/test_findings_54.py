@@ -271,3 +271,45 @@ def test_fix_numbers_its_trials_as_their_folders() -> None:
     firsts = [ln.split()[0] for ln in lines[head + 2 : head + 5]]
     assert firsts == ["1", "2", "3"]
     assert lines[head + 4].split()[1] == "proj"
+
+
+def test_a_ctrl_c_python_dropped_in_a_weakref_callback_is_delivered_again() -> None:
+    # CI, test_ctrl_c_after_the_report_is_out_...: a Ctrl-C that landed in a weakref
+    # callback (torch's WeakIdKeyDictionary, which the hooks keep per step) was reported
+    # as "Exception ignored" and lost, and the script looped on.
+    import gc
+    import sys
+    import time
+    import weakref
+
+    from amp_doctor.hooks import interrupts
+
+    class Dies:
+        pass
+
+    def callback(ref: object) -> None:
+        raise KeyboardInterrupt  # as a SIGINT landing here would
+
+    before = sys.unraisablehook
+    model = nn.Linear(4, 4)
+    with amp_doctor.watch(model, tensorboard=False):
+        assert sys.unraisablehook is interrupts._redeliver
+        obj = Dies()
+        ref = weakref.ref(obj, callback)
+        with pytest.raises(KeyboardInterrupt):
+            del obj
+            gc.collect()
+            for _ in range(1000):  # the handler runs at the next bytecode
+                time.sleep(0.001)
+        assert ref() is None
+        # Anything else still goes to the hook that was there.
+        seen: list[type] = []
+        interrupts._previous = lambda u: seen.append(type(u.exc_value))
+        try:
+            other = Dies()
+            refs = [weakref.ref(other, lambda r: 1 / 0)]
+            del other
+            assert refs[0]() is None and seen == [ZeroDivisionError]
+        finally:
+            interrupts._previous = before
+    assert sys.unraisablehook is before  # restored with the watch
