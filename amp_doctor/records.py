@@ -183,6 +183,9 @@ class ScalerEvent:
     # they arrived. An unrecorded one's are the layers with parameters, in reverse forward
     # order (their gradients' flags, read once at the skip).
     recorded: bool = False
+    # How many of the step's ``update()`` calls backed off: more than one only where the loop
+    # updates the scaler more than once per iteration (after each of two optimizers).
+    count: int = 1
 
 
 @dataclass(frozen=True)

@@ -766,10 +766,13 @@ class Watch:
                               mon.clip_norms() if mon is not None else [])
         if found is not None:
             culprits, loss_bad = found
-            # Two scalers skipping in one step (a GAN's): both skips' layers, each timeline
-            # keeps its own models' (AmpMonitor._own_culprits).
-            self._pending_culprits = list(dict.fromkeys(
-                [*(self._pending_culprits or []), *culprits]))
+            # Two scalers skipping in one step (a GAN's), or one scaler skipping two
+            # optimizers: both skips' layers, each timeline keeps its own models'
+            # (AmpMonitor._own_culprits), in backward order across them as within each.
+            merged = list(dict.fromkeys([*(self._pending_culprits or []), *culprits]))
+            if self._pending_culprits:
+                merged.sort(key=lambda n: -probes.layers[n].order)
+            self._pending_culprits = merged
             if loss_bad is not None:
                 self._pending_loss_bad = loss_bad
 

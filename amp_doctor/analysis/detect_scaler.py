@@ -122,6 +122,13 @@ def _unskipped(session: Session, steps: list[int]) -> set[int]:
     return set(steps) - set(sc.skipped_steps if sc else ())
 
 
+def _backoffs(evs: list[ScalerEvent]) -> str:
+    """How many times the scale backed off in ``evs``: '9x', or '9x in 8 steps' where a
+    loop's second ``update()`` in one iteration backed off again."""
+    n = sum(e.count for e in evs)
+    return f"{n}x" if n == len(evs) else f"{n}x in {F.counted(len(evs), 'step')}"
+
+
 def _skips_per_optimizer(session: Session, steps: list[int]) -> str:
     """' and N optimizer step(s) were skipped (skipped per optimizer: ...)': N counts
     each optimizer's skipped steps (two optimizers skipping in one step are two)."""
@@ -669,13 +676,13 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
         steps = [e.step for e in evs]
         if len(episodes) == 1:
             span = f"step {first.step}" if len(evs) == 1 else f"steps {first.step}-{last.step}"
-            head = (f"GradScaler backed off {len(evs)}x at {span}: the scale fell from "
+            head = (f"GradScaler backed off {_backoffs(evs)} at {span}: the scale fell from "
                     f"{_scale(first.scale_before)} to {_scale(last.scale_after)}")
         else:
             # Not first-to-last: the scale may have grown back between the episodes.
             lowest = min((e.scale_after for e in evs if not math.isnan(e.scale_after)),
                          default=math.nan)
-            head = (f"GradScaler backed off {len(evs)}x in {len(episodes)} separate episodes "
+            head = (f"GradScaler backed off {_backoffs(evs)} in {len(episodes)} separate episodes "
                     f"(steps {F.steps_list(steps)}): the scale fell as low as "
                     f"{_scale(lowest)} (from {_scale(first.scale_before)} before step "
                     f"{first.step}), and was {_scale(sc.scale[-1][1] if sc.scale else None)} "
@@ -707,7 +714,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                            else "scaler_backoff"]),
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "scale_before": first.scale_before,
-                  "scale_after": last.scale_after, "backoffs": len(evs),
+                  "scale_after": last.scale_after, "backoffs": sum(e.count for e in evs),
                   "episodes": [[g[0].step, g[-1].step] for g in episodes][:MAX_STEPS_KEPT],
                   "forward_origin": origin[0] if origin else None,
                   "loss_nonfinite": loss_bad,
@@ -752,8 +759,11 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
         yield Finding(
             kind="scaler_backoff", severity="info",
             module=culprits[0] if culprits else None, op=None, step=steps[0],
-            message=(f"GradScaler backed off {len(steps)}x as designed: " + "; ".join(parts)
-                     + ". Each skipped one optimizer step"
+            message=(f"GradScaler backed off {_backoffs(evs_n)} as designed: "
+                     + "; ".join(parts)
+                     + (". Each skipped one optimizer step"
+                        if sum(_skipped_in(session, steps).values()) in (0, len(steps))
+                        else _skips_per_optimizer(session, steps).replace(", and", ". In all,"))
                      + (f"; layers with non-finite gradients then, in backward order: "
                         f"{', '.join(culprits[:6])}" if culprits else "") + "."),
             advice=("Nothing to fix: GradScaler searches for the largest scale that does not "
@@ -763,7 +773,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             data={"culprits": culprits, "calibration": sum(len(g) for g in cal),
                   "probes": len(probes), "settling": sum(len(g) for g in settling),
                   # as the warning's: a finding this folds into names the fall
-                  "backoffs": len(steps), "scale_before": evs_n[0].scale_before,
+                  "backoffs": sum(e.count for e in evs_n), "scale_before": evs_n[0].scale_before,
                   "scale_after": evs_n[-1].scale_after},
         )
     # Collapse: below 1, or too many backoffs after calibration, or long runs of them.

@@ -427,7 +427,9 @@ class TensorBoardSink:
             return
         assert scale is not None
         self._skips += bool(getattr(outcome, "skipped", False))
-        self._backoffs += bool(getattr(outcome, "backoff", False))
+        if getattr(outcome, "backoff", False):
+            # Two for a step whose scaler.update() ran twice and backed off twice.
+            self._backoffs += max(1, int(getattr(outcome, "backoffs", 1)))
         w.add_scalar("scaler/scale", scale, global_step=step)
         w.add_scalar("scaler/log2_scale", math.log2(scale), global_step=step)
         w.add_scalar("scaler/skipped", float(self._skips), global_step=step)

@@ -225,11 +225,21 @@ def _one_scaler_line(label: str, sc: ScalerTimeline) -> str:
     last = sc.scale[-1][1] if sc.scale else sc.init_scale
     bo = sc.backoff_steps
     shown = ", ".join(str(x) for x in bo[:8]) + ("..." if len(bo) > 8 else "")
+    # A loop that updates the scaler after each of two optimizers can back off twice in
+    # one step, and a step skips each optimizer it steps: counted as they happened.
+    backoffs = len(bo) + sum(e.count - 1 for e in sc.events if e.kind == "backoff")
+    skips = sc.skipped_steps
+    per = {k: len(v) for k, v in sc.skipped_by_optimizer.items() if v}
+    n_opt = sum(per.values())
+    skipped = (F.counted(len(skips), "skipped optimizer step") if n_opt in (0, len(skips))
+               else f"{F.counted(n_opt, 'skipped optimizer step')} in "
+               f"{F.counted(len(skips), 'step')} ("
+               + ", ".join(f"{k} {n}" for k, n in per.items()) + ")")
     return (f"{label}: scale {F.scale(first)} -> {F.scale(last)}; "
-            f"{F.counted(len(bo), 'backoff')}"
+            f"{F.counted(backoffs, 'backoff')}"
+            + (f" in {F.counted(len(bo), 'step')}" if backoffs != len(bo) else "")
             + (f" ({'step' if len(bo) == 1 else 'steps'} {shown})" if bo else "")
-            + f"; {F.counted(len(sc.growth_steps), 'growth')}; "
-            f"{F.counted(len(sc.skipped_steps), 'skipped optimizer step')}.")
+            + f"; {F.counted(len(sc.growth_steps), 'growth')}; {skipped}.")
 
 
 def _dtype_cell(lay: LayerSummary) -> str:

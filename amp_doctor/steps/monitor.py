@@ -258,6 +258,7 @@ class AmpMonitor:
                 out.scale_after = after
                 if st.skipped:
                     out.backoff = out.skipped = True
+                    out.backoffs += 1
                     out.skipped_optimizers.extend(st.skipped.values())
                 elif new_scale is None and after is not None and after != before:
                     out.growth = True

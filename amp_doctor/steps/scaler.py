@@ -259,6 +259,9 @@ class StepOutcome:
     skipped: bool = False
     skipped_optimizers: list[str] = field(default_factory=list)
     backoff: bool = False
+    # The step's update() calls that backed off (one, unless the loop updates the scaler
+    # more than once per iteration).
+    backoffs: int = 0
     growth: bool = False
     # The total norms clip_grad_norm_ computed in the step (0-d device tensors; read only
     # in a skip's one sync): a NaN one multiplied every gradient by NaN.
@@ -304,7 +307,7 @@ class ScaleTimeline:
         if out.backoff:
             self._event(step, "backoff", before, after, culprits=culprits,
                         forward_origin=forward_origin, loss_nonfinite=loss_nonfinite,
-                        recorded=recorded)
+                        recorded=recorded, count=max(1, out.backoffs))
         if out.growth:
             self._event(step, "growth", before, after)
 
