@@ -1108,6 +1108,8 @@ class Watch:
         """What the loop itself showed: NaN losses, how steps were counted, frozen weights."""
         # The exact count costs a sync: only in a run whose loss went NaN/inf.
         total = self._totals.loss_bad if self._folder.any_loss_bad else None
+        if total and self._totals.loss_first is not None:
+            self._folder.loss_first = self._totals.loss_first
         out = self._folder.loss_events(
             self.step_index, anomaly=self._anomaly is not None,
             counted=None if total is None else (total, self._loop.loss_steps))

@@ -3,6 +3,7 @@ step), and the culprits of a step whose skip two optimizers report."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import amp_doctor
+from amp_doctor.analysis.next_steps import next_steps
 from amp_doctor.jsoncodec import from_jsonable, to_jsonable
 from amp_doctor.records import Session
 from amp_doctor.sinks.text import render_text
@@ -100,3 +102,103 @@ def test_culprits_of_two_optimizers_skips_are_in_backward_order() -> None:
     assert sc.events[0].culprits == ["1", "0"]
     (f,) = [f for f in s.findings if f.kind == "scaler_backoff"]
     assert "in backward order: 1, 0." in " ".join(f.message.split())
+
+
+def _buckets(t: int) -> torch.Tensor:
+    """T5's relative-position buckets in small: the log of integer distances is -inf at
+    distance 0, cast to integers and dropped by ``torch.where``; no gradient passes."""
+    rel = (torch.arange(t)[None, :] - torch.arange(t)[:, None]).abs()
+    far = 4 + (torch.log(rel.float() / 4) * 2).to(torch.long)
+    return torch.where(rel < 4, rel, far.clamp(max=7))
+
+
+class _PosBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Embedding(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.bias(_buckets(x.shape[1])).squeeze(-1)[None].mean(-1, keepdim=True)
+        return x + b
+
+
+class _Scores(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x) * self.gain
+        return torch.bmm(q, q.transpose(1, 2)).mean(-1)
+
+
+def test_a_dropped_log_off_the_graph_does_not_hide_the_real_overflow() -> None:
+    # Review 55 (a T5 encoder): anomaly mode named the bucket function's harmless log(0),
+    # the first non-finite op of every step, as an error with the later backoffs as its
+    # consequences, and never named the attention scores that overflowed float16.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _PosBias(), _Scores())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1000)
+    with amp_doctor.watch(model, anomaly=True, tensorboard=False) as doctor:
+        for step in range(12):
+            model[2].gain = 1e3 if step in (6, 7) else 1.0  # q @ q^T beyond 65504
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(2, 6, 16)).float().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s is not None
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module, f.op, f.step) for f in errors] == [
+        ("nonfinite_forward", "2", "aten.bmm", 7)]
+    assert "it was armed by the NaN/Inf the per-step check saw at step 6" in " ".join(
+        errors[0].message.split())
+    (log,) = [f for f in s.findings if f.op == "aten.log"]
+    assert (log.kind, log.severity, log.module) == ("nonfinite_discarded", "info", "1")
+    assert log.data["off_graph"] is True
+    assert "No gradient flows back through it" in " ".join(log.message.split())
+    assert log.advice.startswith("Nothing to do")
+    # The op's own input range is no batch beyond the format: the next step is float32
+    # for the layer, not "the fix is in the data" (review 55).
+    as_cli = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t5.py"]))
+    lines = next_steps(as_cli)
+    assert lines and "--fp32 2 t5.py" in lines[0]
+    assert not any("the fix is in the data" in line for line in lines)
+
+
+def test_a_zero_over_zero_loss_term_under_a_scaler_is_told_as_nan_from_its_first_step() -> None:
+    # Review 55: a box loss divided by its count of positives, 0 in some batches: NaN at
+    # steps 3, 10, 17, with finite gradients (the scaler skipped none). The report said
+    # "first seen at step 10", that the updates took NaN gradients that make the weights
+    # non-finite, and that the loss was inf from the square of a large value.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for step in range(20):
+            x = torch.randn(8, 4)
+            pos = torch.zeros(8, dtype=torch.bool) if step % 7 == 3 else torch.arange(8) < 3
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x).float()
+            loss = out.pow(2).mean() + out[pos, 0].abs().sum() / pos.sum()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s is not None
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    (f,) = [f for f in s.findings if f.kind == "nonfinite_loss"]
+    assert f.step == 3 and f.data["bad_steps"][:2] == [3, 10]
+    msg = " ".join(f.message.split())
+    assert "first seen at step 3" in msg
+    assert "Their updates took" not in msg and "make the weights non-finite" not in msg
+    assert "The GradScaler did not skip 3 of these steps" in msg
+    assert "a 0/0 such as a sum over no elements divided by a count of 0" in msg
+    assert msg.endswith("but the loss you see is NaN.")
+    assert f.advice.startswith("Guard the division that can be 0/0")

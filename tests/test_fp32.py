@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import math
 import subprocess
 from pathlib import Path
@@ -105,6 +106,15 @@ def test_diagnose_says_an_unmatched_pattern_after_the_first_step(tmp_path: Path)
     assert "The run goes on without it and will end with exit code 2" in err
     assert err.rstrip().splitlines()[-1].startswith(
         "amp-doctor: error: --fp32 pattern '2x' matches no layer (near names: 2")
+    # The saved run says so too: no clean float32 trial for `report` or `compare` to read
+    # (review 55: "AMP looks healthy", exit code 0 in its JSON).
+    saved = json.loads((tmp_path / "ad" / "amp_doctor.json").read_text())
+    assert saved["run"]["exit_code"] == 2
+    assert [f["kind"] for f in saved["findings"]][:1] == ["fp32_unmatched"]
+    assert saved["findings"][0]["severity"] == "error"
+    text = (tmp_path / "ad" / "report.txt").read_text()
+    assert "This run is not the float32 trial it was asked to be: --fp32 pattern '2x'" in (
+        " ".join(text.split()))
 
 
 def test_an_exact_name_with_glob_characters_matches_itself() -> None:

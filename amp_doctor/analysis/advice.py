@@ -55,6 +55,19 @@ ADVICE: dict[str, str] = {
         "the term. Training went on, since the gradients were finite, but the logged loss "
         "is inf and hides how training goes."
     ),
+    "nonfinite_loss_finite_grads_nan": (
+        "Guard the division that can be 0/0: `term.sum() / num.clamp_min(1)`, or leave the "
+        "term out when its count is 0 (a box loss over a batch with no positive anchors). "
+        "It is NaN in float32 too. Training went on, since the gradients were finite, but "
+        "the logged loss is NaN and hides how training goes."
+    ),
+    "nonfinite_loss_finite_grads_either": (
+        "Find the term: an inf is a float16 overflow (compute it in float32, `term.float()` "
+        "before the square, exp or sum), a NaN a 0/0 (guard the division, "
+        "`term.sum() / num.clamp_min(1)`). `amp-doctor diagnose --on-nonfinite raise` stops "
+        "at the op with its line. Training went on, since the gradients were finite, but "
+        "the logged loss hides how training goes."
+    ),
     "nonfinite_loss_neg_inf": (
         "Take the log where it cannot meet 0: `F.log_softmax(x, dim)` instead of "
         "`softmax(x).log()`, `F.logsigmoid(x)` instead of `sigmoid(x).log()`, or "
@@ -578,6 +591,10 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "for reporting) so the layer's parameters stay small. Or keep the layer in "
                 f"float32 (try it: `amp-doctor diagnose --fp32 {e.module or 'LAYER'} "
                 "script.py`); bfloat16 holds such values.")
+    if e.kind == "nonfinite_discarded" and e.data.get("off_graph"):
+        return ("Nothing to do: these values are dropped and no gradient passes through "
+                "them. If the run has a NaN/inf loss or skipped steps, the other findings "
+                "name where those began.")
     if e.kind == "nonfinite_discarded" and e.data.get("grads_nonfinite"):
         # The gradients did go non-finite: "nothing to do" would not be true (review 54).
         where = f" in {F.layer(e.module)}" if e.module else ""

@@ -239,9 +239,12 @@ def event_findings(session: Session) -> Iterable[Finding]:
                 unskipped = max(unskipped, int(d.get("steps_bad") or 0)
                                 - int(d.get("bad_skipped") or 0))
             if unskipped:
+                seen = _bad_loss_values(session, d.get("bad_steps") or [])
                 first = dataclasses.replace(first, data={
-                    **first.data, "unskipped": unskipped,
-                    "advice": ADVICE["nonfinite_loss_finite_grads"]})
+                    **first.data, "unskipped": unskipped, "loss_values": seen,
+                    "advice": ADVICE["nonfinite_loss_finite_grads" if seen == "inf" else
+                                     "nonfinite_loss_finite_grads_nan" if seen == "nan" else
+                                     "nonfinite_loss_finite_grads_either"]})
         yield Finding(
             kind=kind, severity=_severity(session, kind, [first, *es[1:]], n), module=module,
             op=op,
@@ -251,6 +254,17 @@ def event_findings(session: Session) -> Iterable[Finding]:
             frame=first.frame, count=n, steps=steps[:MAX_STEPS_KEPT],
             data={k: v for k, v in first.data.items() if k not in ("message", "advice")},
         )
+
+
+def _bad_loss_values(session: Session, steps: list[int]) -> str | None:
+    """What the recorded losses of ``steps`` were: "nan", "inf", or None (both, or none
+    recorded)."""
+    want = set(steps)
+    vals = [r.loss for r in session.history if r.step in want and r.loss is not None
+            and not math.isfinite(r.loss)]
+    nan = any(math.isnan(v) for v in vals)
+    inf = any(math.isinf(v) for v in vals)
+    return "nan" if nan and not inf else "inf" if inf and not nan else None
 
 
 # Ops of a Linear, a matmul: what a layer that returns the model's output computes it with.

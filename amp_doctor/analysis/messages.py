@@ -334,10 +334,18 @@ def _nonfinite_loss(a: MessageArgs) -> str:
         where = (f"{WHERE_UNKNOWN} (record every step with `every=1`"
                  + ("" if d.get("anomaly") else ", or use anomaly mode") + ")")
     unskipped = d.get("unskipped")
+    # What the recorded steps' losses were: a NaN is no square of a large value (review
+    # 55: a box loss divided by a count of positives that was 0).
+    seen = d.get("loss_values")
+    term = {"inf": ("the inf is in a term whose gradient is finite, the square of a large "
+                    "value", "inf"),
+            "nan": ("the NaN is in a term whose gradient is finite, a 0/0 such as a sum over "
+                    "no elements divided by a count of 0", "NaN")}.get(
+        str(seen), ("a term whose gradient is finite: the square of a large value is inf, a "
+                    "sum over no elements divided by a count of 0 is NaN", "NaN/inf"))
     tail = (f" The GradScaler did not skip {unskipped} of these steps: their gradients "
-            "stayed finite (the inf is in a term whose gradient is finite, the square of a "
-            "large value), so the optimizer stepped on them, but the loss you see is inf."
-            if unskipped else "")
+            f"stayed finite ({term[0]}), so the optimizer stepped on them, but the loss you "
+            f"see is {term[1]}." if unskipped else "")
     if d.get("every_step"):
         first = (f"first seen at step {e.step}" if d.get("first_known", True) else
                  "none of them a recorded or skipped step, so which ones is not known")
@@ -585,6 +593,15 @@ def _nonfinite_discarded(a: MessageArgs) -> str:
                 "was finite: those values went into gradients that no optimizer used (a "
                 "GAN's discriminator gradients from the generator's backward, which the "
                 "next `zero_grad()` drops). Training is not affected.")
+    if d.get("off_graph"):
+        # Review 55: T5's relative-position buckets take the log of integer distances,
+        # -inf at distance 0, then cast it to integers: no gradient passes through it.
+        return (f"{e.op} {_where(e)} made {nonfinite_what(d)}{_op_range(d)}, {_op_steps(a)}, "
+                "from inputs that need no gradient (positions, a mask, constants), and its "
+                "module's output stayed finite: a later op dropped those values (a cast to "
+                "integers, a `torch.where`), as T5's relative-position buckets do with the "
+                "log of distance 0. No gradient flows back through it, so it harms neither "
+                "the loss nor the gradients.")
     if d.get("grads_nonfinite"):
         # Review 54: NaN in padded positions whose labels were ignored kept the loss
         # finite, yet reached the gradients (0 x NaN in cross-entropy's backward): the

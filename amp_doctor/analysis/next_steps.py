@@ -97,7 +97,7 @@ def next_steps(session: Session, here: str | None = None,
         # A batch beyond the format, cast to inf before the layer: float32 for it lets the
         # large values through to overflow further on (review 54: `--fp32 stem` left the
         # same steps skipped, then called "as designed").
-        and f.data.get("input_absmax") is None
+        and not _batch_beyond_format(f)
         and not (f.kind == "nonfinite_forward" and inputs_held_inf(f.data))
         and not (f.kind in ("nonfinite_forward", "nonfinite_backward")
                  and f.data.get("dtype") in WIDE_FORMATS)
@@ -126,7 +126,7 @@ def next_steps(session: Session, here: str | None = None,
             f.kind in ERROR_KINDS_FIXED_BY_FP32 and not f.data.get("loss_too_large")
             and f.kind != "output_resolution"  # no inf/NaN: no op to name
             # The op is autocast's cast of the batch, which the finding names.
-            and f.kind != "input_beyond_format" and f.data.get("input_absmax") is None
+            and f.kind != "input_beyond_format" and not _batch_beyond_format(f)
             for f in errors):
         searched = any(f.kind == "nonfinite_unlocated" or (
             f.kind == "nonfinite_loss" and f.data.get("anomaly")) for f in session.findings)
@@ -158,7 +158,7 @@ def next_steps(session: Session, here: str | None = None,
         out.append("amp-doctor: next: the fix is in the data (normalise or clip it, see the "
                    "error); to see which layers the batch broke: "
                    f"amp-doctor diagnose --every 1 {script}")
-    elif not out and any(f.data.get("input_absmax") is not None for f in errors):
+    elif not out and any(_batch_beyond_format(f) for f in errors):
         # The layers it broke were recorded: nothing more to run, but where the fix is.
         out.append("amp-doctor: next: the fix is in the data: normalise or clip it before "
                    f"the model (see the error), then run again: amp-doctor diagnose {script}")
@@ -193,3 +193,11 @@ def next_commands(session: Session, here: str | None = None,
                   before: str | None = None) -> list[str]:
     """:func:`next_steps` without the terminal's prefix: what each line says to run."""
     return [x.removeprefix(NEXT_PREFIX) for x in next_steps(session, here, before)]
+
+
+def _batch_beyond_format(f: Finding) -> bool:
+    """An error of a batch beyond the format, cast to inf before the layer: the fix is in
+    the data. Not an op's own input range (anomaly mode's ``input_absmax``), nor a zeroed
+    norm's input (review 55: "the fix is in the data" for an attention's overflow)."""
+    return (f.op is None and f.kind in ("activation_overflow", "input_beyond_format")
+            and f.data.get("input_absmax") is not None)

@@ -666,6 +666,14 @@ class AnomalyMode:
             self._note_unlocated()
             self._unexplained = chain
         first = min(self._unexplained, default=None)
+        if not self._aiming and self._unexplained:
+            # The start of the latest run of consecutive non-finite steps, the one that
+            # armed this search: not a GradScaler's calibration overflow many steps before
+            # (review 55: "armed by ... at step 1" of a search armed at step 16).
+            seen = set(self._unexplained)
+            first = max(seen)
+            while first - 1 in seen:
+                first -= 1
         self._unexplained = []
         self._unexplained_count = 0
         self._noted.clear()

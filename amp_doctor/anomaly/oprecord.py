@@ -93,6 +93,10 @@ class _PreOp(NamedTuple):
     # A cast of a parameter (autocast's of a float32 weight or bias): its values beyond
     # the format are the layer's own, not the data's.
     casts_parameter: bool = False
+    # An input requires grad (with grad mode on): the op is on the autograd graph. One
+    # off it (T5's relative-position buckets: log of integer distances) passes no
+    # gradient back, so a non-finite value it makes that is dropped harms nothing.
+    on_graph: bool = True
 
 
 class _ToTag(NamedTuple):
@@ -234,17 +238,21 @@ class OpRecorder:
         if func.is_view:
             return _PreOp(name, [], True, False, args, step)
         constant_inf = False
+        on_graph = False
         ins: list[int] = []
         leaves: Iterable[Any] = _leaves(args)
         if name in _OVERWRITES:
             leaves = list(leaves)[1:]
         for a in leaves:
             if isinstance(a, torch.Tensor):
+                on_graph = on_graph or a.requires_grad
                 if summarizable(a):
                     ins.append(self.summary(a))
             elif isinstance(a, float) and not math.isfinite(a):
                 constant_inf = True
         for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                on_graph = on_graph or a.requires_grad
             if isinstance(a, torch.Tensor) and summarizable(a):
                 ins.append(self.summary(a))
             elif isinstance(a, float) and not math.isfinite(a):
@@ -253,7 +261,8 @@ class OpRecorder:
         in_dtypes = (tuple(dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor))
                      if name in _DIVISIONS else ())
         param = name == _CAST and bool(args) and isinstance(args[0], torch.nn.Parameter)
-        return _PreOp(name, ins, False, allowed, None, step, in_dtypes, param)
+        return _PreOp(name, ins, False, allowed, None, step, in_dtypes, param,
+                      on_graph and torch.is_grad_enabled())
 
     def _after(self, pre: _PreOp, out: Any) -> None:
         name = pre.name
@@ -295,7 +304,7 @@ class OpRecorder:
         self.add(OpEntry(kind=kind, op=name, module=module, step=pre.step, dtype=dtype,
                          outs=summaries, ins=pre.ins, frames=frames, node=node_name,
                          forward_op=fwd_op, in_dtypes=pre.in_dtypes,
-                         casts_parameter=pre.casts_parameter))
+                         casts_parameter=pre.casts_parameter, on_graph=pre.on_graph))
 
     def _after_view(self, pre: _PreOp, outs: list[torch.Tensor], forward: bool) -> None:
         # Same values as the viewed tensor: share its summary, record nothing. A part of it

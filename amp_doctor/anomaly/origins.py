@@ -58,6 +58,7 @@ class OpEntry:
     forward_op: str | None = None
     in_dtypes: tuple[str, ...] = ()  # a division's input dtypes
     casts_parameter: bool = False  # a cast whose input is an nn.Parameter
+    on_graph: bool = True  # an input required grad: a gradient can flow back through it
 
 
 @dataclass(slots=True)
@@ -209,11 +210,18 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
     # pass are usually knock-on effects (a scaled gradient overflowing in layer
     # after layer). Steps with the same first origin are grouped.
     firsts: dict[tuple[int, str], int] = {}
+    # A step whose first forward origin is off the autograd graph (T5's log of integer
+    # distances, dropped by a cast to integers: review 55) has its first origin on the
+    # graph as a candidate too, kept if the first one's values went nowhere.
+    seconds: dict[int, int] = {}
     for i in idx:
         e = w.entries[i]
-        firsts.setdefault((e.step, e.kind), i)
+        first_i = firsts.setdefault((e.step, e.kind), i)
+        if (e.kind == "forward" and e.on_graph and not w.entries[first_i].on_graph
+                and e.module != w.entries[first_i].module):
+            seconds.setdefault(e.step, i)
     groups: dict[tuple[str, str | None, str | None, int], list[int]] = {}
-    for i in firsts.values():
+    for i in [*firsts.values(), *seconds.values()]:
         e = w.entries[i]
         # 2: the loss and the gradients stayed finite; 1: the gradients were overflowed by
         # a backward op of the step (a GradScaler calibrating); 0: it may have done harm.
@@ -243,13 +251,17 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
     count_sync()
     first: Event | None = None
     pos = 0
+    built: list[tuple[Event, list[int]]] = []
+    dead_steps: set[int] = set()  # steps whose off-graph first origin went nowhere
+    second_members = set(seconds.values())
     for i, (key, members), need, (calls, own) in zip(chosen, groups.items(), needs, later,
                                                       strict=False):
         parts = []
         for part in need:
             parts.append(host[pos:pos + len(part)])
             pos += len(part)
-        ev = _event_for(w.entries[i], *parts[:3])
+        e = w.entries[i]
+        ev = _event_for(e, *parts[:3])
         # A module whose own op made NaN/inf later in the step (a second call of it) is an
         # origin of its own, whatever an earlier call of it carried.
         carriers = [c for c in _carriers(calls, parts[3])
@@ -258,14 +270,31 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
             ev.data["carriers"] = carriers
         if own:
             ev.data["later_origins"] = own[:MAX_ORIGINS_PER_CHECK]
+        steps = sorted({w.entries[j].step for j in members})
+        if (e.kind == "forward" and not e.on_graph and not carriers
+                and ev.data.get("module_output_finite")):
+            # No gradient flows back through it, and its module's output and every later
+            # call were finite: a cast to integers or a `torch.where` dropped its values.
+            ev = Event(kind="nonfinite_discarded", step=ev.step, module=ev.module, op=ev.op,
+                       frame=ev.frame, data={**ev.data, "made": ev.kind, "off_graph": True})
+            dead_steps.update(steps)
         # An overflow its module's output hid keeps its kind unless nothing went non-finite
         # after it: its own backward is where its harm shows (a cube inside a GELU).
-        if key[3] == 2 or (key[3] and ev.kind == "nonfinite_forward"):
+        elif key[3] == 2 or (key[3] and ev.kind == "nonfinite_forward"):
             ev = Event(kind="nonfinite_discarded", step=ev.step, module=ev.module, op=ev.op,
                        frame=ev.frame, data={**ev.data, "made": ev.kind,
                                              # the step's gradients went non-finite all
                                              # the same, first in a backward op of its own
                                              "grads_nonfinite": key[3] == 1})
+        built.append((ev, [j for j in members]))
+    for ev, members in built:
+        if any(j in second_members for j in members):
+            # A second candidate counts only in the steps whose first origin went nowhere;
+            # elsewhere it is the first one's knock-on.
+            members = [j for j in members if j not in second_members
+                       or w.entries[j].step in dead_steps]
+            if not members:
+                continue
         store(ev, sorted({w.entries[j].step for j in members}))
         if first is None or (first.kind == "nonfinite_discarded"
                              and ev.kind != "nonfinite_discarded"):

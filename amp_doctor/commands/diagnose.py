@@ -594,15 +594,44 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
         # Direct `torchrun -m amp_doctor diagnose`: rank 0 merges what the others wrote.
         merged = merge_run_dir(logdir, ranks[1])
         session = merged or session
-    code = publish(session, logdir, json_out, report_out, fail_on, tensorboard, code,
-                   console, exc=exc)
+    unmatched: AmpDoctorError | None = None
     if doctor.fp32_islands is not None:
         try:
             doctor.fp32_islands.check()
         except AmpDoctorError as e:  # after the report: what ran is still worth reading
-            console.echo(f"amp-doctor: error: {e}")
-            return EXIT_USAGE
+            unmatched = e
+            if session is not None:
+                session = _fp32_not_run(session, str(e))
+                saved = run_dir / JSON_NAME  # written at close, before this was known
+                if saved.is_file():
+                    from amp_doctor.sinks.jsonfile import write_json
+
+                    write_or_warn(lambda: write_json(session, saved), saved, console)
+    code = publish(session, logdir, json_out, report_out, fail_on, tensorboard, code,
+                   console, exc=exc)
+    if unmatched is not None:
+        console.echo(f"amp-doctor: error: {unmatched}")
+        return EXIT_USAGE
     return code
+
+
+def _fp32_not_run(session: Any, error: str) -> Any:
+    """The session of a run whose --fp32 pattern matched no layer: an error finding first
+    and the exit code the command ends with, so that its saved report (and ``compare``)
+    does not read as a clean float32 trial (review 55)."""
+    import dataclasses
+
+    from amp_doctor.records import Finding
+
+    finding = Finding(
+        kind="fp32_unmatched", severity="error", module=None, op=None, step=None,
+        message=(f"This run is not the float32 trial it was asked to be: {error} "
+                 "Every layer ran as without --fp32."),
+        advice=("Run it again with a pattern that matches: the layer names are the first "
+                "column of the layer table below."))
+    return dataclasses.replace(
+        session, findings=[finding, *session.findings],
+        run=dataclasses.replace(session.run, exit_code=EXIT_USAGE))
 
 
 class _Fp32Early:

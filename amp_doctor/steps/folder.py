@@ -31,6 +31,7 @@ from amp_doctor.steps.listeners import StepListener, StepRows
 from amp_doctor.steps.loop import (
     INPUT_ABSMAX,
     INPUT_ATTN_MASK,
+    LOSS_BAD_FIRST_KEY,
     LOSS_BAD_TOTAL_KEY,
     PLAIN_LOSS_KEY,
 )
@@ -127,6 +128,8 @@ class StepFolder:
         # inputs the model handles.
         self._handled_codes: set[int] = set()
         self._bad_before_unseen: tuple[int, int | None] | None = None
+        # The first step whose loss was NaN/inf, from the device's record (None: not read).
+        self.loss_first: int | None = None
 
     @property
     def any_loss_bad(self) -> bool:
@@ -231,10 +234,12 @@ class StepFolder:
         loss_bad: bool | None = None
         total_bad = int(hs.scalars.get(LOSS_BAD_TOTAL_KEY, 0))
         self.loss_bad_so_far = max(self.loss_bad_so_far, total_bad)
+        if total_bad and self.loss_first is None and LOSS_BAD_FIRST_KEY in hs.scalars:
+            self.loss_first = int(hs.scalars[LOSS_BAD_FIRST_KEY])
         if "loss_bad" in hs.scalars:
             loss_bad = bool(hs.scalars["loss_bad"])
             if loss_bad and self._loss_origin is None:
-                self._note_bad_before(step, total_bad - 1)
+                self._note_bad_before(step, total_bad - 1, scaled=grad_scale is not None)
             self.note_loss(step, loss_bad, skipped)
             neg_inf_only = set(layers.where((layers.column(ACT, MIN) == -math.inf)
                                             & (layers.column(ACT, MAX) < math.inf)))
@@ -262,13 +267,16 @@ class StepFolder:
         self.history.add(rec)
         return FoldedStep(rec, origin, culprits, loss_bad)
 
-    def _note_bad_before(self, step: int, earlier: int) -> None:
+    def _note_bad_before(self, step: int, earlier: int, scaled: bool) -> None:
         """The first recorded step with a NaN/inf loss: were there ``earlier`` bad losses
         (the device's count) that no host check saw? Those steps were neither recorded nor
         skipped (a skip's sync checks its loss): with nothing to skip them, their updates
-        may have made the weights NaN, and this step only shows where that surfaces."""
+        may have made the weights NaN, and this step only shows where that surfaces.
+        Not under an enabled GradScaler (``scaled``): it skips every step whose gradients
+        are NaN/inf, so the ones it let through had finite gradients and left the weights
+        finite (review 55: a 0/0 loss term whose gradient is finite)."""
         unseen = earlier - sum(s < step for s in self._loss_bad)
-        if unseen > 0:
+        if unseen > 0 and not scaled:
             self._bad_before_unseen = (unseen, self._last_recorded)
 
     def _note_grads_applied(self, step: int, hs: HostCopy, layers: StepTable,
@@ -523,7 +531,10 @@ class StepFolder:
         every = counted is not None and counted[0] >= bad and counted[1] >= checked
         if every and counted is not None:
             bad, checked = counted
-        first = min(self._loss_bad) if self._loss_bad else None
+        known = set(self._loss_bad)
+        if self.loss_first is not None:
+            known.add(self.loss_first)  # the device's record of the first, seen or not
+        first = min(known) if known else None
         module = seen[1] if seen else None
         # Where a recorded step showed it, when it began before: in a step whose update
         # took NaN/inf gradients, or in steps nobody checked. Weights it made NaN show it
@@ -555,7 +566,7 @@ class StepFolder:
                           "attn_mask_given": self._loss_origin_attn_mask,
                           "anomaly": anomaly,
                           # Bounded: a run-long NaN loss is one finding, not a list.
-                          "bad_steps": sorted(self._loss_bad)[:MAX_BAD_STEPS_KEPT]})]
+                          "bad_steps": sorted(known)[:MAX_BAD_STEPS_KEPT]})]
 
     def lowp_events(self, param_dtypes: Iterable[str]) -> list[Event]:
         """Sampled low-precision weights that the optimizer's update did not move."""

@@ -45,6 +45,8 @@ INPUT_BAD_CODES = "input_bad_codes"
 INPUT_ATTN_MASK = "input_attn_mask"
 # The running count of NaN/inf losses, in a recorded step's scalars.
 LOSS_BAD_TOTAL_KEY = "loss_bad_total"
+# The first step whose loss was NaN/inf (meaningful once that count is above 0).
+LOSS_BAD_FIRST_KEY = "loss_bad_first"
 
 
 class RunTotals(NamedTuple):
@@ -54,6 +56,7 @@ class RunTotals(NamedTuple):
     batches: BatchTotals | None
     dropped: DroppedTotals | None
     loss_bad: int | None  # steps whose loss was NaN/inf (None: not read, or no loss)
+    loss_first: int | None = None  # the first of them (None: not read, or none bad)
 
 
 class LoopSignals:
@@ -73,6 +76,8 @@ class LoopSignals:
         # Steps whose loss was NaN/inf, counted on the device at every step's end (one
         # in-place add, no sync), and the steps that had a loss: read once, at the end.
         self._loss_bad_total: torch.Tensor | None = None
+        # The step the count left 0 in: overwritten while the count is 0, then kept.
+        self._loss_bad_first: torch.Tensor | None = None
         self.loss_steps = 0
         # A parameter's gradient and weight versions after the last backward (gradient
         # None: taken by torch.autograd.grad, only the weights' version tells).
@@ -123,12 +128,18 @@ class LoopSignals:
             flags[INPUT_ATTN_MASK] = batch.attn_mask
         if bad is not None:
             self.loss_steps += 1
-            if self._loss_bad_total is None:
+            if self._loss_bad_total is None or self._loss_bad_first is None:
                 self._loss_bad_total = bad.to(torch.int64)
+                self._loss_bad_first = torch.full_like(self._loss_bad_total, step)
             else:
+                # Two ops a step tell the first bad step, where the count alone tells
+                # only how many (review 55: "first seen at step 10" of a NaN at step 3).
+                self._loss_bad_first = torch.where(self._loss_bad_total == 0, step,
+                                                   self._loss_bad_first)
                 self._loss_bad_total.add_(bad.to(self._loss_bad_total.device))
-        if self._loss_bad_total is not None:
+        if self._loss_bad_total is not None and self._loss_bad_first is not None:
             flags[LOSS_BAD_TOTAL_KEY] = self._loss_bad_total
+            flags[LOSS_BAD_FIRST_KEY] = self._loss_bad_first
         return flags
 
     def end_dangling(self, step: int) -> None:
@@ -146,9 +157,14 @@ class LoopSignals:
         device->host copy for all (a sync: call it once, after :meth:`release`), and none
         in a run that checked no floating batch in an unrecorded step, dropped no forward
         and is not asked for the loss count."""
+        loss = None
+        if self._loss_bad_total is not None and self._loss_bad_first is not None:
+            with own_ops:
+                loss = torch.stack((self._loss_bad_total,
+                                    self._loss_bad_first.to(self._loss_bad_total.device)))
         named = [(k, t) for k, t in (("batches", self.batches.device_totals()),
                                      ("dropped", self.dropped.device_totals()),
-                                     ("loss", self._loss_bad_total)) if t is not None]
+                                     ("loss", loss)) if t is not None]
         if not named or (not want_loss and all(k == "loss" for k, _ in named)):
             return RunTotals(None, None, None)
         with own_ops:
@@ -160,7 +176,8 @@ class LoopSignals:
         return RunTotals(
             self.batches.totals_from(got["batches"]) if "batches" in got else None,
             self.dropped.totals_from(got["dropped"]) if "dropped" in got else None,
-            got["loss"][0] if "loss" in got else None)
+            got["loss"][0] if "loss" in got else None,
+            got["loss"][1] if "loss" in got and got["loss"][0] > 0 else None)
 
     def release(self) -> None:
         """Leave no reference to the user's tensors behind."""
