@@ -426,7 +426,8 @@ def test_a_collapse_from_a_loss_too_large_for_float16_blames_the_loss_not_the_ou
 def test_nan_losses_of_unrecorded_steps_are_counted_without_a_sync_of_their_own() -> None:
     """An inf term whose gradient is 0 (nothing skips the step) in steps 1, 2, 4, 5 and 7,
     recorded every 4th step: only step 4's was seen, and the report said "1 of the 3
-    steps checked". The device counts every step's loss; the run reads it once."""
+    steps checked". The device counts every step's loss, and keeps the first bad step
+    (review 55: "first seen at step 4" of a loss bad since step 1); the run reads it once."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -440,8 +441,8 @@ def test_nan_losses_of_unrecorded_steps_are_counted_without_a_sync_of_their_own(
             loss.backward()
             opt.step()
     (f,) = doctor.session.findings_of("nonfinite_loss")
-    assert (f.data["steps_bad"], f.data["checked"], f.step) == (5, 12, 4)
-    assert "in 5 of the 12 steps with a loss (12 steps in all), first seen at step 4" in \
+    assert (f.data["steps_bad"], f.data["checked"], f.step) == (5, 12, 1)
+    assert "in 5 of the 12 steps with a loss (12 steps in all), first seen at step 1" in \
         f.message
 
 

@@ -165,6 +165,9 @@ class _Needs(NamedTuple):
     ins: list[int]
     call: list[int]
     later: list[int]
+    # An op off the autograd graph: the inputs of the ops on it that ran after it in its
+    # module's call (did its values reach a trained weight's op?).
+    fed: list[int]
 
 
 def _in_subtree(module: str | None, top: str) -> bool:
@@ -245,7 +248,9 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
         after = _later_calls(w, i, idx) if e.kind == "forward" else ([], [])
         later.append(after)
         needs.append(_Needs(e.outs, e.ins, call.outs if call is not None else [],
-                            [j for c in after[0] for j in c.outs]))
+                            [j for c in after[0] for j in c.outs],
+                            _fed_on_graph(w, i, call) if e.kind == "forward"
+                            and not e.on_graph else []))
     wanted = [j for need in needs for part in need for j in part]
     host = rows[torch.tensor(wanted, dtype=torch.long, device=rows.device)].cpu()
     count_sync()
@@ -272,9 +277,11 @@ def report_origins(w: OpWindow, flags: torch.Tensor, rows: torch.Tensor,
             ev.data["later_origins"] = own[:MAX_ORIGINS_PER_CHECK]
         steps = sorted({w.entries[j].step for j in members})
         if (e.kind == "forward" and not e.on_graph and not carriers
-                and ev.data.get("module_output_finite")):
-            # No gradient flows back through it, and its module's output and every later
-            # call were finite: a cast to integers or a `torch.where` dropped its values.
+                and ev.data.get("module_output_finite") and bool(torch.isfinite(parts[4]).all())):
+            # No gradient flows back through it, no op on the graph took a non-finite input
+            # after it in its module (a GRU's gate matmul took its cast batch's inf: review
+            # 55), and its module's output and every later call were finite: a cast to
+            # integers or a `torch.where` dropped its values.
             ev = Event(kind="nonfinite_discarded", step=ev.step, module=ev.module, op=ev.op,
                        frame=ev.frame, data={**ev.data, "made": ev.kind, "off_graph": True})
             dead_steps.update(steps)
@@ -337,6 +344,26 @@ def _event_for(e: OpEntry, o: torch.Tensor, x: torch.Tensor, call: torch.Tensor)
             data["hidden"] = True
     frame = data["frames"][0] if data["frames"] else None
     return Event(kind=kind, step=e.step, module=e.module, op=e.op, frame=frame, data=data)
+
+
+# Input summaries looked at for one off-graph origin (a module call's ops after it).
+MAX_FED_INPUTS = 4096
+
+
+def _fed_on_graph(w: OpWindow, i: int, call: ModuleCall | None) -> list[int]:
+    """The inputs of the forward ops on the autograd graph that ran after entry ``i`` in
+    its module's call (or, with no module, in its step)."""
+    step = w.entries[i].step
+    end = call.end if call is not None else len(w.entries)
+    out: list[int] = []
+    for e in w.entries[i + 1:end]:
+        if e.step != step:
+            break
+        if e.kind == "forward" and e.on_graph:
+            out.extend(e.ins)
+            if len(out) >= MAX_FED_INPUTS:
+                break
+    return out
 
 
 def _carriers(calls: list[ModuleCall], rows: torch.Tensor) -> list[str]:
