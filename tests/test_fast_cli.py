@@ -97,6 +97,20 @@ def test_misspelt_option_names_the_option_not_a_missing_script(tmp_path: Path) -
     assert not torch_modules(names)
 
 
+def test_misspelt_option_of_fix_names_the_option_and_the_fix_command(tmp_path: Path) -> None:
+    # Review 55: `amp-doctor fix --logdir x train.py` said "No script at '--logdir'".
+    for given, said in ((["fix", "--trails", "3", "train.py"],
+                         "no such option: --trails. Did you mean --trials?"),
+                        (["fix", "--logdir", "runs", "train.py"], "no such option: --logdir.")):
+        r, names = imported_modules(given, tmp_path)
+        assert r.returncode == 2
+        lines = [ln for ln in r.stderr.splitlines() if not ln.startswith("import time:")]
+        assert len(lines) == 1, lines
+        assert said in lines[0]
+        assert "amp-doctor fix [OPTIONS] SCRIPT [ARGS]... (see amp-doctor fix --help)" in lines[0]
+        assert not torch_modules(names)
+
+
 def test_no_fast_path_imports_torch_in_one_process(saved_run: Path, tmp_path: Path) -> None:
     # Every torch-free path run through the entry point in one fresh interpreter; torch
     # must not be in sys.modules afterwards (what was imported, not how long it took).

@@ -92,6 +92,22 @@ def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     sys.exit(code)
 
 
+def fail_unknown_option(given: str) -> NoReturn:
+    """The error for an unknown option before the script: ``diagnose`` and ``fix`` pass
+    unknown options through to the script, so a misspelt option of theirs arrives as the
+    "script" name: say so, instead of "No script at '--evry'"."""
+    import difflib
+
+    ctx = click.get_current_context()
+    known = [opt for param in ctx.command.params
+             for opt in getattr(param, "opts", []) if opt.startswith("-")]
+    close = difflib.get_close_matches(given.split("=")[0], known, n=1)
+    hint = f" Did you mean {close[0]}?" if close else ""
+    cmd = ctx.command_path
+    fail(f"no such option: {given}.{hint} amp-doctor's options go before the script: "
+         f"{cmd} [OPTIONS] SCRIPT [ARGS]... (see {cmd} --help).")
+
+
 def severity_reached(session: Session, level: str) -> bool:
     if level == "never":
         return False

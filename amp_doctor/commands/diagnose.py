@@ -17,7 +17,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -30,6 +30,7 @@ from amp_doctor.commands.common import (
     EndAsKeyboardInterrupt,
     RunsAScript,
     fail,
+    fail_unknown_option,
     owns_process,
 )
 from amp_doctor.commands.launch import launch
@@ -146,7 +147,7 @@ def diagnose(
         fail("a script read from standard input (`-`) cannot be diagnosed: save it to a "
              "file and pass its path, e.g. amp-doctor diagnose train.py.")
     if target.kind == "path" and target.name.startswith("-") and not Path(target.name).exists():
-        _fail_unknown_option(target.name)
+        fail_unknown_option(target.name)
     if target.kind == "path" and target.name.endswith(".ipynb"):
         stem = shlex.quote(target.name[: -len(".ipynb")])
         fail(f"{target.name!r} is a Jupyter notebook, not a Python script: convert it with "
@@ -256,19 +257,6 @@ def _claim_logdir(logdir: Path, *, for_a_watch: bool = False) -> Callable[[], No
         return claim_run_dir(logdir, "--logdir", for_a_watch=for_a_watch)
     except UsageError as e:
         fail(str(e))
-
-
-def _fail_unknown_option(given: str) -> NoReturn:
-    # diagnose passes unknown options through to the script, so a misspelt option of
-    # ours arrives here as the "script" name: say so, instead of "No script at '--evry'".
-    import difflib
-
-    known = [opt for param in click.get_current_context().command.params
-             for opt in getattr(param, "opts", []) if opt.startswith("-")]
-    close = difflib.get_close_matches(given.split("=")[0], known, n=1)
-    hint = f" Did you mean {close[0]}?" if close else ""
-    fail(f"no such option: {given}.{hint} amp-doctor's options go before the script: "
-         "amp-doctor diagnose [OPTIONS] SCRIPT [ARGS]... (see amp-doctor diagnose --help).")
 
 
 def _diagnose(

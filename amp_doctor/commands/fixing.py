@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from amp_doctor.commands.common import EXIT_INTERRUPTED, RunsAScript, fail
+from amp_doctor.commands.common import EXIT_INTERRUPTED, RunsAScript, fail, fail_unknown_option
 from amp_doctor.commands.paths import check_writable, output_file_option
 from amp_doctor.commands.terminal import die_by_signal
 
@@ -56,6 +56,8 @@ def fix(module: str | None, stop_after: int | None, old_max_steps: int | None,
         fail("no script given; usage: amp-doctor fix [OPTIONS] SCRIPT [ARGS]...")
     target = (runner.Target("module", module, tuple(script_and_args)) if module is not None
               else runner.Target("path", script_and_args[0], tuple(script_and_args[1:])))
+    if target.kind == "path" and target.name.startswith("-") and not Path(target.name).exists():
+        fail_unknown_option(target.name)
     try:
         runner.resolve(target)
     except (runner.ScriptNotFound, runner.ModuleNotFound) as e:
