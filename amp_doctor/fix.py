@@ -88,6 +88,8 @@ class FixResult:
     command: list[str] = field(default_factory=list)  # the user's script and arguments
     # The format whose what-if warnings the search removes too (--target-dtype), or None.
     target_dtype: str | None = None
+    # No float32 layer could remove the errors, so none was tried (the notes say why).
+    not_searched: bool = False
 
 
 Runner = Callable[[tuple[str, ...]], tuple[Session | None, int]]
@@ -96,6 +98,14 @@ Runner = Callable[[tuple[str, ...]], tuple[Session | None, int]]
 def _blocking(f: Finding) -> bool:
     """An error, or a what-if warning for the format the user targets (--target-dtype)."""
     return f.severity == "error" or (f.kind in WHATIF_KINDS and f.severity == "warning")
+
+
+def _ran_wide(f: Finding) -> bool:
+    """An op-level error whose op ran in float32 (or wider): no float32 layer changes it."""
+    from amp_doctor.analysis.advice import WIDE_FORMATS
+
+    return (f.kind in ("nonfinite_forward", "nonfinite_backward") and f.op is not None
+            and f.data.get("dtype") in WIDE_FORMATS)
 
 
 def _error_keys(s: Session | None) -> tuple[str, ...]:
@@ -211,6 +221,16 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
             f"The baseline has no AMP error finding, but the script itself failed (exit code "
             f"{base.exit_code}{why}). Float32 layers cannot fix that: fix the script, and "
             "run `amp-doctor fix` again if AMP errors remain.")
+        return result
+    errors = [f for f in bs.findings if _blocking(f)]
+    if errors and all(_ran_wide(f) for f in errors):
+        # Review 55b: a CTC loss inf for targets longer than their input was "searched" with
+        # every float32 layer set, none of which could change an op that ran in float32.
+        ops = ", ".join(dict.fromkeys(str(f.op) for f in errors))
+        result.notes.append(
+            f"The baseline's errors are in ops that ran in float32 already ({ops}): float32 "
+            f"layers cannot fix them, so none is searched for. Their fix: {errors[0].advice}")
+        result.not_searched = True
         return result
     again, _ = _trial((), "baseline, repeated", run)
     if log:
@@ -499,7 +519,8 @@ def render_fix(r: FixResult) -> str:
         out.append("")
         out.extend("    " + line if line else "" for line in
                    snippet(r.best.fp32, r.device_type, r.models).splitlines())
-    elif r.baseline.errors and r.baseline.errors != ("no_report",) and r.baseline.steps > 0:
+    elif (r.baseline.errors and r.baseline.errors != ("no_report",) and r.baseline.steps > 0
+          and not r.not_searched):
         budget = " within the trial budget (--trials)" if r.budget_exhausted else ""
         what = "every error" + (f" and {r.target_dtype} what-if warning"
                                 if r.target_dtype else "")

@@ -1,5 +1,6 @@
 """Session 55: a GradScaler updated after each of two optimizers (two backoffs in one
-step), and the culprits of a step whose skip two optimizers report."""
+step); anomaly mode's origins off the autograd graph (T5's position buckets); a 0/0 loss
+term under a GradScaler; a CTC loss that is inf in float32 (reviews 54, 55, 55b)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import amp_doctor
 from amp_doctor.analysis.next_steps import next_steps
+from amp_doctor.fix import find_fix, render_fix
 from amp_doctor.jsoncodec import from_jsonable, to_jsonable
 from amp_doctor.records import Session
 from amp_doctor.sinks.text import render_text
@@ -202,3 +205,54 @@ def test_a_zero_over_zero_loss_term_under_a_scaler_is_told_as_nan_from_its_first
     assert "a 0/0 such as a sum over no elements divided by a count of 0" in msg
     assert msg.endswith("but the loss you see is NaN.")
     assert f.advice.startswith("Guard the division that can be 0/0")
+
+
+def _ctc_session() -> Session:
+    """Targets longer than their input in steps 0 and 3: `F.ctc_loss` is inf there, in the
+    float32 autocast runs it in (anomaly mode on)."""
+    torch.manual_seed(0)
+    net = nn.ModuleDict({"body": nn.Sequential(nn.Conv1d(8, 16, 5, padding=2, stride=2),
+                                               nn.ReLU()),
+                         "head": nn.Linear(16, 10)})
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(net, anomaly=True, tensorboard=False) as doctor:
+        for step in range(6):
+            x = torch.randn(4, 8, 20)
+            in_len = torch.full((4,), 10, dtype=torch.long)
+            tgt_len = torch.full((4,), 4, dtype=torch.long)
+            if step % 3 == 0:
+                tgt_len[0] = 12  # longer than its 10 input frames: no alignment
+            tgt = torch.randint(1, 10, (4, 12))
+            with torch.autocast("cpu", dtype=torch.float16):
+                logp = net["head"](net["body"](x).transpose(1, 2)).log_softmax(-1)
+                loss = F.ctc_loss(logp.transpose(0, 1), tgt, in_len, tgt_len)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert doctor.session is not None
+    return doctor.session
+
+
+def test_a_ctc_loss_without_an_alignment_is_not_told_to_run_in_float32() -> None:
+    # Review 55b: anomaly mode's advice for a CTC loss that was inf in float32 (the format
+    # autocast runs it in) was "Keep this op in float32 ... or use bfloat16", which cannot
+    # help; `zero_infinity=True` does. And `fix` spent every trial on float32 layers.
+    s = _ctc_session()
+    (f,) = [f for f in s.findings if f.op == "aten._ctc_loss"]
+    assert f.severity == "error" and f.data["dtype"] == "float32"
+    assert "zero_infinity=True" in f.advice and "ran in float32 already" in f.advice
+    assert "bfloat16" not in f.advice
+    runs: list[tuple[str, ...]] = []
+
+    def run(fp32: tuple[str, ...]) -> tuple[Session, int]:
+        runs.append(fp32)
+        return _ctc_session(), 0
+
+    result = find_fix(run)
+    assert runs == [()]  # the baseline only: no float32 layer set is tried
+    assert any("ran in float32 already (aten._ctc_loss): float32 layers cannot fix them"
+               in n and "zero_infinity=True" in n for n in result.notes)
+    text = render_fix(result)
+    assert "No set of float32 layers removed" not in text and "bfloat16" not in text

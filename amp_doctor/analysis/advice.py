@@ -451,6 +451,9 @@ ADVICE_BF16: dict[str, str] = {
 
 # Formats a precision change cannot widen (complex64 holds two float32s).
 WIDE_FORMATS = ("float32", "float64", "complex64", "complex128")
+# The CTC loss's ops (autocast runs them in float32).
+CTC_OPS = frozenset({"aten._ctc_loss", "aten.ctc_loss", "aten._use_cudnn_ctc_loss",
+                     "aten._cudnn_ctc_loss"})
 # Formats with float32's range, at least: values beyond it are no format's fault.
 WIDE_RANGE_FORMATS = (*WIDE_FORMATS, "bfloat16")
 
@@ -551,6 +554,15 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "`x.clamp_min(eps)` before the op; a `torch.where(mask, f(x), 0)` on the "
                 "output still gives NaN gradients, so mask the input instead: "
                 "`f(torch.where(mask, x, 1.0))`.")
+    if (e.kind == "nonfinite_forward" and e.data.get("dtype") in WIDE_FORMATS
+            and e.op in CTC_OPS):
+        # Review 55: "keep this op in float32" for a CTC loss that ran in float32 and was
+        # inf for targets longer than their inputs, in any precision.
+        return (f"{e.op} ran in float32 already: no format change helps. A CTC loss is inf "
+                "where a target has no alignment to its input (a target longer than the "
+                "input's length, after the model's downsampling, plus its repeated labels): "
+                "pass `zero_infinity=True` to `F.ctc_loss` / `nn.CTCLoss`, or drop those "
+                "samples (`target_lengths <= input_lengths`).")
     if e.kind == "nonfinite_forward" and scalar_beyond(e.data) is not None:
         return ("Bound the scale that grew: clamp it where it is used (CLIP: "
                 "`logit_scale.exp().clamp(max=100)`) or clamp the parameter after each "
@@ -606,7 +618,8 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
         # The weights' own format decides: bfloat16 weights are not told to move to float16.
         weights = e.data.get("dtypes") or []
         return (ADVICE_BF16 if weights == ["bfloat16"] else ADVICE)["lowp_updates_lost"]
-    if e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix:
+    if (e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix
+            and e.data.get("dtype") not in WIDE_FORMATS):
         where = f" in {F.layer(e.module)}" if e.module else ""
         f32 = ("" if "autocast" in op_fix or "in float32" in op_fix else " Or keep the op in "
                "float32 with `with torch.autocast(device_type, enabled=False):` around it and "
@@ -628,6 +641,14 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "rate or lengthen its warmup, clip gradients "
                 "(`torch.nn.utils.clip_grad_norm_`), and skip an update whose gradient "
                 "norm is not finite.")
+    if (e.kind == "nonfinite_forward" and e.data.get("dtype") in WIDE_FORMATS
+            and not inputs_held_inf(e.data)):
+        # Made inf from finite inputs in float32: bfloat16 has the same range, float32 is
+        # what it ran in; only bounding its inputs helps.
+        return (f"{e.op} ran in float32 already, so neither float32 nor bfloat16 helps: its "
+                "finite inputs make it non-finite in any precision. Bound them before the "
+                "op (clamp the input of an exp, guard a division's denominator), or check "
+                "the data that reaches it.")
     if e.kind == "nonfinite_backward" and zero_denominator(e.op, e.data):
         node = str(e.data.get("node") or "")
         fwd = e.data.get("forward_op")
