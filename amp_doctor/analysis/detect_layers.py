@@ -539,8 +539,10 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         yield Finding(
             kind="activation_underflow", severity="info" if gone else "warning",
             module=lay.name, op=None, step=None,
-            message=(f"{F.layer(lay.name)} ({lay.type}): {F.pct(au)} of output values "
-                     f"are below {fmt}'s smallest normal (subnormal or flushed)."
+            message=(f"{F.layer(lay.name)} ({lay.type}): "
+                     + _act_underflow_text(session, lay, au,
+                                           f"below {fmt}'s smallest normal (subnormal or "
+                                           "flushed)") + "."
                      + (f" Only at the start: {F.pct(trend[0])} in the first third of its "
                         f"recorded steps, {F.pct(trend[1])} in the last, as a layer grows "
                         "out of a zero or tiny initialisation (LoRA's B)." if gone and trend
@@ -691,6 +693,29 @@ def _grad_under_unscaled(lay: LayerSummary) -> float | None:
 
 # float16's subnormals, 2**-24 <= |x| < 2**-14, in the float32-exponent bins.
 _F16_SUBNORMAL_BINS = range(-24 + _F32_BIAS, -14 + _F32_BIAS)
+
+
+def _act_underflow_text(session: Session, lay: LayerSummary, counted: float,
+                        what: str) -> str:
+    """'34.4% of its output values over 3 recorded steps were <what> (90.2% at step 0;
+    5.4% counting only those within 16 bits of its largest output ...)': the share the
+    layer table shows, its worst step, and the share that counts when it differs (review
+    55b: three figures for one metric, none of them the table's)."""
+    steps = [(ls.act.underflow_frac, r.step) for r in session.history
+             if (ls := r.layers.get(lay.name)) is not None and ls.act is not None
+             and ls.act.numel]
+    n = lay.recorded_steps
+    text = (f"{F.pct(lay.underflow_frac)} of its output values"
+            + (f" over {n} recorded steps" if n > 1 else "") + f" were {what}")
+    extra = []
+    if len(steps) > 1:
+        worst, at = max(steps)
+        if worst > lay.underflow_frac + 0.01:
+            extra.append(f"{F.pct(worst)} at step {at}")
+    if abs(counted - lay.underflow_frac) > 0.01:
+        extra.append(f"{F.pct(counted)} counting only those within {ACT_RELEVANT_BITS} bits "
+                     f"of its largest output over the run, {F.num(lay.absmax)}")
+    return text + (f"; {'; '.join(extra)}" if extra else "")
 
 
 def _act_underflow_that_counts(lay: LayerSummary, fmt: str) -> float:
