@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -298,3 +299,28 @@ def test_activation_underflow_gives_the_tables_share_and_its_worst_step() -> Non
                           f"output values over {lay.recorded_steps} recorded steps were below "
                           "float16's smallest normal")
     assert f"{fmt.pct(worst)} at step {at}" in msg
+
+
+def test_a_collapse_whose_every_backoff_had_a_bad_loss_does_not_mention_a_search() -> None:
+    # Review 55b: "the loss itself was NaN/inf in every backoff but GradScaler's own search
+    # for its scale" of a run in which every backoff had an inf loss, none the scaler's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for step in range(40):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(16, 8)).float()
+            loss = out.pow(2).mean() * (math.inf if step % 4 == 0 else 1.0)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s is not None and s.scaler is not None
+    assert s.scaler.backoff_steps == list(range(0, 40, 4))
+    (f,) = s.findings_of("scale_collapse")
+    msg = " ".join(f.message.split())
+    assert "the loss itself was NaN/inf in every backoff, so the gradients" in msg
+    assert "own search" not in msg

@@ -833,8 +833,12 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             # another (a second head's), not a culprit to run in float32 (review 45c).
             lead = _top_lead(backoffs, with_params)[0]
             top = blamed(session, lead)
-            where = ("; the loss itself was NaN/inf in every backoff but GradScaler's own "
-                     "search for its scale, so the gradients of every layer were too" + (
+            # "but GradScaler's own search" only where some backoff was that (review
+            # 55b: said of a CTC loss inf in all 10 backoffs).
+            searched = any(e.step in normal_backoff_steps(session) for e in backoffs)
+            where = ("; the loss itself was NaN/inf in every backoff"
+                     + (" but GradScaler's own search for its scale" if searched else "")
+                     + ", so the gradients of every layer were too" + (
                          f" ({lead}, the first in backward order, only says where the "
                          "backward pass met it, not where it began)" if lead else ""))
         from_loss = None if traced else _loss_gradient_overflow(session, backoffs)
