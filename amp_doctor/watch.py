@@ -1113,6 +1113,8 @@ class Watch:
         out = self._folder.loss_events(
             self.step_index, anomaly=self._anomaly is not None,
             counted=None if total is None else (total, self._loop.loss_steps))
+        for e in out:
+            e.data["loss_dtypes"] = sorted(dtype_name(d) for d in self._loop.loss_dtypes)
         got = self._totals.batches
         if got is not None and got.made_by is not None and not got.data_bad:
             for e in out:

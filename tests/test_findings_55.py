@@ -324,3 +324,25 @@ def test_a_collapse_whose_every_backoff_had_a_bad_loss_does_not_mention_a_search
     msg = " ".join(f.message.split())
     assert "the loss itself was NaN/inf in every backoff, so the gradients" in msg
     assert "own search" not in msg
+
+
+def test_a_float32_loss_is_not_told_to_be_computed_in_float32() -> None:
+    # Review 55b: "compute the loss in float32 with `loss_fn(out.float(), y)`" to a loop
+    # that did (a diffusion model's `F.mse_loss(model(x, t).float(), noise)`).
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amp_doctor.watch(model, tensorboard=False) as doctor:
+        for step in range(12):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(torch.randn(16, 8)).float()
+            loss = F.mse_loss(out, torch.zeros_like(out)) / (0.0 if step == 5 else 1.0)
+            opt.zero_grad()
+            loss.backward()
+            if step != 5:
+                opt.step()
+    s = doctor.session
+    assert s is not None
+    (f,) = s.findings_of("nonfinite_loss")
+    assert f.data["loss_dtypes"] == ["float32"]
+    assert "ran in float32 already here" in f.advice and ".float(), y)" not in f.advice

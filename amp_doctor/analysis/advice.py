@@ -289,6 +289,15 @@ ADVICE: dict[str, str] = {
         "0/0: mask with a large negative number instead of -inf, or skip empty batches; "
         "compute the loss in float32 with `loss_fn(out.float(), y)`)."
     ),
+    "nonfinite_loss_float32": (
+        "A NaN/inf loss poisons every gradient. Look where it first appeared: a layer's "
+        "output (run it in float32 with `torch.autocast(device_type, enabled=False)`), or the "
+        "loss computation itself, which ran in float32 already here, so not a float16 "
+        "overflow there: a fully masked attention row or an all-ignored batch gives 0/0 "
+        "(mask with a large negative number instead of -inf, or skip empty batches), a "
+        "division by a count that can be 0, a log of 0. `amp-doctor diagnose --anomaly` "
+        "names the op and its line."
+    ),
     "model_not_run": (
         "Watch the module your loop calls: `amp_doctor.watch(model)` on the same object "
         "whose forward runs (or a wrapper of it), not a copy: `copy.deepcopy`, or a model "
@@ -554,6 +563,9 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 "`x.clamp_min(eps)` before the op; a `torch.where(mask, f(x), 0)` on the "
                 "output still gives NaN gradients, so mask the input instead: "
                 "`f(torch.where(mask, x, 1.0))`.")
+    if e.kind == "nonfinite_loss" and e.data.get("loss_dtypes") == ["float32"]:
+        # Not "compute the loss in float32" to a loop that does (review 55b).
+        return ADVICE["nonfinite_loss_float32"]
     if (e.kind == "nonfinite_forward" and e.data.get("dtype") in WIDE_FORMATS
             and e.op in CTC_OPS):
         # Review 55: "keep this op in float32" for a CTC loss that ran in float32 and was

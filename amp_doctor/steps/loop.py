@@ -79,6 +79,9 @@ class LoopSignals:
         # The step the count left 0 in: overwritten while the count is 0, then kept.
         self._loss_bad_first: torch.Tensor | None = None
         self.loss_steps = 0
+        # The dtypes the losses that reached backward had (a float32 loss needs no advice
+        # to compute it in float32; review 55b).
+        self.loss_dtypes: set[torch.dtype] = set()
         # A parameter's gradient and weight versions after the last backward (gradient
         # None: taken by torch.autograd.grad, only the weights' version tells).
         self._sentinel: tuple[torch.Tensor, int | None, int | None, int] | None = None
@@ -203,6 +206,7 @@ class LoopSignals:
                   and t.grad_fn is not None]
         if not losses:
             return
+        self.loss_dtypes.add(losses[0].dtype)
         # x * 0 is NaN exactly when x is NaN or inf: two ops on every step, where
         # isfinite is four on the CPU (abs, ne, eq, mul) before the reduction.
         # 0-d, as the skip check stacks it with the layers' flags.
