@@ -324,6 +324,10 @@ def test_a_collapse_whose_every_backoff_had_a_bad_loss_does_not_mention_a_search
     msg = " ".join(f.message.split())
     assert "the loss itself was NaN/inf in every backoff, so the gradients" in msg
     assert "own search" not in msg
+    # Its layers, not the model itself counted as one more (review 55b: "4 layers").
+    assert s.scaler.events[0].culprits == ["2", "Sequential", "1", "0"]
+    (b,) = s.findings_of("scaler_backoff")
+    assert "(3 layers with non-finite gradients)" in " ".join(b.message.split())
 
 
 def test_a_float32_loss_is_not_told_to_be_computed_in_float32() -> None:

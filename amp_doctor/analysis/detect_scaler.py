@@ -499,7 +499,8 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
                   lead: tuple[str | None, int, int] = (None, 0, 0),
                   loss_bad: bool = False, every: int = 0,
                   unplaced: list[str] | None = None,
-                  made: Callable[[str], str] = lambda n: "") -> str:
+                  made: Callable[[str], str] = lambda n: "",
+                  models: Iterable[str] = ()) -> str:
     if loss_bad and not origin:
         # The loss itself was NaN/inf: the first layer with non-finite gradients is only
         # where it entered the backward pass (the layer the loss is computed from), not
@@ -508,8 +509,10 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
         entered = (f"; the first of them in backward order, {top}, only says where the "
                    "backward pass met the NaN/inf first (the last layer with trainable weights "
                    "before the loss), not where it began" if top else "")
+        # The model itself is no layer of its own (review 55b: "4 layers" of a model of 3).
+        n = len([c for c in culprits if c not in set(models)])
         return ("; the loss itself was NaN/inf in each of these steps, so the gradients "
-                f"of every layer were too ({F.counted(len(culprits), 'layer')} with "
+                f"of every layer were too ({F.counted(n, 'layer')} with "
                 f"non-finite gradients){entered}. Where it began in the forward "
                 "pass is not known from these steps: "
                 + ("" if every == 1 else "record every step (`every=1`, --every 1) to see "
@@ -704,7 +707,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                         else _culprit_text(culprits, origin, (top_lead, n_lead, len(evs)),
                                            loss_bad, session.run.every,
                                            unplaced_culprits(session, culprits),
-                                           functools.partial(made_in, session, evs=evs)))
+                                           functools.partial(made_in, session, evs=evs),
+                                           session.run.models))
                      + "."),
             advice=(loss_code_advice(session, evs) if outside and not loss_bad
                     and _unskipped(session, steps) != set(steps) else
