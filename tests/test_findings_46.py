@@ -117,7 +117,9 @@ def test_a_scale_collapse_of_a_nan_loss_is_not_blamed_on_the_last_layer() -> Non
     assert "float32" not in f.advice
     (loss,) = [x for x in doctor.session.findings if x.severity == "error"]
     assert loss.kind == "nonfinite_loss" and f.severity == "info"  # its consequence
-    assert loss.advice == ADVICE["nonfinite_loss"]
+    # (Its loss reached backward in float32: not told to compute it in float32, session 55.)
+    assert loss.data["loss_dtypes"] == ["float32"]
+    assert loss.advice == ADVICE["nonfinite_loss_float32"]
 
 
 def _two_optimizer_loop(pattern: str, steps: int = 12) -> amp_doctor.Session:

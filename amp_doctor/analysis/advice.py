@@ -294,9 +294,9 @@ ADVICE: dict[str, str] = {
         "output (run it in float32 with `torch.autocast(device_type, enabled=False)`), or the "
         "loss computation itself, which ran in float32 already here, so not a float16 "
         "overflow there: a fully masked attention row or an all-ignored batch gives 0/0 "
-        "(mask with a large negative number instead of -inf, or skip empty batches), a "
-        "division by a count that can be 0, a log of 0. `amp-doctor diagnose --anomaly` "
-        "names the op and its line."
+        "(mask with a large negative number instead of -inf, or skip empty batches), or a "
+        "division by a count that can be 0. `amp-doctor diagnose --anomaly` names the op "
+        "and its line."
     ),
     "model_not_run": (
         "Watch the module your loop calls: `amp_doctor.watch(model)` on the same object "
