@@ -25,7 +25,7 @@ from amp_doctor.analysis.detect_layers import (
 )
 from amp_doctor.analysis.next_steps import next_commands
 from amp_doctor.analysis.risk import risk_order
-from amp_doctor.analysis.thresholds import ALL_ZERO_SHOWN
+from amp_doctor.analysis.thresholds import ALL_ZERO_SHOWN, RISK_HEADROOM_BITS
 from amp_doctor.dtypes import FORMAT_MAX
 from amp_doctor.records import SEVERITIES, Finding, LayerSummary, ScalerTimeline, Session
 
@@ -288,7 +288,9 @@ def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -
 
 
 _TABLE_KEY = (
-    "Layers, worst first. headroom: bits between the largest |output| and the format's "
+    "Layers, worst first: non-finite values, then overflow, then headroom under "
+    f"{RISK_HEADROOM_BITS:g} bits (least first), then the largest underflow share (of "
+    "outputs or gradients). headroom: bits between the largest |output| and the format's "
     "max (< 0 = overflow). overflow / underflow: share of output values beyond the max / "
     "below the smallest normal (* = what-if for a float32 layer). grad underflow: the same "
     "for its output gradients, as scaled (a float32 layer: for its weight gradients; - if it "
