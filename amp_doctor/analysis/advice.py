@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from amp_doctor import format as F
 from amp_doctor.analysis.messages import (
+    DIVISION_OPS,
     SOFTMAX_OPS,
     denominator_dtype,
     dropped_cause,
@@ -557,6 +558,11 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
             and _nan_only(e.data) and isinstance(big, (int, float))
             and big < DIVERGED_INPUT_ABSMAX):
         # NaN from finite, moderate float32 inputs is a domain error, not a range one.
+        if e.op in DIVISION_OPS and big == 0:
+            # Every input 0: a sum over no elements divided by a count of 0 (review 55).
+            return (f"{e.op} computed 0/0, which is NaN in any format: guard the count, "
+                    "`term.sum() / num.clamp_min(1)`, or leave the term out when its count "
+                    "is 0 (a box loss over a batch with no positive anchors).")
         return (f"{e.op} made NaN from finite {e.data.get('dtype')} inputs: the input was "
                 "outside the op's domain (the square root or log of a negative number, "
                 "0/0), which no format change fixes. Guard the input, e.g. "

@@ -86,6 +86,7 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
       consequence: the backward of a non-finite value is non-finite.
     """
     out = _one_error_per_op(out)
+    out = _discarded_backward_of_an_origin(out)
     out = _gradients_a_small_gain_shrank(session, out)
     out = _batch_made_by_an_op(out)
     out = _after_a_bad_update(out)
@@ -211,8 +212,8 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             # Every watched output finite at a NaN loss: the code after the model made it,
             # where the collapse's large gradients were made too (review 51: a focal loss's
             # log of a float16 probability, -inf in forward, 1/p in backward). One root.
-            loss_code = root = next((e for e in errors if e.kind == "nonfinite_backward"
-                                     and not e.module), None) or (
+            loss_code = root = next((e for e in errors if e.kind in (
+                "nonfinite_forward", "nonfinite_backward") and not e.module), None) or (
                 collapse if collapse is not None and collapse.severity == "error"
                 and collapse.data.get("loss_too_large")
                 and not collapse.data.get("loss_nonfinite") else None)
@@ -288,6 +289,9 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                         f"The op-level search found {root.op} (the backward of "
                         f"{root.data.get('forward_op')}) overflow in that code (see that "
                         "finding): one root cause." if root.kind == "nonfinite_backward" else
+                        f"The op-level search found {root.op} make NaN/inf in that code at "
+                        f"step {root.step} (see that finding): one root cause."
+                        if root.kind == "nonfinite_forward" else
                         "The loss scale's collapse began in that code too (see that "
                         "finding): one root cause.")
                 if named == f.message and root.op and root.module != origin:
@@ -597,6 +601,19 @@ def _one_error_per_op(out: list[Finding]) -> list[Finding]:
             f = _with(f, "info", follow_on_of=f.module)
         result.append(f)
     return result
+
+
+def _discarded_backward_of_an_origin(out: list[Finding]) -> list[Finding]:
+    """The backward of an op that is a forward error, on the same line in the same step,
+    made inf that no optimizer took (the gradient of ``0 / count`` at a count of 0 goes to
+    no element): nothing beside that error to tell (review 55: an info finding for the
+    0/0 that the error names)."""
+    origins = {(f.op, f.module, f.step, tuple(f.data.get("frames") or ()))
+               for f in out if f.severity == "error" and f.kind == "nonfinite_forward"}
+    return [f for f in out if not (
+        f.kind == "nonfinite_discarded" and f.data.get("made") == "nonfinite_backward"
+        and (f.data.get("forward_op"), f.module, f.step,
+             tuple(f.data.get("frames") or ())) in origins)]
 
 
 # Where NaN/inf is made in the forward pass: the backward of the step only carries it on.

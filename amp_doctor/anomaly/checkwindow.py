@@ -28,8 +28,8 @@ class CheckWindow:
     """Everything checked together: op entries, root calls, per-step gradient flags.
 
     ``flags`` is one device bool vector over the three, in that order (then the
-    weight flags); ``call_rows`` the root calls' (min, max) rows, fetched with the
-    flags when anything was flagged.
+    weight flags, then the loss flags); ``call_rows`` the root calls' (min, max) rows,
+    fetched with the flags when anything was flagged.
     """
 
     ops: OpWindow
@@ -39,7 +39,7 @@ class CheckWindow:
     op_rows: torch.Tensor | None
     call_rows: torch.Tensor | None
     weights: list[StepFlag] = field(default_factory=list)
-    # Each step's loss check (device bools, not in ``flags``: read when one is flagged).
+    # Each step's loss check (device bools, the end of ``flags``).
     losses: list[StepFlag] = field(default_factory=list)
     # Per root call: a finite batch beyond the max of the format autocast casts it to
     # (device bools, not in ``flags``: large inputs that a float32 first layer takes are
@@ -48,6 +48,12 @@ class CheckWindow:
 
     # The loss flags on the host, read once (see :meth:`_losses_bad`).
     _loss_bad: list[bool] | None = field(default=None, repr=False)
+
+    def note_host_flags(self, host: list[bool]) -> None:
+        """``flags`` on the host, read by the caller: the loss flags need no sync of their
+        own."""
+        if self.losses:
+            self._loss_bad = host[len(host) - len(self.losses):]
 
     def _losses_bad(self) -> list[bool]:
         """Each of :attr:`losses`' flags on the host: one sync, the first time only."""
@@ -110,6 +116,10 @@ def gather(p: OpWindow, calls: list[RootCall], grads: list[StepFlag],
                 (parts + sums)[0].device)
     if sums:
         parts.append(~torch.isfinite(torch.stack([s.to(home) for s in sums])))
+    if losses:
+        # A NaN loss with finite gradients (a 0/0 term over no elements) is a bad step
+        # too, which no gradient flag shows: it arms the search (review 55).
+        parts.append(torch.stack([s.value.to(home) for s in losses]))
     flags = torch.cat([x.to(home) for x in parts])
     return CheckWindow(p, calls, grads, flags, op_rows, call_rows, weights, losses or [],
                        beyond)

@@ -490,6 +490,7 @@ class AnomalyMode:
         n_ops = len(w.ops.entries)
         host = w.flags.cpu()
         count_sync()
+        w.note_host_flags([bool(b) for b in host.tolist()])
         found = False
         if n_ops and bool(host[:n_ops].any()) and w.op_rows is not None:
             # A forward origin in a step whose loss and gradients stayed finite made values
@@ -552,10 +553,14 @@ class AnomalyMode:
             finite = w.finite_loss_steps()
             loss_bad = {x.step for x in w.losses} - finite
             self._beyond_events(w, set(bad_grads) & loss_bad)
-        bad_wts = [g.step for g, b in zip(w.weights, flags[len(w.grads):], strict=True) if b]
+        at = len(w.grads) + len(w.weights)
+        bad_wts = [g.step for g, b in zip(w.weights, flags[len(w.grads):at], strict=True) if b]
         if bad_wts and self._weights_bad_at is None:
             self._weights_bad_at = min(bad_wts)
-        self._note_bad(sorted(set(bad_grads)))
+        # A dropped forward's flag is among the gradients' already.
+        bad_losses = [x.step for x, b in zip(w.losses, flags[at:], strict=True)
+                      if b and not x.dropped]
+        self._note_bad(sorted(set(bad_grads) | set(bad_losses)))
         if found:
             self._explained()
 
