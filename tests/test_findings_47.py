@@ -137,8 +137,10 @@ def test_a_norm_whose_float16_square_overflowed_to_zeros_is_the_error() -> None:
     assert err.data["starved_layers"] == ["up"] and err.data["own_weights_starved"]
     assert err.data["input_from"] == "up" and err.data["input_absmax"] > 256
     assert "x ** 2` passes float16's max 65504" in err.message
-    (res,) = s.findings_of("output_resolution")
-    assert res.severity == "info" and res.data["follow_on_of"] == "ln"
+    # The head's output is its bias alone, a constant near 0 where float16's spacing is
+    # far finer than its targets: no resolution finding beside the cause (review 56b).
+    head = next(lay for lay in s.layers if lay.name == "head")
+    assert head.absmax < 1 and not s.findings_of("output_resolution")
 
 
 def test_anomaly_mode_names_the_square_whose_inf_became_the_zeros() -> None:

@@ -69,3 +69,139 @@ def test_a_nan_loss_with_finite_gradients_arms_the_search() -> None:
     text = render_text(s)
     assert "Consequences: the loss was NaN/inf in 4 of the 30 steps checked." in " ".join(
         text.split())
+
+
+def test_the_error_where_a_flush_began_is_kept_beside_the_layers_it_starved() -> None:
+    # Review 56b: a 14-layer MLP, float16, no GradScaler, the loss times 1e-6. The error
+    # at the layer where the flush began (listing the 13 layers whose weights got no
+    # gradient) was the 14th missing_scaler finding, and the cap of 8 per kind cut it; the
+    # report's only error was then a resolution finding on the output, a near-constant
+    # 0.09 at initialisation, whose float16 spacing (6e-5) is no limit to its targets.
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(13):
+        layers += [nn.Linear(32 if i == 0 else 64, 64), nn.GELU()]
+    model = nn.Sequential(*layers, nn.Linear(64, 1))
+    first = model[0].weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=1e4, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    w_true = torch.randn(32, 1, generator=g)
+    with amp_doctor.watch(model, every=5) as doctor:
+        for _ in range(10):
+            x = torch.randn(64, 32, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                pred = model(x)
+                loss = 1e-6 * nn.functional.mse_loss(pred.float(), torch.tanh(x @ w_true / 4))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    assert torch.equal(model[0].weight, first)  # what the finding says: it never trained
+    s = doctor.session
+    assert s is not None
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module) for f in errors] == [("missing_scaler", "26")]
+    assert errors[0].data["starved_layers"] == [str(i) for i in range(0, 26, 2)]
+    assert not s.findings_of("output_resolution")
+    out = next(lay for lay in s.layers if lay.name == "26")
+    assert out.absmax < 1 and out.range_rel is not None and out.range_rel < 0.001
+
+
+def _contrastive_run(**watch_kw: object) -> Session:
+    """SimCLR's loss on embeddings someone forgot to normalise, float16: their
+    similarities (about 1600) over a temperature of 0.01 pass float16's max in the
+    division, outside the model; the cross entropy of the inf is NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(16))
+        model[0].bias.fill_(10.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, **watch_kw) as doctor:  # type: ignore[arg-type]
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                z = model(torch.randn(8, 16) * 0.1)
+                sim = z @ z.t() / 0.01  # QUOTIENT LINE
+                sim = sim.masked_fill(torch.eye(8, dtype=torch.bool), float("-inf"))
+                loss = nn.functional.cross_entropy(sim.float(), torch.arange(8).roll(1))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert doctor.session is not None
+    return doctor.session
+
+
+def test_a_quotient_past_the_format_is_not_told_to_add_an_epsilon() -> None:
+    # Review 56a: "add an epsilon that float16 can hold" for a division by 0.01; and the
+    # markdown verdict named the scaler's first culprit layer as the culprit of an op that
+    # its finding placed outside the model.
+    from amp_doctor.sinks.text import render_verdict
+
+    s = _contrastive_run(anomaly=True)
+    (err,) = [f for f in s.findings if f.severity == "error"]
+    assert (err.kind, err.op, err.module, err.step) == ("nonfinite_forward", "aten.div", None, 0)
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), start=1)
+                if text.rstrip().endswith("# QUOTIENT LINE"))
+    assert err.data["frames"][0].startswith(f"{__file__}:{line} ")
+    assert "the quotient grew past the format's max" in err.advice
+    assert "epsilon" not in err.advice and "F.normalize" in err.advice
+    verdict = render_verdict(s)
+    assert "**culprit** the loop's own code (outside the watched model)" in verdict
+    assert "`0`" not in verdict
+
+
+def test_a_float32_loss_is_not_said_to_rule_out_a_float16_overflow_before_it() -> None:
+    # Review 56a: "the loss computation itself, which ran in float32 already here, so not
+    # a float16 overflow there" for the similarities above, float16 before the loss.
+    s = _contrastive_run()
+    (loss,) = s.findings_of("nonfinite_loss")
+    assert loss.data["loss_dtypes"] == ["float32"]
+    assert "not a float16 overflow" not in loss.advice
+    assert "`z @ z.t() / temperature` can overflow float16" in loss.advice
+
+
+def test_the_follow_ons_of_a_bad_update_have_no_fix_of_their_own() -> None:
+    # Review 56b: after `opt.step()` beside `scaler.step(opt)`, the backoffs, the collapse
+    # and the NaN loss were info under the error but each advised its own fix (conv1 in
+    # float32), whose weights the extra update had made NaN.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # A scale that overflows the first steps' gradients: skipped by the scaler, applied
+    # by the leftover step, which makes the weights NaN.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    with amp_doctor.watch(model, every=2) as doctor:
+        for _ in range(6):
+            x, y = torch.randn(32, 16) * 50, torch.randint(0, 4, (32,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            opt.step()  # the leftover of the float32 loop
+            scaler.update()
+    assert not all(p.isfinite().all() for p in model.parameters())
+    s = doctor.session
+    assert s is not None
+    (err,) = [f for f in s.findings if f.severity == "error"]
+    follow = [f for f in s.findings if f.data.get("follow_on_of", "-") != "-"
+              and f.kind != "stepped_twice"]
+    assert err.kind == "stepped_twice" and follow
+    for f in follow:
+        assert f.severity == "info"
+        assert f.advice.startswith("Nothing of its own to fix: it follows from the "
+                                   "stepped_twice error"), (f.kind, f.advice)
+        assert "It follows from the stepped_twice error (see that finding)" in f.message
+
+
+def test_the_launcher_is_no_user_frame() -> None:
+    # Review 56a: the frames of an op in the script's own code ended with
+    # `.venv/bin/amp-doctor:8 in <module>`, the console script that ran it.
+    import os
+    import sysconfig
+
+    from amp_doctor.anomaly.userframes import is_user_file
+
+    assert not is_user_file(os.path.join(sysconfig.get_paths()["scripts"], "amp-doctor"))
+    assert is_user_file(__file__)

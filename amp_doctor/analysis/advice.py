@@ -291,13 +291,15 @@ ADVICE: dict[str, str] = {
         "compute the loss in float32 with `loss_fn(out.float(), y)`)."
     ),
     "nonfinite_loss_float32": (
-        "A NaN/inf loss poisons every gradient. Look where it first appeared: a layer's "
-        "output (run it in float32 with `torch.autocast(device_type, enabled=False)`), or the "
-        "loss computation itself, which ran in float32 already here, so not a float16 "
-        "overflow there: a fully masked attention row or an all-ignored batch gives 0/0 "
-        "(mask with a large negative number instead of -inf, or skip empty batches), or a "
-        "division by a count that can be 0. `amp-doctor diagnose --anomaly` names the op "
-        "and its line."
+        "A NaN/inf loss poisons every gradient. The loss reached backward in float32 (it "
+        "ran in float32 already here), so its last ops did not overflow, but what fed them "
+        "may have: a layer's output (run it in float32 with `torch.autocast(device_type, "
+        "enabled=False)`), or loss code that ran under autocast before them (a similarity "
+        "`z @ z.t() / temperature` can overflow float16: normalise first, or compute it on "
+        "`.float()` inputs). Or it is NaN in any format: a fully masked attention row or an "
+        "all-ignored batch gives 0/0 (mask with a large negative number instead of -inf, or "
+        "skip empty batches), or a division by a count that can be 0. `amp-doctor diagnose "
+        "--anomaly` names the op and its line."
     ),
     "model_not_run": (
         "Watch the module your loop calls: `amp_doctor.watch(model)` on the same object "
@@ -535,6 +537,25 @@ def advice_for(kind: str, dtype: str | None = None) -> str:
     return ADVICE.get(kind, "")
 
 
+# A divisor at least this large in magnitude is no "epsilon that rounds to 0": float16's
+# smallest normal (a subnormal divisor loses its precision, and 1e-8 flushes to 0).
+DIVISOR_FLOOR = 2.0 ** -14
+
+
+def _quotient_overflow(d: dict[str, object]) -> bool:
+    """A division that made +-inf and no NaN from finite inputs, none of its divisors
+    near 0: the quotient itself grew past the format (a divisor given as a number is
+    not among the recorded inputs, so a single recorded input is the numerator)."""
+    if d.get("nan") or not (d.get("pos_inf") or d.get("neg_inf")) or inputs_held_inf(d):
+        return False
+    ranges = d.get("input_ranges")
+    if isinstance(ranges, list) and len(ranges) > 1:
+        lo, hi = ranges[1]
+        return bool(lo >= DIVISOR_FLOOR or hi <= -DIVISOR_FLOOR)
+    dtypes = d.get("input_dtypes")
+    return isinstance(dtypes, list) and len(dtypes) == 1
+
+
 def event_advice(e: Event, dtype: str | None = None) -> str:
     """The fix for one run-time event (also used for anomaly mode's exception).
 
@@ -636,6 +657,17 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
         # The weights' own format decides: bfloat16 weights are not told to move to float16.
         weights = e.data.get("dtypes") or []
         return (ADVICE_BF16 if weights == ["bfloat16"] else ADVICE)["lowp_updates_lost"]
+    if (e.kind in ("nonfinite_forward", "activation_overflow") and e.op in DIVISION_OPS
+            and _quotient_overflow(e.data)):
+        # Not "add an epsilon" to a division by a constant the format holds (review 56a:
+        # a contrastive loss's similarities over a temperature of 0.01).
+        where = f" in {F.layer(e.module)}" if e.module else ""
+        return (f"{e.op}{where} made inf from finite inputs, no divisor near 0: the "
+                "quotient grew past the format's max (a large numerator over a small "
+                "divisor, such as a temperature of 0.01). Make the numerator small first "
+                "(`F.normalize` the embeddings before their similarities), or compute the "
+                "division in float32 (`a.float() / t`, or `z.float() @ z.float().t() / t`)"
+                + ("." if bf16 else ", or train with `dtype=torch.bfloat16`."))
     if (e.kind in ("nonfinite_forward", "activation_overflow") and e.op and op_fix
             and e.data.get("dtype") not in WIDE_FORMATS):
         where = f" in {F.layer(e.module)}" if e.module else ""

@@ -28,6 +28,7 @@ from amp_doctor.analysis.thresholds import (
     MADE_INF_HEADROOM_BITS,
     OUTPUT_LEVELS_ERROR,
     OUTPUT_LEVELS_WARN,
+    OUTPUT_SPACING_MIN,
     OVERFLOW_FRAC_ERROR,
     STARVED_ZERO_FRAC,
     TREND_MIN_STEPS,
@@ -634,6 +635,8 @@ def _coarse_output(lay: LayerSummary, fmt: str) -> Finding | None:
     if levels >= OUTPUT_LEVELS_WARN:
         return None
     spacing = 2.0 ** (math.floor(math.log2(lay.absmax)) - bits)
+    if spacing < OUTPUT_SPACING_MIN:
+        return None
     return Finding(
         kind="output_resolution", module=lay.name, op=None, step=None,
         severity="error" if levels < OUTPUT_LEVELS_ERROR else "warning",

@@ -25,7 +25,7 @@ from amp_doctor.analysis.messages import (
     loss_origin_named,
 )
 from amp_doctor.analysis.thresholds import MAX_PER_KIND, SHRUNK_GRAD_BITS
-from amp_doctor.records import Finding, Session, Severity
+from amp_doctor.records import SEVERITY_RANK, Finding, Session, Severity
 
 __all__ = ["fold_follow_ons", "steps_of", "fold_early_end", "cap_per_kind", "EARLY_END_KINDS",
            "ROOT_KINDS"]
@@ -506,7 +506,12 @@ def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
         if f is root:
             f = _with(f, extra="Consequences: " + "; ".join(cons) + ".", consequences=cons)
         elif any(f is x for x in later):
-            f = _with(f, "info", follow_on_of=root.module)
+            # Its own fix (the layer its NaN first showed in, in float32) would not help:
+            # the update made that layer's weights NaN (review 56b: `stepped_twice`).
+            f = replace(_with(f, "info", extra=(
+                f"It follows from the {root.kind} error (see that finding), whose updates "
+                "changed the weights from then on."), follow_on_of=root.module),
+                advice=_follow_advice(root))
         result.append(f)
     return result
 
@@ -716,11 +721,15 @@ def _consequence(f: Finding) -> str:
 
 
 def cap_per_kind(findings: list[Finding]) -> list[Finding]:
+    """At most MAX_PER_KIND findings of a kind, the last saying how many more: the most
+    severe kept (review 56b: the error at the layer where a flush began, listing the 13
+    layers it starved, was cut as the 14th finding of its kind, behind their infos)."""
     by_kind: dict[str, list[Finding]] = {}
     for f in findings:
         by_kind.setdefault(f.kind, []).append(f)
     out: list[Finding] = []
     for fs in by_kind.values():
+        fs = sorted(fs, key=lambda f: SEVERITY_RANK[f.severity])  # stable: in order within
         out.extend(fs[:MAX_PER_KIND])
         if len(fs) > MAX_PER_KIND:
             last = fs[MAX_PER_KIND - 1]

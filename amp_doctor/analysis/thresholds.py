@@ -11,6 +11,7 @@ __all__ = [
     "LOSS_NOT_LARGE",
     "OUTPUT_LEVELS_ERROR",
     "OUTPUT_LEVELS_WARN",
+    "OUTPUT_SPACING_MIN",
     "WARMUP_EATEN_OF_PEAK",
     "WARMUP_EATEN_RATIO",
     "OVERFLOW_FRAC_ERROR",
@@ -131,6 +132,11 @@ OUTPUT_LEVELS_WARN = 8.0
 # Fewer than this: its values are rounded to one or two, and the model cannot learn what
 # it must predict (an error, which `fix` and the next: lines act on).
 OUTPUT_LEVELS_ERROR = 2.0
+# ...and only where the format's spacing at the output is at least this: a finer rounding
+# step is below what a normalised target asks of a prediction (review 56b: a deep MLP's
+# output at initialisation, all near 0.09 where float16's spacing is 6e-5, is the model's
+# collapse, not the format's rounding; its targets spread over 0.5).
+OUTPUT_SPACING_MIN = 2.0**-7
 # An LR schedule that rose by this factor over the steps the GradScaler skipped at the
 # run's start ran its warmup while nothing trained, the first update coming at the raised
 # LR (a warning, not info): a linear warmup's first 4 steps, or more. Not when the LR of

@@ -1,7 +1,8 @@
 """The user's own stack frames at an op: where in their code a NaN/Inf was made.
 
-Frames inside torch, amp-doctor, the standard library and click (the CLI's
-runner) are skipped; what is left is the user's script and libraries.
+Frames inside torch, amp-doctor, the standard library, console scripts (the
+``amp-doctor`` launcher) and click (the CLI's runner) are skipped; what is left is
+the user's script and libraries.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ MAX_USER_FRAMES = 4
 
 _SKIP_DIRS = (
     os.path.dirname(torch.__file__) + os.sep,
+    # Console scripts (the `amp-doctor` launcher that runs the user's script).
+    sysconfig.get_paths()["scripts"] + os.sep,
     # amp_doctor/ as a whole: this file is in amp_doctor/anomaly/.
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
 ) + tuple(

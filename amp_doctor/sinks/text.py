@@ -367,10 +367,15 @@ def render_verdict(s: Session) -> str:
     # The top group's worst finding: the one its block shows as "worst" (review 44d: the
     # verdict named another layer of a group than the one the group put first).
     f = group_findings(s.findings, s.layers)[0].lead
-    culprit = f.module or next((x.module for x in s.findings if x.module), None)
+    # An op outside every module (the loop's loss code) has no culprit layer: another
+    # finding's layer would contradict it (review 56a: a backoff's first layer named).
+    culprit = f.module or (None if f.op else next((x.module for x in s.findings if x.module),
+                                                   None))
     bits = [f"**Verdict: {_SEV_LABEL[f.severity]} `{f.kind}`**"]
     if culprit:
         bits.append(f"**culprit** `{culprit}`")
+    elif f.op:
+        bits.append("**culprit** the loop's own code (outside the watched model)")
     op = f.op or next((x.op for x in s.findings if x.op and x.module == culprit), None)
     if op:
         bits.append(f"**op** `{op}`")
