@@ -3,6 +3,8 @@ names the division in the loop's code as the one root cause (review 55, item 5).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -205,3 +207,52 @@ def test_the_launcher_is_no_user_frame() -> None:
 
     assert not is_user_file(os.path.join(sysconfig.get_paths()["scripts"], "amp-doctor"))
     assert is_user_file(__file__)
+
+
+def test_anomaly_mode_tells_a_batch_beyond_float16_as_the_data_like_the_default() -> None:
+    # Review 56b: raw audio features up to 1.8e5 given to a Conv1d under float16 autocast.
+    # The default mode said `input_beyond_format`, the fix in the data; anomaly mode named
+    # the cast (`nonfinite_forward [aten._to_copy]`) with "keep the op in float32", and its
+    # next steps were `--fp32 frontend.0` (which moved the inf one layer on) and `fix`.
+    import dataclasses
+
+    from amp_doctor.analysis.next_steps import next_steps
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(4, 8, 3), nn.ReLU(), nn.Conv1d(8, 8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu")
+    runs = {}
+    for anomaly in (False, True):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-6)
+        with amp_doctor.watch(m, anomaly=anomaly) as doctor:
+            for _ in range(4):
+                x = torch.rand(2, 4, 32) * 1.8e5  # unnormalised features
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = m(x)  # MODEL CALL
+                loss = out.float().pow(2).mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        assert doctor.session is not None
+        runs[anomaly] = doctor.session
+    for anomaly, s in runs.items():
+        errors = [f for f in s.findings if f.severity == "error"]
+        # The default mode's recorded layer figures: the first layer's output overflowed,
+        # from a batch beyond the format (its `input_absmax`).
+        kind = "input_beyond_format" if anomaly else "activation_overflow"
+        assert [(f.kind, f.module) for f in errors] == [(kind, "0")], anomaly
+        assert errors[0].data["input_absmax"] > 65504
+        as_cli = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python",
+                                                                                "t.py"]))
+        lines = next_steps(as_cli)
+        assert any("the fix is in the data" in line for line in lines), (anomaly, lines)
+        assert not any("--fp32" in line or "amp-doctor fix" in line for line in lines), lines
+    err = next(f for f in runs[True].findings if f.severity == "error")
+    assert err.op == "aten._to_copy" and err.data["batch_cast"] is True
+    assert err.advice.startswith("Normalise or clip the data before the model")
+    assert err.data["input_absmax"] > 65504 and err.frame is not None
+    assert "autocast's cast of it for layer 0 (aten._to_copy) made +inf" in " ".join(
+        err.message.split())

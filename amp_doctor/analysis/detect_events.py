@@ -11,6 +11,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
+from amp_doctor import format as F
 from amp_doctor.analysis.advice import ADVICE, event_advice, unlocated_advice
 from amp_doctor.analysis.detect_layers import (
     code_before,
@@ -24,7 +25,7 @@ from amp_doctor.analysis.detect_scaler import (
     loss_steps_not_skipped,
     normal_backoff_steps,
 )
-from amp_doctor.analysis.messages import event_message, zero_denominator
+from amp_doctor.analysis.messages import CAST_OPS, event_message, zero_denominator
 from amp_doctor.analysis.thresholds import (
     CALIBRATION_START,
     LOWP_UNCHANGED_WARN,
@@ -217,6 +218,13 @@ def event_findings(session: Session) -> Iterable[Finding]:
             # skips by design (its backoff finding says "nothing to fix" too).
             first = dataclasses.replace(first, data={
                 **first.data, "advice": ADVICE["scaled_backward_probe"]})
+        batch = _batch_of_the_cast(session, first) if kind == "nonfinite_forward" else None
+        if batch is not None:
+            # Autocast's cast of the batch for its first layer: the data's values, as the
+            # default mode says (`input_beyond_format`), with the cast's line; not an op to
+            # run in float32 (review 56b: `--fp32 frontend.0` moved the inf one layer on).
+            yield _batch_cast_finding(session, batch, first, es, n, steps)
+            continue
         if (kind == "nonfinite_forward" and module is not None and op in PRODUCT_OPS
                 and first.data.get("pos_inf") and not first.data.get("nan")
                 and _returns_model_output(session, module)):
@@ -254,6 +262,52 @@ def event_findings(session: Session) -> Iterable[Finding]:
             frame=first.frame, count=n, steps=steps[:MAX_STEPS_KEPT],
             data={k: v for k, v in first.data.items() if k not in ("message", "advice")},
         )
+
+
+# A cast's input may differ from the batch's recorded absmax by its rounding: a float32
+# batch's values read as the cast's input, against their max over several steps.
+_SAME_ABSMAX = 1.001
+
+
+def _batch_of_the_cast(session: Session, e: Event) -> Event | None:
+    """The ``input_beyond_format`` note of the batch that anomaly mode's cast op ``e``
+    converted to inf: the cast ran in the layer that took the batch first (or in a step
+    whose batch was beyond the format) and no input of it was larger than the batch."""
+    if e.op not in CAST_OPS or e.data.get("nan") or e.data.get("casts_parameter"):
+        return None
+    top = e.data.get("input_absmax")
+    if not isinstance(top, (int, float)) or not math.isfinite(top):
+        return None
+    for x in session.events:
+        if x.kind != "input_beyond_format":
+            continue
+        big = x.data.get("absmax")
+        at = x.data.get("first_bad_layer") == e.module or e.step in (x.data.get("steps") or ())
+        if at and isinstance(big, (int, float)) and top <= big * _SAME_ABSMAX:
+            return x
+    return None
+
+
+def _batch_cast_finding(session: Session, batch: Event, cast: Event, es: list[Event],
+                        n: int, steps: list[int]) -> Finding:
+    dtype = str(cast.data.get("dtype"))
+    limit = FORMAT_MAX.get(dtype, math.inf)
+    top = max(float(e.data.get("input_absmax") or 0.0) for e in es)
+    root = F.layer(batch.module) if batch.module else "the model"
+    return Finding(
+        kind="input_beyond_format", severity="error", module=cast.module, op=cast.op,
+        step=cast.step,
+        message=(f"The batch given to {root} held values up to {F.num(top)}, beyond "
+                 f"{dtype}'s max {limit:g}: autocast's cast of it for "
+                 f"{F.layer(cast.module) if cast.module else 'the first layer'} "
+                 f"({cast.op}) made +inf, in {n} step(s) the op-level search looked at, "
+                 f"first at step {cast.step}. Every op after it only passed it on."),
+        advice=ADVICE["input_beyond_format"], frame=cast.frame, count=n,
+        steps=steps[:MAX_STEPS_KEPT],
+        data={**{k: v for k, v in cast.data.items() if k not in ("message", "advice")},
+              "input_absmax": top, "batch_cast": True, "first_bad_layer": cast.module,
+              "occurrences": n},
+    )
 
 
 def _bad_loss_values(session: Session, steps: list[int]) -> str | None:

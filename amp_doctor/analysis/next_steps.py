@@ -199,5 +199,6 @@ def _batch_beyond_format(f: Finding) -> bool:
     """An error of a batch beyond the format, cast to inf before the layer: the fix is in
     the data. Not an op's own input range (anomaly mode's ``input_absmax``), nor a zeroed
     norm's input (review 55: "the fix is in the data" for an attention's overflow)."""
-    return (f.op is None and f.kind in ("activation_overflow", "input_beyond_format")
+    return ((f.op is None or bool(f.data.get("batch_cast")))
+            and f.kind in ("activation_overflow", "input_beyond_format")
             and f.data.get("input_absmax") is not None)
