@@ -256,3 +256,40 @@ def test_anomaly_mode_tells_a_batch_beyond_float16_as_the_data_like_the_default(
     assert err.data["input_absmax"] > 65504 and err.frame is not None
     assert "autocast's cast of it for layer 0 (aten._to_copy) made +inf" in " ".join(
         err.message.split())
+
+
+class _LossReturning(nn.Module):
+    """A model that returns ``(logits, loss)``, the loss in float32 (nanoGPT, HF)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+        logits = self.head(self.emb(idx))
+        return logits, nn.functional.cross_entropy(logits.float(), targets)
+
+
+def test_the_loss_a_compiled_model_returns_is_no_gradient_to_simulate() -> None:
+    # Review 56a: under torch.compile only the model's own outputs are recorded; the
+    # gradient of the float32 loss it returns is backward's seed, 1, read as "2^16 at a
+    # GradScaler's scale: beyond float16's max" in 100% of the model's gradients.
+    torch.manual_seed(0)
+    raw = _LossReturning()
+    model = torch.compile(raw, backend="aot_eager")
+    opt = torch.optim.SGD(raw.parameters(), lr=0.1)
+    with amp_doctor.watch(model) as doctor:
+        for _ in range(3):
+            idx = torch.randint(0, 32, (8,))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(idx, idx)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    assert s is not None and s.findings_of("compiled_model")
+    assert not s.findings_of("whatif_float16")
+    root = next(lay for lay in s.layers if lay.type == "_LossReturning")
+    assert root.grad_absmax != 1.0  # the seed is not among the recorded gradients

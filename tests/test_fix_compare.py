@@ -261,7 +261,8 @@ def test_diagnose_points_to_the_next_step_and_a_fp32_run_is_not_told_to_keep_it(
     # Without the folders (TensorBoard's card), placeholders say what goes there.
     assert next_steps(Session.load(tmp_path / "b" / "amp_doctor.json")) == [
         "amp-doctor: next: no errors with proj in float32; to see what that changed against "
-        "the run before it: amp-doctor compare RUN_BEFORE THIS_RUN"]
+        "the run before it: amp-doctor compare <the folder of the run before> "
+        "<this run's folder>"]
     assert (tmp_path / "b" / "report.txt").read_text().endswith(
         "\nNext:\n- " + nexts[0].removeprefix("amp-doctor: next: ") + "\n")
     compared = subprocess.run([console_script(), "compare", str(tmp_path / "a"),

@@ -66,8 +66,10 @@ def next_steps(session: Session, here: str | None = None,
         # The --fp32 try worked: what it changed, beside the run it was suggested by
         # (review 52a: a run that removed the errors said nothing more).
         forced = F.and_list(session.run.fp32_modules)
-        this = shlex.quote(here) if here else "THIS_RUN"
-        that = shlex.quote(before) if before else "RUN_BEFORE"
+        # Placeholders a shell would not take for a path (review 56b: RUN_BEFORE read as
+        # a literal folder name).
+        this = shlex.quote(here) if here else "<this run's folder>"
+        that = shlex.quote(before) if before else "<the folder of the run before>"
         return [f"amp-doctor: next: no errors with {forced} in float32; to see what that "
                 f"changed against the run before it: amp-doctor compare {that} {this}"]
     if not errors:

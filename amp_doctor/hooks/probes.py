@@ -164,6 +164,14 @@ class _RegisteredHook(WeakHook["Probes"]):
         return None
 
 
+def _seed_of_backward(t: torch.Tensor) -> bool:
+    """A float32 (or wider) scalar output: a loss a model returns beside its logits (HF's
+    ``(logits, loss)``). Its gradient is backward's seed (1, or the loss scale), not a
+    value the network made, and no low-precision format holds it (review 56a: the seed of
+    2^16 read as a float16 gradient overflow in the what-if)."""
+    return t.dim() == 0 and dtype_name(t.dtype) not in LOW_PRECISION_NAMES
+
+
 class _GradHook(WeakHook["Probes"]):
     # The hook holds the layer names and the step's buffer, never the
     # activation: a finished step keeps no reference to user tensors.
@@ -948,7 +956,7 @@ class Probes:
                 idx = buf.add(t)  # enters own_ops itself, when it needs to
                 owners = [name]
                 self._seen[t] = (idx, owners, version)
-                if t.requires_grad:
+                if t.requires_grad and not _seed_of_backward(t):
                     self._hook_grad(t, owners, buf)
                     if id(module) in self._roots:
                         for owner in self._viewed_output(t):
