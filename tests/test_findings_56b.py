@@ -1,0 +1,153 @@
+"""Review 56b: `--fp32` on a ModuleList changed nothing; `fix` did not follow an error that
+moved to the next block, and searched float32 layers for an op in the loop's own code."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_doctor
+from amp_doctor.hooks.fp32 import Fp32Islands
+from amp_doctor.records import Session
+from amp_doctor.sinks.text import render_text
+from tests.helpers import console_script
+
+D, HEADS, T, B, V = 32, 4, 8, 4, 5
+# Every other batch is "loud" (x 6): its attention scores pass log(65504) ~ 11.09, and the
+# hand-written exp overflows float16 in both blocks (review 56b's s3 script).
+LOUD = 6.0
+STEPS = 6
+# The contrastive loop's batches in raw units, not standardised.
+RAW_UNITS = 40.0
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+        w = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(D // HEADS))  # no max subtracted
+        w = w / w.sum(-1, keepdim=True)
+        return self.proj((w @ v).transpose(1, 2).reshape(b, t, D))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attention()
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, D)
+        self.blocks = nn.ModuleList([_Block(), _Block()])  # iterated, never called
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for blk in self.blocks:
+            h = blk(h)
+        return self.head(h.mean(1))
+
+
+def _run_attention(fp32: tuple[str, ...], anomaly: bool = True) -> Session:
+    torch.manual_seed(0)
+    model = _Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    with amp_doctor.watch(model, every=1, fp32=fp32, anomaly=anomaly,
+                          tensorboard=False) as doctor:
+        for step in range(STEPS):
+            x = torch.randn(B, T, 16, generator=g) * (LOUD if step % 2 else 1.0)
+            y = torch.randint(0, V, (B,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+# -- A: --fp32 on a container ---------------------------------------------------------------
+
+def test_fp32_on_a_modulelist_runs_its_members_in_float32_and_says_so() -> None:
+    """`--fp32 blocks` hooked the ModuleList, which is never called: the header said
+    "blocks" ran in float32 while every layer ran in float16, with the same NaN steps."""
+    s = _run_attention(("blocks",), anomaly=False)
+    assert s.run.fp32_modules == ["blocks.0", "blocks.1"]
+    assert s.run.fp32_containers == {"blocks": ["blocks.0", "blocks.1"]}
+    assert s.run.fp32_not_run == []
+    for name in ("blocks.0", "blocks.1.attn.qkv", "blocks.1.mlp.2"):
+        assert s.layer(name).output_dtypes == ["float32"]
+    assert s.layer("inp").output_dtypes == ["float16"]  # outside: untouched
+    assert not [f for f in s.findings if f.severity == "error"]  # the exp no longer overflows
+    text = " ".join(render_text(s).split())
+    assert "Run in float32 under autocast (--fp32): blocks.0, blocks.1" in text
+    assert ("blocks is a container, iterated and never called: --fp32 ran its members "
+            "instead (blocks.0, blocks.1).") in text
+
+
+def test_a_forced_module_that_never_ran_is_reported() -> None:
+    from amp_doctor.hooks.fp32 import Fp32NotRun
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"enc": nn.Linear(4, 4), "spare": nn.Linear(4, 4)})
+    islands = Fp32Islands(["enc", "spare"])
+    islands.attach("", model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model["enc"](torch.randn(2, 4))
+    assert out.dtype == torch.float32  # enc ran forced
+    assert islands.ran() == ["enc"] and islands.not_run() == ["spare"]
+    islands.check()  # during the run: spare may still run later
+    with pytest.raises(Fp32NotRun, match=r"--fp32 pattern 'spare' matches spare, but spare "
+                                         r"never ran a forward during the run"):
+        islands.check(ended=True)
+    islands.remove()
+
+
+def test_diagnose_with_a_pattern_whose_layer_never_ran_ends_with_exit_2(
+        tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\ntorch.manual_seed(0)\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.body = nn.Linear(8, 4)\n"
+        "        self.spare = nn.Linear(4, 4)  # built, never called\n"
+        "    def forward(self, x):\n"
+        "        return self.body(x)\n"
+        "model = M()\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for i in range(3):\n"
+        "    with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+        "        loss = model(torch.randn(4, 8)).float().pow(2).mean()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n")
+    proc = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", "--fp32",
+                           "spare", "--logdir", "ad", str(script)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1].startswith(
+        "amp-doctor: error: --fp32 pattern 'spare' matches spare, but spare never ran")
+    saved = json.loads((tmp_path / "ad" / "amp_doctor.json").read_text())
+    assert saved["run"]["fp32_modules"] == [] and saved["run"]["fp32_not_run"] == ["spare"]
+    assert [f["kind"] for f in saved["findings"]][:1] == ["fp32_not_run"]
