@@ -7,9 +7,12 @@ trials:
 
 1. a baseline (twice: the search relies on the script being deterministic for
    the steps it runs, and says so when it is not);
-2. the culprits the baseline's error findings name;
-3. their origin chain: each culprit's enclosing modules, innermost first;
-4. bisection over the model's blocks (the largest list of sibling modules);
+2. the culprits the baseline's error findings name; when a trial moves an error to
+   a layer outside its set (the same overflow in the next block), that layer is added;
+3. their origin chain: each culprit's enclosing modules, innermost first (a container
+   that is never called, a ``ModuleList``, stands for its members);
+4. bisection over the model's blocks (the list of numbered siblings that holds the
+   most layers);
 5. once a set works, a smaller one: each member's children in its place, and
    each member dropped in turn.
 
@@ -162,18 +165,74 @@ def _children(s: Session, name: str) -> list[str]:
 
 
 def _blocks(s: Session) -> list[str]:
-    """The largest run of numbered siblings (``h.0``, ``h.1``...), else the root's children."""
+    """The model's blocks, bisected when no culprit's set removed the errors."""
+    return _block_group(s)[1]
+
+
+def _block_group(s: Session) -> tuple[str, list[str]]:
+    """The model's blocks, and what to call them in a trial's label: the numbered siblings
+    (``h.0``, ``h.1``...) that hold the most layers between them, else the root's
+    children. By layers held, not by count: review 56b's two transformer blocks lost to
+    the three layers of one block's MLP ``Sequential``, and the "bisection" never left it."""
     groups: dict[str, list[str]] = {}
     for lay in s.layers:
         parent, _, last = lay.name.rpartition(".")
         if last.isdigit():
             groups.setdefault(parent, []).append(lay.name)
+    names = [lay.name for lay in s.layers]
+
+    def held(members: list[str]) -> int:
+        return sum(1 for n in names for m in members if n == m or n.startswith(m + "."))
+
+    groups = {k: v for k, v in groups.items() if len(v) >= 2}
     if groups:
-        best = max(groups.values(), key=len)
-        if len(best) >= 2:
-            return best
-    return [lay.name for lay in s.layers if "." not in lay.name and lay.order >= 0
-            and lay.name not in s.run.models]
+        parent = max(groups, key=lambda k: (held(groups[k]), len(groups[k])))
+        return parent or "the model's layers", groups[parent]
+    return "the model's top-level layers", [
+        lay.name for lay in s.layers if "." not in lay.name and lay.order >= 0
+        and lay.name not in s.run.models]
+
+
+def _span(names: Sequence[str]) -> str:
+    """A trial's members in a label: one name, or the first and last of a run."""
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def _inside(name: str, members: Iterable[str]) -> bool:
+    """``name`` is one of ``members`` or inside one: already in float32 in that trial."""
+    return any(name == m or name.startswith(m + ".") for m in members)
+
+
+def _merged(current: Iterable[str], new: Iterable[str]) -> list[str]:
+    """``current`` and ``new`` as one set, without members inside another member."""
+    union = list(dict.fromkeys([*current, *new]))
+    return [n for n in union if not _inside(n, [m for m in union if m != n])]
+
+
+def _moved_to(s: Session | None, fp32: Sequence[str]) -> list[str]:
+    """The culprits a trial's errors name outside its float32 set: where the error went
+    once the set removed it from its members (the next block's copy of the same op)."""
+    if s is None:
+        return []
+    return [c for c in _culprits(s) if not _inside(c, fp32)]
+
+
+def _enclosing(s: Session, level: Sequence[str]) -> list[str]:
+    """The modules enclosing ``level``'s members, one level up. A parent that is no layer
+    of the report never ran a forward of its own (a ``ModuleList`` is iterated, not
+    called): its members, the layers that ran, stand in for it, so that a trial's float32
+    column says what really ran (review 56b: "blocks" read as forced, and forced nothing)."""
+    names = {lay.name for lay in s.layers}
+    up: list[str] = []
+    for n in level:
+        p = _parent(n)
+        if p is None or p in s.run.models:
+            up.append(n)  # the top: a whole model in float32 is AMP off, not a fix
+        elif p in names:
+            up.append(p)
+        else:
+            up.extend(_children(s, p) or [n])
+    return sorted(_merged([], up), key=_order_key(s))
 
 
 def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
@@ -243,6 +302,8 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
             "different errors or losses twice): trials may disagree by chance. Seed it "
             "(torch.manual_seed) and disable nondeterministic data order to trust the result.")
     tried: set[frozenset[str]] = set()
+    # The report of each trial run, for where its errors went.
+    reports: dict[tuple[str, ...], Session | None] = {}
 
     def attempt(cand: Iterable[str], why: str) -> Trial | None:
         key = frozenset(cand)
@@ -254,7 +315,8 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
             result.budget_exhausted = True
             return None
         tried.add(key)
-        t, _ = _trial(tuple(sorted(key, key=_order_key(bs))), why, run)
+        t, ts = _trial(tuple(sorted(key, key=_order_key(bs))), why, run)
+        reports[t.fp32] = ts
         if not t.errors and t.exit_code == 0 and _loss_worse(t.final_loss, base.final_loss):
             # Errors gone, and training with them: float32 let a corrupt batch that the
             # GradScaler had skipped update the weights (review 45c).
@@ -271,28 +333,42 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
         """Fewer members first, then fewer layers inside them (a child beats its parent)."""
         return len(names), _cost(names, result.layer_types)[0]
 
+    def follow(t: Trial | None, level: list[str]) -> list[str]:
+        """Review 56b: the same overflow in every block. Forcing the first moved the error
+        to the next, and the search went on without it. Each move adds the layer the error
+        moved to, until the set removes it or stops moving it; returns the set reached."""
+        while t is not None and not t.ok and t.errors != base.errors:
+            moved = _moved_to(reports.get(t.fp32), t.fp32)
+            if not moved:
+                break
+            level = _merged(level, moved)
+            t = attempt(level, f"add {', '.join(moved)}: the error moved there")
+        return level
+
     culprits = _culprits(bs)
-    if culprits:
-        attempt(culprits, "the culprits the errors name")
-    # The origin chain: enclosing modules, innermost first.
     level = culprits
+    if culprits:
+        level = follow(attempt(culprits, "the culprits the errors name"), level)
+    # The origin chain: enclosing modules, innermost first.
     while result.best is None and level:
-        level = sorted({p for p in (_parent(n) for n in level) if p})
-        attempt(level, "their enclosing modules")
+        up = _enclosing(bs, level)
+        if up == level:
+            break
+        level = follow(attempt(up, "their enclosing modules"), up)
     # Bisection over the blocks.
-    blocks = _blocks(bs)
+    group, blocks = _block_group(bs)
     while result.best is None and len(blocks) >= 2 and not result.budget_exhausted:
         half = len(blocks) // 2
         first, second = blocks[:half], blocks[half:]
-        t = attempt(first, f"bisect: blocks {first[0]}..{first[-1]}")
+        t = attempt(first, f"bisect {group}: first half, {_span(first)}")
         if t is not None and t.ok:
             blocks = first
             continue
-        t = attempt(second, f"bisect: blocks {second[0]}..{second[-1]}")
+        t = attempt(second, f"bisect {group}: second half, {_span(second)}")
         if t is not None and t.ok:
             blocks = second
             continue
-        attempt(blocks, "all blocks")
+        attempt(blocks, f"all of {group} bisected, {_span(blocks)}")
         break
     # Smaller: a member's children instead of it, then each member dropped.
     improved = True

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_doctor
+from amp_doctor.fix import find_fix, render_fix
 from amp_doctor.hooks.fp32 import Fp32Islands
 from amp_doctor.records import Session
 from amp_doctor.sinks.text import render_text
@@ -151,3 +152,38 @@ def test_diagnose_with_a_pattern_whose_layer_never_ran_ends_with_exit_2(
     saved = json.loads((tmp_path / "ad" / "amp_doctor.json").read_text())
     assert saved["run"]["fp32_modules"] == [] and saved["run"]["fp32_not_run"] == ["spare"]
     assert [f["kind"] for f in saved["findings"]][:1] == ["fp32_not_run"]
+
+
+# -- B: the fix search follows a moved error ---------------------------------------------
+
+def test_fix_adds_the_layer_the_error_moved_to() -> None:
+    """Trial 3 (blocks.0.attn) moved the exp's overflow to blocks.1.attn; the search then
+    tried `blocks` (a ModuleList: nothing forced), bisected the MLP of one block under the
+    label "all blocks", and found no fix."""
+    calls: list[tuple[str, ...]] = []
+
+    def run(fp32: tuple[str, ...]) -> tuple[Session | None, int]:
+        calls.append(fp32)
+        return _run_attention(fp32), 0
+
+    result = find_fix(run, max_trials=4)
+    assert calls[:4] == [(), (), ("blocks.0.attn",), ("blocks.0.attn", "blocks.1.attn")]
+    assert result.trials[1].errors == ("nonfinite_forward@blocks.1.attn",)
+    assert result.trials[2].why == "add blocks.1.attn: the error moved there"
+    assert result.trials[2].ok
+    assert result.best is not None and result.best.fp32 == ("blocks.0.attn", "blocks.1.attn")
+    assert "Smallest fix found: keep blocks.0.attn, blocks.1.attn in float32" in render_fix(
+        result)
+
+
+def test_fix_names_the_members_a_container_stands_for_and_bisects_the_blocks() -> None:
+    """The enclosing module of blocks.0 is the ModuleList `blocks`, no layer of the
+    report: its members stand for it. The blocks bisected are blocks.0/blocks.1 (they hold
+    the most layers), not the three layers of blocks.0.mlp."""
+    from amp_doctor.fix import _block_group, _enclosing
+
+    bs = _run_attention((), anomaly=False)
+    assert _enclosing(bs, ["blocks.0"]) == ["blocks.0", "blocks.1"]
+    assert _enclosing(bs, ["blocks.0.attn", "blocks.1.attn.proj"]) == ["blocks.0",
+                                                                        "blocks.1.attn"]
+    assert _block_group(bs) == ("blocks", ["blocks.0", "blocks.1"])
