@@ -111,6 +111,18 @@ def _ran_wide(f: Finding) -> bool:
             and f.data.get("dtype") in WIDE_FORMATS)
 
 
+# Op-level findings: the op they name ran in the model's code or, without a module, in the
+# loop's own code (a loss computed outside the model).
+OP_KINDS = frozenset({"nonfinite_forward", "nonfinite_backward", "activation_overflow"})
+
+
+def _outside(f: Finding) -> bool:
+    """An op-level error in an op outside every module of the model (the training loop's
+    own code): --fp32 changes what runs inside modules only, so no float32 layer set
+    reaches it (review 56b: a contrastive loss's division, searched over backbone.*)."""
+    return f.kind in OP_KINDS and f.module is None and f.op is not None
+
+
 def _error_keys(s: Session | None) -> tuple[str, ...]:
     if s is None:
         return ("no_report",)
@@ -125,6 +137,29 @@ def _trial(fp32: tuple[str, ...], why: str, run: Runner) -> tuple[Trial, Session
         steps=s.steps if s else 0, final_loss=losses[-1] if losses else None,
         skipped=len(s.scaler.skipped_steps) if s and s.scaler else 0,
     ), s
+
+
+def _not_searched_notes(errors: Sequence[Finding]) -> list[str]:
+    """Why no float32 layer set is tried for errors no such set can change, with the line
+    and the fix of each kind of them."""
+    notes: list[str] = []
+    wide = [f for f in errors if _ran_wide(f)]
+    outside = [f for f in errors if not _ran_wide(f)]
+    if wide:
+        ops = ", ".join(dict.fromkeys(str(f.op) for f in wide))
+        notes.append(
+            f"The baseline's errors are in ops that ran in float32 already ({ops}): float32 "
+            f"layers cannot fix them, so none is searched for. Their fix: {wide[0].advice}")
+    if outside:
+        where = ", ".join(dict.fromkeys(
+            f"{f.op}" + (f" at {f.frame}" if f.frame else "") for f in outside))
+        notes.append(
+            f"The baseline's {'errors are' if len(outside) > 1 else 'error is'} in "
+            f"{'ops' if len(outside) > 1 else 'an op'} outside every module of the model, in "
+            f"the training loop's own code ({where}): --fp32 runs modules in float32, so no "
+            "set of float32 layers reaches it, and none is searched for. Fix it in that "
+            f"code: {outside[0].advice}")
+    return notes
 
 
 def _parent(name: str) -> str | None:
@@ -282,13 +317,11 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
             "run `amp-doctor fix` again if AMP errors remain.")
         return result
     errors = [f for f in bs.findings if _blocking(f)]
-    if errors and all(_ran_wide(f) for f in errors):
+    if errors and all(_ran_wide(f) or _outside(f) for f in errors):
         # Review 55b: a CTC loss inf for targets longer than their input was "searched" with
         # every float32 layer set, none of which could change an op that ran in float32.
-        ops = ", ".join(dict.fromkeys(str(f.op) for f in errors))
-        result.notes.append(
-            f"The baseline's errors are in ops that ran in float32 already ({ops}): float32 "
-            f"layers cannot fix them, so none is searched for. Their fix: {errors[0].advice}")
+        # Review 56b: an op in the loop's own code (outside every module) likewise.
+        result.notes.extend(_not_searched_notes(errors))
         result.not_searched = True
         return result
     again, _ = _trial((), "baseline, repeated", run)

@@ -187,3 +187,53 @@ def test_fix_names_the_members_a_container_stands_for_and_bisects_the_blocks() -
     assert _enclosing(bs, ["blocks.0.attn", "blocks.1.attn.proj"]) == ["blocks.0",
                                                                         "blocks.1.attn"]
     assert _block_group(bs) == ("blocks", ["blocks.0", "blocks.1"])
+
+
+# -- C: an op in the training loop's own code --------------------------------------------
+
+def _run_contrastive(fp32: tuple[str, ...]) -> Session:
+    """NT-Xent on unnormalised projections with temperature 0.01: on raw-unit batches
+    (x 40, every step: the op search then meets one at once) `z @ z.T / 0.01` overflows
+    float16 in the loss, outside the encoder."""
+    torch.manual_seed(3)
+    enc = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                        nn.Linear(64, 32))
+    opt = torch.optim.Adam(enc.parameters(), lr=2e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(enc, every=1, fp32=fp32, anomaly=True, tensorboard=False) as doctor:
+        for _ in range(STEPS):
+            base = torch.randn(32, 32) * RAW_UNITS
+            with torch.autocast("cpu", dtype=torch.float16):
+                z = torch.cat([enc(base + 0.1 * torch.randn_like(base)),
+                               enc(base + 0.1 * torch.randn_like(base))])
+                sim = z @ z.t() / 0.01  # THE LOOP'S DIVISION
+                sim = sim.masked_fill(torch.eye(64, dtype=torch.bool), float("-inf"))
+                targets = torch.cat([torch.arange(32, 64), torch.arange(0, 32)])
+                loss = F.cross_entropy(sim, targets)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return doctor.session
+
+
+def test_fix_does_not_search_layers_for_an_op_outside_the_model() -> None:
+    calls: list[tuple[str, ...]] = []
+
+    def run(fp32: tuple[str, ...]) -> tuple[Session | None, int]:
+        calls.append(fp32)
+        return _run_contrastive(fp32), 0
+
+    result = find_fix(run, max_trials=4)
+    errors = [f for f in _run_contrastive(()).findings if f.severity == "error"]
+    assert [(f.kind, f.module, f.op) for f in errors] == [
+        ("nonfinite_forward", None, "aten.div")]
+    assert calls == [()]  # the baseline only: no backbone.* sets
+    assert result.not_searched and result.best is None
+    note = " ".join(result.notes)
+    assert ("The baseline's error is in an op outside every module of the model, in the "
+            "training loop's own code (aten.div at ") in note
+    assert "test_findings_56b.py:" in note and "in _run_contrastive" in note
+    assert "so no set of float32 layers reaches it, and none is searched for" in note
+    assert f"Fix it in that code: {errors[0].advice}" in note
+    assert "No set of float32 layers removed" not in render_fix(result)
