@@ -7,9 +7,12 @@ trials:
 
 1. a baseline (twice: the search relies on the script being deterministic for
    the steps it runs, and says so when it is not);
-2. the culprits the baseline's error findings name;
-3. their origin chain: each culprit's enclosing modules, innermost first;
-4. bisection over the model's blocks (the largest list of sibling modules);
+2. the culprits the baseline's error findings name; when a trial moves an error to
+   a layer outside its set (the same overflow in the next block), that layer is added;
+3. their origin chain: each culprit's enclosing modules, innermost first (a container
+   that is never called, a ``ModuleList``, stands for its members);
+4. bisection over the model's blocks (the list of numbered siblings that holds the
+   most layers);
 5. once a set works, a smaller one: each member's children in its place, and
    each member dropped in turn.
 
@@ -108,6 +111,18 @@ def _ran_wide(f: Finding) -> bool:
             and f.data.get("dtype") in WIDE_FORMATS)
 
 
+# Op-level findings: the op they name ran in the model's code or, without a module, in the
+# loop's own code (a loss computed outside the model).
+OP_KINDS = frozenset({"nonfinite_forward", "nonfinite_backward", "activation_overflow"})
+
+
+def _outside(f: Finding) -> bool:
+    """An op-level error in an op outside every module of the model (the training loop's
+    own code): --fp32 changes what runs inside modules only, so no float32 layer set
+    reaches it (review 56b: a contrastive loss's division, searched over backbone.*)."""
+    return f.kind in OP_KINDS and f.module is None and f.op is not None
+
+
 def _error_keys(s: Session | None) -> tuple[str, ...]:
     if s is None:
         return ("no_report",)
@@ -122,6 +137,29 @@ def _trial(fp32: tuple[str, ...], why: str, run: Runner) -> tuple[Trial, Session
         steps=s.steps if s else 0, final_loss=losses[-1] if losses else None,
         skipped=len(s.scaler.skipped_steps) if s and s.scaler else 0,
     ), s
+
+
+def _not_searched_notes(errors: Sequence[Finding]) -> list[str]:
+    """Why no float32 layer set is tried for errors no such set can change, with the line
+    and the fix of each kind of them."""
+    notes: list[str] = []
+    wide = [f for f in errors if _ran_wide(f)]
+    outside = [f for f in errors if not _ran_wide(f)]
+    if wide:
+        ops = ", ".join(dict.fromkeys(str(f.op) for f in wide))
+        notes.append(
+            f"The baseline's errors are in ops that ran in float32 already ({ops}): float32 "
+            f"layers cannot fix them, so none is searched for. Their fix: {wide[0].advice}")
+    if outside:
+        where = ", ".join(dict.fromkeys(
+            f"{f.op}" + (f" at {f.frame}" if f.frame else "") for f in outside))
+        notes.append(
+            f"The baseline's {'errors are' if len(outside) > 1 else 'error is'} in "
+            f"{'ops' if len(outside) > 1 else 'an op'} outside every module of the model, in "
+            f"the training loop's own code ({where}): --fp32 runs modules in float32, so no "
+            "set of float32 layers reaches it, and none is searched for. Fix it in that "
+            f"code: {outside[0].advice}")
+    return notes
 
 
 def _parent(name: str) -> str | None:
@@ -162,18 +200,74 @@ def _children(s: Session, name: str) -> list[str]:
 
 
 def _blocks(s: Session) -> list[str]:
-    """The largest run of numbered siblings (``h.0``, ``h.1``...), else the root's children."""
+    """The model's blocks, bisected when no culprit's set removed the errors."""
+    return _block_group(s)[1]
+
+
+def _block_group(s: Session) -> tuple[str, list[str]]:
+    """The model's blocks, and what to call them in a trial's label: the numbered siblings
+    (``h.0``, ``h.1``...) that hold the most layers between them, else the root's
+    children. By layers held, not by count: review 56b's two transformer blocks lost to
+    the three layers of one block's MLP ``Sequential``, and the "bisection" never left it."""
     groups: dict[str, list[str]] = {}
     for lay in s.layers:
         parent, _, last = lay.name.rpartition(".")
         if last.isdigit():
             groups.setdefault(parent, []).append(lay.name)
+    names = [lay.name for lay in s.layers]
+
+    def held(members: list[str]) -> int:
+        return sum(1 for n in names for m in members if n == m or n.startswith(m + "."))
+
+    groups = {k: v for k, v in groups.items() if len(v) >= 2}
     if groups:
-        best = max(groups.values(), key=len)
-        if len(best) >= 2:
-            return best
-    return [lay.name for lay in s.layers if "." not in lay.name and lay.order >= 0
-            and lay.name not in s.run.models]
+        parent = max(groups, key=lambda k: (held(groups[k]), len(groups[k])))
+        return parent or "the model's layers", groups[parent]
+    return "the model's top-level layers", [
+        lay.name for lay in s.layers if "." not in lay.name and lay.order >= 0
+        and lay.name not in s.run.models]
+
+
+def _span(names: Sequence[str]) -> str:
+    """A trial's members in a label: one name, or the first and last of a run."""
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def _inside(name: str, members: Iterable[str]) -> bool:
+    """``name`` is one of ``members`` or inside one: already in float32 in that trial."""
+    return any(name == m or name.startswith(m + ".") for m in members)
+
+
+def _merged(current: Iterable[str], new: Iterable[str]) -> list[str]:
+    """``current`` and ``new`` as one set, without members inside another member."""
+    union = list(dict.fromkeys([*current, *new]))
+    return [n for n in union if not _inside(n, [m for m in union if m != n])]
+
+
+def _moved_to(s: Session | None, fp32: Sequence[str]) -> list[str]:
+    """The culprits a trial's errors name outside its float32 set: where the error went
+    once the set removed it from its members (the next block's copy of the same op)."""
+    if s is None:
+        return []
+    return [c for c in _culprits(s) if not _inside(c, fp32)]
+
+
+def _enclosing(s: Session, level: Sequence[str]) -> list[str]:
+    """The modules enclosing ``level``'s members, one level up. A parent that is no layer
+    of the report never ran a forward of its own (a ``ModuleList`` is iterated, not
+    called): its members, the layers that ran, stand in for it, so that a trial's float32
+    column says what really ran (review 56b: "blocks" read as forced, and forced nothing)."""
+    names = {lay.name for lay in s.layers}
+    up: list[str] = []
+    for n in level:
+        p = _parent(n)
+        if p is None or p in s.run.models:
+            up.append(n)  # the top: a whole model in float32 is AMP off, not a fix
+        elif p in names:
+            up.append(p)
+        else:
+            up.extend(_children(s, p) or [n])
+    return sorted(_merged([], up), key=_order_key(s))
 
 
 def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
@@ -223,13 +317,11 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
             "run `amp-doctor fix` again if AMP errors remain.")
         return result
     errors = [f for f in bs.findings if _blocking(f)]
-    if errors and all(_ran_wide(f) for f in errors):
+    if errors and all(_ran_wide(f) or _outside(f) for f in errors):
         # Review 55b: a CTC loss inf for targets longer than their input was "searched" with
         # every float32 layer set, none of which could change an op that ran in float32.
-        ops = ", ".join(dict.fromkeys(str(f.op) for f in errors))
-        result.notes.append(
-            f"The baseline's errors are in ops that ran in float32 already ({ops}): float32 "
-            f"layers cannot fix them, so none is searched for. Their fix: {errors[0].advice}")
+        # Review 56b: an op in the loop's own code (outside every module) likewise.
+        result.notes.extend(_not_searched_notes(errors))
         result.not_searched = True
         return result
     again, _ = _trial((), "baseline, repeated", run)
@@ -243,6 +335,8 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
             "different errors or losses twice): trials may disagree by chance. Seed it "
             "(torch.manual_seed) and disable nondeterministic data order to trust the result.")
     tried: set[frozenset[str]] = set()
+    # The report of each trial run, for where its errors went.
+    reports: dict[tuple[str, ...], Session | None] = {}
 
     def attempt(cand: Iterable[str], why: str) -> Trial | None:
         key = frozenset(cand)
@@ -254,7 +348,8 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
             result.budget_exhausted = True
             return None
         tried.add(key)
-        t, _ = _trial(tuple(sorted(key, key=_order_key(bs))), why, run)
+        t, ts = _trial(tuple(sorted(key, key=_order_key(bs))), why, run)
+        reports[t.fp32] = ts
         if not t.errors and t.exit_code == 0 and _loss_worse(t.final_loss, base.final_loss):
             # Errors gone, and training with them: float32 let a corrupt batch that the
             # GradScaler had skipped update the weights (review 45c).
@@ -271,28 +366,42 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
         """Fewer members first, then fewer layers inside them (a child beats its parent)."""
         return len(names), _cost(names, result.layer_types)[0]
 
+    def follow(t: Trial | None, level: list[str]) -> list[str]:
+        """Review 56b: the same overflow in every block. Forcing the first moved the error
+        to the next, and the search went on without it. Each move adds the layer the error
+        moved to, until the set removes it or stops moving it; returns the set reached."""
+        while t is not None and not t.ok and t.errors != base.errors:
+            moved = _moved_to(reports.get(t.fp32), t.fp32)
+            if not moved:
+                break
+            level = _merged(level, moved)
+            t = attempt(level, f"add {', '.join(moved)}: the error moved there")
+        return level
+
     culprits = _culprits(bs)
-    if culprits:
-        attempt(culprits, "the culprits the errors name")
-    # The origin chain: enclosing modules, innermost first.
     level = culprits
+    if culprits:
+        level = follow(attempt(culprits, "the culprits the errors name"), level)
+    # The origin chain: enclosing modules, innermost first.
     while result.best is None and level:
-        level = sorted({p for p in (_parent(n) for n in level) if p})
-        attempt(level, "their enclosing modules")
+        up = _enclosing(bs, level)
+        if up == level:
+            break
+        level = follow(attempt(up, "their enclosing modules"), up)
     # Bisection over the blocks.
-    blocks = _blocks(bs)
+    group, blocks = _block_group(bs)
     while result.best is None and len(blocks) >= 2 and not result.budget_exhausted:
         half = len(blocks) // 2
         first, second = blocks[:half], blocks[half:]
-        t = attempt(first, f"bisect: blocks {first[0]}..{first[-1]}")
+        t = attempt(first, f"bisect {group}: first half, {_span(first)}")
         if t is not None and t.ok:
             blocks = first
             continue
-        t = attempt(second, f"bisect: blocks {second[0]}..{second[-1]}")
+        t = attempt(second, f"bisect {group}: second half, {_span(second)}")
         if t is not None and t.ok:
             blocks = second
             continue
-        attempt(blocks, "all blocks")
+        attempt(blocks, f"all of {group} bisected, {_span(blocks)}")
         break
     # Smaller: a member's children instead of it, then each member dropped.
     improved = True

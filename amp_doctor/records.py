@@ -275,8 +275,12 @@ class RunInfo:
     error_at: str | None = None
     rank: int | None = None
     world_size: int | None = None
-    # Modules run in float32 under autocast by --fp32 / watch(fp32=...).
+    # Modules run in float32 under autocast by --fp32 / watch(fp32=...): those that ran.
     fp32_modules: list[str] = field(default_factory=list)
+    # Modules --fp32 forced whose forward never ran: nothing changed for them.
+    fp32_not_run: list[str] = field(default_factory=list)
+    # A matched container that is never called (ModuleList) -> its members, forced instead.
+    fp32_containers: dict[str, list[str]] = field(default_factory=dict)
     # --target-dtype: the format the user plans to move to; its what-ifs become warnings.
     target_dtype: str | None = None
 

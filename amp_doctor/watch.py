@@ -1093,7 +1093,9 @@ class Watch:
             error_at=rm.get("error_at"),
             rank=rm.get("rank"),
             world_size=rm.get("world_size"),
-            fp32_modules=list(self._fp32.forced) if self._fp32 is not None else [],
+            fp32_modules=self._fp32.ran() if self._fp32 is not None else [],
+            fp32_not_run=self._fp32.not_run() if self._fp32 is not None else [],
+            fp32_containers=dict(self._fp32.containers) if self._fp32 is not None else {},
             target_dtype=self._opts.target_dtype,
         )
         draft = Session(

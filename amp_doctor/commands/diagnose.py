@@ -585,11 +585,11 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
     unmatched: AmpDoctorError | None = None
     if doctor.fp32_islands is not None:
         try:
-            doctor.fp32_islands.check()
+            doctor.fp32_islands.check(ended=True)
         except AmpDoctorError as e:  # after the report: what ran is still worth reading
             unmatched = e
             if session is not None:
-                session = _fp32_not_run(session, str(e))
+                session = _fp32_not_run(session, e)
                 saved = run_dir / JSON_NAME  # written at close, before this was known
                 if saved.is_file():
                     from amp_doctor.sinks.jsonfile import write_json
@@ -603,18 +603,22 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
     return code
 
 
-def _fp32_not_run(session: Any, error: str) -> Any:
-    """The session of a run whose --fp32 pattern matched no layer: an error finding first
-    and the exit code the command ends with, so that its saved report (and ``compare``)
-    does not read as a clean float32 trial (review 55)."""
+def _fp32_not_run(session: Any, error: AmpDoctorError) -> Any:
+    """The session of a run whose --fp32 pattern matched no layer, or only layers that
+    never ran (review 56b): an error finding first and the exit code the command ends
+    with, so that its saved report (and ``compare``) does not read as a clean float32
+    trial (review 55)."""
     import dataclasses
 
+    from amp_doctor.hooks.fp32 import Fp32NotRun
     from amp_doctor.records import Finding
 
     finding = Finding(
-        kind="fp32_unmatched", severity="error", module=None, op=None, step=None,
+        kind="fp32_not_run" if isinstance(error, Fp32NotRun) else "fp32_unmatched",
+        severity="error", module=None, op=None, step=None,
         message=(f"This run is not the float32 trial it was asked to be: {error} "
-                 "Every layer ran as without --fp32."),
+                 + (f"Only {', '.join(session.run.fp32_modules)} ran in float32."
+                    if session.run.fp32_modules else "Every layer ran as without --fp32.")),
         advice=("Run it again with a pattern that matches: the layer names are the first "
                 "column of the layer table below."))
     return dataclasses.replace(

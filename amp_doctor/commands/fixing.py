@@ -110,6 +110,9 @@ def fix(module: str | None, stop_after: int | None, old_max_steps: int | None,
         if os.name == "posix":
             die_by_signal(signal.SIGINT)
         sys.exit(EXIT_INTERRUPTED)
+    if scratch is not None:
+        # A note's `file:line` was the trials' copy, removed above: name the user's file.
+        result.notes = [n.replace(str(scratch), str(here)) for n in result.notes]
     result.command = [*(["-m", module] if module else []), *script_and_args]
     result.target_dtype = target_dtype
     click.echo("\n" + fixing.render_fix(result), nl=False)

@@ -20,6 +20,14 @@ activations) now see float32, as they would after the hand-written fix.
 This changes the run's numerics on purpose; a run with no matching module
 is unchanged.
 
+A pattern that matches a container without a ``forward`` of its own
+(``nn.ModuleList``, ``nn.ModuleDict``) means its members: such a container is
+iterated, never called, so hooks on it would never fire and the run would be
+unchanged while its header said otherwise (review 56b: ``--fp32 blocks``). Its
+children are forced instead, and the report lists them. A forced module whose
+forward never ran is counted too: a pattern none of whose modules ran is an error
+at the end of the run, like a pattern that matches nothing.
+
 The hooks are :class:`~amp_doctor.hooks.weakhooks.WeakMethodHook` objects: a deep copy
 or a pickle of the model (``torch.save(model)``, EMA copies) gets unwatched hooks,
 so a copy runs as the user wrote it.
@@ -41,7 +49,8 @@ from amp_doctor.devicework import map_tensors
 from amp_doctor.errors import AmpDoctorError
 from amp_doctor.hooks.weakhooks import WeakMethodHook
 
-__all__ = ["Fp32Islands", "check_patterns", "layer_name", "near_names"]
+__all__ = ["Fp32Islands", "Fp32NotRun", "check_patterns", "is_container", "layer_name",
+           "near_names"]
 
 _LOW = (torch.float16, torch.bfloat16)
 # Near names listed in an "unmatched pattern" error.
@@ -80,6 +89,16 @@ def check_patterns(patterns: Sequence[str], matched: dict[str, list[str]],
         )
 
 
+class Fp32NotRun(AmpDoctorError):
+    """A --fp32 pattern matched modules, but none of them ran a forward during the run."""
+
+
+def is_container(mod: nn.Module) -> bool:
+    """A module without a ``forward`` of its own (``ModuleList``, ``ModuleDict``): it is
+    iterated or indexed, never called, so forward hooks on it never fire."""
+    return type(mod).forward is nn.Module.forward
+
+
 def _first_device(obj: Any, module: nn.Module) -> str:
     stack = [obj]
     while stack:
@@ -110,30 +129,51 @@ class Fp32Islands:
         self.names: list[str] = []  # every name seen, for near-name hints
         self._handles: list[RemovableHandle] = []
         self._forced_ids: set[int] = set()
+        # Matched containers that are never called, and the members forced in their place.
+        self.containers: dict[str, list[str]] = {}
+        # Per pattern, the modules forced for it (id, report name): what "ran" is checked on.
+        self._forced_for: dict[str, list[tuple[int, str]]] = {p: [] for p in self.patterns}
+        # Forced modules whose pre-hook fired. Kept across reattach: the modules are the same.
+        self._ran_ids: set[int] = set()
         # The autocast contexts of the forced calls in flight, per thread.
         self._local = threading.local()
 
     def attach(self, prefix: str, model: nn.Module) -> list[str]:
         """Hook the modules of ``model`` that match; returns their names."""
         forced_here: list[str] = []
-        inside_forced: set[int] = set()
+        # Module id -> the forced ancestor (id, name) it runs inside, autocast off.
+        inside_forced: dict[int, tuple[int, str]] = {}
+        # Patterns a never-called container passes down to its members (named_modules
+        # lists a parent before its children, so they are known when a child comes).
+        inherited: dict[int, list[str]] = {}
         for qual, mod in model.named_modules():
             name = layer_name(prefix, qual, mod)
             self.names.append(name)
             # The exact name first: a printed name may hold glob characters (enc[0]).
             pats = [p for p in self.patterns if p == name or fnmatch.fnmatchcase(name, p)]
-            if not pats:
-                continue
             for p in pats:
                 self.matched[p].append(name)
-            # Autocast is already off inside a forced ancestor.
+            pats += [p for p in inherited.get(id(mod), ()) if p not in pats]
+            if not pats:
+                continue
+            # Autocast is already off inside a forced ancestor: the pattern ran when it did.
             if id(mod) in inside_forced:
+                for p in pats:
+                    self._forced_for[p].append(inside_forced[id(mod)])
+                continue
+            if is_container(mod):
+                kids = list(mod.named_children())
+                self.containers[name] = [layer_name(name, q, k) for q, k in kids]
+                for _, kid in kids:
+                    inherited.setdefault(id(kid), []).extend(pats)
                 continue
             if any(p.dtype in _LOW for p in mod.parameters()):
                 self.refused.append(name)
                 continue
-            inside_forced.update(id(m) for m in mod.modules())
+            inside_forced.update((id(m), (id(mod), name)) for m in mod.modules())
             forced_here.append(name)
+            for p in pats:
+                self._forced_for[p].append((id(mod), name))
             self._forced_ids.add(id(mod))
             self._handles.append(mod.register_forward_pre_hook(
                 WeakMethodHook(self, Fp32Islands._pre), with_kwargs=True, prepend=True))
@@ -146,12 +186,41 @@ class Fp32Islands:
         """Match every model anew, under its current prefix."""
         self.remove()
         self.matched = {p: [] for p in self.patterns}
+        self._forced_for = {p: [] for p in self.patterns}
         self.forced, self.refused, self.names = [], [], []
+        self.containers = {}
         for prefix, model in models.items():
             self.attach(prefix, model)
 
-    def check(self) -> None:
+    def check(self, ended: bool = False) -> None:
+        """Raise for a pattern that matches no layer; once the run has ``ended``, also
+        (:class:`Fp32NotRun`) for one none of whose forced modules ever ran."""
         check_patterns(self.patterns, self.matched, self.names)
+        if not ended:
+            return  # a module may first run later (an evaluation, a second stage)
+        for pat in self.patterns:
+            if any(i in self._ran_ids for i, _ in self._forced_for[pat]):
+                continue
+            forced = [n for _, n in self._forced_for[pat]]
+            what = (f"{', '.join(dict.fromkeys(forced))} never ran a forward" if forced
+                    else "none of it could be forced (weights already in float16/bfloat16, "
+                    "or an empty container)")
+            raise Fp32NotRun(
+                f"--fp32 pattern {pat!r} matches {', '.join(self.matched[pat])}, but "
+                f"{what} during the run, so nothing ran in float32 for it; name layers "
+                "that the report's layer table lists (those ran).")
+
+    def ran(self) -> list[str]:
+        """The forced modules whose forward ran, in model order: what ran in float32."""
+        return [n for n in self.forced if n in self._ran_names()]
+
+    def not_run(self) -> list[str]:
+        """The forced modules whose forward never ran: --fp32 changed nothing for them."""
+        return [n for n in self.forced if n not in self._ran_names()]
+
+    def _ran_names(self) -> set[str]:
+        return {n for pairs in self._forced_for.values() for i, n in pairs
+                if i in self._ran_ids}
 
     def remove(self) -> None:
         for h in self._handles:
@@ -182,6 +251,7 @@ class Fp32Islands:
     def _pre(self, module: nn.Module, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         frames = self._frames()
+        self._ran_ids.add(id(module))
         dev = _first_device((args, kwargs), module)
         if not torch.is_autocast_enabled(dev):
             frames.append(None)

@@ -319,6 +319,13 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
     if s.run.fp32_modules:
         out.append(_wrap("Run in float32 under autocast (--fp32): "
                          + ", ".join(s.run.fp32_modules), 0))
+    for box, kids in s.run.fp32_containers.items():
+        # Review 56b: `--fp32 blocks` on a ModuleList read as forced, and changed nothing.
+        out.append(_wrap(f"{box} is a container, iterated and never called: --fp32 ran its "
+                         f"members instead ({', '.join(kids) or 'none'}).", 2))
+    if s.run.fp32_not_run:
+        out.append(_wrap("Forced but never ran a forward, so unchanged: "
+                         + ", ".join(s.run.fp32_not_run), 2))
     if s.run.error:
         at = f" (at {s.run.error_at})" if s.run.error_at else ""
         out.append(_wrap(f"The run ended with {s.run.error}{at}", 0))
