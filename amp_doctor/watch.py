@@ -176,8 +176,9 @@ class _Boundaries:
     lead_root: int | None = None
     # Steps were counted from backward passes (no optimizer, scaler or doctor.step()).
     implicit: bool = False
-    # The watched root models that ran a training forward so far.
+    # The watched root models that ran a training forward so far, and in this step.
     trained_roots: set[int] = field(default_factory=set)
+    step_roots: set[int] = field(default_factory=set)
 
 
 class Watch:
@@ -578,6 +579,11 @@ class Watch:
         probes = self._probes
         if probes is None or probes.watches(model):
             return
+        name = name if name is not None else type(model).__name__
+        prefix = self._set.replaced(model, name, self._idle_root)
+        if prefix is not None:
+            self._replace_root(prefix, model, name, given)
+            return
         # Roots found before it that are part of it (``model.visual(x)`` called by itself
         # under no_grad before training; review 51): its layers, under its names.
         parts = [] if probes.trained_any() else [
@@ -588,7 +594,7 @@ class Watch:
         for part in parts:
             old.update(probes.forget_root(part))
             self._set.remove(part)
-        added = self._set.add(model, name if name is not None else type(model).__name__)
+        added = self._set.add(model, name)
         if added.renamed is not None:
             self._rename(probes.rename_root(*added.renamed))
         probes.add_root(added.prefix, model)
@@ -601,6 +607,44 @@ class Watch:
         if self._fp32 is not None:
             # Names may have changed (a second model prefixes the first): match anew.
             self._fp32.reattach(self.models)
+
+    def _idle_root(self, model: nn.Module) -> bool:
+        """The watched root ``model`` trained in an earlier step, and not in this one."""
+        rid = id(model)
+        return rid in self._bounds.trained_roots and rid not in self._bounds.step_roots
+
+    def _replace_root(self, prefix: str, model: nn.Module, name: str,
+                      given: nn.Module) -> None:
+        """``model`` replaced the watched root at ``prefix`` (see ``ModelSet.replaced``):
+        one model, under its names, whose layers' figures run on. The step boundaries
+        follow it: left with the old object as the step's first model, the new one's
+        forward right after a boundary looked like a second model training in the same
+        iteration (a GAN's), and every later step ended one update late (review 56a)."""
+        assert self._probes is not None
+        old = self._set.replace(prefix, model, name)
+        self._probes.replace_root(old, model)
+        bounds = self._bounds
+        if bounds.lead_root == id(old):
+            bounds.lead_root = id(model)
+        for roots in (bounds.trained_roots, bounds.step_roots):
+            if id(old) in roots:
+                roots.discard(id(old))
+                roots.add(id(model))
+        self._attach_wrappers(given)
+        if self._monitor is not None:
+            self._monitor.models_changed()  # its new optimizer holds the new parameters
+        if self._fp32 is not None:
+            self._fp32.reattach(self.models)
+        of_type = f" ({type(model).__name__})" if name != type(model).__name__ else ""
+        self._extra_events.append(Event(
+            kind="model_replaced", step=self.step_index, module=prefix or None, data={
+                "severity": "info", "name": name,
+                "message": (f"`{name}`{of_type} was replaced at step {self.step_index} by a new "
+                            "object of the same architecture (a model reloaded from a full "
+                            "checkpoint, or a copy): it is reported as one model, its layers' "
+                            "figures running on under the same names."),
+                "advice": ("Nothing to fix: a note on why the model's figures run on across "
+                           "the swap.")}))
 
     def _rename(self, mapping: dict[str, str]) -> None:
         if not mapping:
@@ -699,6 +743,7 @@ class Watch:
                 # After the boundary: this forward is the new step's.
                 self._loop.dropped.started(root, self._probes.name_of(module)
                                            if self._probes is not None else None)
+            self._bounds.step_roots.add(root)
             self._loop.train_forward = True
             self._bounds.idle = False
             name = self._probes.name_of(module) if self._probes is not None else None
@@ -949,6 +994,7 @@ class Watch:
             self._set_recording()
             self._loop.new_step()
             self._bounds.idle = False
+            self._bounds.step_roots.clear()
         if self._opts.stop_after is not None and self.step_index >= self._opts.stop_after:
             from amp_doctor.errors import StopRun
 

@@ -67,6 +67,8 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "lowp_update_nonfinite": "error",
     # Not recorded, and why: a compiled model's inner layers, tensors that cannot be summarised.
     "compiled_model": "info",
+    # The script replaced a watched model's object (a reload, a copy): one model all the same.
+    "model_replaced": "info",
     "unsummarized": "info",
     "nonfinite_unlocated": "warning",
 }

@@ -25,7 +25,8 @@ from amp_doctor.hooks.compiled import capturing
 from amp_doctor.hooks.probes import run_eagerly_when_called_by_dynamo
 
 __all__ = ["Models", "ModelSet", "GlobalDiscovery", "as_models", "unwrap",
-           "compile_wrappers", "compiled_by_method", "variable_name", "is_parametrization"]
+           "compile_wrappers", "compiled_by_method", "variable_name", "is_parametrization",
+           "same_architecture"]
 
 Models = nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module]
 # Wrappers whose inner module is the user's model.
@@ -164,6 +165,21 @@ def _key_in(holder: Any, module: nn.Module) -> str | None:
     return None
 
 
+def same_architecture(a: nn.Module, b: nn.Module) -> bool:
+    """``b`` has ``a``'s architecture: the same class, submodules (paths and classes) and
+    parameters (names and shapes), as a model reloaded from ``a``'s full checkpoint
+    (``torch.load(path, weights_only=False)``) or ``copy.deepcopy(a)`` has. Values and
+    dtypes may differ."""
+    if type(a) is not type(b):
+        return False
+    mods_a = [(q, type(m)) for q, m in a.named_modules()]
+    mods_b = [(q, type(m)) for q, m in b.named_modules()]
+    if mods_a != mods_b:
+        return False
+    return ([(n, p.shape) for n, p in a.named_parameters()]
+            == [(n, p.shape) for n, p in b.named_parameters()])
+
+
 def _free_name(name: str, taken: set[str]) -> str:
     if name not in taken:
         return name
@@ -209,6 +225,32 @@ class ModelSet:
         self.models[prefix] = model
         self._owned.update(id(p) for p in model.parameters())
         return Added(prefix, renamed)
+
+    def replaced(self, model: nn.Module, name: str,
+                 idle: Callable[[nn.Module], bool]) -> str | None:
+        """The prefix of the watched root whose place ``model`` takes, or None (a new
+        model): a root the user's code called by the same ``name``, of the same
+        architecture, that is ``idle`` (it trained before, but not in this step). That is
+        one model whose object the script replaced mid-run: ``model =
+        torch.load(path, weights_only=False)`` to resume, ``model = copy.deepcopy(model)``
+        (review 56a: named as a second model, ``model1``, whose boundaries shifted every
+        later step by one)."""
+        for prefix, old in self.models.items():
+            if (self._given_names.get(id(old)) == name and idle(old)
+                    and same_architecture(old, model)):
+                return prefix
+        return None
+
+    def replace(self, prefix: str, model: nn.Module, name: str) -> nn.Module:
+        """``model`` is the root at ``prefix`` from now on (see :meth:`replaced`); returns
+        the root it replaces."""
+        old = self.models[prefix]
+        self.models[prefix] = model
+        self._given_names.pop(id(old), None)
+        self._given_names[id(model)] = name
+        self.given = {k: model if unwrap(g) is old else g for k, g in self.given.items()}
+        self.scan_params()
+        return old
 
     def remove(self, model: nn.Module) -> None:
         """Watch ``model`` no longer as a root (a model it is part of takes it in)."""

@@ -528,6 +528,78 @@ class Probes:
         self._frozen.discard(rid)
         return old
 
+    def replace_root(self, old: nn.Module, new: nn.Module) -> None:
+        """The root ``new`` takes the place of the root ``old`` (the same architecture: a
+        model reloaded from a full checkpoint, a deep copy; see
+        :func:`~amp_doctor.hooks.discovery.same_architecture`). Each of ``new``'s modules
+        takes over the layer of ``old``'s module at the same path: its name, its place in
+        forward order and its figures so far, so the layers' statistics run on under the
+        same names. ``old``'s modules are unhooked and no longer watched."""
+        rid, nid = id(old), id(new)
+        prefix = self._root_prefix.get(rid, "")
+        by_qual = {meta.qual: meta for meta in self.layers.values() if meta.root == rid}
+        for h in self._root_handles.pop(rid, ()):
+            h.remove()
+            self._handles = [x for x in self._handles if x is not h]
+        entry_quals: set[str] = set()
+        gone: set[int] = set()
+        for qual, mod in old.named_modules():
+            mid = id(mod)
+            name = self._names.get(mid)
+            if name is None or self.layers[name].root != rid:
+                continue
+            del self._names[mid]
+            gone.add(mid)
+            if mid in self._entries:
+                # Its hooks are kept among the watch's for good: they find no name now.
+                entry_quals.add(qual)
+            for h in self._sub_handles.pop(mid, ()):
+                h.remove()
+            self._hook_objs.pop(mid, None)
+        self._subs = [m for m in self._subs if id(m) not in gone]
+        self._entries -= gone
+        old_params = {id(p) for meta in by_qual.values() for p in meta.params}
+        self.param_owner = {k: v for k, v in self.param_owner.items() if k not in old_params}
+        # What was learned of the old root holds for the new one: it trained, was called.
+        for ids in (self._roots, self._roots_trained, self._roots_called):
+            if rid in ids:
+                ids.discard(rid)
+                ids.add(nid)
+        for d in (self._trained_this_step, self._armed_root_calls, self._sub_calls):
+            if rid in d:
+                d[nid] = d.pop(rid)
+        # A compiled old root says nothing of the new one (compiled again, it is found so).
+        self._frozen.discard(rid)
+        del self._root_prefix[rid]
+        self._root_prefix[nid] = prefix
+        parts = _parametrization_parts(new)
+        for qual, mod in new.named_modules():
+            if id(mod) in self._names or _within(qual, parts):
+                continue  # shared submodule: first name wins; a weight's parametrization
+            meta = by_qual.get(qual)
+            if meta is None:
+                meta = LayerMeta(name=self._layer_name(prefix, qual, mod),
+                                 type=type(mod).__name__, order=-1, qual=qual)
+                self.layers[meta.name] = meta
+            meta.root = nid
+            meta.params = own_params(mod)
+            meta.param_dtypes = {dtype_name(p.dtype) for p in meta.params}
+            for p in meta.params:
+                self.param_owner[id(p)] = meta.name
+            self._names[id(mod)] = meta.name
+            if mod is new:
+                hs = self._hook(mod)
+                self._root_handles[id(mod)] = hs
+                self._handles.extend(hs)
+            elif qual in entry_quals:
+                # Called by the loop itself, as its counterpart was: hooked for good.
+                self._handles.extend(self._hook(mod))
+                self._entries.add(id(mod))
+            else:
+                self._subs.append(mod)
+                if self.armed:
+                    self._sub_handles[id(mod)] = self._hook(mod)
+
     def _entry(self, module: nn.Module) -> bool:
         """``module``, a submodule of a watched model, is called by the loop itself (a
         Lightning ``training_step`` calling ``self.net(x)``, a loop calling
