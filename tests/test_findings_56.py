@@ -293,3 +293,54 @@ def test_the_loss_a_compiled_model_returns_is_no_gradient_to_simulate() -> None:
     assert not s.findings_of("whatif_float16")
     root = next(lay for lay in s.layers if lay.type == "_LossReturning")
     assert root.grad_absmax != 1.0  # the seed is not among the recorded gradients
+
+
+class _Forecaster(nn.Module):
+    """Review 56b's latent ODE: z ~ 300 integrated by z + 1e-3 * dyn(z); dyn's Tanh
+    saturates (its input reaches ~250), so its backward makes exact zeros, in float32 too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(8, 32)
+        self.dyn = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+        self.decoder = nn.Linear(32, 8)
+        with torch.no_grad():
+            for lin in (self.encoder, self.decoder):
+                lin.weight.zero_()
+                lin.bias.zero_()
+            self.encoder.weight[:8, :].copy_(torch.eye(8))
+            self.decoder.weight[:, :8].copy_(torch.eye(8))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        z = self.encoder(t)
+        for _ in range(20):
+            z = z + 1e-3 * self.dyn(z)
+        return self.decoder(z)
+
+
+def test_zeros_a_saturated_tanh_made_are_not_called_a_flush() -> None:
+    # Review 56b: "dyn.0: 98.8% of its output-gradient values are exactly zero: the gradient
+    # had already underflowed float16 in dyn.2 ... flushed to zero even with the loss
+    # scale", with advice to raise init_scale; the Tanh after dyn.0 got gradients that were
+    # neither zero nor subnormal, and made the zeros itself (1 - y**2 at y = 1).
+    torch.manual_seed(0)
+    model = _Forecaster()
+    opt = torch.optim.Adam(model.dyn.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=5) as doctor:
+        for _ in range(10):
+            t = 290 + 20 * torch.rand(32, 8, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(t).float(), t + 0.3 * torch.sin(t))
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s is not None
+    lay = {x.name: x for x in s.layers}
+    assert (lay["dyn.0"].grad_zero_frac or 0) > 0.9  # the zeros are there
+    assert (lay["dyn.1"].grad_zero_frac or 0) < 0.1  # but the Tanh got none
+    assert (lay["dyn.1"].grad_underflow_frac or 0) < 0.1
+    assert not [f for f in s.findings if f.module == "dyn.0"]

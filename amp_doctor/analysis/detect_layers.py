@@ -406,6 +406,20 @@ def _underflow_trend(session: Session, name: str) -> tuple[float, float] | None:
     return sum(fracs[:n]) / n, sum(fracs[-n:]) / n
 
 
+def _zeros_made_by_a_consumer(session: Session, lay: LayerSummary,
+                              source: LayerSummary) -> bool:
+    """``lay``'s output gradient is mostly exact zeros, but the layers that took its output
+    got gradients that were neither zero nor underflowing: their own backward made the
+    zeros from normal values (a saturated Tanh's ``1 - y**2`` at y = 1), which no loss
+    scale changes; a flushed gradient arrives at them as zeros already (review 56b: "flushed
+    to zero even with the loss scale" for a Tanh that saturated in float32 too)."""
+    by_name = {x.name: x for x in session.layers}
+    took = [by_name[c] for c in lay.consumers if c in by_name and by_name[c].recorded_steps]
+    return bool(took) and all(
+        c is not source and (c.grad_zero_frac or 0.0) <= GRAD_FLUSHED_WARN
+        and (c.grad_underflow_frac or 0.0) <= GRAD_UNDERFLOW_WARN for c in took)
+
+
 def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                     source: LayerSummary | None = None) -> Iterable[Finding]:
     if lay.recorded_steps == 0:
@@ -556,7 +570,8 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
     gu = _grad_underflow_that_counts(lay)
     flushed = (source is not None and source is not lay and lay.order < source.order
                and lay.ran_low_precision and bool(lay.param_dtypes)
-               and (lay.grad_zero_frac or 0.0) > GRAD_FLUSHED_WARN)
+               and (lay.grad_zero_frac or 0.0) > GRAD_FLUSHED_WARN
+               and not _zeros_made_by_a_consumer(session, lay, source))
     # A layer that ran in float32 (a LayerNorm under autocast) computes its gradients in
     # float32: its figures are a what-if, and nothing of them flushed (review 44d).
     if session.amp.dtype and fmt == "float16" and lay.ran_low_precision and (
