@@ -18,11 +18,14 @@ try:
 except ImportError:  # Windows: no flock(2); the named process's liveness decides
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["JSON_NAME", "LOCK_NAME", "TEXT_NAME", "OWN_TEXT_NAME", "check_run_dir_free",
+__all__ = ["JSON_NAME", "SUBDIR", "LOCK_NAME", "TEXT_NAME", "OWN_TEXT_NAME", "check_run_dir_free",
            "claim_run_dir", "make_writable_dir", "reused_run_note", "text_report_path"]
 
 # The machine-readable report: Session.to_json(), read back by `report`, `compare`, merges.
 JSON_NAME = "amp_doctor.json"
+# The trainer callbacks write into this sub-folder of the framework's log directory, so
+# that TensorBoard pointed at that directory shows amp-doctor as one run among the others.
+SUBDIR = "amp_doctor"
 # The text report, as printed at the end of a run.
 TEXT_NAME = "report.txt"
 # ... where the folder already holds a report.txt that is not amp-doctor's (a script

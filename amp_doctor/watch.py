@@ -18,6 +18,7 @@ boundary state machine further would spread one decision over several files.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime as _dt
 import importlib.util
@@ -134,6 +135,32 @@ def _forget_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
+# What a watch the script never closed records about how the run ended.
+NOT_CLOSED = ("the watch was never closed (leave a `with amp_doctor.watch(...)` block, or "
+              "call `doctor.close()`): closed at interpreter exit")
+
+
+def _close_at_exit() -> None:
+    """Close every watch still open when the interpreter exits, so that what it gathered
+    is written (review 56c: a script that exited before ``doctor.close()`` left an empty
+    event file and no report). A trainer callback's watch is its owner's to close."""
+    for w in list(_LIVE):
+        if w.closed or w.owner_closes:
+            continue
+        # Set when an uncaught exception's traceback was printed.
+        exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        w.set_run_meta(outcome="exception" if exc is not None else "completed",
+                       error=F.error_line(exc) if exc is not None else NOT_CLOSED)
+        try:
+            w.close()
+        except Exception:  # at interpreter exit, never raise
+            continue
+        if w.logdir is not None:
+            print(f"amp-doctor: {NOT_CLOSED}; report: {w.logdir / JSON_NAME}", file=sys.stderr)
+
+
+atexit.register(_close_at_exit)
+
 
 def _in_backward() -> bool:
     """True while autograd runs a backward pass (checkpoint recomputation, hooks)."""
@@ -248,6 +275,8 @@ class Watch:
         self.stopped_at: int | None = None
         self.recorded = 0
         self.closed = False
+        # A trainer callback (or the CLI) closes it: not closed at interpreter exit.
+        self.owner_closes = False
         self.session_: Session | None = None
         self._started = (time.perf_counter(),
                          _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
@@ -415,6 +444,13 @@ class Watch:
         outcome = "completed"
         if self.stopped_at is not None:
             outcome = "stopped"
+        elif exc_type is not None and issubclass(exc_type, SystemExit):
+            # sys.exit(3) inside the block is the script's exit, as the CLI records it, not
+            # an exception (review 56c); sys.exit(0) / sys.exit(None) is a normal end.
+            code = getattr(exc, "code", None)
+            code = 0 if code is None else code if isinstance(code, int) else 1
+            outcome = "exit" if code else "completed"
+            self._run_meta.setdefault("exit_code", code)
         elif exc_type is not None:
             outcome = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "exception"
             self._run_meta.setdefault("error", F.error_line(exc) if exc is not None

@@ -192,6 +192,34 @@ def test_hf_callback_closes_the_watch_when_training_raises(in_tmp: Path) -> None
     assert not patches_installed()
     s = Session.load(logdir / "amp_doctor.json")
     assert s.run.outcome == "exception" and s.steps == 3
+    # The text report too, as the callback writes it when closed (review 56c).
+    assert (logdir / "report.txt").read_text().startswith("amp-doctor")
+    assert "| exception" in (logdir / "report.txt").read_text().splitlines()[0]
+
+
+def test_hf_callback_closed_in_except_records_the_exception(in_tmp: Path) -> None:
+    # Review 56c: `callback.close()` in the user's `except`, as the README says, recorded
+    # the crashed train() as completed, and left `summary` None.
+    from transformers import TrainerCallback
+
+    from amp_doctor.integrations.transformers import AmpDoctorCallback
+
+    class Crash(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step == 2:
+                raise _Boom("the data loader died")
+
+    cb = AmpDoctorCallback(every=1)
+    try:
+        _script("hf_trainer").main(["--steps", str(STEPS), "--out_dir", "out"],
+                                   callbacks=[Crash(), cb])
+    except _Boom:
+        s = cb.close()
+    assert not patches_installed()
+    assert s is not None and s.run.outcome == "exception" and s.steps == 2
+    assert s.run.error == "_Boom: the data loader died"
+    assert cb.summary is not None and "| exception |" in cb.summary
+    assert cb.logdir is not None and (cb.logdir / "report.txt").is_file()
 
 
 # -- Lightning ----------------------------------------------------------------------------

@@ -319,7 +319,10 @@ def compare(a: Session, b: Session, label_a: str = "A", label_b: str = "B") -> C
     script_a, script_b = _script(a), _script(b)
     return Comparison(_side(label_a, a), _side(label_b, b), deltas, _layer_deltas(a, b),
                       different_models=different, retyped=retyped,
-                      scripts=(script_a, script_b) if script_a != script_b else None)
+                      # A run watched in code records no command: nothing to tell apart
+                      # (review 56c: "different scripts (; python loop.py)").
+                      scripts=(script_a, script_b)
+                      if script_a and script_b and script_a != script_b else None)
 
 
 def _script(s: Session) -> str:

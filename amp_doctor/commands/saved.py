@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from amp_doctor.commands.common import load_session
-from amp_doctor.runfiles import JSON_NAME
+from amp_doctor.runfiles import JSON_NAME, SUBDIR
 
 __all__ = ["compare", "report"]
 
@@ -54,4 +54,9 @@ def compare(run_a: Path, run_b: Path, fmt: str) -> None:
 
 def _run_label(path: Path) -> str:
     p = path.absolute()
-    return (p.parent.name if p.name == JSON_NAME else p.name) or str(path)
+    folder = p.parent if p.name == JSON_NAME else p
+    if folder.name == SUBDIR and folder.parent.name:
+        # A trainer callback's folder inside the trainer's output_dir: named by the latter
+        # (review 56c: "From amp_doctor to hf_diag").
+        return f"{folder.parent.name}/{folder.name}"
+    return folder.name or str(path)

@@ -18,14 +18,11 @@ from typing import Any
 from torch import nn
 
 from amp_doctor.records import Session
-from amp_doctor.runfiles import text_report_path
+from amp_doctor.runfiles import SUBDIR, text_report_path
 from amp_doctor.watch import Watch
 
 __all__ = ["SUBDIR", "WatchOwner", "one_line", "unwrap_model", "missing_framework"]
 
-# The callbacks write into this sub-folder of the framework's log directory, so that
-# TensorBoard pointed at that directory shows amp-doctor as one run among the others.
-SUBDIR = "amp_doctor"
 
 
 def missing_framework(module: str, package: str) -> ImportError:
@@ -51,17 +48,41 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _close_quietly(watch: Watch, reason: str) -> None:
-    """The finalizer: close a watch its callback never closed (training raised)."""
+def _write_report(logdir: Path | None, session: Session) -> None:
+    """The text report beside the JSON one, as the CLI writes it."""
+    if logdir is not None:
+        from amp_doctor.sinks.text import render_text
+
+        text_report_path(logdir).write_text(render_text(session))
+
+
+def _close_quietly(watch: Watch, logdir: Path | None, reason: str) -> None:
+    """The finalizer: close a watch its callback never closed (training raised), and write
+    what it gathered, as a closed one (review 56c: no report.txt, no summary)."""
     if watch.closed:
         return
     exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     error = f"{type(exc).__name__}: {exc}" if exc is not None else reason
     watch.set_run_meta(outcome="exception", error=error)
     try:
-        watch.close()
+        session = watch.close()
+        _write_report(logdir, session)
+        print(one_line(session, logdir), file=sys.stderr)
     except Exception:  # pragma: no cover - at interpreter exit, never raise
         pass
+
+
+def _outcome_now() -> tuple[str, str | None]:
+    """How training ended when a callback is closed by hand: in an ``except`` block, by
+    the exception being handled (review 56c: ``callback.close()`` in ``except`` recorded a
+    crashed ``train()`` as completed); else completed."""
+    exc = sys.exc_info()[1]
+    if exc is None:
+        return "completed", None
+    if isinstance(exc, SystemExit):
+        return ("exit" if exc.code not in (None, 0) else "completed"), None
+    error = f"{type(exc).__name__}: {exc}"
+    return ("interrupted" if isinstance(exc, KeyboardInterrupt) else "exception"), error
 
 
 def one_line(session: Session, where: Path | None) -> str:
@@ -101,18 +122,25 @@ class WatchOwner:
         self.logdir = logdir
         kwargs = {**found, **self.watch_kwargs}  # the user's explicit options win
         kwargs.setdefault("every", self.every)
-        self.watch = Watch(unwrap_model(model), logdir=logdir, **kwargs).start()
+        self.watch = Watch(unwrap_model(model), logdir=logdir, **kwargs)
+        self.watch.owner_closes = True  # its finalizer writes report.txt too
+        self.watch.start()
         self.session = None
         # Holds the watch, not the callback: collecting the callback runs it.
         self._finalizer = weakref.finalize(
-            owner, _close_quietly, self.watch,
+            owner, _close_quietly, self.watch, logdir,
             "training ended without the framework's end-of-training event")
         return self.watch
 
-    def close(self, outcome: str = "completed", error: str | None = None) -> Session | None:
+    def close(self, outcome: str | None = None, error: str | None = None) -> Session | None:
+        """Close the watch and write its reports. ``outcome`` None: from the exception
+        being handled, if any (see :func:`_outcome_now`)."""
         watch = self.watch
         if watch is None:
             return self.session
+        if outcome is None:
+            outcome, seen = _outcome_now()
+            error = error if error is not None else seen
         self.watch = None
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -122,8 +150,5 @@ class WatchOwner:
             meta["error"] = error
         watch.set_run_meta(**meta)
         self.session = watch.close()
-        if self.logdir is not None:
-            from amp_doctor.sinks.text import render_text
-
-            text_report_path(self.logdir).write_text(render_text(self.session))
+        _write_report(self.logdir, self.session)
         return self.session

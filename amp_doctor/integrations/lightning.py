@@ -106,5 +106,6 @@ class AmpDoctor(Callback):  # type: ignore[misc]
         self.close()
 
     def close(self) -> Session | None:
-        """Stop watching now (idempotent); returns the session, or None if never started."""
-        return self._owner.close()
+        """Stop watching now (idempotent); returns the session, or None if never started.
+        (A fit that raised was closed by :meth:`on_exception` already.)"""
+        return self._owner.close(outcome="completed")

@@ -99,7 +99,7 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
         self._owner.start(self, model, logdir.absolute(), **found)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        session = self.close()
+        session = self._owner.close(outcome="completed")
         if session is None:
             return
         self.summary = one_line(session, self._owner.logdir)
@@ -113,5 +113,10 @@ class AmpDoctorCallback(TrainerCallback):  # type: ignore[misc]
             logger.warning(self.summary)
 
     def close(self) -> Session | None:
-        """Stop watching now (idempotent); returns the session, or None if never started."""
-        return self._owner.close()
+        """Stop watching now (idempotent); returns the session, or None if never started.
+        Called in an ``except`` block, the report says how training ended: the exception
+        being handled."""
+        session = self._owner.close()
+        if session is not None and self.summary is None:
+            self.summary = one_line(session, self._owner.logdir)
+        return session
