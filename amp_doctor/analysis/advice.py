@@ -13,7 +13,6 @@ from dataclasses import replace
 
 from amp_doctor import format as F
 from amp_doctor.analysis.messages import (
-    DIVISION_OPS,
     SOFTMAX_OPS,
     denominator_dtype,
     dropped_cause,
@@ -22,6 +21,7 @@ from amp_doctor.analysis.messages import (
     zero_denominator,
 )
 from amp_doctor.analysis.thresholds import DIVERGED_INPUT_ABSMAX
+from amp_doctor.opnames import DIVISION_OPS
 from amp_doctor.records import Event, Finding
 
 __all__ = ["ADVICE", "ADVICE_BF16", "OP_ADVICE", "advice_for", "event_advice", "bf16_advice",

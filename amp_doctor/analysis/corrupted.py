@@ -29,11 +29,11 @@ from amp_doctor.analysis.advice import ADVICE, ADVICE_BF16
 from amp_doctor.dtypes import LOW_PRECISION_NAMES
 from amp_doctor.records import Finding, LayerStep, Session, StepRecord
 
-__all__ = ["fold_corrupted_weights", "failing_step_origin", "corruption_of", "CAST_OPS",
+__all__ = ["fold_corrupted_weights", "failing_step_origin", "corruption_of",
            "Corruption"]
 
 # Ops autocast inserts to cast a layer's inputs: never where a value overflows.
-CAST_OPS = frozenset({"aten._to_copy", "aten.to", "aten.clone", "aten.copy_"})
+_INPUT_COPIES = frozenset({"aten._to_copy", "aten.to", "aten.clone", "aten.copy_"})
 # Layer-level findings that say a layer's output overflowed or went non-finite.
 _LAYER_KINDS = ("activation_overflow", "nonfinite_forward")
 # Root findings that a layer named by the failing step's flags may already have.
@@ -87,7 +87,7 @@ def _ops_hint(session: Session, module: str) -> list[str]:
     if lay is None:
         return []
     return [f"{op} ({'/'.join(sorted(dts))})" for op, dts in lay.ops.items()
-            if op not in CAST_OPS]
+            if op not in _INPUT_COPIES]
 
 
 def _recorded(session: Session, step: int) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from amp_doctor import format as F
 from amp_doctor.dtypes import FORMAT_MAX
+from amp_doctor.opnames import DIVISION_OPS
 from amp_doctor.records import Event
 
 __all__ = ["MESSAGES", "MessageArgs", "event_message", "loss_origin_named", "message_for",
@@ -454,8 +455,6 @@ def inputs_held_inf(d: dict[str, object]) -> bool:
     return any(isinstance(v, (int, float)) and math.isinf(v) for v in values)
 
 
-# Ops whose second input divides the first.
-DIVISION_OPS = ("aten.div", "aten.div_", "aten.true_divide")
 
 
 def denominator_dtype(d: dict[str, object]) -> object:

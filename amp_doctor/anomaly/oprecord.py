@@ -29,6 +29,7 @@ from amp_doctor.dtypes import dtype_name
 from amp_doctor.errors import NonFiniteError
 from amp_doctor.hooks.compiled import capturing_eagerly
 from amp_doctor.hooks.tensorkinds import unsummarizable
+from amp_doctor.opnames import DIVISION_OPS
 
 __all__ = ["OpRecorder", "OpTag", "summarizable"]
 
@@ -73,7 +74,6 @@ class _Cached(NamedTuple):
         return self.ref() is t and not t.is_inference() and self.version == t._version
 
 
-_DIVISIONS = frozenset({"aten.div", "aten.div_", "aten.true_divide"})
 # autocast's cast of a float32 input to the low-precision format.
 _CAST = "aten._to_copy"
 
@@ -259,7 +259,7 @@ class OpRecorder:
                 constant_inf = True
         allowed = constant_inf or name in _UNINITIALIZED
         in_dtypes = (tuple(dtype_name(a.dtype) for a in args if isinstance(a, torch.Tensor))
-                     if name in _DIVISIONS else ())
+                     if name in DIVISION_OPS else ())
         param = name == _CAST and bool(args) and isinstance(args[0], torch.nn.Parameter)
         return _PreOp(name, ins, False, allowed, None, step, in_dtypes, param,
                       on_graph and torch.is_grad_enabled())
