@@ -344,3 +344,56 @@ def test_zeros_a_saturated_tanh_made_are_not_called_a_flush() -> None:
     assert (lay["dyn.1"].grad_zero_frac or 0) < 0.1  # but the Tanh got none
     assert (lay["dyn.1"].grad_underflow_frac or 0) < 0.1
     assert not [f for f in s.findings if f.module == "dyn.0"]
+
+
+def test_markdown_keeps_code_spans_as_written_and_lists_render() -> None:
+    # Review 56d: TensorBoard's text tab showed `GradScaler(device\_type, init\_scale=2.0\*\*16)`
+    # (copied code broken), and the backoff notes' bullets as literal asterisks.
+    import re
+
+    from amp_doctor.sinks.tb_session import backoff_groups
+    from amp_doctor.sinks.text import _md, render_markdown
+
+    advice = "raise `init_scale`: `torch.amp.GradScaler(device_type, init_scale=2.0**16)`"
+    assert _md(advice) == ("raise `init_scale`: `torch.amp.GradScaler(device_type, "
+                           "init_scale=2.0**16)`")
+    assert _md("a_b * c | d `e_f`") == "a\\_b \\* c \\| d `e_f`"
+    assert _md("an unpaired ` a_b") == "an unpaired ` a\\_b"
+    s = _contrastive_run(anomaly=True)
+    md = render_markdown(s)
+    spans = re.findall(r"`([^`]*)`", md)
+    assert any("z.float() @ z.float().t() / t" == x for x in spans)
+    assert not [x for x in spans if "\\" in x]
+    notes = backoff_groups(s)
+    assert notes
+    for _, text in notes:
+        head, blank, *rest = text.splitlines()
+        assert head.startswith("**Scale backoff") and blank == "" and rest[0].startswith("* ")
+        assert "overflowed first in" not in text
+
+
+def test_a_heatmaps_grey_cells_say_when_the_history_left_layers_out() -> None:
+    # Review 56d: on a 100-layer model more than half of the heatmap was grey, "not
+    # recorded", in a run that recorded every step: the history keeps each step's 32 worst.
+    from amp_doctor.dtypes import limits
+    from amp_doctor.sinks.tb_session import MISSING_KEPT, heatmap_grids
+    from amp_doctor.steps.history import HISTORY_LAYERS
+
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(HISTORY_LAYERS + 8)])
+    with amp_doctor.watch(model, every=1) as doctor:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s is not None and all(rec.dropped_layers > 0 for rec in s.history)
+    grids = heatmap_grids(s, limits(torch.float16))
+    assert grids and all(g.missing == MISSING_KEPT for g in grids.values())
+    small = _count_div_run(steps=2)[0]
+    kept_all = heatmap_grids(small, limits(torch.float16))
+    assert kept_all and all(g.missing == "not recorded" for g in kept_all.values())

@@ -113,8 +113,9 @@ def _expected_layer(a: TensorStats | None, g: TensorStats | None,
                    nonfinite=round(a.nonfinite_frac * a.numel))
         if math.isfinite(a.headroom) and not a.nonfinite_frac:
             out["headroom"] = a.headroom
-        if math.isfinite(a.absmax) and a.nonfinite_frac < 1.0:
-            out["absmax"] = a.absmax  # an output NaN whole has no finite value to chart
+        if math.isfinite(a.absmax) and not a.nonfinite_frac:
+            # Beside NaN the absmax is a histogram bin's top, not a value (review 56d).
+            out["absmax"] = a.absmax
     if g is not None:
         out.update(grad_underflow=g.underflow_frac, grad_zeros=g.zero_frac,
                    grad_nonfinite=round(g.nonfinite_frac * g.numel))

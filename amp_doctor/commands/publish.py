@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from amp_doctor.analysis.next_steps import next_section, next_steps
-from amp_doctor.commands.common import SMOOTHING_HINT, severity_reached
+from amp_doctor.commands.common import DASHBOARD_FRAGMENT, SMOOTHING_HINT, severity_reached
 from amp_doctor.commands.terminal import Console, usable
 from amp_doctor.runfiles import JSON_NAME, TEXT_NAME, text_report_path
 
@@ -155,8 +155,10 @@ def _has_events(logdir: Path) -> bool:
 def view_hint(logdir: Path) -> str:
     q = shlex.quote(str(logdir))
     parent = shlex.quote(str(logdir.parent))
+    # The by-hand way lands on the same tab as `view` (review 56d: TIME SERIES, smoothed).
     return (f"amp-doctor: view the dashboards: amp-doctor view {q}   (or: tensorboard "
-            f"--logdir {parent}, where this run is {logdir.name!r}); {SMOOTHING_HINT}.")
+            f"--logdir {parent}, where this run is {logdir.name!r}, and open "
+            f"http://localhost:6006/{DASHBOARD_FRAGMENT}); {SMOOTHING_HINT}.")
 
 
 def _print_report(text: str, path: Path, console: Console) -> None:

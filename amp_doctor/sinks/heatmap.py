@@ -110,6 +110,9 @@ class HeatmapGrid:
     title: str
     origin_rows: dict[int, str | None]
     origin_cells: set[tuple[int, int]]
+    # What a grey cell means: a step the history kept only its worst layers of also has
+    # grey cells for the layers it left out (review 56d: read as "not recorded").
+    missing: str = "not recorded"
 
 
 def ramp(t: float) -> _RGB:
@@ -263,7 +266,7 @@ def render_heatmap(grid: HeatmapGrid, fmt: FormatLimits) -> torch.Tensor:
         ticks = [(v / 100, f"{v}%") for v in (0, 25, 50, 75, 100)]
     swatches: list[tuple[_RGB | None, str]] = [
         (NONFINITE_RGB, "inf/NaN in it"), (OVERFLOW_RGB, "beyond max"),
-        (MISSING_RGB, "not recorded"), (None, "origin of inf/NaN")]
+        (MISSING_RGB, grid.missing), (None, "origin of inf/NaN")]
     sw_col = max(width(t, small) for _, t in swatches) + 26
     key_w = max(MIN_PLOT_WIDTH, 2 * sw_col, width(bar_title, small) + 4)
     axis_h = 30

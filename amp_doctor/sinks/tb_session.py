@@ -20,6 +20,7 @@ from amp_doctor.analysis.thresholds import ALL_ZERO_SHOWN
 from amp_doctor.dtypes import FormatLimits, limits
 from amp_doctor.records import ScalerTimeline, Session, TensorStats
 from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
+from amp_doctor.steps.history import HISTORY_LAYERS
 
 __all__ = ["CULPRIT_GROUPS", "CULPRIT_HEADROOM_TITLE", "CULPRIT_GRAD_HEADROOM_TITLE",
            "CULPRITS_GROUP", "LAYOUT", "LOSS_TAG", "LOSS_TITLE", "culprit_headroom",
@@ -105,7 +106,7 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
             ["Multiline", [r"^headroom/"]],
         "share of outputs beyond the format's max": ["Multiline", [r"^overflow/"]],
         "inf/NaN outputs (count)": ["Multiline", [r"^nonfinite/"]],
-        "max |output| (finite)": ["Multiline", [r"^absmax/"]],
+        "max |output| (no point on a step with inf/NaN in it)": ["Multiline", [r"^absmax/"]],
     },
     "Underflow": {
         "share of non-zero outputs below the smallest normal": ["Multiline", [r"^underflow/"]],
@@ -272,6 +273,10 @@ def heatmap_layers(session: Session) -> list[str]:
     return [lay.name for lay in session.layers if not lay.passthrough]
 
 
+# A grey cell of a step whose history row kept only its worst layers.
+MISSING_KEPT = f"not recorded, or not among the step's {HISTORY_LAYERS} worst layers kept"
+
+
 def heatmap_grids(session: Session, fmt: FormatLimits) -> dict[str, HeatmapGrid]:
     """What each heatmap shows, keyed by tag (empty when nothing was recorded)."""
     names = heatmap_layers(session)
@@ -318,7 +323,9 @@ def heatmap_grids(session: Session, fmt: FormatLimits) -> dict[str, HeatmapGrid]
             names=names, steps=[rec.step for rec in recs], values=values,
             nonfinite=nonfinite, overflow=overflow, figure=figure,
             title=title.format(name=fmt.name),
-            origin_rows=origin_rows, origin_cells=cells)
+            origin_rows=origin_rows, origin_cells=cells,
+            missing=MISSING_KEPT if any(rec.dropped_layers for rec in recs) else
+            "not recorded")
     return out
 
 
@@ -350,7 +357,9 @@ def heatmap_legend(session: Session, fmt: FormatLimits) -> str:
         "(the values a larger loss scale would lift); a gradient that was all exact zeros "
         f"(at least {ALL_ZERO_SHOWN:.0%}: flushed, the table's 'N% zero') is yellow too.",
         "* red = inf/NaN; magenta = values beyond the max (overflow, or "
-        "would-overflow for a float32 layer); grey = not recorded.",
+        "would-overflow for a float32 layer); grey = not recorded, or (more than "
+        f"{HISTORY_LAYERS} layers) not among the {HISTORY_LAYERS} worst layers of its step, "
+        "which are all the history keeps of a step (every layer is in the totals).",
         "* blue frame and highlighted name = where inf/NaN or overflow started (the "
         "origin); red rows without it only passed the values on.",
         "* containers whose output is their last child's are left out (same row).",
@@ -382,11 +391,13 @@ def backoff_groups(session: Session) -> list[tuple[int, str]]:
     for g in groups:
         first, last = g[0], g[-1]
         span = f"step {first.step}" if len(g) == 1 else f"steps {first.step}-{last.step}"
+        # The blank line: TensorBoard's markdown starts a list only after one (review 56d:
+        # the bullets showed as literal asterisks).
         lines = [f"**Scale backoff, {span}**: {len(g)} skipped update(s), scale "
-                 f"{F.scale(first.scale_before)} -> {F.scale(last.scale_after)}."]
+                 f"{F.scale(first.scale_before)} -> {F.scale(last.scale_after)}.", ""]
         origins = sorted({e.forward_origin for e in g if e.forward_origin})
         if origins:
-            lines.append(f"* forward pass overflowed first in: {', '.join(origins)}")
+            lines.append(f"* forward pass went non-finite first in: {', '.join(origins)}")
         elif started:
             lines.append("* inf/NaN started in: " + ", ".join(
                 f"{n} [{op}]" if op else n for n, op in started.items()))

@@ -323,8 +323,10 @@ def layer_scalars(ls: LayerStep, fmt: FormatLimits) -> dict[str, float]:
         out["zeros"] = a.zero_frac
         if math.isfinite(a.headroom) and not a.nonfinite_frac:
             out["headroom"] = a.headroom
-        if math.isfinite(a.absmax) and a.nonfinite_frac < 1.0:
-            # (An output NaN whole has no finite value: its 0 read as a dead layer.)
+        if math.isfinite(a.absmax) and not a.nonfinite_frac:
+            # With NaN in it, the absmax is the top of its histogram's bin, up to 2x the
+            # true one: a false spike at 32768 or 65536 on the backoff steps (review 56d);
+            # an output NaN whole has no finite value at all.
             out["absmax"] = a.absmax
         out["nonfinite"] = _count(a, a.nonfinite_frac)
     if (g := ls.grad) is not None and g.numel:

@@ -361,8 +361,14 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
 # -- markdown (TensorBoard's TEXT tab) ------------------------------------------------------
 
 def _md(text: str) -> str:
-    # TensorBoard renders markdown; keep user strings from turning into markup.
-    return text.replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
+    # TensorBoard renders markdown; keep user strings from turning into markup. Not inside
+    # a code span, where a backslash shows as one (review 56d: code with `init\\_scale`).
+    parts = text.split("`")
+    if len(parts) % 2 == 0:  # an unpaired backtick: no code span to keep
+        parts = [text]
+    for i in range(0, len(parts), 2):  # outside the spans
+        parts[i] = parts[i].replace("|", "\\|").replace("*", "\\*").replace("_", "\\_")
+    return "`".join(parts)
 
 
 def render_verdict(s: Session) -> str:
