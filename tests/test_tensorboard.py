@@ -681,6 +681,14 @@ def test_a_real_tensorboard_serves_the_dashboards(run: tuple[Path, Session],
     culprits = _get(port, "/data/plugin/custom_scalars/scalars", run=run_name,
                     tag=r"^culprits/.*/headroom$")
     assert set(culprits["tag_to_events"]) == {"culprits/fc1/headroom"}
+    # One culprit: its charts carry its name (a chart's lines share their run's colour),
+    # and their regexes pick its tags (review 56d).
+    (group,) = [c for c in layout["category"] if c["title"].startswith("Culprits")]
+    titles = {ch["title"]: ch["multiline"]["tag"][0] for ch in group["chart"]}
+    assert len(titles) == 4 and all(t.startswith("fc1: ") for t in titles)
+    own = _get(port, "/data/plugin/custom_scalars/scalars", run=run_name,
+               tag=next(rx for t, rx in titles.items() if "headroom to" in t))
+    assert set(own["tag_to_events"]) == {"culprits/fc1/headroom"}
 
     text_tags = _get(port, "/data/plugin/text/tags")[run_name]
     assert "findings/text_summary" in text_tags

@@ -83,6 +83,8 @@ CULPRIT_GRAD_HEADROOM_TITLE = (
 LOSS_TAG = "loss"
 LOSS_TITLE = "loss (recorded steps; no point where it was inf/NaN)"
 CULPRITS_GROUP = "Culprits (where inf/NaN or overflow started)"
+# Up to this many culprits get charts of their own, named; more share the four charts.
+MAX_NAMED_CULPRITS = 4
 
 # The custom-scalars tab. Regexes are anchored: the plugin's backend uses re.match, and
 # the anchors keep e.g. "underflow/" from also matching "grad_underflow/" anywhere.
@@ -141,10 +143,17 @@ def layout_with_scalers(session: Session) -> dict[str, dict[str, list[Any]]]:
     are known (TensorBoard reads a run's last layout)."""
     layout = dict(LAYOUT)
     known = {lay.name for lay in session.layers}
-    if not any(n in known for n in culprit_layers(session)):
+    named = [n for n in culprit_layers(session) if n in known]
+    if not named:
         # No layer where inf/NaN or overflow started: four empty charts would head the tab
         # (an underflow run, review 47b).
         del layout[CULPRITS_GROUP]
+    elif len(named) <= MAX_NAMED_CULPRITS:
+        # A chart's lines share their run's colour: one set of charts per culprit, its
+        # name in the titles, says which layer a line is (review 56d).
+        layout[CULPRITS_GROUP] = {
+            f"{n}: {title}": [kind, [rx.replace("/.*/", "/" + re.escape(n) + "/", 1)]]
+            for n in named for title, (kind, (rx,)) in LAYOUT[CULPRITS_GROUP].items()}
     if not session.other_scalers or session.scaler is None:
         return layout
     charts: dict[str, list[Any]] = {}
