@@ -21,10 +21,9 @@ NOT_CLOSED = ("the watch was never closed (leave a `with amp_doctor.watch(...)` 
 _LOOP = """
 import sys, torch
 import amp_doctor
-from tests.helpers import MLP
 
 torch.manual_seed(0)
-model = MLP()
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 scaler = torch.amp.GradScaler("cpu")
 {open}
