@@ -397,3 +397,23 @@ def test_a_heatmaps_grey_cells_say_when_the_history_left_layers_out() -> None:
     small = _count_div_run(steps=2)[0]
     kept_all = heatmap_grids(small, limits(torch.float16))
     assert kept_all and all(g.missing == "not recorded" for g in kept_all.values())
+
+
+def test_the_next_fp32_try_for_an_op_covers_every_layer_that_runs_its_line() -> None:
+    # Review 56b: anomaly mode found the hand-written exp in blocks.0.attn, and the next
+    # step was `--fp32 blocks.0.attn`, which moved the overflow to blocks.1.attn (the same
+    # class, the same line). The try is every such layer: `--fp32 'blocks.*.attn'`.
+    import dataclasses
+
+    from amp_doctor.analysis.next_steps import next_steps
+    from tests.test_findings_56b import _run_attention
+
+    s = _run_attention(())
+    errors = [f for f in s.findings if f.severity == "error"]
+    assert [(f.kind, f.module, f.op) for f in errors] == [
+        ("nonfinite_forward", "blocks.0.attn", "aten.exp")]
+    as_cli = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
+    lines = next_steps(as_cli)
+    assert "amp-doctor diagnose --fp32 'blocks.*.attn' t.py" in lines[0]
+    fixed = _run_attention(("blocks.*.attn",))
+    assert not [f for f in fixed.findings if f.severity == "error"]

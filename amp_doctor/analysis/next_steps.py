@@ -8,6 +8,8 @@ command line to copy: ``--fp32`` on the culprit (the fix without editing code), 
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import shlex
 from typing import TYPE_CHECKING
 
@@ -45,6 +47,24 @@ def _fp32_target(session: Session, f: Finding) -> str:
     if maybe_input and before != "the model's":
         return before[:-2]  # "x's" -> "x"
     return f.module
+
+
+def _same_code(session: Session, f: Finding) -> str | None:
+    """For an op anomaly mode found in a layer whose class has numbered siblings
+    (``blocks.0.attn``, ``blocks.1.attn``, ...): the ``--fp32`` pattern of them all, as the
+    op's line is their code too. Float32 for the one searched moved the error to the next
+    (review 56b: a hand-written ``exp`` in every block's attention)."""
+    if not (f.op and f.module and f.kind in ("nonfinite_forward", "activation_overflow")):
+        return None
+    by_name = {lay.name: lay for lay in session.layers}
+    lay = by_name.get(f.module)
+    pattern = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", f.module)
+    if lay is None or pattern == f.module:
+        return None
+    alike = [x for x in session.layers if fnmatch.fnmatchcase(x.name, pattern)]
+    if len(alike) < 2 or any(x.type != lay.type for x in alike):
+        return None
+    return pattern
 
 
 def next_steps(session: Session, here: str | None = None,
@@ -104,7 +124,8 @@ def next_steps(session: Session, here: str | None = None,
         and not (f.kind in ("nonfinite_forward", "nonfinite_backward")
                  and f.data.get("dtype") in WIDE_FORMATS)
         and not (f.kind == "nonfinite_forward" and spread_nan(f.op, f.data))
-        for name in (_fp32_target(session, f), *map(str, f.data.get("also") or ()))))
+        for name in (_same_code(session, f) or _fp32_target(session, f),
+                     *map(str, f.data.get("also") or ()))))
     # Each error is an independent cause (follow-ons were folded): try them together.
     layers = [n for n in layers if not any(n.startswith(m + ".") for m in layers)]
     layers = layers[:MAX_NEXT_FP32]
