@@ -417,3 +417,53 @@ def test_the_next_fp32_try_for_an_op_covers_every_layer_that_runs_its_line() -> 
     assert "amp-doctor diagnose --fp32 'blocks.*.attn' t.py" in lines[0]
     fixed = _run_attention(("blocks.*.attn",))
     assert not [f for f in fixed.findings if f.severity == "error"]
+
+
+class _Gated(nn.Module):
+    """A hand-written sigmoid gate, ``1 / (1 + exp(-x))``: exp(-x) overflows float16 for
+    x < -11, and the gate's ``x * (1 / inf)`` is fine, but ``inf / inf`` in its own code is
+    NaN. Its input is the output of a watched Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.gate = _Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.fc(x))
+
+
+class _Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(-x)
+        return e / (e * (1 + e))  # = 1 / (1 + e), NaN once e is inf
+
+
+def test_a_nan_first_seen_in_a_layer_fed_by_watched_layers_is_its_own() -> None:
+    # Review 56c: "Its input is not checked: if it was non-finite already, the op that made
+    # it is in blocks.1's own forward code", and `--fp32 blocks.1` next, for a gate whose
+    # input was a watched Linear's output, finite in that step.
+    import dataclasses
+
+    from amp_doctor.analysis.next_steps import next_steps
+
+    torch.manual_seed(0)
+    model = _Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with amp_doctor.watch(model, every=1) as doctor:
+        for step in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(torch.randn(4, 8) * (400.0 if step == 1 else 1.0))
+            loss = out.float().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    s = doctor.session
+    assert s is not None
+    (loss_f,) = s.findings_of("nonfinite_loss")
+    assert loss_f.module == "gate" and loss_f.data["inputs_watched"] is True
+    text = " ".join(loss_f.message.split())
+    assert "its inputs were watched layers' outputs, finite then" in text
+    assert "Its input is not checked" not in text
+    as_cli = dataclasses.replace(s, run=dataclasses.replace(s.run, command=["python", "t.py"]))
+    assert "--fp32 gate t.py" in next_steps(as_cli)[0]

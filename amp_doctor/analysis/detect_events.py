@@ -190,10 +190,14 @@ def event_findings(session: Session) -> Iterable[Finding]:
             # Each optimizer stepped so is named, not only the first one's.
             opts = list(dict.fromkeys(str(e.data.get("optimizer")) for e in es))
             first = dataclasses.replace(first, data={**first.data, "optimizers": opts})
-        if kind == "nonfinite_loss" and module is not None and _overflowed_itself(
-                session, module):
-            # The message need not say that its input may have been bad already.
-            first = dataclasses.replace(first, data={**first.data, "made_here": True})
+        if kind == "nonfinite_loss" and module is not None and (
+                _overflowed_itself(session, module) or _inputs_watched(session, module)):
+            # The message need not say that its input may have been bad already: it
+            # overflowed itself, or its inputs were watched layers' outputs, finite then
+            # (review 56c: "Its input is not checked" of a gate fed by a watched Linear).
+            first = dataclasses.replace(first, data={
+                **first.data, "made_here": True,
+                "inputs_watched": not _overflowed_itself(session, module)})
         if kind == "nonfinite_loss" and module is not None and module in session.run.models:
             first = dataclasses.replace(first, data={**first.data, "root": True})
         elif kind == "nonfinite_loss" and module is not None:
@@ -330,6 +334,13 @@ PRODUCT_OPS = frozenset({"aten.mm", "aten.addmm", "aten.matmul", "aten.linear", 
 def _returns_model_output(session: Session, module: str) -> bool:
     lay = next((x for x in session.layers if x.name == module), None)
     return lay is not None and lay.model_output and not lay.passthrough
+
+
+def _inputs_watched(session: Session, module: str) -> bool:
+    """Every floating input the layer took was a watched layer's output: the first layer
+    to go non-finite made it in its own forward code."""
+    lay = next((x for x in session.layers if x.name == module), None)
+    return lay is not None and lay.inputs_known
 
 
 def _overflowed_itself(session: Session, module: str) -> bool:

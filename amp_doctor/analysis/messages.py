@@ -284,6 +284,10 @@ def _nonfinite_loss(a: MessageArgs) -> str:
     elif e.module:
         where = (f"It first appeared in {F.layer(e.module)}'s output, the first watched "
                  f"layer to go non-finite (seen on recorded step {d.get('recorded_at')})")
+        if d.get("inputs_watched") and not d.get("anomaly"):
+            where += (": its inputs were watched layers' outputs, finite then, so an op in "
+                      "its own forward code made it; anomaly mode (`--anomaly`) names the op "
+                      "and its line")
         if d.get("neg_inf_only"):
             # Read as a mask by the figures alone, but it reached the loss.
             where += (f". That output held -inf and never +inf or NaN: a log of values "
