@@ -22,6 +22,7 @@ import atexit
 import dataclasses
 import datetime as _dt
 import importlib.util
+import multiprocessing
 import os
 import sys
 import time
@@ -143,7 +144,11 @@ NOT_CLOSED = ("the watch was never closed (leave a `with amp_doctor.watch(...)` 
 def _close_at_exit() -> None:
     """Close every watch still open when the interpreter exits, so that what it gathered
     is written (review 56c: a script that exited before ``doctor.close()`` left an empty
-    event file and no report). A trainer callback's watch is its owner's to close."""
+    event file and no report). A trainer callback's watch is its owner's to close. Not in
+    a child process (a spawned DataLoader worker re-runs an unguarded script's top level,
+    watch() included): it would write its empty report over the parent's."""
+    if multiprocessing.parent_process() is not None:
+        return
     for w in list(_LIVE):
         if w.closed or w.owner_closes:
             continue

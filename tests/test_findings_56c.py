@@ -95,3 +95,31 @@ def test_a_callbacks_folder_is_labelled_by_the_trainers(tmp_path: Path) -> None:
         "hf_out/amp_doctor")
     assert _run_label(tmp_path / "runs" / "a") == "a"
 
+
+
+_SPAWNED = """
+import multiprocessing as mp, sys, torch
+import amp_doctor
+
+def child(logdir):
+    model = torch.nn.Linear(4, 4)
+    doctor = amp_doctor.watch(model, logdir=logdir)  # never closed, in a child process
+
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=child, args=(sys.argv[1],))
+    p.start()
+    p.join()
+    sys.exit(p.exitcode)
+"""
+
+
+def test_a_child_process_writes_nothing_at_exit(tmp_path: Path) -> None:
+    # A spawned worker (a DataLoader's, re-running an unguarded script's watch()) closes
+    # nothing at exit: its empty report would overwrite the parent's.
+    script = tmp_path / "spawned.py"
+    script.write_text(_SPAWNED)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "run" / "amp_doctor.json").exists()
+    assert NOT_CLOSED not in r.stderr
