@@ -141,6 +141,25 @@ NOT_CLOSED = ("the watch was never closed (leave a `with amp_doctor.watch(...)` 
               "call `doctor.close()`): closed at interpreter exit")
 
 
+def run_ending(exc: BaseException) -> tuple[str, str | None, int | None]:
+    """How ``exc`` ended a watched run: (outcome, error line, exit code). ``sys.exit(3)`` is
+    the script's exit, code 3, as the CLI records it, not an exception (review 56c);
+    ``sys.exit(0)`` or ``sys.exit(None)`` a normal end."""
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        code = 0 if code is None else code if isinstance(code, int) else 1
+        return ("exit" if code else "completed"), None, code
+    outcome = "interrupted" if isinstance(exc, KeyboardInterrupt) else "exception"
+    return outcome, F.error_line(exc), None
+
+
+def uncaught_exception() -> BaseException | None:
+    """At interpreter exit: the exception whose traceback the interpreter printed, if any."""
+    exc: BaseException | None = getattr(sys, "last_exc", None) or getattr(sys, "last_value",
+                                                                          None)
+    return exc
+
+
 def _close_at_exit() -> None:
     """Close every watch still open when the interpreter exits, so that what it gathered
     is written (review 56c: a script that exited before ``doctor.close()`` left an empty
@@ -152,8 +171,7 @@ def _close_at_exit() -> None:
     for w in list(_LIVE):
         if w.closed or w.owner_closes:
             continue
-        # Set when an uncaught exception's traceback was printed.
-        exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        exc = uncaught_exception()
         w.set_run_meta(outcome="exception" if exc is not None else "completed",
                        error=F.error_line(exc) if exc is not None else NOT_CLOSED)
         try:
@@ -449,18 +467,12 @@ class Watch:
         outcome = "completed"
         if self.stopped_at is not None:
             outcome = "stopped"
-        elif exc_type is not None and issubclass(exc_type, SystemExit):
-            # sys.exit(3) inside the block is the script's exit, as the CLI records it, not
-            # an exception (review 56c); sys.exit(0) / sys.exit(None) is a normal end.
-            code = getattr(exc, "code", None)
-            code = 0 if code is None else code if isinstance(code, int) else 1
-            outcome = "exit" if code else "completed"
-            self._run_meta.setdefault("exit_code", code)
-        elif exc_type is not None:
-            outcome = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "exception"
-            self._run_meta.setdefault("error", F.error_line(exc) if exc is not None
-                                      else exc_type.__name__)
-            if exc is not None:
+        elif exc is not None:
+            outcome, error, code = run_ending(exc)
+            if code is not None:
+                self._run_meta.setdefault("exit_code", code)
+            if error is not None:
+                self._run_meta.setdefault("error", error)
                 self._run_meta.setdefault("error_at", raised_at(exc))
         self._run_meta.setdefault("outcome", outcome)
         self.close()

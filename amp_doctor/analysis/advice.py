@@ -20,7 +20,7 @@ from amp_doctor.analysis.messages import (
     scalar_beyond,
     zero_denominator,
 )
-from amp_doctor.analysis.thresholds import DIVERGED_INPUT_ABSMAX
+from amp_doctor.analysis.thresholds import DIVERGED_INPUT_ABSMAX, F16_SMALLEST_NORMAL
 from amp_doctor.opnames import DIVISION_OPS
 from amp_doctor.records import Event, Finding
 
@@ -537,9 +537,6 @@ def advice_for(kind: str, dtype: str | None = None) -> str:
     return ADVICE.get(kind, "")
 
 
-# A divisor at least this large in magnitude is no "epsilon that rounds to 0": float16's
-# smallest normal (a subnormal divisor loses its precision, and 1e-8 flushes to 0).
-DIVISOR_FLOOR = 2.0 ** -14
 
 
 def _quotient_overflow(d: dict[str, object]) -> bool:
@@ -551,7 +548,9 @@ def _quotient_overflow(d: dict[str, object]) -> bool:
     ranges = d.get("input_ranges")
     if isinstance(ranges, list) and len(ranges) > 1:
         lo, hi = ranges[1]
-        return bool(lo >= DIVISOR_FLOOR or hi <= -DIVISOR_FLOOR)
+        # A divisor at least float16's smallest normal is no "epsilon that rounds to 0"
+        # (a subnormal one loses its precision, and 1e-8 flushes to 0).
+        return bool(lo >= F16_SMALLEST_NORMAL or hi <= -F16_SMALLEST_NORMAL)
     dtypes = d.get("input_dtypes")
     return isinstance(dtypes, list) and len(dtypes) == 1
 

@@ -490,7 +490,8 @@ class AnomalyMode:
         n_ops = len(w.ops.entries)
         host = w.flags.cpu()
         count_sync()
-        w.note_host_flags([bool(b) for b in host.tolist()])
+        listed: list[bool] = host.tolist()  # bools: the flags are a bool vector
+        w.note_host_flags(listed)
         found = False
         if n_ops and bool(host[:n_ops].any()) and w.op_rows is not None:
             # A forward origin in a step whose loss and gradients stayed finite made values
@@ -544,7 +545,7 @@ class AnomalyMode:
                         # went bad is made from it.
                         self._note_bad_call(c, r, self._bad_keys(c))
                         self._input_steps.add(c.step)
-        flags = host[pos:].tolist()
+        flags = listed[pos:]
         bad_grads = [g.step for g, b in zip(w.grads, flags, strict=False) if b]
         if w.beyond is not None:
             # Steps whose loss went non-finite too: the cast's inf reached the loss. Not a

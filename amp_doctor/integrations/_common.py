@@ -17,9 +17,10 @@ from typing import Any
 
 from torch import nn
 
+from amp_doctor import format as F
 from amp_doctor.records import Session
 from amp_doctor.runfiles import SUBDIR, text_report_path
-from amp_doctor.watch import Watch
+from amp_doctor.watch import Watch, run_ending, uncaught_exception
 
 __all__ = ["SUBDIR", "WatchOwner", "one_line", "unwrap_model", "missing_framework"]
 
@@ -61,8 +62,8 @@ def _close_quietly(watch: Watch, logdir: Path | None, reason: str) -> None:
     what it gathered, as a closed one (review 56c: no report.txt, no summary)."""
     if watch.closed:
         return
-    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    error = f"{type(exc).__name__}: {exc}" if exc is not None else reason
+    exc = uncaught_exception()
+    error = F.error_line(exc) if exc is not None else reason
     watch.set_run_meta(outcome="exception", error=error)
     try:
         session = watch.close()
@@ -79,10 +80,8 @@ def _outcome_now() -> tuple[str, str | None]:
     exc = sys.exc_info()[1]
     if exc is None:
         return "completed", None
-    if isinstance(exc, SystemExit):
-        return ("exit" if exc.code not in (None, 0) else "completed"), None
-    error = f"{type(exc).__name__}: {exc}"
-    return ("interrupted" if isinstance(exc, KeyboardInterrupt) else "exception"), error
+    outcome, error, _ = run_ending(exc)
+    return outcome, error
 
 
 def one_line(session: Session, where: Path | None) -> str:
