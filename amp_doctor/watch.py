@@ -65,10 +65,12 @@ from amp_doctor.hooks.discovery import (
     compile_wrappers,
     compiled_by_method,
     is_parametrization,
+    same_architecture,
     unwrap,
 )
 from amp_doctor.hooks.patching import Subscription, in_closure_step, subscribe
 from amp_doctor.hooks.probes import COMPILED_NOTE, Probes, in_reentrant_checkpoint, own_params
+from amp_doctor.hooks.replacement import ReplacementSearch
 from amp_doctor.hooks.tensorkinds import input_label
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
 from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir, reused_run_note
@@ -321,6 +323,9 @@ class Watch:
         self._sub: Subscription | None = None
         self._monitor: AmpMonitor | None = None
         self._discovery: GlobalDiscovery | None = None
+        # Steps no watched model trained in, and the search for a replaced model's object.
+        self._search = ReplacementSearch(self._replacement_wanted, self._found_replacement,
+                                         searching=not discover)
         self._anomaly: Any = None
         self._tb: Any = None
         # Set while this run holds its logdir (runfiles.claim_run_dir).
@@ -563,7 +568,8 @@ class Watch:
     def _teardown(self) -> None:
         # Each removal is independent: one failing must not leave others behind.
         removers = [getattr(owner, method) for owner, method in (
-            (self._discovery, "stop"), (self._probes, "remove"), (self._sub, "remove"),
+            (self._discovery, "stop"), (self._search, "stop"), (self._probes, "remove"),
+            (self._sub, "remove"),
             (self._anomaly, "stop"), (self._fp32, "remove")) if owner is not None]
         for fn in removers:
             try:
@@ -666,8 +672,32 @@ class Watch:
         rid = id(model)
         return rid in self._bounds.trained_roots and rid not in self._bounds.step_roots
 
+    def _replacement_wanted(self, module: nn.Module) -> bool:
+        """The loop's top-level call of ``module`` may be a watched model's new object
+        (see :mod:`amp_doctor.hooks.replacement`): training, not watched, of a watched
+        model's class."""
+        probes = self._probes
+        if probes is None or self.closed or not torch.is_grad_enabled():
+            return False
+        model = unwrap(module)
+        return (not probes.watches(model)
+                and any(type(model) is type(m) for m in self._set.models.values()))
+
+    def _found_replacement(self, module: nn.Module, name: str | None,
+                           args: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+        """Take ``module`` as the new object of the idle watched model of its architecture,
+        if there is one; returns the inputs its call under way should take instead."""
+        model = unwrap(module)
+        prefix = next((p for p, old in self._set.models.items()
+                       if self._idle_root(old) and same_architecture(old, model)), None)
+        if prefix is None:
+            return None
+        missed = self._search.taken()
+        self._replace_root(prefix, model, name or type(model).__name__, module, missed)
+        return self._join_call(model, args)
+
     def _replace_root(self, prefix: str, model: nn.Module, name: str,
-                      given: nn.Module) -> None:
+                      given: nn.Module, missed: tuple[int, int] | None = None) -> None:
         """``model`` replaced the watched root at ``prefix`` (see ``ModelSet.replaced``):
         one model, under its names, whose layers' figures run on. The step boundaries
         follow it: left with the old object as the step's first model, the new one's
@@ -689,13 +719,22 @@ class Watch:
         if self._fp32 is not None:
             self._fp32.reattach(self.models)
         of_type = f" ({type(model).__name__})" if name != type(model).__name__ else ""
+        since = missed[0] if missed is not None else self.step_index
+        lost = ""
+        if missed is not None:
+            steps = (f"step {missed[0]}" if missed[1] == 1
+                     else f"steps {missed[0]}-{missed[0] + missed[1] - 1}")
+            lost = (f" The watch found the new object by its class and architecture in step "
+                    f"{self.step_index}; {steps} trained it before that, and none of its "
+                    "layers was recorded there.")
         self._extra_events.append(Event(
-            kind="model_replaced", step=self.step_index, module=prefix or None, data={
+            kind="model_replaced", step=since, module=prefix or None, data={
                 "severity": "info", "name": name,
-                "message": (f"`{name}`{of_type} was replaced at step {self.step_index} by a new "
+                "missed_steps": list(missed) if missed is not None else None,
+                "message": (f"`{name}`{of_type} was replaced at step {since} by a new "
                             "object of the same architecture (a model reloaded from a full "
                             "checkpoint, or a copy): it is reported as one model, its layers' "
-                            "figures running on under the same names."),
+                            f"figures running on under the same names.{lost}"),
                 "advice": ("Nothing to fix: a note on why the model's figures run on across "
                            "the swap.")}))
 
@@ -725,6 +764,12 @@ class Watch:
         """Watch a model the loop called; returns the inputs its call under way should
         take instead (a forced ``fp32`` model's, cast up), or None."""
         self.add_model(module, name)
+        return self._join_call(module, args)
+
+    def _join_call(self, module: nn.Module, args: tuple[Any, ...] | None
+                   ) -> tuple[Any, ...] | None:
+        """A model just watched, found in its own call: the call joins the step as its
+        hooks would have made it (``args`` None: found before the call)."""
         if args is None:
             return None
         # This call's own pre-hooks were collected before we added ours.
@@ -1038,6 +1083,9 @@ class Watch:
     def _boundary(self, iterations: int = 1) -> None:
         if self.closed:
             return
+        trained = bool(self._bounds.step_roots)
+        backward = self._loop.backward and bool(self._bounds.trained_roots)
+        ended = self.step_index
         try:
             self._finish_step(partial=False)
         finally:
@@ -1048,6 +1096,8 @@ class Watch:
             self._loop.new_step()
             self._bounds.idle = False
             self._bounds.step_roots.clear()
+            if self._bounds.trained_roots:
+                self._search.step_ended(ended, trained, backward)
         if self._opts.stop_after is not None and self.step_index >= self._opts.stop_after:
             from amp_doctor.errors import StopRun
 
@@ -1235,6 +1285,10 @@ class Watch:
             out.append(Event(kind="model_not_run", step=0, data={
                 "steps": self.step_index, "backward": self._loop.backward,
                 "compiled": dynamo_compiled_something()}))
+        elif (stopped := self._search.stopped()) is not None:
+            out.append(Event(kind="model_stopped", step=stopped[0], data={
+                "steps": stopped[1], "total": self.step_index,
+                "searched": not self._opts.discover}))
         elif self._bounds.implicit:
             out.append(Event(kind="steps_from_backward", step=0, data={
                 "steps": self.step_index, "severity": "info"}))

@@ -306,6 +306,11 @@ ADVICE: dict[str, str] = {
         "whose forward runs (or a wrapper of it), not a copy: `copy.deepcopy`, or a model "
         "re-built or re-loaded after the watch began."
     ),
+    "model_stopped": (
+        "Watch the module your loop trains from then on: start `amp_doctor.watch(...)` on "
+        "it once it is built or loaded, or run the script under `amp-doctor diagnose`, "
+        "which watches whatever model the loop trains."
+    ),
     "model_not_run_compiled": (
         "Watch the module your loop calls (the same object whose forward runs, not a copy). "
         "If it is, torch.compile reused a graph it compiled before the watch began (for an "

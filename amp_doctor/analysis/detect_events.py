@@ -62,6 +62,7 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "nonfinite_loss": "error",
     "no_step_boundary": "warning",
     "model_not_run": "warning",
+    "model_stopped": "warning",
     "steps_from_backward": "info",
     "lowp_updates_lost": "error",
     "lowp_update_nonfinite": "error",

@@ -390,6 +390,21 @@ def _model_not_run(a: MessageArgs) -> str:
             f"no layer was recorded, so nothing can be said of its precision.{why}")
 
 
+@message_for("model_stopped")
+def _model_stopped(a: MessageArgs) -> str:
+    d = a.event.data
+    first, n = a.event.step, int(d.get("steps") or 0)
+    last = first + n - 1
+    total = int(d.get("total") or 0)
+    looked = (" No module of its class and architecture was called after it (a reloaded or "
+              "copied model would have been followed)." if d.get("searched") else "")
+    return (f"The watched model ran no training forward in the run's last {n} steps "
+            f"(steps {first}-{last} of {total}), while backward and the optimizer steps went "
+            f"on: none of its layers was recorded there, so the figures below end at step "
+            f"{first}. Most likely the loop trains another module from step {first} on: a "
+            f"model rebuilt with another architecture, or a different model.{looked}")
+
+
 @message_for("steps_from_backward")
 def _steps_from_backward(a: MessageArgs) -> str:
     return (f"No optimizer or GradScaler was seen: {a.event.data.get('steps')} step(s) were "
