@@ -358,7 +358,8 @@ class Watch:
             self._set.scan_params()
             self._probes = Probes(self.models, self._current_buffer, self._on_root_forward,
                                   events=self._extra_events, on_compiled=self._on_compiled,
-                                  on_root_output=self._on_root_output)
+                                  on_root_output=self._on_root_output,
+                                  step_of=lambda: self.step_index)
             for given in self._set.given.values():
                 self._attach_wrappers(given)
             if self._opts.fp32:
@@ -1278,7 +1279,8 @@ class Watch:
         mon = self._monitor
         metas = self._probes.layers.values() if self._probes else []
         if (self._probes is not None and (self.step_index or self._loop.backward)
-                and not self._compiled_names and not any(m.calls for m in metas)):
+                and not self._compiled_names and not self._probes.scripted_roots
+                and not any(m.calls for m in metas)):
             # Training went on, but no hook of the watched model ever ran: "autocast was
             # not active" or "no step ended" (an optimizer of another model's weights)
             # would be guesses about a forward nobody saw.

@@ -71,6 +71,7 @@ EVENT_SEVERITY: dict[str, Severity] = {
     # The script replaced a watched model's object (a reload, a copy): one model all the same.
     "model_replaced": "info",
     "unsummarized": "info",
+    "scripted_module": "info",
     "nonfinite_unlocated": "warning",
 }
 # An optimizer stepped outside the scaler's recipe: its message names every optimizer.

@@ -855,8 +855,11 @@ def run_findings(session: Session) -> Iterable[Finding]:
 
 def autocast_findings(session: Session) -> Iterable[Finding]:
     lows = any(lay.ran_low_precision for lay in session.layers)
-    if not session.recorded_steps or any(e.kind == "model_not_run" for e in session.events):
-        return  # (no forward of the model was seen: model_not_run says so)
+    if not session.recorded_steps or any(
+            e.kind == "model_not_run" or (e.kind == "scripted_module"
+                                          and e.data.get("severity") == "warning")
+            for e in session.events):
+        return  # (no forward of the model was seen: model_not_run, or its TorchScript, says so)
     n = session.recorded_steps
     recorded = f"{n} recorded step{'' if n == 1 else 's'}"
     if lows and not session.amp.autocast_seen:

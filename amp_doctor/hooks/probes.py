@@ -249,8 +249,23 @@ def _parametrization_parts(model: nn.Module) -> tuple[str, ...]:
                  if torch.nn.utils.parametrize.is_parametrized(mod))
 
 
+def _scripted_parts(model: nn.Module, base: str = "") -> tuple[str, ...]:
+    """The qualified names of ``model``'s outermost TorchScript modules (a submodule
+    given to ``torch.jit.script``, or ``model`` itself): they take no Python hooks
+    (``register_forward_pre_hook is not supported on ScriptModules``), nor do their
+    submodules, which TorchScript made script modules too."""
+    if isinstance(model, torch.jit.ScriptModule):
+        return (base,)
+    tops: list[str] = []
+    for qual, mod in model.named_modules(prefix=base):
+        if isinstance(mod, torch.jit.ScriptModule) and not _within(qual, tuple(tops)):
+            tops.append(qual)
+    return tuple(tops)
+
+
 def _within(qual: str, tops: tuple[str, ...]) -> bool:
-    return any(qual == t or qual.startswith(t + ".") for t in tops)
+    """``qual`` is one of ``tops`` or inside one ("" being the whole model)."""
+    return any(qual == t or not t or qual.startswith(t + ".") for t in tops)
 
 
 # Autograd nodes of views and casts (their class names less the version digits): a
@@ -344,8 +359,11 @@ class Probes:
         events: list[Event] | None = None,
         on_compiled: Callable[[str, str], None] | None = None,
         on_root_output: Callable[[nn.Module, Any], None] | None = None,
+        step_of: Callable[[], int] | None = None,
     ) -> None:
         self.layers: dict[str, LayerMeta] = {}
+        # The watch's step index, for events of modules found mid-run.
+        self._step_of = step_of
         self._names: dict[int, str] = {}
         self._roots: set[int] = set()
         # Submodules the loop calls directly (see _entry): hooked for the whole watch.
@@ -412,6 +430,10 @@ class Probes:
         # Session events: "unsummarized" (one per layer and kind, counted).
         self._events = events if events is not None else []
         self._skipped: dict[tuple[str, str], Event] = {}
+        # TorchScript modules left unhooked, by layer name: one event each; and the
+        # watched models that are TorchScript modules themselves.
+        self._scripted_noted: set[str] = set()
+        self.scripted_roots: set[str] = set()
         self._on_compiled = on_compiled
         run_eagerly_when_called_by_dynamo(_PreHook.__call__, _PostHook.__call__,
                                           _GradHook.__call__, Unwatched.__call__)
@@ -431,8 +453,9 @@ class Probes:
         self._roots.add(id(model))
         self._root_prefix[id(model)] = prefix
         parts = _parametrization_parts(model)
+        scripted = self._skip_scripted(prefix, model, _scripted_parts(model))
         for qual, mod in model.named_modules():
-            if id(mod) in self._names or _within(qual, parts):
+            if id(mod) in self._names or _within(qual, parts) or _within(qual, scripted):
                 continue  # shared submodule: first name wins; a weight's parametrization
             name = self._layer_name(prefix, qual, mod)
             meta = LayerMeta(name=name, type=type(mod).__name__, order=-1, root=id(model),
@@ -471,8 +494,9 @@ class Probes:
         base = ".".join(q for q in (pmeta.qual, name) if q)
         prefix = self._root_prefix.get(pmeta.root, "")
         parts = tuple(".".join(q for q in (base, p) if q) for p in _parametrization_parts(new))
+        scripted = self._skip_scripted(prefix, new, _scripted_parts(new, base), base)
         for qual, mod in new.named_modules(prefix=base):
-            if id(mod) in self._names or _within(qual, parts):
+            if id(mod) in self._names or _within(qual, parts) or _within(qual, scripted):
                 continue  # shared with a watched module: first name wins
             lname = self._layer_name(prefix, qual, mod)
             meta = self.layers.get(lname)
@@ -573,8 +597,9 @@ class Probes:
         del self._root_prefix[rid]
         self._root_prefix[nid] = prefix
         parts = _parametrization_parts(new)
+        scripted = self._skip_scripted(prefix, new, _scripted_parts(new))
         for qual, mod in new.named_modules():
-            if id(mod) in self._names or _within(qual, parts):
+            if id(mod) in self._names or _within(qual, parts) or _within(qual, scripted):
                 continue  # shared submodule: first name wins; a weight's parametrization
             meta = by_qual.get(qual)
             if meta is None:
@@ -892,6 +917,40 @@ class Probes:
                 if name is not None:
                     self._on_compiled(name, pre.traced)
                 pre.traced = None
+
+    def _skip_scripted(self, prefix: str, model: nn.Module, quals: tuple[str, ...],
+                       base: str = "") -> tuple[str, ...]:
+        """``quals`` (TorchScript modules of ``model``, see :func:`_scripted_parts`) are
+        left unhooked, each with an info event; returns them."""
+        mods = dict(model.named_modules(prefix=base))
+        for qual in quals:
+            name = self._layer_name(prefix, qual, mods[qual])
+            if name in self._scripted_noted:
+                continue
+            self._scripted_noted.add(name)
+            step = self._step_of() if self._step_of is not None else 0
+            if mods[qual] is model and not base:
+                # The watched model itself: nothing of it can be recorded.
+                self.scripted_roots.add(name)
+                data = {"severity": "warning", "message": (
+                    f"The watched model {name} is a TorchScript module (torch.jit.script): "
+                    "TorchScript runs no Python hooks, so none of its layers can be recorded "
+                    "(the GradScaler, the optimizer and the loss still are). The run itself "
+                    "is unaffected."), "advice": (
+                    "Watch the Python module, before `torch.jit.script`: "
+                    "`amp_doctor.watch(model)` on the model you script, for a few steps "
+                    "unscripted.")}
+            else:
+                data = {"severity": "info", "message": (
+                    f"{name} is a TorchScript module (torch.jit.script): TorchScript runs no "
+                    "Python hooks, so it and its submodules have no rows of their own (its "
+                    "work shows in the rows of its parent and of the layers that take its "
+                    "output), and the run itself is unaffected."), "advice": (
+                    "Nothing to fix. For its own rows, watch a few steps with the module "
+                    "not scripted.")}
+            self._events.append(Event(kind="scripted_module", step=step, module=name,
+                                      data=data))
+        return quals
 
     def _note_skipped(self, name: str, kind: str, step: int) -> None:
         """Count a tensor that could not be summarised; one event per (layer, kind)."""
