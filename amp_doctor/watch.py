@@ -333,6 +333,8 @@ class Watch:
         self._run_meta: dict[str, Any] = {}
         self._started_flag = False
         self._compiled_names: set[str] = set()
+        # While a boundary starts the next step: the step that ended.
+        self._step_ended: int | None = None
         # Found by the skip's one sync on an unrecorded step, for the step's end.
         self._pending_culprits: list[str] | None = None
         self._pending_loss_bad: bool | None = None
@@ -562,8 +564,9 @@ class Watch:
         if name in self._compiled_names:
             return
         self._compiled_names.add(name)
+        step = self._step_ended if self._step_ended is not None else self.step_index
         self._extra_events.append(Event(
-            kind="compiled_model", step=self.step_index, module=name,
+            kind="compiled_model", step=step, module=name,
             data={"severity": "info", "message": f"{name} {COMPILED_NOTE}"}))
 
     def _teardown(self) -> None:
@@ -1093,7 +1096,12 @@ class Watch:
             # The next step starts even if the last one could not be folded (an
             # internal error, reported by the patch hub): its hooks get a new buffer.
             self.step_index += iterations
-            self._set_recording()
+            # What the probes find of the step that ended (a model compiled in it) is its.
+            self._step_ended = ended
+            try:
+                self._set_recording()
+            finally:
+                self._step_ended = None
             self._loop.new_step()
             self._bounds.idle = False
             self._bounds.step_roots.clear()

@@ -103,6 +103,8 @@ def test_compiled_model_same_graphs_and_losses(how: str) -> None:
     notes = [e for e in session.events if e.kind == "compiled_model"]
     assert [e.module for e in notes] == ["MLP"]
     assert "torch.compile" in notes[0].data["message"]
+    # At the step it ran compiled, not the next one (review 57a: one step late).
+    assert notes[0].step == 0
     # autocast inside the compiled graph is known: no false "autocast_inactive".
     assert session.amp.autocast_seen and session.amp.dtype == "float16"
     assert "autocast_inactive" not in {f.kind for f in session.findings}
