@@ -312,3 +312,33 @@ def test_cli_runs_a_script_that_scripts_a_submodule(tmp_path: Path) -> None:
     assert "internal error" not in text and "Traceback" not in text
     report = json.loads((tmp_path / "out" / "amp_doctor.json").read_text())
     assert report["steps"] == 6
+
+
+def test_backoffs_before_the_origin_on_unrecorded_steps_say_so() -> None:
+    # A weight scaled by 1e5 at step 12 overflows its layer's output from then on; at
+    # the default every=10 the first recorded step after it is 20. The backoffs of
+    # steps 12-19 were not recorded, not "without a forward origin" (review 57a).
+    torch.manual_seed(0)
+    inp, mid, out = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+    model = nn.Sequential(inp, nn.GELU(), mid, nn.LayerNorm(64), out)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=10, tensorboard=False) as w:
+        for step in range(24):
+            if step == 12:
+                with torch.no_grad():
+                    mid.weight.mul_(1e5)
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    (b,) = w.session.findings_of("scaler_backoff")
+    assert b.steps[0] == 12
+    text = " ".join(b.message.split())
+    assert ("2's output went non-finite first, in the forward pass, at step 20 (the backoffs "
+            "before it, from step 12, were on steps not recorded: `every=1` records every "
+            "step)") in text, text

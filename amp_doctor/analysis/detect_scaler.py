@@ -380,8 +380,13 @@ def _origin_of(evs: list[ScalerEvent], origins: dict[int, tuple[str, str]]
             if e.step > evs[0].step:
                 # An overflow in the backward pass alone (the forward was finite), or a step
                 # not recorded: the earlier backoffs are not said to have begun there.
-                how += (f" (the backoffs before it, from step {evs[0].step}, show no forward "
-                        "origin)")
+                before = [x for x in evs if x.step < e.step]
+                if not any(x.recorded for x in before):
+                    how += (f" (the backoffs before it, from step {evs[0].step}, were on steps "
+                            "not recorded: `every=1` records every step)")
+                else:
+                    how += (f" (the backoffs before it, from step {evs[0].step}, show no "
+                            "forward origin)")
             return (e.forward_origin, how)
     return None
 
