@@ -312,11 +312,15 @@ def whatif_findings(s: Session, target: str | None = None) -> list[Finding]:
             if under:
                 parts.append("below float16's smallest normal (6.1e-05): " + _listed(
                     f"{F.layer(r.layer)} ({r.tensor}s: {F.pct(r.underflow_share)})" for r in under))
+            # A run that switched format midway (float16 with a GradScaler, then
+            # bfloat16) is bfloat16 by most steps, but not "a bfloat16 run".
+            run = ("run (bfloat16 in most steps, float16 in the others)"
+                   if "float16" in s.amp.other_dtypes else "bfloat16 run")
             out.append(Finding(
                 kind="whatif_float16", severity=sev, module=rows[0].layer, op=None, step=None,
                 message=("Simulated from the recorded histograms (gradients as a GradScaler at "
-                         f"2^{FP16_GRAD_SCALE_LOG2} would hold them), in float16 this bfloat16 "
-                         "run would put values " + "; ".join(parts) + "."),
+                         f"2^{FP16_GRAD_SCALE_LOG2} would hold them), in float16 this {run} "
+                         "would put values " + "; ".join(parts) + "."),
                 advice=_fp16_advice(bool(over), bool(under)) + " " + _FP16_UNSEEN,
                 data={"rows": [asdict(r) for r in rows]},
             ))

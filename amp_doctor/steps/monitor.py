@@ -3,7 +3,8 @@
 :class:`AmpMonitor` subscribes to :mod:`amp_doctor.hooks.patching`'s hub and turns
 the forwarded calls into what one watch needs: a step boundary at the primary
 scaler's ``update()`` (or the primary optimizer's step when no scaler is in
-use), a :class:`~amp_doctor.steps.scaler.StepOutcome` per step, the scale mirrors
+use, or no longer: float16 with a scaler, then bfloat16 without it), a
+:class:`~amp_doctor.steps.scaler.StepOutcome` per step, the scale mirrors
 (:mod:`amp_doctor.steps.scaler`) and the misuse checks (:mod:`amp_doctor.steps.misuse`).
 Which scalers and optimizers are the watch's is decided by
 :class:`~amp_doctor.steps.registry.AmpRegistry`.
@@ -128,6 +129,14 @@ class AmpMonitor:
         # an iteration, and whether it stepped since the last boundary.
         self._closing: int | None = None
         self._closing_stepped = False
+        # Since the last step ended: a relevant scaler was used (scale, unscale_, step or
+        # update), and a backward pass ran. A plain step of the scaler's parameters in a
+        # step without the first but with the second is a loop that stopped using it.
+        self._scaler_in_step = False
+        self._backward_in_step = False
+        # The layers whose parameters a scaler stepped, kept after their optimizer is gone
+        # (a loop that drops the scaler may make a new optimizer for the same model).
+        self._scaled_layers: set[str] = set()
 
     @property
     def drives_steps(self) -> bool:
@@ -153,6 +162,7 @@ class AmpMonitor:
             return
         if self.registry.primary_scaler not in (None, id(scaler)) and not st.relevant:
             return  # another model's scaler, seen by an overlapping watch
+        self._scaler_in_step = True
         self._cb.scale(scaler._scale if scaler._enabled else None, outputs)
 
     def on_unscale(self, scaler: GradScaler, optimizer: Any) -> None:
@@ -161,6 +171,7 @@ class AmpMonitor:
             return
         st.opt_ids.add(id(optimizer))
         self.registry.claim(scaler, st)
+        self._scaler_in_step = True
         self._misuse.unscale(scaler, st, optimizer)
         self._cb.param_grads(optimizer_params(optimizer), st.scale)
 
@@ -170,6 +181,7 @@ class AmpMonitor:
             return
         st.opt_ids.add(id(optimizer))
         self.registry.claim(scaler, st)
+        self._scaler_in_step = True
         # Skipped or not, the optimizer had its turn in this iteration.
         cycle = self._learning()
         if cycle is not None:
@@ -237,6 +249,8 @@ class AmpMonitor:
         if st is None:
             return
         primary = self.registry.is_primary(scaler)
+        if primary or st.relevant:
+            self._scaler_in_step = True
         if scaler._enabled:
             self._misuse.scaler_updated()
             step = self._step_of()
@@ -311,6 +325,7 @@ class AmpMonitor:
             self._misuse.plain_step(optimizer)
             self._cb.param_grads(params, None)
             return
+        self._scaled_layers |= self._opt_layers[id(optimizer)][1]
         # Inside scaler.step: unscale_ has summarised the gradients, unless
         # the optimizer unscales them itself (fused) or the scaler is disabled.
         for scaler, st in self.registry.enabled():
@@ -355,12 +370,29 @@ class AmpMonitor:
         """A plain ``optimizer.step()`` in a run whose steps a GradScaler ends: a model
         trained without one beside a model trained with one (a bfloat16 generator, a
         float16 discriminator). While the first step waits for it, it has its turn; when
-        it is the iteration's last update, its step ends each step."""
+        it is the iteration's last update, its step ends each step. A loop that stopped
+        using the scaler ends its steps at such a step (see _scaler_dropped)."""
         if self._cycle is not None:
             self._cycle.stepped(optimizer)
             self._settle_cycle()
-        elif self._closing == id(optimizer):
+        elif self._closing == id(optimizer) or (
+                self._closing is None and self._scaler_dropped(optimizer)):
             self._cb.boundary(1)
+
+    def _scaler_dropped(self, optimizer: Optimizer) -> bool:
+        """Has the loop stopped using the scaler: this plain step, on gradients of a backward
+        in a step no scaler took part in, steps parameters a scaler stepped before
+        (float16 with a GradScaler, then bfloat16 or ``model.half()`` without it)? An
+        optimizer beside the scaler (a bfloat16 generator) steps parameters no scaler
+        steps, and one stepped again after ``update()`` steps the same gradients: neither
+        ends a step."""
+        if self._scaler_in_step or not self._backward_in_step:
+            return False
+        st = self.registry.primary()
+        if st is not None and id(optimizer) in st.opt_ids:
+            return True
+        layers = self._opt_layers.get(id(optimizer), (0, set()))[1]
+        return not layers.isdisjoint(self._scaled_layers)
 
     def _settle_cycle(self) -> bool:
         """After an update in the first step: does the step go on (another optimizer is
@@ -401,6 +433,7 @@ class AmpMonitor:
         self._misuse.scheduler_step(scheduler)
 
     def on_backward(self, tensors: Any) -> None:
+        self._backward_in_step = True
         self._cb.backward(list(iter_tensors(tensors)))
         self._misuse.backward()
 
@@ -412,6 +445,7 @@ class AmpMonitor:
         outs = list(grads) if isinstance(grads, (list, tuple)) else [grads]
         if len(outs) != len(ins):
             return  # not (inputs, their gradients) as torch.autograd.grad returns them
+        self._backward_in_step = True
         self._cb.grads_taken(list(iter_tensors(outputs)), ins, outs, scaled)
 
     def on_backward_end(self, tensors: Any, through_scaler: bool) -> None:
@@ -423,6 +457,7 @@ class AmpMonitor:
     def take_outcome(self) -> StepOutcome:
         """What the AMP API did since the last step ended; starts a new outcome."""
         out, self._outcome = self._outcome, StepOutcome()
+        self._scaler_in_step = self._backward_in_step = False
         return out
 
     def scale_tensors(self) -> dict[str, torch.Tensor]:
@@ -490,6 +525,7 @@ class AmpMonitor:
         self._timeline.rename_layers(mapping)
         self._opt_layers = {k: (n, {mapping.get(x, x) for x in names})
                             for k, (n, names) in self._opt_layers.items()}
+        self._scaled_layers = {mapping.get(x, x) for x in self._scaled_layers}
 
     # -- results ------------------------------------------------------------
     def events(self) -> list[Event]:
