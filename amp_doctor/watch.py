@@ -737,7 +737,8 @@ class Watch:
                 "missed_steps": list(missed) if missed is not None else None,
                 "message": (f"`{name}`{of_type} was replaced at step {since} by a new "
                             "object of the same architecture (a model reloaded from a full "
-                            "checkpoint, or a copy): it is reported as one model, its layers' "
+                            "checkpoint, a copy, or one built anew, as for the next fold of "
+                            "k-fold training): it is reported as one model, its layers' "
                             f"figures running on under the same names.{lost}"),
                 "advice": ("Nothing to fix: a note on why the model's figures run on across "
                            "the swap.")}))
