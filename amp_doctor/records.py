@@ -28,6 +28,7 @@ __all__ = [
     "StepRecord",
     "LayerSummary",
     "ScalerEvent",
+    "ScalerReset",
     "ScalerTimeline",
     "Event",
     "Finding",
@@ -189,6 +190,17 @@ class ScalerEvent:
 
 
 @dataclass(frozen=True)
+class ScalerReset:
+    """A new GradScaler took over from the previous one (the old one never updated
+    again): the scale jumped from the old scaler's last to the new one's start, which is
+    no growth. A scaler built inside ``train_one_epoch()`` does this every epoch."""
+
+    step: int  # the first step the new scaler ran
+    scale_before: float  # the old scaler's scale, in force after the step before (nan: unknown)
+    scale_after: float  # the new scaler's start: its init_scale, or a loaded state's scale
+
+
+@dataclass(frozen=True)
 class ScalerTimeline:
     scale: list[tuple[int, float]]  # (step, scale after update) at changes and recorded steps
     backoff_steps: list[int]
@@ -206,6 +218,8 @@ class ScalerTimeline:
     # Where their parameters sit: the layers' common prefix ("g.net"), else the top-level
     # names ("g, d"); "" when unknown. Shown beside the name when a run has several scalers.
     stepping: str = ""
+    # Where a new scaler replaced the previous one, in step order.
+    resets: list[ScalerReset] = field(default_factory=list)
 
     @property
     def label(self) -> str:

@@ -161,6 +161,15 @@ ADVICE: dict[str, str] = {
         "use bfloat16); do not just lower `init_scale`. If the model was trained in bf16, "
         "fine-tune it in bf16 (`dtype=torch.bfloat16`) rather than float16."
     ),
+    "scaler_recreated": (
+        "Create the GradScaler once, outside the epoch loop (not inside "
+        "`train_one_epoch()`), and pass it in as you do the optimizer: it keeps the scale "
+        "it calibrated and grows it as training allows. Where a new one must be built (a "
+        "restarted loop, a resumed checkpoint), carry the state over: "
+        "`new.load_state_dict(old.state_dict())`, and save `scaler.state_dict()` in the "
+        "checkpoint beside the optimizer's. A lower `init_scale` only shortens each "
+        "recalibration."
+    ),
     "scale_collapse_loss_gradient": (
         "Keep the loss O(1): normalise the data and targets to unit scale, take a mean rather "
         "than a sum over elements, or divide the loss by its typical size before "

@@ -54,8 +54,13 @@ def _culprits_of(group: list[ScalerEvent]) -> list[str]:
 
 
 def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[ScalerEvent],
-                    last_step: int, floor: float, loss_counts: bool = True) -> str | None:
+                    last_step: int, floor: float, loss_counts: bool = True,
+                    start: int = 0) -> str | None:
     """Why a group of backoffs is GradScaler working as designed, or None.
+
+    ``groups`` are the episodes of one scaler, the one that started at step ``start``
+    (a new scaler that replaced the old one calibrates from its own start: see
+    :func:`restarts`), and ``i`` indexes them.
 
     * calibration: the scale starts high (2**16) and halves in the first steps
       until the gradients fit: a run starting at once that ends, short or leaving
@@ -78,17 +83,18 @@ def _normal_backoff(i: int, groups: list[list[ScalerEvent]], growths: list[Scale
         # The loss itself was NaN/inf: the forward pass failed, whatever the scale.
         return None
     after = g[-1].scale_after
-    prev = [x for x in growths if x.step < g[0].step]
-    if (i == 0 and not prev and g[0].step < CALIBRATION_START
+    prev = [x for x in growths if start <= x.step < g[0].step]
+    if (i == 0 and not prev and g[0].step - start < CALIBRATION_START
             and (len(g) < BACKOFF_RUN_COLLAPSE or after > CALIBRATED_MIN)
             # Still halving when the run ended: calibration cut short, if the scale is still
             # above the default start (a quick trial of a high init_scale; review 46a).
             and (g[-1].step < last_step or after >= DEFAULT_INIT_SCALE)
             and not (after < SCALE_COLLAPSE_MIN)):
         return "calibration"
-    if (i == 1 and not prev and len(g) == 1 and g[0].step < CALIBRATION_STEPS
+    if (i == 1 and not prev and len(g) == 1 and g[0].step - start < CALIBRATION_STEPS
             and after > CALIBRATED_MIN
-            and _normal_backoff(0, groups, growths, last_step, floor) == "calibration"):
+            and _normal_backoff(0, groups, growths, last_step, floor,
+                                start=start) == "calibration"):
         # One more halving soon after, before the scale ever grew: the scale the
         # calibration stopped at was just too high for a later batch.
         return "calibration"
@@ -575,11 +581,19 @@ def _classified(session: Session, backoffs: list[ScalerEvent], growths: list[Sca
     follows with no growth in between are part of its fall (a scale halving now and then
     and never growing back, until it is low): they are the finding's too. Not before an
     episode of a failed forward pass (a NaN loss): that is no fall of the scale."""
-    groups = F.consecutive_runs(backoffs)
     floor = _settled_floor(session)
     loss = _loss_counts(session)
-    out = [(_normal_backoff(i, groups, growths, session.steps - 1, floor, loss), g)
-           for i, g in enumerate(groups)]
+    starts = [0, *restarts(session.scaler)] if session.scaler is not None else [0]
+    out: list[tuple[str | None, list[ScalerEvent]]] = []
+    # Each scaler's episodes on their own: one replaced by a new scaler ends there, and
+    # the new one calibrates from its own start ("recalibration": the old one's scale
+    # thrown away), which is no collapse of the old one's scale.
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else math.inf
+        groups = F.consecutive_runs([e for e in backoffs if start <= e.step < end])
+        for i, g in enumerate(groups):
+            why = _normal_backoff(i, groups, growths, session.steps - 1, floor, loss, start)
+            out.append(("recalibration" if k and why == "calibration" else why, g))
     grown = {e.step for e in growths}
     for i in range(len(out) - 1, 0, -1):
         if out[i][0] is not None or any(e.forward_origin or (e.loss_nonfinite and loss)
@@ -587,10 +601,21 @@ def _classified(session: Session, backoffs: list[ScalerEvent], growths: list[Sca
             continue  # settled, or a forward pass that failed: no fall of the scale
         j = i - 1
         while (j >= 0 and out[j][0] == "settling"
-               and not any(out[j][1][-1].step < s < out[j + 1][1][0].step for s in grown)):
+               and not any(out[j][1][-1].step < s < out[j + 1][1][0].step for s in grown)
+               # A new scaler between them started again: no fall of one scale.
+               and not any(out[j][1][-1].step < s <= out[j + 1][1][0].step
+                           for s in starts)):
             out[j] = (None, out[j][1])
             j -= 1
     return out
+
+
+def restarts(sc: ScalerTimeline) -> list[int]:
+    """The steps where a new scaler replaced the old one and started above the scale the
+    old one had reached (its init_scale, not the old one's state): it calibrates again.
+    A new scaler that loaded the old one's state (a resumed run) starts where the old
+    one was and is no restart. An unknown scale (on the device) counts as one."""
+    return [r.step for r in sc.resets if not r.scale_after <= r.scale_before]
 
 
 def _all_loss_nonfinite(session: Session, backoffs: list[ScalerEvent]) -> bool:
@@ -656,18 +681,24 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
     if sc is None or not sc.enabled:
         return
     backoffs, growths = _scaler_events(session)
-    groups = F.consecutive_runs(backoffs)
     last_step = session.steps - 1
     floor = _settled_floor(session)
     classified = _classified(session, backoffs, growths)
+    groups = [g for _, g in classified]
     origins = _origins_by_step(session)
     normal: list[tuple[str, list[ScalerEvent]]] = []
+    # The start-up backoffs of each new scaler that replaced the old one: its finding's.
+    recal = [g for why, g in classified if why == "recalibration"]
+    recal_steps = {e.step for g in recal for e in g}
+    yield from _recreated_findings(session, recal)
     # Episodes with the same culprits are one finding: a recurring overflow
     # in the same layer is one problem, however often it strikes.
     by_culprits: dict[tuple[str, ...], list[list[ScalerEvent]]] = {}
     known = _backoff_origins(session, backoffs, origins)
     with_params = {lay.name for lay in session.layers if lay.param_dtypes}
     for why, g in classified:
+        if why == "recalibration":
+            continue
         if why is not None:
             normal.append((why, g))
             continue
@@ -791,13 +822,17 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
     for e in backoffs:  # the timeline may be thinned; events are not
         if not math.isnan(e.scale_after):
             min_scale = e.scale_after if min_scale is None else min(min_scale, e.scale_after)
-    post = [e for e in backoffs if e.step >= CALIBRATION_STEPS]
-    eligible = max(session.steps - CALIBRATION_STEPS, 0)
+    # A new scaler's calibration is no backoff of the scale it replaced, nor a step that
+    # could have backed off: neither side of the share counts it.
+    post = [e for e in backoffs if e.step >= CALIBRATION_STEPS and e.step not in recal_steps]
+    eligible = max(session.steps - CALIBRATION_STEPS
+                   - sum(s >= CALIBRATION_STEPS for s in recal_steps), 0)
     # A first run that fell this far is no calibration, however early (from the default
     # scale: a higher init_scale has further to fall before it fits).
     deep = min(sc.init_scale or DEFAULT_INIT_SCALE, DEFAULT_INIT_SCALE) / 2 ** (
         2 * BACKOFF_RUN_COLLAPSE)
-    runs = [g for i, g in enumerate(groups) if len(g) >= BACKOFF_RUN_COLLAPSE and (
+    runs = [g for i, g in enumerate(groups) if len(g) >= BACKOFF_RUN_COLLAPSE
+            and g[0].step not in recal_steps and (
         i > 0 or g[0].step >= CALIBRATION_STEPS
         or g[-1].step >= last_step and not g[-1].scale_after >= DEFAULT_INIT_SCALE
         or g[-1].scale_after < deep)]
@@ -888,6 +923,10 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
     if reasons or (sc.growth_factor is not None and sc.growth_factor <= 1):
         return
     last_growth = growths[-1].step if growths else -1
+    # A new scaler counts its clean steps from its own start.
+    taken_over = max((s for s in restarts(sc) if s > last_growth), default=None)
+    if taken_over is not None:
+        last_growth = taken_over - 1
     stretch = session.steps - (last_growth + 1)
     since = [e for e in backoffs if e.step > last_growth]
     if stretch >= STUCK_INTERVALS * gi and since:
@@ -902,8 +941,10 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             op=None, step=since[0].step,
             message=(f"The loss scale did not grow in the last {stretch} steps "
                      f"({stretch / gi:.1f} growth intervals of {gi}"
-                     + (", since the growth at step " + str(last_growth) if growths else
-                        ", i.e. never") + f"); it is {_scale(final)}. {len(since)} "
+                     + (f", since the new GradScaler took over at step {taken_over}"
+                        if taken_over is not None
+                        else ", since the growth at step " + str(last_growth) if growths
+                        else ", i.e. never") + f"); it is {_scale(final)}. {len(since)} "
                      f"backoff(s) (steps {F.steps_list([e.step for e in since])}) each reset "
                      f"GradScaler's count of clean steps before it reached {gi}"
                      + (f"; the first culprit was {top}" if top else "") + "." + why),
@@ -914,6 +955,66 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                   "least_headroom_layer": worst[0] if worst else None,
                   "least_headroom_bits": worst[1] if worst else None},
         )
+
+
+def _recreated_findings(session: Session, recal: list[list[ScalerEvent]]
+                        ) -> Iterable[Finding]:
+    """``scaler_recreated``: new GradScalers replaced the old one and calibrated again
+    from their init_scale (``recal``: their start-up backoffs, see :func:`_classified`),
+    skipping optimizer steps the old one's calibrated scale would have trained. A
+    warning; an error when no new scaler ever finished calibrating (each was replaced,
+    or the run ended, while it still skipped every step: nothing trained after the
+    first replacement)."""
+    sc = session.scaler
+    if sc is None or not recal:
+        return
+    starts = restarts(sc)
+    resets = [r for r in sc.resets if r.step in starts]
+    evs = [e for g in recal for e in g]
+    steps = [e.step for e in evs]
+    skipped = sum(_skipped_in(session, steps).values()) or len(steps)
+    ends = [*starts[1:], session.steps]
+    # A new scaler whose start-up backoffs ran to the next one's start (or the run's end).
+    unfinished = [st for st, end in zip(starts, ends, strict=True)
+                  if any(st <= g[0].step < end and g[-1].step == end - 1 for g in recal)]
+    n = len(resets)
+    one = n == 1
+    at = (f"at step {resets[0].step}" if one else
+          f"{n} times (at steps {F.steps_list([r.step for r in resets])})")
+    began = ", ".join(dict.fromkeys(_scale(r.scale_after) for r in resets))
+    had = ", ".join(dict.fromkeys(_scale(r.scale_before) for r in resets))
+    message = (
+        f"A new GradScaler replaced the previous one {at}, and the old one was not used "
+        f"again: {'it' if one else 'each'} started over from the scale it was built with "
+        f"({began}), throwing away the scale the old one had calibrated ({had}), and backed "
+        f"off {_backoffs(evs)} to calibrate again, so {skipped} optimizer steps were "
+        f"skipped (steps {F.steps_list(steps)})"
+        + ("" if one else f", about {skipped / n:.0f} per new scaler")
+        + ". These backoffs are each new scaler's start-up, not the loss scale collapsing: "
+        "a GradScaler built inside the epoch loop (in `train_one_epoch()`) does this "
+        "every epoch"
+        + (f". The new scaler{'' if len(unfinished) == 1 else 's'} at step"
+           f"{'' if len(unfinished) == 1 else 's'} {F.steps_list(unfinished)} never "
+           "finished calibrating before the next one replaced it or the run ended: none of "
+           "its optimizer steps trained" if unfinished else "")
+        + ".")
+    yield Finding(
+        kind="scaler_recreated",
+        severity="error" if len(unfinished) == n else "warning",
+        module=None, op=None, step=resets[0].step, message=message,
+        advice=ADVICE["scaler_recreated"], steps=steps[:MAX_STEPS_KEPT],
+        data={"resets": [r.step for r in resets][:MAX_STEPS_KEPT],
+              "recalibration_steps": steps[:MAX_STEPS_KEPT], "skipped": skipped,
+              "backoffs": sum(e.count for e in evs),
+              # nan (a scale on the device, unknown) is no JSON number: None.
+              "scale_before": [_known(r.scale_before) for r in resets][:MAX_STEPS_KEPT],
+              "scale_after": [_known(r.scale_after) for r in resets][:MAX_STEPS_KEPT],
+              "unfinished": unfinished[:MAX_STEPS_KEPT]},
+    )
+
+
+def _known(x: float) -> float | None:
+    return None if math.isnan(x) else x
 
 
 def _least_grad_headroom(session: Session, scale: float | None) -> tuple[str, float] | None:

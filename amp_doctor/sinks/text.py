@@ -235,7 +235,14 @@ def _one_scaler_line(label: str, sc: ScalerTimeline) -> str:
                else f"{F.counted(n_opt, 'skipped optimizer step')} in "
                f"{F.counted(len(skips), 'step')} ("
                + ", ".join(f"{k} {n}" for k, n in per.items()) + ")")
-    return (f"{label}: scale {F.scale(first)} -> {F.scale(last)}; "
+    # A new scaler's start is no growth of the old one's scale: said apart.
+    resets = sc.resets
+    started = ", ".join(dict.fromkeys(F.scale(r.scale_after, unknown="?") for r in resets))
+    replaced = (f"; {F.counted(len(resets), 'new GradScaler')} took over ("
+                f"{'step' if len(resets) == 1 else 'steps'} "
+                f"{F.steps_list([r.step for r in resets])}), starting at {started}"
+                if resets else "")
+    return (f"{label}: scale {F.scale(first)} -> {F.scale(last)}{replaced}; "
             f"{F.counted(backoffs, 'backoff')}"
             + (f" in {F.counted(len(bo), 'step')}" if backoffs != len(bo) else "")
             + (f" ({'step' if len(bo) == 1 else 'steps'} {shown})" if bo else "")

@@ -170,7 +170,7 @@ class AmpMonitor:
         if st is None or not self.registry.relevant(optimizer):
             return
         st.opt_ids.add(id(optimizer))
-        self.registry.claim(scaler, st)
+        self._claim(scaler, st)
         self._scaler_in_step = True
         self._misuse.unscale(scaler, st, optimizer)
         self._cb.param_grads(optimizer_params(optimizer), st.scale)
@@ -180,7 +180,7 @@ class AmpMonitor:
         if st is None or not self.registry.relevant(optimizer):
             return
         st.opt_ids.add(id(optimizer))
-        self.registry.claim(scaler, st)
+        self._claim(scaler, st)
         self._scaler_in_step = True
         # Skipped or not, the optimizer had its turn in this iteration.
         cycle = self._learning()
@@ -222,10 +222,24 @@ class AmpMonitor:
             # torch raises "No inf checks were recorded prior to update." next.
             self._misuse.update_without_step(st)
             if self.registry.primary_scaler is None:
-                self.registry.claim(scaler, st)  # the report's GradScaler is this one
+                self._claim(scaler, st)  # the report's GradScaler is this one
             return
         if scaler._enabled:
             self._flags_of_unscaled(scaler, st)
+
+    def _claim(self, scaler: GradScaler, st: ScalerMirror) -> None:
+        """``scaler`` works for the watched models; if it took over from the primary, the
+        timeline marks the reset, so that the new scaler's start (its init_scale again,
+        and the backoffs that calibrate it) is not read as the old one's scale growing
+        and collapsing."""
+        old = self.registry.claim(scaler, st)
+        if old is None:
+            return
+        # The old scaler's pending device flags are its steps', before the takeover.
+        replayed = old.resolve()
+        if replayed:
+            self._timeline.add_replayed(replayed)
+        self._timeline.reset(self._step_of(), old.scale, st.scale)
 
     def _flags_of_unscaled(self, scaler: GradScaler, st: ScalerMirror) -> None:
         """Optimizers unscaled but not stepped through ``scaler.step`` (``unscale_`` then

@@ -62,6 +62,9 @@ class AmpRegistry:
         self._explicit_opts = {id(o) for o in optimizers}
         self.scalers: dict[int, ScalerMirror] = {}
         self.primary_scaler: int | None = None
+        # The primary's mirror, kept when its id is dropped (a new scaler at the dead
+        # one's address): what a new primary replaced.
+        self._primary_st: ScalerMirror | None = None
         # The first optimizer of the watched models to step: without a scaler, its
         # steps end the training steps.
         self.primary_opt: int | None = None
@@ -91,19 +94,27 @@ class AmpRegistry:
                 self.claim(scaler, st)
         return st
 
-    def claim(self, scaler: GradScaler, st: ScalerMirror) -> None:
+    def claim(self, scaler: GradScaler, st: ScalerMirror) -> ScalerMirror | None:
         """``scaler`` works for the watched models (it stepped or unscaled one of
         their optimizers). The first such scaler drives step boundaries; a new
         one takes over when that one is gone (a training function called again).
-        Scalers of other models, seen by an overlapping watch, never do."""
+        Scalers of other models, seen by an overlapping watch, never do.
+
+        Returns the primary's mirror that ``scaler`` replaced, if it took over from
+        one that worked for the watched models: never for a second scaler used beside
+        the primary (a GAN's), which steps other optimizers while the primary lives.
+        """
         st.relevant = True
-        cur = self.scalers.get(self.primary_scaler) if self.primary_scaler is not None \
-            else None
+        cur = self._primary_st
         if cur is None or cur.ref() is None or not cur.relevant or (
                 cur is not st and cur.opt_ids & st.opt_ids):
             # A new scaler for the same optimizer replaced the old one (a resumed or
             # restarted loop), even while the old object is still alive.
             self.primary_scaler = id(scaler)
+            self._primary_st = st
+            if cur is not None and cur is not st and cur.relevant:
+                return cur
+        return None
 
     def primary(self) -> ScalerMirror | None:
         return self.scalers[self.primary_scaler] if self.primary_scaler is not None else None

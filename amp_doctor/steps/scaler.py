@@ -32,7 +32,7 @@ from amp_doctor.hooks.patching import (  # noqa: F401 - the old import path of t
     scaled_backwards,
     subscribe,
 )
-from amp_doctor.records import ScalerEvent, ScalerTimeline
+from amp_doctor.records import ScalerEvent, ScalerReset, ScalerTimeline
 
 __all__ = ["ScalerMirror", "StepOutcome", "ScaleTimeline", "Replayed", "DEFERRED_LIMIT",
            "f32", "replay_update", "patches_installed", "subscribe"]
@@ -41,6 +41,9 @@ __all__ = ["ScalerMirror", "StepOutcome", "ScaleTimeline", "Replayed", "DEFERRED
 DEFERRED_LIMIT = 1024
 # The timeline keeps at most this many scale points before thinning unchanged ones.
 MAX_SCALE_POINTS = 4 * 1024
+# At most this many scaler replacements are kept (a scaler built every iteration would
+# add one a step): the first ones say what the finding needs.
+MAX_RESETS = 1024
 # GradScaler's own defaults, reported for a scaler whose settings were never seen.
 DEFAULT_SETTINGS = (2.0, 0.5, 2000)
 DEFAULT_INIT_SCALE = 2.0 ** 16
@@ -278,6 +281,15 @@ class ScaleTimeline:
         self._growth: list[int] = []
         self._skipped: list[int] = []
         self._skipped_by_optimizer: dict[str, list[int]] = {}
+        self._resets: list[ScalerReset] = []
+
+    def reset(self, step: int, old_scale: float | None, new_scale: float | None) -> None:
+        """A new scaler took over from the previous one at ``step``, starting at
+        ``new_scale`` (None: on the device, not known yet)."""
+        if len(self._resets) >= MAX_RESETS:
+            return
+        self._resets.append(ScalerReset(step=step, scale_before=_nan(old_scale),
+                                        scale_after=_nan(new_scale)))
 
     def _event(self, step: int, kind: Literal["backoff", "growth"], before: float, after: float,
                **extra: Any) -> None:
@@ -355,6 +367,7 @@ class ScaleTimeline:
             growth_factor=growth if on else None,
             backoff_factor=backoff if on else None,
             enabled=on,
+            resets=list(self._resets),
         )
 
 
