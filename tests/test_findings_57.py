@@ -342,3 +342,33 @@ def test_backoffs_before_the_origin_on_unrecorded_steps_say_so() -> None:
     assert ("2's output went non-finite first, in the forward pass, at step 20 (the backoffs "
             "before it, from step 12, were on steps not recorded: `every=1` records every "
             "step)") in text, text
+
+
+def test_gradient_underflow_from_a_tiny_loss_names_the_loss() -> None:
+    # "Averaged over the dataset size" gone wrong: the loss is about 1e-8, and the
+    # gradients underflow float16 even with the loss scale. The finding said to raise
+    # init_scale and never named the loss (review 57a).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    losses: list[float] = []
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for _ in range(6):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y) * 1e-8
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    found = w.session.findings_of("gradient_underflow")
+    assert found
+    f = found[0]
+    med = sorted(losses)[len(losses) // 2]
+    assert 1e-9 < med < 1e-7
+    text = " ".join(f.message.split())
+    assert f"The loss itself is tiny (median {med:.2e} over the recorded steps)" in text, text
+    assert f.advice.startswith("Bring the loss to order 1 first")

@@ -116,6 +116,14 @@ ADVICE: dict[str, str] = {
         "call `scaler.scale(loss).backward()`; if a scaler is in use, raise `init_scale` "
         "or lower `growth_interval` so the scale can grow; or switch to bfloat16."
     ),
+    # The same, where the loss itself is tiny (analysis.thresholds.TINY_LOSS).
+    "gradient_underflow_tiny_loss": (
+        "Bring the loss to order 1 first: check how it is normalised (a mean over the batch, "
+        "not a sum divided by the dataset's size) and drop tiny weights on it. A GradScaler "
+        "can make up for a small loss only slowly (it doubles the scale once per "
+        "`growth_interval` clean steps, 2000 by default): a higher `init_scale` helps, or "
+        "bfloat16, whose range needs no scaling."
+    ),
     "missing_scaler": (
         "float16 autocast without a GradScaler lets small gradients flush to zero. Create "
         "`scaler = torch.amp.GradScaler(device_type)` and use `scaler.scale(loss).backward()`, "

@@ -31,6 +31,7 @@ from amp_doctor.analysis.thresholds import (
     OUTPUT_SPACING_MIN,
     OVERFLOW_FRAC_ERROR,
     STARVED_ZERO_FRAC,
+    TINY_LOSS,
     TREND_MIN_STEPS,
     WHOLLY_NONFINITE_FRAC,
 )
@@ -619,10 +620,17 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                     f"({F.pct(grad_underflow(source))} below the smallest normal), which runs "
                     f"before it in backward, and reached this layer flushed to zero{tail}")
         half = kind == "missing_scaler" and "float16" in lay.param_dtypes
+        tiny = _tiny_loss(session)
+        if tiny is not None:
+            what += (f". The loss itself is tiny (median {F.num(tiny)} over the recorded "
+                     "steps), and every gradient starts from it: a loss averaged over the "
+                     "dataset's size, or weighted by a tiny factor, is the likely cause")
         yield Finding(
             kind=kind, severity="warning", module=lay.name, op=None, step=None,
             message=f"{F.layer(lay.name)} ({lay.type}): {what}.",
-            advice=ADVICE["missing_scaler_half_params" if half else kind],
+            advice=ADVICE["missing_scaler_half_params" if half else
+                          "gradient_underflow_tiny_loss" if tiny is not None and scaled
+                          else kind],
             # The figures the message gives, of the one gradient it names (``gradient``):
             # a weight gradient's absmax is as the optimizer gets it, unscaled.
             data={"grad_underflow_frac": gu,
@@ -633,6 +641,17 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                   "scaled": scaled, "grad_absmax": big,
                   "grad_absmax_scaled": big if not weight and scaled else None},
         )
+
+
+def _tiny_loss(session: Session) -> float | None:
+    """The median |loss| over the recorded steps (as the loop computed it, before the loss
+    scale) when below :data:`TINY_LOSS`, else None."""
+    losses = sorted(abs(r.loss) for r in session.history
+                    if r.loss is not None and math.isfinite(r.loss))
+    if not losses:
+        return None
+    mid = losses[len(losses) // 2]
+    return mid if mid < TINY_LOSS else None
 
 
 def _coarse_output(lay: LayerSummary, fmt: str) -> Finding | None:

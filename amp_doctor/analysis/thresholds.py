@@ -27,6 +27,7 @@ __all__ = [
     "GRAD_RELEVANT_BITS",
     "ACT_RELEVANT_BITS",
     "GRAD_UNDERFLOW_WARN",
+    "TINY_LOSS",
     "GRAD_FLUSHED_WARN",
     "GRAD_ZEROS_SAID",
     "SCALE_COLLAPSE_MIN",
@@ -57,6 +58,10 @@ HEADROOM_WARN_BITS = 1.0
 ACT_UNDERFLOW_WARN = 0.05
 # Share of a layer's gradient values that flush to zero in the low-precision format.
 GRAD_UNDERFLOW_WARN = 0.10
+# A loss whose median |value| over the recorded steps is below this, beside underflowing
+# gradients, is named as their likely cause: every gradient starts from the loss, and a
+# loss averaged over a dataset's size or weighted by 1e-8 starts them all that small.
+TINY_LOSS = 1e-5
 # A layer whose outputs underflow (a LayerScale at 1e-6) shrinks the gradient on its way
 # back by the same gain: the gradients of the layers before it at least this many bits
 # below its own are its doing, and their underflow is its finding's consequence.
