@@ -696,6 +696,11 @@ class Watch:
                        if self._idle_root(old) and same_architecture(old, model)), None)
         if prefix is None:
             return None
+        if self._loop.backward and not self._bounds.step_roots:
+            # A backward since the last step ended, with no watched model in it, and no
+            # end of that step seen (its optimizer and a new GradScaler step what is only
+            # now found to be the watched model's): it was a step all the same.
+            self._boundary()
         missed = self._search.taken()
         self._replace_root(prefix, model, name or type(model).__name__, module, missed)
         return self._join_call(model, args)
@@ -968,6 +973,8 @@ class Watch:
     def _on_backward_done(self, roots: list[torch.Tensor]) -> None:
         self._loop.backward = True
         self._bounds.idle = False
+        if self._bounds.trained_roots and not self._bounds.step_roots and not self.closed:
+            self._search.untrained_backward(self.step_index)
         if self._probes is not None:
             self._probes.backward_ran()
         if self._implicit_candidate():
@@ -1298,7 +1305,7 @@ class Watch:
                 "compiled": dynamo_compiled_something()}))
         elif (stopped := self._search.stopped()) is not None:
             out.append(Event(kind="model_stopped", step=stopped[0], data={
-                "steps": stopped[1], "total": self.step_index,
+                "steps": stopped[1], "total": self.step_index, "uncounted": stopped[2],
                 "searched": not self._opts.discover}))
         elif self._bounds.implicit:
             out.append(Event(kind="steps_from_backward", step=0, data={

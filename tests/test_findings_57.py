@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 
 import amp_doctor
-from amp_doctor.hooks.replacement import SEARCH_STEPS
+from amp_doctor.hooks.replacement import SEARCH_BACKWARDS
 from amp_doctor.records import Session
 from tests.helpers import console_script
 
@@ -51,9 +51,11 @@ def _rebuild_wider(model: nn.Module) -> nn.Module:
 
 
 def _loop(swap: Callable[[nn.Module], nn.Module] | None, watched: bool,
-          every: int = 1) -> tuple[list[float], list[float], Session | None]:
-    """A float16 loop with a GradScaler whose model is replaced at step SWAP; returns the
-    losses, a checksum of the final parameters, and the session."""
+          every: int = 1, new_scaler: bool = False
+          ) -> tuple[list[float], list[float], Session | None]:
+    """A float16 loop with a GradScaler whose model is replaced at step SWAP (with a new
+    GradScaler too: a resume from a full checkpoint); returns the losses, a checksum of
+    the final parameters, and the session."""
     torch.manual_seed(0)
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -65,6 +67,10 @@ def _loop(swap: Callable[[nn.Module], nn.Module] | None, watched: bool,
             if step == SWAP and swap is not None:
                 model = swap(model)
                 opt = torch.optim.SGD(model.parameters(), lr=0.05)
+                if new_scaler:
+                    state = scaler.state_dict()
+                    scaler = torch.amp.GradScaler("cpu")
+                    scaler.load_state_dict(state)
             g = torch.Generator().manual_seed(step)
             x = torch.randn(16, 8, generator=g)
             with torch.autocast("cpu", dtype=torch.float16):
@@ -123,6 +129,40 @@ def test_a_model_rebuilt_with_another_architecture_is_a_warning() -> None:
     assert losses == plain_losses and sums == plain_sums
 
 
+@pytest.mark.parametrize("swap", [_reload, copy.deepcopy])
+def test_a_model_replaced_with_its_optimizer_and_scaler_is_followed(
+        swap: Callable[[nn.Module], nn.Module]) -> None:
+    # A resume from a full checkpoint: model, optimizer and GradScaler all new objects.
+    # The new scaler steps parameters nobody watched yet, so no step ended after the swap
+    # and the watch counted 6 steps of 12, with no finding (review 57d).
+    losses, sums, s = _loop(swap, watched=True, new_scaler=True)
+    assert s is not None and s.steps == STEPS
+    assert [r.step for r in s.history] == list(range(STEPS))
+    with_layers = [r.step for r in s.history if {"0", "2"} <= set(r.layers)]
+    assert with_layers == [st for st in range(STEPS) if st != SWAP]
+    (note,) = [f for f in s.findings if f.kind == "model_replaced"]
+    assert note.step == SWAP and f"in step {SWAP + 1}; step {SWAP} trained it" in note.message
+    assert not [f for f in s.findings if f.severity != "info"]
+    assert not module_mod._global_forward_pre_hooks
+    assert (losses, sums) == _loop(swap, watched=False, new_scaler=True)[:2]
+
+
+def test_another_architecture_with_a_new_scaler_is_a_warning() -> None:
+    # Its new optimizer and scaler step no watched parameter: no step ends after the swap,
+    # and the warning says the steps were not counted either.
+    losses, sums, s = _loop(_rebuild_wider, watched=True, new_scaler=True)
+    assert s is not None
+    (f,) = [f for f in s.findings if f.kind == "model_stopped"]
+    assert f.severity == "warning" and f.step == SWAP
+    text = " ".join(f.message.split())
+    assert text.startswith(
+        f"The watched model ran no training forward from step {SWAP} on, while backward "
+        f"went on ({STEPS - SWAP} backward passes)"), text
+    assert f"no step was counted after step {SWAP} either" in text
+    assert not module_mod._global_forward_pre_hooks
+    assert (losses, sums) == _loop(_rebuild_wider, watched=False, new_scaler=True)[:2]
+
+
 def test_the_search_is_installed_for_a_few_steps_only() -> None:
     torch.manual_seed(0)
     model, other = _net(), _wider()
@@ -136,9 +176,10 @@ def test_the_search_is_installed_for_a_few_steps_only() -> None:
             loss.backward()
             opt.step()
             installed.append(bool(module_mod._global_forward_pre_hooks))
-    # Installed after the first step the watched model did not train (step 2), for
-    # SEARCH_STEPS steps, then gone for good.
-    assert installed == [False, False] + [True] * SEARCH_STEPS + [False] * (8 - SEARCH_STEPS)
+    # Installed at the first backward without the watched model (step 2), for
+    # SEARCH_BACKWARDS such passes (one a step here), then gone for good.
+    n = SEARCH_BACKWARDS
+    assert installed == [False, False] + [True] * n + [False] * (8 - n)
     assert not module_mod._global_forward_pre_hooks
     s = w.session
     (f,) = [f for f in s.findings if f.kind == "model_stopped"]

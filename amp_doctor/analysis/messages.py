@@ -398,11 +398,19 @@ def _model_stopped(a: MessageArgs) -> str:
     total = int(d.get("total") or 0)
     looked = (" No module of its class and architecture was called after it (a reloaded or "
               "copied model would have been followed)." if d.get("searched") else "")
+    if d.get("uncounted"):
+        return (f"The watched model ran no training forward from step {first} on, while "
+                f"backward went on ({n} backward passes): none of its layers was recorded "
+                f"there, and no step was counted after step {first} either (the optimizer "
+                "and the GradScaler the loop used from then on step no watched parameter). "
+                f"Most likely the loop trains another module from step {first} on: a model "
+                f"rebuilt with another architecture, or a different model.{looked}")
+    end = f"at step {first - 1}" if first else "before the first step"
     return (f"The watched model ran no training forward in the run's last {n} steps "
             f"(steps {first}-{last} of {total}), while backward and the optimizer steps went "
-            f"on: none of its layers was recorded there, so the figures below end at step "
-            f"{first}. Most likely the loop trains another module from step {first} on: a "
-            f"model rebuilt with another architecture, or a different model.{looked}")
+            f"on: none of its layers was recorded there, so the figures below end {end}. "
+            f"Most likely the loop trains another module from step {first} on: a model "
+            f"rebuilt with another architecture, or a different model.{looked}")
 
 
 @message_for("steps_from_backward")

@@ -925,6 +925,9 @@ class Probes:
         mods = dict(model.named_modules(prefix=base))
         for qual in quals:
             name = self._layer_name(prefix, qual, mods[qual])
+            if not qual and not prefix:
+                # A scripted model's class is TorchScript's: name it by the scripted one's.
+                name = str(getattr(mods[qual], "original_name", name))
             if name in self._scripted_noted:
                 continue
             self._scripted_noted.add(name)
