@@ -413,3 +413,35 @@ def test_gradient_underflow_from_a_tiny_loss_names_the_loss() -> None:
     text = " ".join(f.message.split())
     assert f"The loss itself is tiny (median {med:.2e} over the recorded steps)" in text, text
     assert f.advice.startswith("Bring the loss to order 1 first")
+
+
+@pytest.mark.parametrize("max_norm", [math.inf, 1.0])
+def test_a_norm_measured_before_unscale_is_a_note_not_an_error(max_norm: float) -> None:
+    # The Hugging Face Trainer with max_grad_norm=0 calls clip_grad_norm_(params, inf) on
+    # the scaled gradients only to log grad_norm: nothing is clipped. It was the
+    # clip_before_unscale error, whose message said "an unscaled max_norm of inf" and
+    # whose fix said the clip "does nothing (or everything)" (review 57f).
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8, generator=g)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            scaler.step(opt)
+            scaler.update()
+    (f,) = w.session.findings_of("clip_before_unscale")
+    if max_norm == math.inf:
+        assert f.severity == "info"
+        text = " ".join(f.message.split())
+        assert text.startswith("clip_grad_norm_ ran with no limit (max_norm=inf) on gradients "
+                               "still multiplied by the loss scale (65536)"), text
+        assert "it clipped nothing" in text and "unscaled" in text
+        assert f.advice.startswith("Nothing to fix in training.")
+    else:
+        assert f.severity == "error" and "max_norm=1" in f.message

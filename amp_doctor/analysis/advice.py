@@ -752,6 +752,10 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
                 + (", or train with `dtype=torch.bfloat16`." if not bf16 else "."))
     if e.kind == "model_not_run" and e.data.get("compiled"):
         return advice_for("model_not_run_compiled", dtype)
+    if e.kind == "clip_before_unscale" and e.data.get("measured_only"):
+        return ("Nothing to fix in training. For the true gradient norm, call "
+                "`scaler.unscale_(optimizer)` before measuring it, or divide the norm by "
+                "`scaler.get_scale()`.")
     if e.kind == "no_step_boundary" and e.data.get("foreign_optimizers"):
         return advice_for("no_step_boundary_foreign", dtype)
     return advice_for(e.kind, dtype)

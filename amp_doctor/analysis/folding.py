@@ -168,7 +168,9 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
         consequences.setdefault(id(errors[-1]), []).append(loss)
     # The scaler and the loss: consequences of the origin they name.
     collapse = next((f for f in out if f.kind == "scale_collapse"), None)
-    clip = next((f for f in out if f.kind == "clip_before_unscale"), None)
+    # (Not a measurement with max_norm=inf: it clipped nothing, so no gradient of it.)
+    clip = next((f for f in out if f.kind == "clip_before_unscale"
+                 and not f.data.get("measured_only")), None)
     # A NaN loss with no origin finding of its own (NaN made by code between the layers)
     # is the root of the backoffs that began where it did.
     loss_root = next((f for f in out if f.kind == "nonfinite_loss" and f.severity == "error"

@@ -91,6 +91,14 @@ def _clip_before_unscale(a: MessageArgs) -> str:
            + (" (it clipped those parameters too, with the unscaled ones of the other "
               "optimizers)" if opts and d.get("others_unscaled") else "") + ".")
     mx, tn, cv = d.get("max_norm"), d.get("total_norm"), d.get("clip_value")
+    if d.get("measured_only"):
+        norm = (f": {F.num(tn)} here, {F.num(tn / scale)} unscaled"
+                if isinstance(tn, (int, float)) and math.isfinite(tn)
+                and isinstance(scale, (int, float)) and scale else "")
+        return (f"{func} ran with no limit (max_norm=inf) on gradients still multiplied by "
+                f"the loss scale ({_scale(scale)}), {F.times(a.n)}, {a.at}: it clipped "
+                "nothing, but the norm it returned (the Hugging Face Trainer logs it as "
+                f"`grad_norm`) is the scaled gradients' norm{norm}.")
     if not isinstance(scale, (int, float)) or not scale:
         return msg
     if isinstance(mx, (int, float)) and isinstance(tn, (int, float)) and math.isfinite(tn):

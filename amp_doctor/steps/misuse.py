@@ -10,6 +10,7 @@ the scaler (on scaled gradients, after ``unscale_``, or a second time after
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -319,6 +320,11 @@ class MisuseChecks:
             for k in ("max_norm", "clip_value"):
                 if info.get(k) is not None:
                     data[k] = float(info[k])
+            if any(data.get(k) == math.inf for k in ("max_norm", "clip_value")):
+                # A measurement, not a clip (the Hugging Face Trainer's grad_norm with
+                # max_grad_norm=0): nothing was cut; only the norm it returns is scaled.
+                data["measured_only"] = True
+                data["severity"] = "info"
             tn = info.get("total_norm")
             if isinstance(tn, torch.Tensor):
                 data["total_norm"] = tn.detach()  # read when the session is built
