@@ -3,9 +3,12 @@
 * A new scaler's start-up is judged as the first scaler's is, from its own start: one
   that needs five or more halvings to fit is its recalibration (``scaler_recreated``),
   not a ``scale_collapse`` that the same run with one scaler never gets.
+* The first step of a new scaler records the step's loss unscaled, as every other step.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -99,3 +102,14 @@ def test_never_finished_recalibration_is_an_error_not_collapse() -> None:
     assert rec.severity == "error"
     assert rec.data["resets"] == list(range(5, STEPS, 5))
 
+
+def test_new_scalers_first_step_records_the_unscaled_loss() -> None:
+    losses, params, s = _run(LOSS_FACTOR, 10, watched=True)
+    assert s is not None
+    _same_numerics(LOSS_FACTOR, 10, losses, params)
+    recorded = {r.step: r.loss for r in s.history}
+    assert sorted(recorded) == list(range(STEPS))
+    for step, loss in recorded.items():
+        assert isinstance(loss, float)
+        # float16 autocast: the loss the loop saw, not it times the scale (2**16).
+        assert math.isclose(loss, losses[step], rel_tol=1e-3), (step, loss, losses[step])
