@@ -113,3 +113,69 @@ def test_new_scalers_first_step_records_the_unscaled_loss() -> None:
         assert isinstance(loss, float)
         # float16 autocast: the loss the loop saw, not it times the scale (2**16).
         assert math.isclose(loss, losses[step], rel_tol=1e-3), (step, loss, losses[step])
+
+
+# Steps the loop trains with autocast and a GradScaler before it drops both for
+# model.half() and a plain optimizer step.
+SCALED_STEPS = 5
+HALF_STEPS = 7
+# A small loss: without a loss scale its float16 gradients fall below the smallest
+# normal (gradient_underflow), which the scale lifts while the scaler is there.
+SMALL_LOSS_FACTOR = 1e-3
+
+
+def _run_dropping_scaler(watched: bool
+                         ) -> tuple[list[float], dict[str, torch.Tensor], Session | None]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    n = SCALED_STEPS + HALF_STEPS
+    xs, ys = torch.randn(n, BATCH, 16), torch.randint(0, 4, (n, BATCH))
+    scaler = torch.amp.GradScaler("cpu")
+    losses: list[float] = []
+    w = amp_doctor.watch(model, every=1, tensorboard=False) if watched else None
+    try:
+        for i in range(n):
+            if i < SCALED_STEPS:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(xs[i]), ys[i]) * SMALL_LOSS_FACTOR
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                if i == SCALED_STEPS:
+                    model.half()
+                    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+                loss = F.cross_entropy(model(xs[i].half()).float(), ys[i]) * SMALL_LOSS_FACTOR
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            losses.append(loss.item())
+    finally:
+        if w is not None:
+            w.close()
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, params, (w.session if w is not None else None)
+
+
+def test_steps_after_the_scaler_was_dropped_carry_no_scale() -> None:
+    from amp_doctor.sinks.text import summary_line
+
+    losses, params, s = _run_dropping_scaler(watched=True)
+    assert s is not None and s.scaler is not None
+    plain_losses, plain_params, _ = _run_dropping_scaler(watched=False)
+    assert losses == plain_losses
+    for k, v in params.items():
+        assert torch.equal(v, plain_params[k]), k
+    scales = {r.step: r.scale for r in s.history}
+    assert sorted(scales) == list(range(SCALED_STEPS + HALF_STEPS))
+    assert all(scales[i] == 2.0 ** 16 for i in range(SCALED_STEPS))
+    assert all(scales[i] is None for i in range(SCALED_STEPS, SCALED_STEPS + HALF_STEPS))
+    assert max(step for step, _ in s.scaler.scale) == SCALED_STEPS - 1
+    assert f"GradScaler on until step {SCALED_STEPS - 1}, then none" in summary_line(s)
+    under = [f for f in s.findings if f.kind == "gradient_underflow"]
+    assert under
+    for f in under:
+        assert "even with the loss scale" not in f.message, f.message
+        assert f"with the loss scale only up to step {SCALED_STEPS - 1}" in f.message

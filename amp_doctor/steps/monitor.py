@@ -487,6 +487,7 @@ class AmpMonitor:
     def take_outcome(self) -> StepOutcome:
         """What the AMP API did since the last step ended; starts a new outcome."""
         out, self._outcome = self._outcome, StepOutcome()
+        out.scaler_used = self._scaler_in_step or out.scale_after is not None
         self._scaler_in_step = self._backward_in_step = False
         return out
 
