@@ -1158,7 +1158,9 @@ class Watch:
             if buf is not None:
                 for key, flag in flags.items():
                     buf.put_scalar(key, flag)
-                for key, t in (mon.scale_tensors() if mon is not None else {}).items():
+                # Not in a step no scaler worked in: the scale it kept is none of this step's.
+                for key, t in (mon.scale_tensors() if mon is not None and outcome is not None
+                               and outcome.scaler_used else {}).items():
                     buf.put_scalar(key, t)
                 flagged = self._anomaly.flagged_count() if self._anomaly is not None else None
                 if flagged is not None:

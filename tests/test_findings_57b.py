@@ -80,9 +80,11 @@ def test_plain_steps_after_the_scaler_is_dropped_are_steps(later: str) -> None:
     assert sorted(lay.name for lay in s.layers) == ["0", "1", "2", "Sequential"]
     for lay in s.layers:
         assert (lay.name, lay.calls, lay.recorded_steps) == (lay.name, STEPS, STEPS)
-    # The scaler's scale stays where its last update left it, with no backoff.
+    # The scaler's scale stays where its last update left it, with no backoff; the steps
+    # after it was dropped had no scale (review 57d: they showed its last one).
     assert s.scaler is not None and not s.scaler.backoff_steps
-    assert {scale for step, scale in s.scaler.scale if step >= SCALED} == {2.0 ** 16}
+    assert s.scaler.scale[-1] == (SCALED - 1, 2.0 ** 16)
+    assert all(r.scale is None for r in s.history if r.step >= SCALED)
     plain_losses, plain_sums, _ = _loop(later, watched=False)
     assert losses == plain_losses and sums == plain_sums
 

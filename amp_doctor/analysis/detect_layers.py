@@ -593,6 +593,10 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             tail = (f" although a GradScaler is on: its scale never rose above "
                     f"{_scale(top)}, so it lifts nothing (raise `init_scale`, e.g. "
                     "`torch.amp.GradScaler(device_type, init_scale=2.0**16)`)")
+        elif scaled and (dropped := scaler_dropped_after(session)) is not None:
+            # The figures mix the scaled steps with those after the scaler was dropped.
+            tail = (f", with the loss scale only up to step {dropped}: the steps after it "
+                    "ran without a GradScaler, so their gradients had no loss scale")
         elif scaled:
             gu_u = _grad_under_unscaled(lay)
             tail = (f" even with the loss scale ({F.pct(gu_u)} would without it)"
@@ -720,6 +724,22 @@ def _no_gradient_reached_the_weights(session: Session, fmt: str) -> Finding | No
         data={"param_grad_zero_frac": 1.0, "scaled": scaled, "loss": loss,
               "dtype": "float16", "all_flushed": True},
     )
+
+
+def scaler_dropped_after(session: Session) -> int | None:
+    """The last recorded step a GradScaler worked in, when the recorded steps after it
+    had none (a loop that dropped its scaler for ``model.half()`` and a plain optimizer
+    step): those steps' gradients had no loss scale. None when the scaler worked to the
+    end (or no recorded step says otherwise)."""
+    sc = session.scaler
+    if not session.amp.scaler or sc is None or not sc.enabled:
+        return None
+    # Not a step the run ended in before it finished (recorded without its update).
+    done = [r for r in session.history if r.step < session.steps]
+    scaled = [r.step for r in done if r.scale is not None]
+    if not scaled or not any(r.step > scaled[-1] for r in done):
+        return None
+    return scaled[-1]
 
 
 def _grad_under_unscaled(lay: LayerSummary) -> float | None:

@@ -593,7 +593,13 @@ def _classified(session: Session, backoffs: list[ScalerEvent], growths: list[Sca
         groups = F.consecutive_runs([e for e in backoffs if start <= e.step < end])
         for i, g in enumerate(groups):
             why = _normal_backoff(i, groups, growths, session.steps - 1, floor, loss, start)
-            out.append(("recalibration" if k and why == "calibration" else why, g))
+            if k and (why == "calibration" or i == 0 and _restart_startup(
+                    g, start, _start_scale(session.scaler, start), loss)):
+                # Judged as the first scaler's start-up is (a long one is the scaler_backoff
+                # warning, not a collapse), from its own start: a new scaler cut short by
+                # the next one or the run's end never finished (scaler_recreated's error).
+                why = "recalibration"
+            out.append((why, g))
     grown = {e.step for e in growths}
     for i in range(len(out) - 1, 0, -1):
         if out[i][0] is not None or any(e.forward_origin or (e.loss_nonfinite and loss)
@@ -608,6 +614,36 @@ def _classified(session: Session, backoffs: list[ScalerEvent], growths: list[Sca
             out[j] = (None, out[j][1])
             j -= 1
     return out
+
+
+def _deep_fall(init_scale: float | None) -> float:
+    """Below this a scaler's first run of backoffs is no calibration, however early: it
+    fell this far from where it started (at most the default scale: a higher init_scale
+    has further to fall before it fits)."""
+    start = init_scale if init_scale is not None and not math.isnan(init_scale) \
+        else DEFAULT_INIT_SCALE
+    return min(start, DEFAULT_INIT_SCALE) / 2 ** (2 * BACKOFF_RUN_COLLAPSE)
+
+
+def _start_scale(sc: ScalerTimeline | None, start: int) -> float | None:
+    """The scale the scaler that began at step ``start`` was built with."""
+    if sc is None:
+        return None
+    if start == 0:
+        return sc.init_scale
+    return next((r.scale_after for r in sc.resets if r.step == start), None)
+
+
+def _restart_startup(g: list[ScalerEvent], start: int, init_scale: float | None,
+                     loss_counts: bool) -> bool:
+    """Whether ``g``, the first backoffs of a scaler that began at step ``start``, is its
+    start-up as the collapse's run rule judges the first scaler's (see
+    :func:`_one_scaler_findings`): begun within :data:`CALIBRATION_STEPS` of its start,
+    in a forward pass that did not fail, and not fallen below :func:`_deep_fall`."""
+    if any(e.forward_origin or (e.loss_nonfinite and loss_counts) for e in g):
+        return False
+    return (g[0].step - start < CALIBRATION_STEPS
+            and not g[-1].scale_after < _deep_fall(init_scale))
 
 
 def restarts(sc: ScalerTimeline) -> list[int]:
@@ -824,13 +860,15 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             min_scale = e.scale_after if min_scale is None else min(min_scale, e.scale_after)
     # A new scaler's calibration is no backoff of the scale it replaced, nor a step that
     # could have backed off: neither side of the share counts it.
-    post = [e for e in backoffs if e.step >= CALIBRATION_STEPS and e.step not in recal_steps]
-    eligible = max(session.steps - CALIBRATION_STEPS
-                   - sum(s >= CALIBRATION_STEPS for s in recal_steps), 0)
-    # A first run that fell this far is no calibration, however early (from the default
-    # scale: a higher init_scale has further to fall before it fits).
-    deep = min(sc.init_scale or DEFAULT_INIT_SCALE, DEFAULT_INIT_SCALE) / 2 ** (
-        2 * BACKOFF_RUN_COLLAPSE)
+    # Each new scaler's first steps are left out as the first scaler's are: a run with
+    # recreated scalers is judged no harsher than the same run with one.
+    start_up = {s for st in [0, *restarts(sc)]
+                for s in range(st, min(st + CALIBRATION_STEPS, session.steps))}
+    post = [e for e in backoffs if e.step not in start_up and e.step not in recal_steps]
+    eligible = max(session.steps - len(start_up)
+                   - sum(s not in start_up for s in recal_steps), 0)
+    # A first run that fell this far is no calibration, however early.
+    deep = _deep_fall(sc.init_scale)
     runs = [g for i, g in enumerate(groups) if len(g) >= BACKOFF_RUN_COLLAPSE
             and g[0].step not in recal_steps and (
         i > 0 or g[0].step >= CALIBRATION_STEPS
@@ -844,13 +882,14 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                                                     None else "") + ")")
     # A backoff that a growth made up for is the scaler probing, not falling: with a short
     # growth_interval it grows every few steps and backs off as often, at a steady scale.
-    post_growths = [g for g in growths if g.step >= CALIBRATION_STEPS]
+    post_growths = [g for g in growths if g.step not in start_up]
     if eligible >= 10 and _net_backoffs(sc, len(post), len(post_growths)) / eligible > \
             BACKOFF_SHARE_COLLAPSE:
         reasons.append(f"{len(post)} backoffs"
                        + (f" (and {len(post_growths)} growths)" if post_growths else "")
-                       + f" in the {eligible} steps after the first "
-                       f"{CALIBRATION_STEPS} ({100 * len(post) / eligible:.0f}%)")
+                       + f" in the {eligible} steps after "
+                       + ("each new GradScaler's " if restarts(sc) else "the ")
+                       + f"first {CALIBRATION_STEPS} ({100 * len(post) / eligible:.0f}%)")
     if runs:
         g = max(runs, key=len)
         reasons.append(f"{len(g)} backoffs in a row at steps {g[0].step}-{g[-1].step} (scale "

@@ -21,6 +21,7 @@ from amp_doctor.analysis.detect_layers import (
     all_nonfinite,
     low_format,
     neg_inf_mask,
+    scaler_dropped_after,
     shown_grad_underflow,
 )
 from amp_doctor.analysis.next_steps import next_commands
@@ -60,7 +61,9 @@ def summary_line(s: Session) -> str:
         f"{amp.dtype} (no autocast)" if amp.dtype else "no low precision")
     # A run that ended before its first step (raise mode stopping at step 0) may have
     # made a GradScaler it never got to call: none was seen, which is not "none".
-    scaler = "GradScaler on" if amp.scaler else (
+    dropped = scaler_dropped_after(s)
+    scaler = ("GradScaler on" + (f" until step {dropped}, then none" if dropped is not None
+                                 else "")) if amp.scaler else (
         # A scaler that scales the loss but never steps: the header must not deny it.
         "GradScaler scales but never steps" if any(
             e.kind == "scaled_grads_stepped" for e in s.events)

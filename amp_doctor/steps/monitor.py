@@ -128,6 +128,10 @@ class AmpMonitor:
         # With GradScalers, once the first step waited: the optimizer stepping last in
         # an iteration, and whether it stepped since the last boundary.
         self._closing: int | None = None
+        # Per scaler id: the step and the losses its scale() multiplied while it was not
+        # yet known to work for the watched models (a new scaler before its first
+        # step()); the step's scale and loss once it takes over from the primary.
+        self._unclaimed_scales: dict[int, tuple[int, list[Any]]] = {}
         self._closing_stepped = False
         # Since the last step ended: a relevant scaler was used (scale, unscale_, step or
         # update), and a backward pass ran. A plain step of the scaler's parameters in a
@@ -161,7 +165,13 @@ class AmpMonitor:
         if st is None:
             return
         if self.registry.primary_scaler not in (None, id(scaler)) and not st.relevant:
-            return  # another model's scaler, seen by an overlapping watch
+            # Another model's scaler, seen by an overlapping watch, or a new one that takes
+            # over at its step(): kept until that says which.
+            step, pending = self._unclaimed_scales.get(id(scaler), (self._step_of(), []))
+            if step != self._step_of():
+                pending = []
+            self._unclaimed_scales[id(scaler)] = (self._step_of(), [*pending, outputs])
+            return
         self._scaler_in_step = True
         self._cb.scale(scaler._scale if scaler._enabled else None, outputs)
 
@@ -233,8 +243,14 @@ class AmpMonitor:
         and the backoffs that calibrate it) is not read as the old one's scale growing
         and collapsing."""
         old = self.registry.claim(scaler, st)
+        step, pending = self._unclaimed_scales.pop(id(scaler), (None, []))
         if old is None:
             return
+        if step == self._step_of():
+            # The new scaler's first scale() multiplied this step's loss: its scale is the
+            # step's (the loss and gradients are recorded unscaled, as every other step's).
+            for outputs in pending:
+                self._cb.scale(scaler._scale if scaler._enabled else None, outputs)
         # The old scaler's pending device flags are its steps', before the takeover.
         replayed = old.resolve()
         if replayed:
@@ -471,6 +487,7 @@ class AmpMonitor:
     def take_outcome(self) -> StepOutcome:
         """What the AMP API did since the last step ended; starts a new outcome."""
         out, self._outcome = self._outcome, StepOutcome()
+        out.scaler_used = self._scaler_in_step or out.scale_after is not None
         self._scaler_in_step = self._backward_in_step = False
         return out
 

@@ -266,6 +266,9 @@ class StepOutcome:
     # more than once per iteration).
     backoffs: int = 0
     growth: bool = False
+    # A scaler scaled, unscaled, stepped or updated in the step: a loop that dropped its
+    # GradScaler (model.half() and a plain optimizer step) has no scale in the steps after.
+    scaler_used: bool = False
     # The total norms clip_grad_norm_ computed in the step (0-d device tensors; read only
     # in a skip's one sync): a NaN one multiplied every gradient by NaN.
     clip_norms: list[torch.Tensor] = field(default_factory=list)
