@@ -445,3 +445,39 @@ def test_a_norm_measured_before_unscale_is_a_note_not_an_error(max_norm: float) 
         assert f.advice.startswith("Nothing to fix in training.")
     else:
         assert f.severity == "error" and "max_norm=1" in f.message
+
+
+def test_a_new_scaler_that_trained_before_a_late_halving_finished_calibrating() -> None:
+    # Each epoch's new GradScaler backs off a few times from init_scale, trains, then
+    # halves once more at the epoch's last step (a batch too large for the scale it
+    # settled at). It finished calibrating: steps in between trained. It was called
+    # "never finished calibrating: none of its optimizer steps trained", an error
+    # (review 57f).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    per_epoch = 10
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for _ in range(3):
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+            for i in range(per_epoch):
+                x = torch.randn(4, 8, generator=g)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = (model(x).float() - x.sum(1, keepdim=True) * 0.3).pow(2).mean()
+                if i == per_epoch - 1:
+                    loss = loss * 1e4  # one batch the settled scale cannot take
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    s = w.session
+    assert s.scaler is not None
+    skipped = set(s.scaler.skipped_steps)
+    for e in range(3):
+        epoch = set(range(e * per_epoch, (e + 1) * per_epoch))
+        assert (e + 1) * per_epoch - 1 in skipped  # the late halving
+        assert len(epoch - skipped) >= 2  # steps that trained before it
+    (f,) = s.findings_of("scaler_recreated")
+    assert f.severity == "warning", f.message
+    assert "never finished calibrating" not in f.message

@@ -1013,9 +1013,11 @@ def _recreated_findings(session: Session, recal: list[list[ScalerEvent]]
     steps = [e.step for e in evs]
     skipped = sum(_skipped_in(session, steps).values()) or len(steps)
     ends = [*starts[1:], session.steps]
-    # A new scaler whose start-up backoffs ran to the next one's start (or the run's end).
+    # A new scaler that backed off in every step it had: one run of backoffs from its
+    # start to the next one's start (or the run's end). A later halving after steps that
+    # trained (a calibrated scale just too high for one batch) is no unfinished start-up.
     unfinished = [st for st, end in zip(starts, ends, strict=True)
-                  if any(st <= g[0].step < end and g[-1].step == end - 1 for g in recal)]
+                  if any(g[0].step == st and g[-1].step == end - 1 for g in recal)]
     n = len(resets)
     one = n == 1
     at = (f"at step {resets[0].step}" if one else
