@@ -481,3 +481,31 @@ def test_a_new_scaler_that_trained_before_a_late_halving_finished_calibrating() 
     (f,) = s.findings_of("scaler_recreated")
     assert f.severity == "warning", f.message
     assert "never finished calibrating" not in f.message
+
+
+def test_a_named_scaler_replaced_each_epoch_is_followed() -> None:
+    # watch(scaler=...) (and the Trainer and Lightning callbacks, which name theirs): a
+    # new GradScaler each epoch was ignored as "not the watch's", so no step ended after
+    # the first epoch's last, and its skips went unseen (review 57f).
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**20) for _ in range(3)]
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, scaler=scalers[0], optimizer=opt, every=1,
+                          tensorboard=False) as w:
+        for scaler in scalers:
+            for _ in range(8):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(16, 8, generator=g)).float().pow(2).mean()
+                opt.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    s = w.session
+    assert s.steps == 24 and s.scaler is not None
+    assert [r.step for r in s.scaler.resets] == [8, 16]
+    assert {8, 16} <= set(s.scaler.skipped_steps)  # each new scaler's first step
+    (f,) = s.findings_of("scaler_recreated")
+    assert f.step == 8
+    assert not s.findings_of("scale_collapse")

@@ -151,8 +151,8 @@ class AmpMonitor:
     def models_changed(self) -> None:
         self.registry.models_changed()
 
-    def _mirror(self, scaler: GradScaler) -> ScalerMirror | None:
-        return self.registry.mirror(scaler)
+    def _mirror(self, scaler: GradScaler, optimizer: Any = None) -> ScalerMirror | None:
+        return self.registry.mirror(scaler, optimizer)
 
     # -- GradScaler --------------------------------------------------------
     def on_scale_begin(self, scaler: GradScaler) -> None:
@@ -176,7 +176,7 @@ class AmpMonitor:
         self._cb.scale(scaler._scale if scaler._enabled else None, outputs)
 
     def on_unscale(self, scaler: GradScaler, optimizer: Any) -> None:
-        st = self._mirror(scaler)
+        st = self._mirror(scaler, optimizer)
         if st is None or not self.registry.relevant(optimizer):
             return
         st.opt_ids.add(id(optimizer))
@@ -186,7 +186,7 @@ class AmpMonitor:
         self._cb.param_grads(optimizer_params(optimizer), st.scale)
 
     def on_scaler_step_begin(self, scaler: GradScaler, optimizer: Any) -> None:
-        st = self._mirror(scaler)
+        st = self._mirror(scaler, optimizer)
         if st is None or not self.registry.relevant(optimizer):
             return
         st.opt_ids.add(id(optimizer))
@@ -202,7 +202,7 @@ class AmpMonitor:
             self._misuse.scaler_step(scaler, st, optimizer)
 
     def on_scaler_step(self, scaler: GradScaler, optimizer: Any, stepped: bool) -> None:
-        st = self._mirror(scaler)
+        st = self._mirror(scaler, optimizer)
         if st is None or not scaler._enabled:
             return
         relevant = self.registry.relevant(optimizer)

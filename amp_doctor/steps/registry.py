@@ -80,10 +80,21 @@ class AmpRegistry:
             self.relevant(o)
 
     # -- scalers -----------------------------------------------------------
-    def mirror(self, scaler: GradScaler) -> ScalerMirror | None:
-        """``scaler``'s mirror (made on first sight); None for a scaler the watch ignores."""
-        if self._explicit_scaler is not None and scaler is not self._explicit_scaler:
-            return None
+    def mirror(self, scaler: GradScaler, optimizer: Any = None) -> ScalerMirror | None:
+        """``scaler``'s mirror (made on first sight); None for a scaler the watch ignores.
+
+        With a scaler named to the watch (``watch(scaler=...)``, the framework callbacks),
+        another scaler is ignored, unless it steps or unscales (``optimizer``) one of the
+        named scaler's optimizers: the loop replaced the named one (a GradScaler built
+        anew each epoch), and the new one is the watch's from then on."""
+        explicit = self._explicit_scaler
+        if explicit is not None and scaler is not explicit:
+            named = self.scalers.get(id(explicit))
+            if optimizer is None or not (
+                    id(optimizer) in self._explicit_opts
+                    or (named is not None and id(optimizer) in named.opt_ids)):
+                return None
+            self._explicit_scaler = scaler
         st = self.scalers.get(id(scaler))
         if st is None or st.ref() is not scaler:
             st = ScalerMirror.of(scaler, f"scaler{len(self.scalers)}")
