@@ -1266,9 +1266,17 @@ class Watch:
             fp32_containers=dict(self._fp32.containers) if self._fp32 is not None else {},
             target_dtype=self._opts.target_dtype,
         )
+        history = list(self._folder.history.records)
+        if timeline is not None:
+            # A skip the step's end could not read (an optimizer whose skip GradScaler
+            # decides on the device, as Accelerate's wrapper: its flags are read later)
+            # is in the timeline: the step's record says so too.
+            late = set(timeline.skipped_steps)
+            history = [dataclasses.replace(r, skipped=True)
+                       if not r.skipped and r.step in late else r for r in history]
         draft = Session(
             version=__version__, amp=amp, steps=self.step_index, recorded_steps=self.recorded,
-            layers=layers, scaler=timeline, history=list(self._folder.history.records),
+            layers=layers, scaler=timeline, history=history,
             events=events, findings=[], run=run,
             other_scalers=mon.other_timelines() if mon is not None else [],
         )

@@ -509,3 +509,48 @@ def test_a_named_scaler_replaced_each_epoch_is_followed() -> None:
     (f,) = s.findings_of("scaler_recreated")
     assert f.step == 8
     assert not s.findings_of("scale_collapse")
+
+
+class _WrappedOptimizer:
+    """An optimizer wrapper that is no ``torch.optim.Optimizer`` (as Accelerate's
+    ``AcceleratedOptimizer``): GradScaler's skip of it is read from the device later."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizer = opt
+
+    @property
+    def param_groups(self) -> list[dict[str, object]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> object:
+        return self.optimizer.state
+
+    def step(self, closure: object = None) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+
+def test_a_skip_read_after_the_step_ended_is_in_the_steps_record() -> None:
+    # The step records of steps GradScaler skipped said skipped: False where the skip
+    # was read after the step ended (the Hugging Face Trainer's optimizer; review 57f),
+    # while the scaler's timeline listed them.
+    torch.manual_seed(0)
+    model = _net()
+    opt = _WrappedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18)
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for _ in range(8):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8, generator=g)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)  # type: ignore[arg-type]
+            scaler.update()
+    s = w.session
+    assert s.scaler is not None
+    assert 0 < len(s.scaler.skipped_steps) < 8  # a calibration, then steps that trained
+    assert [r.step for r in s.history if r.skipped] == s.scaler.skipped_steps
