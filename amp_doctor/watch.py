@@ -696,10 +696,14 @@ class Watch:
                        if self._idle_root(old) and same_architecture(old, model)), None)
         if prefix is None:
             return None
-        if self._loop.backward and not self._bounds.step_roots:
-            # A backward since the last step ended, with no watched model in it, and no
-            # end of that step seen (its optimizer and a new GradScaler step what is only
-            # now found to be the watched model's): it was a step all the same.
+        mon = self._monitor
+        if (self._loop.backward and not self._bounds.step_roots
+                and mon is not None and mon.stepped_unwatched):
+            # An update since the last step ended, of a backward with no watched model in
+            # it, and no end of that step seen (its optimizer and a new GradScaler step
+            # what is only now found to be the watched model's): it was a step all the
+            # same. (Backward passes without an update are an accumulation window the
+            # new model's forward continues: no step ended.)
             self._boundary()
         missed = self._search.taken()
         self._replace_root(prefix, model, name or type(model).__name__, module, missed)

@@ -554,3 +554,31 @@ def test_a_skip_read_after_the_step_ended_is_in_the_steps_record() -> None:
     assert s.scaler is not None
     assert 0 < len(s.scaler.skipped_steps) < 8  # a calibration, then steps that trained
     assert [r.step for r in s.history if r.skipped] == s.scaler.skipped_steps
+
+
+def test_a_swap_inside_an_accumulation_window_adds_no_step() -> None:
+    # The model is replaced between the micro-batches of one update (gradient
+    # accumulation, 2 backward passes a step). Ending a step when the new object is found
+    # (as for a resume with a new optimizer and GradScaler) must wait for an update: here
+    # the found forward continued the window, and a boundary there made 13 steps of 12.
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for it in range(24):
+            if it == 9:  # the second micro-batch of step 4
+                model = copy.deepcopy(model)
+                opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8, generator=g)).float().pow(2).mean()
+            scaler.scale(loss / 2).backward()
+            if it % 2 == 1:
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+    s = w.session
+    assert s.steps == 12
+    assert [f.kind for f in s.findings if f.kind.startswith("model_")] == ["model_replaced"]
+    assert all({"0", "2"} <= set(r.layers) for r in s.history if r.step > 5)

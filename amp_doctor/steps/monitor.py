@@ -138,6 +138,9 @@ class AmpMonitor:
         # step without the first but with the second is a loop that stopped using it.
         self._scaler_in_step = False
         self._backward_in_step = False
+        # Since the last step ended, an optimizer stepped parameters no watched model owns
+        # (yet: a model the loop replaced, with its new optimizer, before it is found).
+        self.stepped_unwatched = False
         # The layers whose parameters a scaler stepped, kept after their optimizer is gone
         # (a loop that drops the scaler may make a new optimizer for the same model).
         self._scaled_layers: set[str] = set()
@@ -370,6 +373,7 @@ class AmpMonitor:
         reg = self.registry
         self.stepping.discard(id(optimizer))
         if not reg.relevant(optimizer):
+            self.stepped_unwatched = True
             return
         self._cb.optimizer_done(self._step_params.get(id(optimizer)) or [])
         if not in_scaler_step():
@@ -489,6 +493,7 @@ class AmpMonitor:
         out, self._outcome = self._outcome, StepOutcome()
         out.scaler_used = self._scaler_in_step or out.scale_after is not None
         self._scaler_in_step = self._backward_in_step = False
+        self.stepped_unwatched = False
         return out
 
     def scale_tensors(self) -> dict[str, torch.Tensor]:
