@@ -582,3 +582,49 @@ def test_a_swap_inside_an_accumulation_window_adds_no_step() -> None:
     assert s.steps == 12
     assert [f.kind for f in s.findings if f.kind.startswith("model_")] == ["model_replaced"]
     assert all({"0", "2"} <= set(r.layers) for r in s.history if r.step > 5)
+
+
+def test_backoffs_beside_a_large_loss_name_the_loss() -> None:
+    # An output layer whose weights grew large makes a cross-entropy of some hundreds;
+    # its gradient overflows float16 in that layer's backward, one op after the model's
+    # finite output gradient, and the scale backs off step after step. The finding
+    # blamed a layer's backward and advised float32 for it, never the loss's size
+    # (review 57g: a loss summed over tokens, about 1e3).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 512))
+    with torch.no_grad():
+        model[3].weight.mul_(200)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    losses: list[float] = []
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for _ in range(8):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 512, (8,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+    s = w.session
+    assert s.scaler is not None and len(s.scaler.skipped_steps) >= 3
+    assert all(math.isfinite(v) for v in losses)
+    med = sorted(abs(v) for v in losses)[len(losses) // 2]
+    assert med >= 100
+    (f,) = [f for f in s.findings if f.kind in ("scaler_backoff", "scale_collapse")]
+    assert f.severity == "warning"
+    text = " ".join(f.message.split())
+    assert "The loss itself is large (median " in text, text
+    assert "a loss summed over tokens or a batch instead of averaged" in text
+    assert f.advice.startswith("Average the loss instead of summing it"), f.advice
+
+
+def test_unrecorded_backoffs_with_no_culprits_are_not_said_to_have_none() -> None:
+    from amp_doctor.analysis.detect_scaler import _culprit_text
+
+    # (review 57g: steps 6 and 8 at every=10 were "no watched layer had non-finite
+    # gradients"; recorded with --every 1, two layers had them.)
+    assert "none of these steps was recorded" in _culprit_text([], None, recorded=False)
+    assert "no watched layer had non-finite gradients" in _culprit_text([], None)

@@ -124,6 +124,13 @@ ADVICE: dict[str, str] = {
         "`growth_interval` clean steps, 2000 by default): a higher `init_scale` helps, or "
         "bfloat16, whose range needs no scaling."
     ),
+    # The scale backs off beside a large loss (analysis.thresholds.LARGE_LOSS).
+    "scale_collapse_large_loss": (
+        "Average the loss instead of summing it: `reduction=\"mean\"` (the default of "
+        "`F.cross_entropy`), or divide a sum by the number of tokens or samples it adds up, "
+        "so that it is of order 1; scale targets to unit size for a regression. A "
+        "GradScaler then keeps a useful scale, and no layer needs float32 for it."
+    ),
     "missing_scaler": (
         "float16 autocast without a GradScaler lets small gradients flush to zero. Create "
         "`scaler = torch.amp.GradScaler(device_type)` and use `scaler.scale(loss).backward()`, "

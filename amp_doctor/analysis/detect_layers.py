@@ -39,6 +39,7 @@ from amp_doctor.dtypes import FORMAT_MAX, MANTISSA_BITS, judged_format
 from amp_doctor.records import Event, Finding, LayerSummary, Session
 
 __all__ = ["layer_findings", "run_findings", "autocast_findings", "low_format", "input_cast",
+           "median_loss",
            "grad_underflow", "largest_finite", "all_nonfinite", "shown_grad_underflow",
            "code_before"]
 
@@ -647,15 +648,18 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
         )
 
 
-def _tiny_loss(session: Session) -> float | None:
+def median_loss(session: Session) -> float | None:
     """The median |loss| over the recorded steps (as the loop computed it, before the loss
-    scale) when below :data:`TINY_LOSS`, else None."""
+    scale), or None."""
     losses = sorted(abs(r.loss) for r in session.history
                     if r.loss is not None and math.isfinite(r.loss))
-    if not losses:
-        return None
-    mid = losses[len(losses) // 2]
-    return mid if mid < TINY_LOSS else None
+    return losses[len(losses) // 2] if losses else None
+
+
+def _tiny_loss(session: Session) -> float | None:
+    """:func:`median_loss` when below :data:`TINY_LOSS`, else None."""
+    mid = median_loss(session)
+    return mid if mid is not None and mid < TINY_LOSS else None
 
 
 def _coarse_output(lay: LayerSummary, fmt: str) -> Finding | None:

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from amp_doctor import format as F
 from amp_doctor.analysis.advice import ADVICE
-from amp_doctor.analysis.detect_layers import low_format
+from amp_doctor.analysis.detect_layers import low_format, median_loss
 from amp_doctor.analysis.thresholds import (
     BACKOFF_RUN_COLLAPSE,
     BACKOFF_SHARE_COLLAPSE,
@@ -25,6 +25,7 @@ from amp_doctor.analysis.thresholds import (
     CALIBRATION_STEPS,
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INIT_SCALE,
+    LARGE_LOSS,
     LOSS_NOT_LARGE,
     SCALE_COLLAPSE_MIN,
     SETTLING_BACKOFFS,
@@ -511,7 +512,7 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
                   loss_bad: bool = False, every: int = 0,
                   unplaced: list[str] | None = None,
                   made: Callable[[str], str] = lambda n: "",
-                  models: Iterable[str] = ()) -> str:
+                  models: Iterable[str] = (), recorded: bool = True) -> str:
     if loss_bad and not origin:
         # The loss itself was NaN/inf: the first layer with non-finite gradients is only
         # where it entered the backward pass (the layer the loss is computed from), not
@@ -529,7 +530,11 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
                 + ("" if every == 1 else "record every step (`every=1`, --every 1) to see "
                    "the first layer to go non-finite, or ")
                 + "stop at the op that makes it (--anomaly --on-nonfinite raise)")
-    if not culprits:
+    if not culprits and not recorded:
+        # None of these steps was recorded: no layer was seen, which is not "none had them".
+        text = ("; none of these steps was recorded, so which layers' gradients went "
+                "non-finite is not known (record every step: `every=1`, --every 1)")
+    elif not culprits:
         text = ("; no watched layer had non-finite gradients (the inf/NaN was in parameters "
                 "outside the watched model(s), or the optimizer checks for inf on the device, "
                 "e.g. fused=True, so the gradients were not inspected)")
@@ -554,6 +559,21 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
     if origin:
         text += f". They began at {F.layer(origin[0])}: {origin[1]}; look there"
     return text
+
+
+def _large_loss(session: Session) -> float | None:
+    """The median |loss| over the recorded steps when at least :data:`LARGE_LOSS`."""
+    mid = median_loss(session)
+    return mid if mid is not None and mid >= LARGE_LOSS else None
+
+
+def _large_loss_text(session: Session) -> str:
+    mid = _large_loss(session)
+    if mid is None:
+        return ""
+    return (f" The loss itself is large (median {F.num(mid)} over the recorded steps): every "
+            "gradient starts from it, and the loss scale multiplies it further; a loss "
+            "summed over tokens or a batch instead of averaged is the likely cause.")
 
 
 def _net_backoffs(sc: ScalerTimeline, backoffs: int, growths: int) -> float:
@@ -780,13 +800,15 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                                            loss_bad, session.run.every,
                                            unplaced_culprits(session, culprits),
                                            functools.partial(made_in, session, evs=evs),
-                                           session.run.models))
-                     + "."),
+                                           session.run.models,
+                                           recorded=any(e.recorded for e in evs)))
+                     + "." + _large_loss_text(session)),
             advice=(loss_code_advice(session, evs) if outside and not loss_bad
                     and _unskipped(session, steps) != set(steps) else
                     ADVICE["scaler_backoff_unskipped" if _unskipped(session, steps) == set(steps)
                            else "nonfinite_loss" if loss_bad and not origin
                            else "scale_collapse_loss_gradient" if outside
+                           else "scale_collapse_large_loss" if _large_loss(session)
                            else "scaler_backoff"]),
             steps=steps[:MAX_STEPS_KEPT],
             data={"culprits": culprits, "scale_before": first.scale_before,
@@ -942,11 +964,13 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             step=(max(runs, key=len)[0].step if runs else post[0].step if post
                   else backoffs[0].step if backoffs else None),
             message=(f"Loss scale collapsed: {'; '.join(reasons)}. "
-                     f"{_skipped_of_steps(session)}; final scale {_scale(final)}{where}."),
+                     f"{_skipped_of_steps(session)}; final scale {_scale(final)}{where}."
+                     + ("" if from_loss else _large_loss_text(session))),
             advice=(ADVICE["scaler_backoff_unskipped"] if backoffs and not sc.skipped_steps
                     else loss_code_advice(session, backoffs) if from_loss or outside
-                    else ADVICE["nonfinite_loss" if loss_nonfinite and not traced
-                                else "scale_collapse"]),
+                    else ADVICE["nonfinite_loss"] if loss_nonfinite and not traced
+                    else ADVICE["scale_collapse_large_loss"] if _large_loss(session)
+                    else ADVICE["scale_collapse"]),
             steps=[e.step for e in backoffs][:MAX_STEPS_KEPT],
             data={"min_scale": min_scale, "final_scale": final, "backoffs": len(backoffs),
                   "skipped": len(sc.skipped_steps), "culprit": top,

@@ -28,6 +28,7 @@ __all__ = [
     "ACT_RELEVANT_BITS",
     "GRAD_UNDERFLOW_WARN",
     "TINY_LOSS",
+    "LARGE_LOSS",
     "GRAD_FLUSHED_WARN",
     "GRAD_ZEROS_SAID",
     "SCALE_COLLAPSE_MIN",
@@ -62,6 +63,10 @@ GRAD_UNDERFLOW_WARN = 0.10
 # gradients, is named as their likely cause: every gradient starts from the loss, and a
 # loss averaged over a dataset's size or weighted by 1e-8 starts them all that small.
 TINY_LOSS = 1e-5
+# ... and above this, beside the scale backing off: a loss summed over tokens or a batch
+# instead of averaged (a mean cross-entropy is a few units) makes every gradient that many
+# times larger, and the loss scale multiplies them further.
+LARGE_LOSS = 100.0
 # A layer whose outputs underflow (a LayerScale at 1e-6) shrinks the gradient on its way
 # back by the same gain: the gradients of the layers before it at least this many bits
 # below its own are its doing, and their underflow is its finding's consequence.
