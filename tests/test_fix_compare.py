@@ -263,6 +263,13 @@ def test_diagnose_points_to_the_next_step_and_a_fp32_run_is_not_told_to_keep_it(
         "amp-doctor: next: no errors with proj in float32; to see what that changed against "
         "the run before it: amp-doctor compare <the folder of the run before> "
         "<this run's folder>"]
+    # This run known, the one before it not found beside it (run with a --logdir of its
+    # own): the placeholder says which folder goes there (review 57g).
+    (alone,) = next_steps(Session.load(tmp_path / "b" / "amp_doctor.json"),
+                          here=str(tmp_path / "b"))
+    assert alone.endswith(f"compare <the folder of the run before> {tmp_path / 'b'} (no "
+                          "earlier run of this command was found beside this one: give the "
+                          "folder it was written to, its --logdir)")
     assert (tmp_path / "b" / "report.txt").read_text().endswith(
         "\nNext:\n- " + nexts[0].removeprefix("amp-doctor: next: ") + "\n")
     compared = subprocess.run([console_script(), "compare", str(tmp_path / "a"),

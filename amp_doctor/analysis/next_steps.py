@@ -90,8 +90,12 @@ def next_steps(session: Session, here: str | None = None,
         # a literal folder name).
         this = shlex.quote(here) if here else "<this run's folder>"
         that = shlex.quote(before) if before else "<the folder of the run before>"
+        # (A run found here but none before it: it ran with a --logdir of its own, which
+        # is not beside this one; review 57g.)
+        where = (" (no earlier run of this command was found beside this one: give the "
+                 "folder it was written to, its --logdir)" if here and not before else "")
         return [f"amp-doctor: next: no errors with {forced} in float32; to see what that "
-                f"changed against the run before it: amp-doctor compare {that} {this}"]
+                f"changed against the run before it: amp-doctor compare {that} {this}{where}"]
     if not errors:
         return []
     script = shlex.join(cmd[1:])  # the command without its "python"
