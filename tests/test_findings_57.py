@@ -628,3 +628,38 @@ def test_unrecorded_backoffs_with_no_culprits_are_not_said_to_have_none() -> Non
     # gradients"; recorded with --every 1, two layers had them.)
     assert "none of these steps was recorded" in _culprit_text([], None, recorded=False)
     assert "no watched layer had non-finite gradients" in _culprit_text([], None)
+
+
+def test_a_finished_watch_holds_no_loss_of_another_models_scaler() -> None:
+    # The losses a scaler not yet known to be the watch's multiplied are held until its
+    # step() says whose it is (a new scaler's first step); another model's scaler never
+    # says so, and its last loss stayed referenced by the finished watch.
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model, other = _net(), _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt2 = torch.optim.SGD(other.parameters(), lr=0.05)
+    scaler, scaler2 = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    ref: weakref.ref[torch.Tensor] | None = None
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss2 = other(x).float().pow(2).mean()
+            ref = weakref.ref(loss2)
+            opt2.zero_grad()
+            scaler2.scale(loss2).backward()
+            scaler2.step(opt2)
+            scaler2.update()
+    del loss2
+    gc.collect()
+    assert w.session.steps == 3
+    assert ref is not None and ref() is None

@@ -494,6 +494,9 @@ class AmpMonitor:
         out.scaler_used = self._scaler_in_step or out.scale_after is not None
         self._scaler_in_step = self._backward_in_step = False
         self.stepped_unwatched = False
+        # The step's held losses are no later step's: nothing of a step outlives it here
+        # (a finished watch holds no loss tensor of the run).
+        self._unclaimed_scales.clear()
         return out
 
     def scale_tensors(self) -> dict[str, torch.Tensor]:
