@@ -65,7 +65,6 @@ from amp_doctor.hooks.discovery import (
     compile_wrappers,
     compiled_by_method,
     is_parametrization,
-    same_architecture,
     unwrap,
 )
 from amp_doctor.hooks.patching import Subscription, in_closure_step, subscribe
@@ -692,8 +691,7 @@ class Watch:
         """Take ``module`` as the new object of the idle watched model of its architecture,
         if there is one; returns the inputs its call under way should take instead."""
         model = unwrap(module)
-        prefix = next((p for p, old in self._set.models.items()
-                       if self._idle_root(old) and same_architecture(old, model)), None)
+        prefix = self._set.replaced(model, None, self._idle_root)
         if prefix is None:
             return None
         mon = self._monitor

@@ -226,7 +226,7 @@ class ModelSet:
         self._owned.update(id(p) for p in model.parameters())
         return Added(prefix, renamed)
 
-    def replaced(self, model: nn.Module, name: str,
+    def replaced(self, model: nn.Module, name: str | None,
                  idle: Callable[[nn.Module], bool]) -> str | None:
         """The prefix of the watched root whose place ``model`` takes, or None (a new
         model): a root the user's code called by the same ``name``, of the same
@@ -234,9 +234,10 @@ class ModelSet:
         one model whose object the script replaced mid-run: ``model =
         torch.load(path, weights_only=False)`` to resume, ``model = copy.deepcopy(model)``
         (review 56a: named as a second model, ``model1``, whose boundaries shifted every
-        later step by one)."""
+        later step by one). ``name`` None: any name (an in-code watch, which knows no
+        variable the loop called its model by; see :mod:`amp_doctor.hooks.replacement`)."""
         for prefix, old in self.models.items():
-            if (self._given_names.get(id(old)) == name and idle(old)
+            if ((name is None or self._given_names.get(id(old)) == name) and idle(old)
                     and same_architecture(old, model)):
                 return prefix
         return None
