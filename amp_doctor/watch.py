@@ -376,6 +376,7 @@ class Watch:
                 step_of=lambda: self.step_index,
                 callbacks=LoopCallbacks(
                     boundary=self._auto_boundary, param_grads=self._on_param_grads,
+                    unscaled=self._on_unscaled,
                     skip=self._on_skip, scale=self._on_scale, backward=self._on_backward,
                     backward_done=self._on_backward_done,
                     optimizer_done=self._on_optimizer_done,
@@ -896,7 +897,7 @@ class Watch:
         self._loop.optimizer_stepped()
         if self._anomaly is not None and not in_closure_step():
             # (A closure computes them inside the step: the boundary's check reads them.)
-            self._anomaly.note_stepped(params)
+            self._anomaly.note_stepped(params, scaled=scale is not None)
         buf = self._buffer
         if buf is None or self._probes is None:
             return
@@ -909,6 +910,10 @@ class Watch:
         buf.release()
         if scale is None:
             self._loop.snapshot_low_params(params)
+
+    def _on_unscaled(self, found: list[torch.Tensor]) -> None:
+        if self._anomaly is not None and not in_closure_step():
+            self._anomaly.note_found_inf(found)
 
     def _on_skip(self, params: list[torch.Tensor]) -> None:
         """A GradScaler skipped a step: name the layers whose grads are not finite."""

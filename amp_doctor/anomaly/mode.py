@@ -406,13 +406,23 @@ class AnomalyMode:
         except Exception as e:
             self._log.note_internal(e)
 
-    def note_stepped(self, params: list[torch.Tensor]) -> None:
+    def note_stepped(self, params: list[torch.Tensor], scaled: bool = False) -> None:
         """An optimizer step is about to take the gradients of ``params`` (see
         :meth:`StepCheck.note_stepped`). No sync."""
         if self._raise or threading.get_ident() != self._thread:
             return
         try:
-            self._check.note_stepped(params)
+            self._check.note_stepped(params, scaled)
+        except Exception as e:
+            self._log.note_internal(e)
+
+    def note_found_inf(self, found: list[torch.Tensor]) -> None:
+        """A GradScaler's check of the gradients :meth:`note_stepped` awaits (see
+        :meth:`StepCheck.note_found_inf`). No sync."""
+        if self._raise or threading.get_ident() != self._thread:
+            return
+        try:
+            self._check.note_found_inf(found)
         except Exception as e:
             self._log.note_internal(e)
 

@@ -52,6 +52,9 @@ class LoopCallbacks:
     boundary: Callable[[int], None]
     # The optimizer's gradients are final; the scale they still carry (None: unscaled).
     param_grads: Callable[[Params, float | None], None]
+    # A GradScaler's unscale_ of those gradients found NaN/Inf where these device
+    # tensors (its found_inf_per_device) are 1.
+    unscaled: Callable[[list[torch.Tensor]], None]
     # GradScaler skipped the optimizer step of these parameters.
     skip: Callable[[Params], None]
     # scaler.scale(outputs): the scale tensor (None when disabled or not created yet).
@@ -187,6 +190,15 @@ class AmpMonitor:
         self._scaler_in_step = True
         self._misuse.unscale(scaler, st, optimizer)
         self._cb.param_grads(optimizer_params(optimizer), st.scale)
+
+    def on_unscaled(self, scaler: GradScaler, optimizer: Any) -> None:
+        # As on_unscale: the gradients it passed on to param_grads.
+        if self._mirror(scaler, optimizer) is None or not self.registry.relevant(optimizer):
+            return
+        state = scaler._per_optimizer_states.get(id(optimizer)) or {}
+        found = list((state.get("found_inf_per_device") or {}).values())
+        if found:
+            self._cb.unscaled(found)
 
     def on_scaler_step_begin(self, scaler: GradScaler, optimizer: Any) -> None:
         st = self._mirror(scaler, optimizer)
