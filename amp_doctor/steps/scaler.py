@@ -285,6 +285,9 @@ class ScaleTimeline:
         self._skipped: list[int] = []
         self._skipped_by_optimizer: dict[str, list[int]] = {}
         self._resets: list[ScalerReset] = []
+        # Every step's, not only the recorded ones': with every=N the last recorded step
+        # with a scale may be up to N-1 steps before the scaler's last.
+        self._last_used: int | None = None
 
     def reset(self, step: int, old_scale: float | None, new_scale: float | None) -> None:
         """A new scaler took over from the previous one at ``step``, starting at
@@ -308,6 +311,8 @@ class ScaleTimeline:
     def end_step(self, step: int, out: StepOutcome, *, recorded: bool, culprits: list[str],
                  forward_origin: str | None, loss_nonfinite: bool | None) -> None:
         """A training step ended with ``out``; the culprits are the step's bad layers."""
+        if out.scaler_used:
+            self._last_used = step
         if out.scale_after is not None:
             tl = self.points
             changed = not tl or tl[-1][1] != out.scale_after
@@ -371,6 +376,7 @@ class ScaleTimeline:
             backoff_factor=backoff if on else None,
             enabled=on,
             resets=list(self._resets),
+            last_step=self._last_used,
         )
 
 

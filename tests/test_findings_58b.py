@@ -1,0 +1,99 @@
+"""Session 58b: a GradScaler's lifecycle as the reports tell it.
+
+* A loop that drops its GradScaler mid-run: the header's "GradScaler on until step N"
+  (and the gradient-underflow finding's "only up to step N") is the last step the
+  scaler worked in, every step seen, not the last *recorded* one (``--every 5`` said 5
+  where the scaler's last step was 6).
+* A new GradScaler taking over from the one named to ``watch(scaler=...)`` records its
+  first step's loss as the loop computed it, not times the new scaler's scale.
+* TensorBoard shows where a new GradScaler took over (``scaler/resets`` and a text note),
+  so that the scale chart's jump back to ``init_scale`` is explained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from amp_doctor.records import Session
+from tests.helpers import console_script
+
+# The script's steps with float16 autocast and a GradScaler, then model.half() and plain
+# optimizer steps: with --every 5 the last recorded step with the scaler is 5, its last
+# step 6.
+SCALED_STEPS = 7
+HALF_STEPS = 9
+DROP_SCRIPT = f'''
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for i in range({SCALED_STEPS + HALF_STEPS}):
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    if i < {SCALED_STEPS}:
+        with torch.autocast("cpu", dtype=torch.float16):
+            # A small loss: its float16 gradients underflow without a loss scale.
+            loss = nn.functional.cross_entropy(model(x), y) * 1e-3
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        if i == {SCALED_STEPS}:
+            model.half()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+        loss = nn.functional.cross_entropy(model(x.half()).float(), y) * 1e-3
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print("loss", i, repr(loss.item()))
+'''
+
+
+def _diagnose(tmp: Path, script: str, every: int) -> tuple[str, str, Session]:
+    """The script through the real CLI: its stdout, the text report and the JSON one."""
+    (tmp / "train.py").write_text(script)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    logdir = f"ad_every{every}"
+    r = subprocess.run([console_script(), "diagnose", "-q", "--every", str(every),
+                        "--logdir", logdir, "train.py"],
+                       cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = (tmp / logdir / "report.txt").read_text()
+    return r.stdout, report, Session.load(tmp / logdir / "amp_doctor.json")
+
+
+@pytest.mark.parametrize("every", [1, 5])
+def test_the_scalers_last_step_is_its_real_last_at_any_every(tmp_path: Path,
+                                                              every: int) -> None:
+    out, report, s = _diagnose(tmp_path, DROP_SCRIPT, every)
+    assert s.steps == SCALED_STEPS + HALF_STEPS
+    assert s.recorded_steps == len(range(0, s.steps, every))
+    last = SCALED_STEPS - 1
+    assert f"GradScaler on until step {last}, then none" in report.splitlines()[0]
+    assert s.scaler is not None and s.scaler.last_step == last
+    raw = json.loads((tmp_path / f"ad_every{every}" / "amp_doctor.json").read_text())
+    assert raw["scaler"]["last_step"] == last
+    under = s.findings_of("gradient_underflow")
+    assert under
+    for f in under:
+        assert f"with the loss scale only up to step {last}:" in f.message, f.message
+    # The loop ran as without amp-doctor's recording: every step's loss printed.
+    assert len(re.findall(r"^loss \d+ ", out, re.M)) == s.steps
+
+
+def test_a_scaler_used_to_the_end_was_not_dropped(tmp_path: Path) -> None:
+    # The same script with no plain steps after the scaler's: no "until step".
+    script = DROP_SCRIPT.replace(f"range({SCALED_STEPS + HALF_STEPS})",
+                                 f"range({SCALED_STEPS})")
+    _, report, s = _diagnose(tmp_path, script, 5)
+    assert s.scaler is not None and s.scaler.last_step == SCALED_STEPS - 1
+    assert "GradScaler on |" in report.splitlines()[0]
