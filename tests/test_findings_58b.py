@@ -13,13 +13,17 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+import amp_doctor
 from amp_doctor.records import Session
 from tests.helpers import console_script
 
@@ -97,3 +101,64 @@ def test_a_scaler_used_to_the_end_was_not_dropped(tmp_path: Path) -> None:
     _, report, s = _diagnose(tmp_path, script, 5)
     assert s.scaler is not None and s.scaler.last_step == SCALED_STEPS - 1
     assert "GradScaler on |" in report.splitlines()[0]
+
+
+# -- a new scaler taking over from the one named to the watch ---------------------------
+
+EPOCHS = 3
+EPOCH_STEPS = 4
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _epochs(explicit: bool, watched: bool, logdir: Path | None = None,
+            every: int = 1, opt_cls: type | None = None
+            ) -> tuple[list[float], list[float], Session | None]:
+    """A new GradScaler each epoch; ``explicit``: the first one named to the watch. The
+    losses as the loop saw them, the final parameters' sums and the session."""
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    stepped = opt if opt_cls is None else opt_cls(opt)
+    g = torch.Generator().manual_seed(0)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 20) for _ in range(EPOCHS)]
+    named = {"scaler": scalers[0], "optimizer": opt} if explicit else {}
+    losses: list[float] = []
+    w = amp_doctor.watch(model, every=every, tensorboard=logdir is not None,
+                         **({"logdir": logdir} if logdir is not None else {}),
+                         **named) if watched else None
+    try:
+        for scaler in scalers:
+            for _ in range(EPOCH_STEPS):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    # x100: each new scaler backs off from 2**20 a few times.
+                    loss = model(torch.randn(16, 8, generator=g)).float().pow(2).mean() * 100
+                stepped.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(stepped)
+                scaler.update()
+                losses.append(loss.item())
+    finally:
+        if w is not None:
+            w.close()
+    sums = [float(p.detach().double().sum()) for p in model.parameters()]
+    return losses, sums, (w.session if w is not None else None)
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_a_new_scalers_first_step_keeps_its_loss(tmp_path: Path, explicit: bool) -> None:
+    losses, sums, s = _epochs(explicit, watched=True, logdir=tmp_path)
+    assert s is not None and s.scaler is not None
+    assert (losses, sums) == _epochs(explicit, watched=False)[:2]
+    starts = list(range(EPOCH_STEPS, EPOCHS * EPOCH_STEPS, EPOCH_STEPS))
+    assert [r.step for r in s.scaler.resets] == starts
+    # Read back from the JSON report: every step's loss is the one the loop computed
+    # (the takeover steps' were the loss times 2**20 with a named scaler).
+    loaded = Session.load(tmp_path / "amp_doctor.json")
+    recorded = {r.step: r.loss for r in loaded.history}
+    assert sorted(recorded) == list(range(len(losses)))
+    for step, loss in recorded.items():
+        assert loss is not None and math.isclose(loss, losses[step], rel_tol=1e-6), (
+            step, loss, losses[step])
