@@ -21,10 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing import event_accumulator as ea_mod
+from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
 import amp_doctor
 from amp_doctor.records import Session
+from amp_doctor.sinks import tb_session as tbv
 from tests.helpers import console_script
 
 # The script's steps with float16 autocast and a GradScaler, then model.half() and plain
@@ -162,3 +165,96 @@ def test_a_new_scalers_first_step_keeps_its_loss(tmp_path: Path, explicit: bool)
     for step, loss in recorded.items():
         assert loss is not None and math.isclose(loss, losses[step], rel_tol=1e-6), (
             step, loss, losses[step])
+
+
+# -- TensorBoard -------------------------------------------------------------------------
+
+def _load(logdir: Path) -> ea_mod.EventAccumulator:
+    guidance = {ea_mod.SCALARS: 0, ea_mod.TENSORS: 0}
+    return ea_mod.EventAccumulator(str(logdir), size_guidance=guidance).Reload()
+
+
+def _scalars(acc: ea_mod.EventAccumulator, tag: str) -> list[tuple[int, float]]:
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def _scaler_charts(acc: ea_mod.EventAccumulator) -> dict[str, list[str]]:
+    proto = layout_pb2.Layout()
+    # TensorBoard reads the run's last layout, written again at close.
+    proto.ParseFromString(acc.Tensors("custom_scalars__config__")[-1].tensor_proto.string_val[0])
+    (cat,) = [c for c in proto.category if c.title == "Scaler"]
+    return {ch.title: list(ch.multiline.tag) for ch in cat.chart}
+
+
+class _WrappedOptimizer:
+    """No ``torch.optim.Optimizer`` (as Accelerate's wrapper): GradScaler's skip of it is
+    read from the device at the end, so the scaler charts are written at close."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizer = opt
+
+    @property
+    def param_groups(self) -> list[dict[str, object]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> object:
+        return self.optimizer.state
+
+    def step(self, closure: object = None) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+
+@pytest.mark.parametrize(("every", "wrapped"), [(1, False), (5, False), (1, True)])
+def test_tensorboard_marks_each_new_scaler(tmp_path: Path, every: int, wrapped: bool) -> None:
+    losses, sums, s = _epochs(False, watched=True, logdir=tmp_path, every=every,
+                              opt_cls=_WrappedOptimizer if wrapped else None)
+    assert s is not None and s.scaler is not None
+    starts = list(range(EPOCH_STEPS, EPOCHS * EPOCH_STEPS, EPOCH_STEPS))
+    assert [r.step for r in s.scaler.resets] == starts
+    acc = _load(tmp_path)
+    resets = _scalars(acc, "scaler/resets")
+    # One point a step, like the scale's; the count rises exactly where a new scaler
+    # took over, where the scale jumps back to its init_scale.
+    assert [st for st, _ in resets] == list(range(len(losses)))
+    rises = [st for (st, v), (_, before) in zip(resets[1:], resets[:-1], strict=True)
+             if v > before]
+    assert rises == starts
+    assert resets[-1][1] == len(starts)
+    scale = dict(_scalars(acc, "scaler/scale"))
+    assert all(scale[st] > scale[st - 1] for st in starts)
+    charts = _scaler_charts(acc)
+    assert charts[tbv.RESETS_TITLE] == [r"^scaler/resets$"]
+    (note,) = acc.Tensors("scaler_resets/text_summary")
+    assert note.step == starts[0]
+    text = note.tensor_proto.string_val[0].decode()
+    assert f"GradScaler replaced {len(starts)} times" in text
+    assert [int(m) for m in re.findall(r"^\* step (\d+): ", text, re.M)] == starts
+    # Each new scaler's backoffs are a note of their own, not the old scaler's episode
+    # going on across the takeover.
+    notes = {e.step for e in acc.Tensors("backoffs/text_summary")}
+    assert set(starts) <= notes
+    assert (losses, sums) == _epochs(False, watched=False,
+                                     opt_cls=_WrappedOptimizer if wrapped else None)[:2]
+
+
+def test_one_scaler_for_the_run_has_no_reset_chart(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, logdir=tmp_path):
+        for _ in range(EPOCH_STEPS):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    acc = _load(tmp_path)
+    assert {v for _, v in _scalars(acc, "scaler/resets")} == {0.0}
+    assert tbv.RESETS_TITLE not in _scaler_charts(acc)
+    assert "scaler_resets/text_summary" not in acc.Tags()["tensors"]

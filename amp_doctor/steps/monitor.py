@@ -259,7 +259,8 @@ class AmpMonitor:
         replayed = old.resolve()
         if replayed:
             self._timeline.add_replayed(replayed)
-        self._timeline.reset(self._step_of(), old.scale, st.scale)
+        if self._timeline.reset(self._step_of(), old.scale, st.scale):
+            self._outcome.resets += 1
 
     def _flags_of_unscaled(self, scaler: GradScaler, st: ScalerMirror) -> None:
         """Optimizers unscaled but not stepped through ``scaler.step`` (``unscale_`` then
