@@ -220,6 +220,10 @@ class ScalerTimeline:
     stepping: str = ""
     # Where a new scaler replaced the previous one, in step order.
     resets: list[ScalerReset] = field(default_factory=list)
+    # The last finished step a GradScaler worked in (scaled, unscaled, stepped or updated),
+    # recorded or not: where a loop that dropped its scaler stopped using it. None in a
+    # report written before it was kept (the recorded steps' scales tell it then).
+    last_step: int | None = None
 
     @property
     def label(self) -> str:

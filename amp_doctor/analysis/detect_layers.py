@@ -731,13 +731,16 @@ def _no_gradient_reached_the_weights(session: Session, fmt: str) -> Finding | No
 
 
 def scaler_dropped_after(session: Session) -> int | None:
-    """The last recorded step a GradScaler worked in, when the recorded steps after it
-    had none (a loop that dropped its scaler for ``model.half()`` and a plain optimizer
-    step): those steps' gradients had no loss scale. None when the scaler worked to the
-    end (or no recorded step says otherwise)."""
+    """The last step a GradScaler worked in, when finished steps after it had none (a
+    loop that dropped its scaler for ``model.half()`` and a plain optimizer step): those
+    steps' gradients had no loss scale. None when the scaler worked to the end."""
     sc = session.scaler
     if not session.amp.scaler or sc is None or not sc.enabled:
         return None
+    if sc.last_step is not None:
+        # Known for every step, recorded or not (the monitor sees each optimizer step).
+        return sc.last_step if sc.last_step < session.steps - 1 else None
+    # An older report: the last recorded step with a scale, if recorded steps followed it.
     # Not a step the run ended in before it finished (recorded without its update).
     done = [r for r in session.history if r.step < session.steps]
     scaled = [r.step for r in done if r.scale is not None]

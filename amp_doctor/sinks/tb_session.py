@@ -18,7 +18,7 @@ import torch
 from amp_doctor import format as F
 from amp_doctor.analysis.thresholds import ALL_ZERO_SHOWN
 from amp_doctor.dtypes import FormatLimits, limits
-from amp_doctor.records import ScalerTimeline, Session, TensorStats
+from amp_doctor.records import ScalerEvent, ScalerTimeline, Session, TensorStats
 from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
 from amp_doctor.steps.history import HISTORY_LAYERS
 
@@ -26,6 +26,7 @@ __all__ = ["CULPRIT_GROUPS", "CULPRIT_HEADROOM_TITLE", "CULPRIT_GRAD_HEADROOM_TI
            "CULPRITS_GROUP", "LAYOUT", "LOSS_TAG", "LOSS_TITLE", "culprit_headroom",
            "headroom_floor", "ORIGIN_KINDS", "SCALER_FILL_LIMIT", "backoff_groups",
            "culprit_layers", "heatmap_grids", "heatmap_images", "heatmap_layers",
+           "RESETS_TITLE", "scaler_resets_note",
            "heatmap_legend", "origin_cells", "scaler_series", "scaler_tag_prefix",
            "layout_with_scalers"]
 
@@ -82,6 +83,13 @@ CULPRIT_GRAD_HEADROOM_TITLE = (
 # beside the scale, when it went NaN/inf (no point then) or began to climb (review 52b).
 LOSS_TAG = "loss"
 LOSS_TITLE = "loss (recorded steps; no point where it was inf/NaN)"
+# A GradScaler built anew (each epoch, a restarted training function) starts again at its
+# init_scale: without this chart the scale chart's jump back up has no explanation.
+RESETS_TITLE = ("GradScalers replaced (cumulative; each rise is a new scaler taking over, "
+                "from its own init_scale)")
+# The text note lists at most this many takeovers (a scaler built every iteration adds
+# one a step); the rest are counted.
+MAX_RESETS_LISTED = 20
 CULPRITS_GROUP = "Culprits (where inf/NaN or overflow started)"
 # Up to this many culprits get charts of their own, named; more share the four charts.
 MAX_NAMED_CULPRITS = 4
@@ -101,6 +109,7 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
             "Multiline", [r"^scaler/log2_scale$"]],
         "skipped optimizer steps (cumulative)": ["Multiline", [r"^scaler/skipped$"]],
         "scale backoffs (cumulative)": ["Multiline", [r"^scaler/backoffs$"]],
+        RESETS_TITLE: ["Multiline", [r"^scaler/resets$"]],
         LOSS_TITLE: ["Multiline", [rf"^{LOSS_TAG}$"]],
     },
     "Overflow risk": {
@@ -142,6 +151,10 @@ def layout_with_scalers(session: Session) -> dict[str, dict[str, list[Any]]]:
     without the Culprits group when no layer is one. Written again at close, when both
     are known (TensorBoard reads a run's last layout)."""
     layout = dict(LAYOUT)
+    timelines = [sc for sc in (session.scaler, *session.other_scalers) if sc is not None]
+    if not any(sc.resets for sc in timelines):
+        # No scaler was replaced: a chart flat at 0 would only push the loss chart down.
+        layout["Scaler"] = {t: c for t, c in LAYOUT["Scaler"].items() if t != RESETS_TITLE}
     known = {lay.name for lay in session.layers}
     named = [n for n in culprit_layers(session) if n in known]
     if not named:
@@ -160,7 +173,7 @@ def layout_with_scalers(session: Session) -> dict[str, dict[str, list[Any]]]:
     for i, sc in enumerate([session.scaler, *session.other_scalers]):
         prefix = "scaler/" if i == 0 else scaler_tag_prefix(sc)
         for title, (kind, (rx,)) in LAYOUT["Scaler"].items():
-            if title == LOSS_TITLE:
+            if title == LOSS_TITLE or (title == RESETS_TITLE and not sc.resets):
                 continue
             charts[f"{title}: GradScaler of {sc.label}"] = [
                 kind, ["^" + re.escape(prefix) + rx.removeprefix("^scaler/")]]
@@ -179,8 +192,8 @@ def scaler_series(session: Session, after: int = -1, sc: ScalerTimeline | None =
 
     The scale after each update is a step function of the timeline (it holds every
     change), so it is written at every step up to :data:`SCALER_FILL_LIMIT` steps.
-    ``scaler/skipped`` and ``scaler/backoffs`` are cumulative counts (a rise is an
-    event; no thinning can hide one), at the same steps.
+    ``scaler/skipped``, ``scaler/backoffs`` and ``scaler/resets`` are cumulative counts
+    (a rise is an event; no thinning can hide one), at the same steps.
     """
     sc = session.scaler if sc is None else sc
     if sc is None or not sc.enabled or not sc.scale:
@@ -188,18 +201,20 @@ def scaler_series(session: Session, after: int = -1, sc: ScalerTimeline | None =
     pts = sorted((int(st), float(v)) for st, v in sc.scale if _finite(v))
     if not pts:
         return {}
-    last = max(pts[-1][0], session.steps - 1, *sc.skipped_steps, *sc.backoff_steps)
+    resets = sorted(r.step for r in sc.resets)
+    last = max(pts[-1][0], session.steps - 1, *sc.skipped_steps, *sc.backoff_steps, *resets)
     if last + 1 - pts[0][0] <= SCALER_FILL_LIMIT:
         steps = list(range(pts[0][0], last + 1))
     else:  # the staircase's corners only
         corners = {st for st, _ in pts} | {st - 1 for st, _ in pts[1:]}
-        steps = sorted(corners | set(sc.skipped_steps) | set(sc.backoff_steps) | {last})
+        steps = sorted(corners | set(sc.skipped_steps) | set(sc.backoff_steps) | set(resets)
+                       | {last})
     steps = [st for st in steps if st > after and st >= pts[0][0]]
     out: dict[str, list[tuple[int, float]]] = {
         f"{prefix}scale": [], f"{prefix}log2_scale": [], f"{prefix}skipped": [],
-        f"{prefix}backoffs": []}
+        f"{prefix}backoffs": [], f"{prefix}resets": []}
     skipped, backoffs = sorted(sc.skipped_steps), sorted(sc.backoff_steps)
-    i = j = k = 0
+    i = j = k = m = 0
     value = pts[0][1]
     for st in steps:
         while i < len(pts) and pts[i][0] <= st:
@@ -209,10 +224,13 @@ def scaler_series(session: Session, after: int = -1, sc: ScalerTimeline | None =
             j += 1
         while k < len(backoffs) and backoffs[k] <= st:
             k += 1
+        while m < len(resets) and resets[m] <= st:
+            m += 1
         out[f"{prefix}scale"].append((st, value))
         out[f"{prefix}log2_scale"].append((st, math.log2(value)))
         out[f"{prefix}skipped"].append((st, float(j)))
         out[f"{prefix}backoffs"].append((st, float(k)))
+        out[f"{prefix}resets"].append((st, float(m)))
     return out if steps else {}
 
 
@@ -395,7 +413,10 @@ def backoff_groups(session: Session) -> list[tuple[int, str]]:
     # Where the findings say inf/NaN started, for backoffs whose forward pass was not
     # recorded or stayed finite (an op inside a module, found by anomaly mode).
     started = culprit_layers(session)
-    groups = F.consecutive_runs(evs)
+    # A new scaler's backoffs are its own episode, not the old one's going on: one note
+    # across a takeover read "24 skipped updates, scale 2^20 -> 4096" (8 halvings).
+    starts = {r.step for r in sc.resets}
+    groups = [part for run in F.consecutive_runs(evs) for part in _split_at(run, starts)]
     out = []
     for g in groups:
         first, last = g[0], g[-1]
@@ -420,3 +441,35 @@ def backoff_groups(session: Session) -> list[tuple[int, str]]:
                          + (f" and {more} more" if more else ""))
         out.append((first.step, "\n".join(lines) + "\n"))
     return out
+
+
+def _split_at(run: list[ScalerEvent], starts: set[int]) -> list[list[ScalerEvent]]:
+    """``run`` cut before each event at one of the ``starts`` steps."""
+    parts: list[list[ScalerEvent]] = []
+    for e in run:
+        if not parts or e.step in starts:
+            parts.append([e])
+        else:
+            parts[-1].append(e)
+    return parts
+
+
+def scaler_resets_note(session: Session) -> tuple[int, str] | None:
+    """The markdown note on where a new GradScaler took over from the previous one, at
+    the first takeover's step; None when no scaler was replaced."""
+    sc = session.scaler
+    if sc is None or not sc.resets:
+        return None
+    resets = sorted(sc.resets, key=lambda r: r.step)
+    shown = resets[:MAX_RESETS_LISTED]
+    more = len(resets) - len(shown)
+    # The blank line: TensorBoard's markdown starts a list only after one.
+    lines = [f"**GradScaler replaced {F.counted(len(resets), 'time')}**: at each step below "
+             "a new GradScaler took over from the previous one, with its own scale (its "
+             "`init_scale`, unless it loaded the old one's state): the scale chart's jump "
+             "there is no growth.", ""]
+    lines += [f"* step {r.step}: scale {F.scale(r.scale_before, unknown='?')} -> "
+              f"{F.scale(r.scale_after, unknown='?')}" for r in shown]
+    if more:
+        lines.append(f"* and {more} more")
+    return resets[0].step, "\n".join(lines) + "\n"

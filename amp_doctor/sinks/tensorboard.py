@@ -15,7 +15,8 @@ What goes where (tags are stable; see the README section "TensorBoard dashboards
 * **Per training step, live** (:meth:`TensorBoardSink.on_scaler_step`, called from the
   watch's per-step scaler bookkeeping with the host mirror of the scale; no sync):
   ``scaler/scale``, ``scaler/log2_scale`` (a collapse is a straight line on it),
-  ``scaler/skipped`` and ``scaler/backoffs`` (cumulative counts). Steps the watch did
+  ``scaler/skipped``, ``scaler/backoffs`` and ``scaler/resets`` (cumulative counts; a
+  reset is a new GradScaler taking over, its scale back at its ``init_scale``). Steps the watch did
   not report live are written from the finished session's timeline at the end.
 * **Per recorded step, live** (:meth:`TensorBoardSink.on_step`, right after the step's
   single host copy; everything it reads is already a host float or a host tensor):
@@ -43,7 +44,9 @@ What goes where (tags are stable; see the README section "TensorBoard dashboards
   layer x step images ``heatmap/headroom``, ``heatmap/underflow``,
   ``heatmap/grad_headroom`` with their key in text
   ``heatmap_legend``; text ``findings`` (verdict first, then one block per finding) and
-  one text ``backoffs`` note per run of consecutive backoffs. (torch's ``add_text``
+  one text ``backoffs`` note per run of consecutive backoffs (a new GradScaler's start a
+  run of their own), and one text
+  ``scaler_resets`` note listing where a new GradScaler took over. (torch's ``add_text``
   stores text tag ``X`` as ``X/text_summary``.)
 * **At start**: the custom-scalars layout (tab "CUSTOM SCALARS": Culprits / Scaler /
   Overflow risk / Underflow / Gradients), so the dashboard is arranged while the run is
@@ -131,6 +134,7 @@ from amp_doctor.sinks.tb_session import (
     heatmap_images,
     heatmap_legend,
     layout_with_scalers,
+    scaler_resets_note,
     scaler_series,
     scaler_tag_prefix,
 )
@@ -381,6 +385,7 @@ class TensorBoardSink:
         self._scaler_last = -1
         self._skips = 0
         self._backoffs = 0
+        self._resets = 0
         self._finished = False
         # Why the event file could not be written (a full disk, the folder deleted by the
         # script), said once at the end instead of a traceback in the user's output.
@@ -432,10 +437,12 @@ class TensorBoardSink:
         if getattr(outcome, "backoff", False):
             # Two for a step whose scaler.update() ran twice and backed off twice.
             self._backoffs += max(1, int(getattr(outcome, "backoffs", 1)))
+        self._resets += int(getattr(outcome, "resets", 0))
         w.add_scalar("scaler/scale", scale, global_step=step)
         w.add_scalar("scaler/log2_scale", math.log2(scale), global_step=step)
         w.add_scalar("scaler/skipped", float(self._skips), global_step=step)
         w.add_scalar("scaler/backoffs", float(self._backoffs), global_step=step)
+        w.add_scalar("scaler/resets", float(self._resets), global_step=step)
         self._scaler_last = step
 
     def on_step(self, rec: StepRecord, hs: StepRows) -> None:
@@ -698,6 +705,9 @@ class TensorBoardSink:
     def _write_text(self, w: SummaryWriter, session: Session) -> None:
         for step, md in backoff_groups(session):
             w.add_text("backoffs", md, global_step=step)
+        resets = scaler_resets_note(session)
+        if resets is not None:
+            w.add_text("scaler_resets", resets[1], global_step=resets[0])
         w.add_text("findings", render_markdown(session), global_step=self._final_step(session))
 
 

@@ -168,9 +168,10 @@ class AmpMonitor:
 
     def on_scale(self, scaler: GradScaler, outputs: Any, result: Any) -> None:
         st = self._mirror(scaler)
-        if st is None:
-            return
-        if self.registry.primary_scaler not in (None, id(scaler)) and not st.relevant:
+        # None: a scaler other than the one named to the watch (watch(scaler=...)), which
+        # may still take over from it at its step() (a GradScaler built anew each epoch).
+        if st is None or (self.registry.primary_scaler not in (None, id(scaler))
+                          and not st.relevant):
             # Another model's scaler, seen by an overlapping watch, or a new one that takes
             # over at its step(): kept until that says which.
             step, pending = self._unclaimed_scales.get(id(scaler), (self._step_of(), []))
@@ -270,7 +271,8 @@ class AmpMonitor:
         replayed = old.resolve()
         if replayed:
             self._timeline.add_replayed(replayed)
-        self._timeline.reset(self._step_of(), old.scale, st.scale)
+        if self._timeline.reset(self._step_of(), old.scale, st.scale):
+            self._outcome.resets += 1
 
     def _flags_of_unscaled(self, scaler: GradScaler, st: ScalerMirror) -> None:
         """Optimizers unscaled but not stepped through ``scaler.step`` (``unscale_`` then

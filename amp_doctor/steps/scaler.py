@@ -269,6 +269,9 @@ class StepOutcome:
     # A scaler scaled, unscaled, stepped or updated in the step: a loop that dropped its
     # GradScaler (model.half() and a plain optimizer step) has no scale in the steps after.
     scaler_used: bool = False
+    # A new GradScaler took over from the previous one in the step (kept in the timeline's
+    # resets): the live TensorBoard count of them rises here.
+    resets: int = 0
     # The total norms clip_grad_norm_ computed in the step (0-d device tensors; read only
     # in a skip's one sync): a NaN one multiplied every gradient by NaN.
     clip_norms: list[torch.Tensor] = field(default_factory=list)
@@ -285,14 +288,19 @@ class ScaleTimeline:
         self._skipped: list[int] = []
         self._skipped_by_optimizer: dict[str, list[int]] = {}
         self._resets: list[ScalerReset] = []
+        # Every step's, not only the recorded ones': with every=N the last recorded step
+        # with a scale may be up to N-1 steps before the scaler's last.
+        self._last_used: int | None = None
 
-    def reset(self, step: int, old_scale: float | None, new_scale: float | None) -> None:
+    def reset(self, step: int, old_scale: float | None, new_scale: float | None) -> bool:
         """A new scaler took over from the previous one at ``step``, starting at
-        ``new_scale`` (None: on the device, not known yet)."""
+        ``new_scale`` (None: on the device, not known yet). False when it was not kept
+        (past :data:`MAX_RESETS`), so that a live count matches the kept ones."""
         if len(self._resets) >= MAX_RESETS:
-            return
+            return False
         self._resets.append(ScalerReset(step=step, scale_before=_nan(old_scale),
                                         scale_after=_nan(new_scale)))
+        return True
 
     def _event(self, step: int, kind: Literal["backoff", "growth"], before: float, after: float,
                **extra: Any) -> None:
@@ -308,6 +316,8 @@ class ScaleTimeline:
     def end_step(self, step: int, out: StepOutcome, *, recorded: bool, culprits: list[str],
                  forward_origin: str | None, loss_nonfinite: bool | None) -> None:
         """A training step ended with ``out``; the culprits are the step's bad layers."""
+        if out.scaler_used:
+            self._last_used = step
         if out.scale_after is not None:
             tl = self.points
             changed = not tl or tl[-1][1] != out.scale_after
@@ -371,6 +381,7 @@ class ScaleTimeline:
             backoff_factor=backoff if on else None,
             enabled=on,
             resets=list(self._resets),
+            last_step=self._last_used,
         )
 
 
