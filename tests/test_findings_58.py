@@ -4,11 +4,15 @@ lines told wrong.
 * A loss summed over tokens: the scaled loss gradient arrives at the output layer near
   float16's max, and its matmul's backward is the first op to overflow. Anomaly mode
   named that matmul as the cause ("look there", "run the forward op in float32").
+* A hand-written GELU whose cube overflows in each block's MLP: the default mode's first
+  `next:` put the Linear before it in float32 (`--fp32 h.1.mlp.c_fc`), which left every
+  step skipped; the cube is in the MLP's own code.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +125,85 @@ def test_a_collapse_from_a_summed_loss_suggests_no_float32_layer(tmp_path: Path)
     assert c["advice"].startswith("Average the loss instead of summing it"), c["advice"]
     # No float32 layer to try: before, `next:` said `--fp32 head`.
     assert "--fp32" not in r.stderr, r.stderr
+
+
+_GELU_SCRIPT = '''
+import math
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+torch.set_num_threads(1)
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+        nn.init.normal_(self.fc.weight, 0.0, 20.0)  # a large init: |fc(x)| up to ~300
+    def forward(self, x):
+        h = self.fc(x)
+        # a hand-written tanh-GELU: the cube overflows float16 past |h| = 40, and its
+        # backward's 3 * h**2 past |h| = 148
+        h = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h.pow(3))))
+        return self.proj(h)
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+class Net(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(2)])
+        self.head = nn.Linear(d, 4)
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+model = Net()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+g = torch.Generator().manual_seed(1)
+for step in range(12):
+    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    print("step", step, repr(loss.item()), scaler.get_scale())
+'''
+
+
+def test_the_first_next_puts_the_mlp_whose_code_overflowed_in_float32_not_its_linear(
+        tmp_path: Path) -> None:
+    plain, r, report = _run(tmp_path, "gelu.py", _GELU_SCRIPT)
+    assert r.stdout == plain.stdout
+    assert plain.stdout.splitlines()[-1].split()[-1] == "16.0"  # every step skipped
+    (c,) = [f for f in report["findings"] if f["kind"] == "scale_collapse"]
+    assert (c["severity"], c["module"]) == ("error", "blocks.1.mlp.fc")
+    text = " ".join(c["message"].split())
+    assert ("the overflow is in the backward of blocks.1.mlp's code after blocks.1.mlp.fc"
+            in text), text
+    nexts = [line.removeprefix("amp-doctor: next: ") for line in r.stderr.splitlines()
+             if line.startswith("amp-doctor: next: ")]
+    assert nexts, r.stderr
+    first = nexts[0]
+    assert "blocks.1.mlp.fc's output stayed finite" in first, first
+    assert "--fp32 blocks.1.mlp.fc" not in r.stderr
+    command = first[first.index("amp-doctor diagnose "):]
+    assert command == "amp-doctor diagnose --fp32 'blocks.*.mlp' gelu.py", command
+    # The printed command, as the user would paste it: the overflow is gone.
+    tried = subprocess.run([console_script(), *shlex.split(command)[1:]], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)
+    assert tried.returncode == 0, tried.stderr
+    at = next(line for line in tried.stderr.splitlines() if "JSON report: " in line)
+    after = json.loads(Path(at.split("JSON report: ", 1)[1].strip()).read_text())
+    assert after["run"]["fp32_modules"] == ["blocks.0.mlp", "blocks.1.mlp"]
+    assert not [f for f in after["findings"] if f["severity"] == "error"], after["findings"]
+    scales = [float(line.split()[-1]) for line in tried.stdout.splitlines()]
+    # It settles (GradScaler's search from 2**16) and trains, where it skipped every step.
+    assert max(after["scaler"]["skipped_steps"]) <= 5 and scales[-1] >= 1024.0, scales

@@ -528,6 +528,28 @@ def made_by(session: Session, name: str) -> str | None:
     return users[0]
 
 
+def made_in_parent(session: Session, name: str) -> str | None:
+    """The module whose own forward code made culprit ``name``'s non-finite output
+    gradient, when that is its parent's: ``name``'s output stayed finite (never non-finite,
+    never past the max) and fed no watched layer, so the parent's code took it (a
+    hand-written GELU's ``h.pow(3)`` between ``c_fc`` and ``c_proj``), and the parent's own
+    output gradient stayed finite, so the inf did not come in from after the parent: the
+    backward of that code made it. Float32 for ``name`` does not touch that code; for the
+    parent it does (review 57g: `--fp32 h.1.mlp.c_fc` left every step skipped). The parent
+    may be a watched model itself (a layer named without a dot is its child)."""
+    by = {lay.name: lay for lay in session.layers}
+    lay = by.get(name)
+    if (lay is None or not lay.grad_nonfinite_steps or lay.consumers
+            or lay.model_output or lay.nonfinite_steps or lay.overflow_frac > 0):
+        return None
+    models = session.run.models
+    up = name.rsplit(".", 1)[0] if "." in name else models[0] if len(models) == 1 else None
+    parent = by.get(up) if up is not None and up != name else None
+    if parent is None or parent.grad_nonfinite_steps:
+        return None
+    return parent.name
+
+
 def made_outside(session: Session, name: str, evs: list[ScalerEvent]) -> bool:
     """Whether culprit ``name`` returns the watched model's output and, in most recorded
     backoffs of ``evs`` it led with a finite loss, its output gradient itself was
@@ -558,6 +580,13 @@ def made_in(session: Session, name: str, evs: list[ScalerEvent]) -> str:
                 f"temperature, a large loss), times the scale, not in {name}, so running "
                 f"{name} in float32 does not help")
     c = made_by(session, name)
+    parent = made_in_parent(session, name) if c is None else None
+    if parent is not None:
+        return (f"; {name}'s output stayed finite and fed no watched layer but {parent}'s own "
+                f"code, and {parent}'s output gradient stayed finite: the overflow is in the "
+                f"backward of {parent}'s code after {name} (an op of its forward, such as a "
+                f"power or an exp), not in {name}, so running {name} in float32 does not "
+                "help (anomaly mode names the op)")
     if c is None:
         return ""
     via = passed_through(session, name)
