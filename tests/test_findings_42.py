@@ -313,13 +313,10 @@ def test_with_two_backward_calls_a_weight_gradient_overflow_is_not_placed_with_c
     (b,) = doctor.session.findings_of("scaler_backoff")
     text = " ".join(b.message.split())
     assert "in backward order" not in text and "is where they appeared" not in text
-    # Stem's gradient went inf in the model's own code after it (_Boom's backward), which
-    # the message says too (session 58).
     assert ("non-finite gradients in 3 layer(s): stem, head, mid. The first with a "
-            "non-finite output gradient is stem; stem's output stayed finite and fed no "
-            "watched layer but StemMidHead's own code") in text
-    assert ("only the weights' gradients of head, mid went non-finite, in one of the step's "
-            "backward calls, so whether they came before it is not known") in text
+            "non-finite output gradient is stem; only the weights' gradients of head, mid "
+            "went non-finite, in one of the step's backward calls, so whether they came "
+            "before it is not known") in text
 
 
 class ActionMask(nn.Module):

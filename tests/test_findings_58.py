@@ -5,8 +5,8 @@ lines told wrong.
   float16's max, and its matmul's backward is the first op to overflow. Anomaly mode
   named that matmul as the cause ("look there", "run the forward op in float32").
 * A hand-written GELU whose cube overflows in each block's MLP: the default mode's first
-  `next:` put the Linear before it in float32 (`--fp32 h.1.mlp.c_fc`), which left every
-  step skipped; the cube is in the MLP's own code.
+  `next:` put one block's Linear before it in float32 (`--fp32 h.1.mlp.c_fc`), which left
+  every step skipped: the cube is in the MLP's own code, which every block runs.
 """
 
 from __future__ import annotations

@@ -534,18 +534,17 @@ def made_in_parent(session: Session, name: str) -> str | None:
     never past the max) and fed no watched layer, so the parent's code took it (a
     hand-written GELU's ``h.pow(3)`` between ``c_fc`` and ``c_proj``), and the parent's own
     output gradient stayed finite, so the inf did not come in from after the parent: the
-    backward of that code made it. Float32 for ``name`` does not touch that code; for the
-    parent it does (review 57g: `--fp32 h.1.mlp.c_fc` left every step skipped). The parent
-    may be a watched model itself (a layer named without a dot is its child)."""
+    backward of that code made it. Float32 for the parent runs that code in float32
+    whatever it casts; float32 for ``name`` does only while the code keeps its float32
+    output (elementwise ops do, a matmul is cast back). None when the parent is a watched
+    model itself: float32 for all of it is no mixed precision left to try."""
     by = {lay.name: lay for lay in session.layers}
     lay = by.get(name)
-    if (lay is None or not lay.grad_nonfinite_steps or lay.consumers
+    if (lay is None or "." not in name or not lay.grad_nonfinite_steps or lay.consumers
             or lay.model_output or lay.nonfinite_steps or lay.overflow_frac > 0):
         return None
-    models = session.run.models
-    up = name.rsplit(".", 1)[0] if "." in name else models[0] if len(models) == 1 else None
-    parent = by.get(up) if up is not None and up != name else None
-    if parent is None or parent.grad_nonfinite_steps:
+    parent = by.get(name.rsplit(".", 1)[0])
+    if parent is None or parent.name in session.run.models or parent.grad_nonfinite_steps:
         return None
     return parent.name
 
@@ -585,8 +584,7 @@ def made_in(session: Session, name: str, evs: list[ScalerEvent]) -> str:
         return (f"; {name}'s output stayed finite and fed no watched layer but {parent}'s own "
                 f"code, and {parent}'s output gradient stayed finite: the overflow is in the "
                 f"backward of {parent}'s code after {name} (an op of its forward, such as a "
-                f"power or an exp), not in {name}, so running {name} in float32 does not "
-                "help (anomaly mode names the op)")
+                f"power or an exp), and shows first in {name} (anomaly mode names the op)")
     if c is None:
         return ""
     via = passed_through(session, name)

@@ -151,14 +151,11 @@ def next_steps(session: Session, here: str | None = None,
                  and f.data.get("dtype") in WIDE_FORMATS)
         and not (f.kind == "nonfinite_forward" and spread_nan(f.op, f.data))
         for name in (_parent_code(session, f) or _same_code(session, f)
-                     or _fp32_target(session, f), *map(str, f.data.get("also") or ()))
-        # A culprit whose gradient the model's own code made: no layer of it to try.
-        if name not in roots))
+                     or _fp32_target(session, f), *map(str, f.data.get("also") or ()))))
     # Where a culprit's parent took its place, why: float32 for the culprit itself would
     # leave the code that made the inf as it is.
     moved = {p: (f.module, str(made_in_parent(session, f.module))) for f in errors
              if f.module and (p := _parent_code(session, f))}
-    made_by_model = [f.module for f in errors if f.module and _parent_code(session, f) in roots]
     # Each error is an independent cause (follow-ons were folded): try them together.
     layers = [n for n in layers if not any(n.startswith(m + ".") for m in layers)]
     layers = layers[:MAX_NEXT_FP32]
@@ -167,9 +164,10 @@ def next_steps(session: Session, here: str | None = None,
         flags = " ".join(f"--fp32 {shlex.quote(n)}" for n in layers)
         why = "".join(
             f" ({moved[n][0]}'s output stayed finite: its gradient went non-finite in the "
-            f"backward of {moved[n][1]}'s own code after it, which float32 for {moved[n][0]} "
-            "would not touch" + ("" if n == moved[n][1] else f"; {n} run the same code")
-            + ")" for n in layers if n in moved)
+            f"backward of {moved[n][1]}'s own code after it, which float32 for {moved[n][1]} "
+            "runs in float32 whatever it casts"
+            + ("" if n == moved[n][1] else f"; every {n} runs the same code") + ")"
+            for n in layers if n in moved)
         out.append(f"amp-doctor: next: try {names} in float32 without editing the code{why}: "
                    f"amp-doctor diagnose {flags} {script}")
         # The trials stop after DEFAULT_MAX_STEPS steps: a problem that begins later
@@ -210,14 +208,6 @@ def next_steps(session: Session, here: str | None = None,
                            f"{F.and_list(unseen)}'s input was made by code amp-doctor does "
                            "not see, and may have brought it): amp-doctor diagnose "
                            f"--anomaly {script}")
-            elif made_by_model:
-                # The culprit's gradient went non-finite in the model's own forward code
-                # after it: float32 for a layer does not reach that code. The op first.
-                out.insert(0, "amp-doctor: next: first find the op that made the inf ("
-                           f"{F.and_list(made_by_model)}'s output stayed finite: its gradient "
-                           "went non-finite in the backward of the model's own code after it, "
-                           f"which no --fp32 layer reaches): amp-doctor diagnose --anomaly "
-                           f"{script}")
             else:
                 out.append(line)
     if not out and any(f.kind == "input_beyond_format" and f.module in roots for f in errors):
