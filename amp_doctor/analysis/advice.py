@@ -131,6 +131,17 @@ ADVICE: dict[str, str] = {
         "so that it is of order 1; scale targets to unit size for a regression. A "
         "GradScaler then keeps a useful scale, and no layer needs float32 for it."
     ),
+    # Anomaly mode's first backward op overflowed a scaled gradient that arrived near the
+    # format's max (analysis.thresholds.SCALED_GRAD_NEAR_MAX): the loss times the scale.
+    # The large-loss fix first, as the default mode gives it, then the scale's own.
+    "scaled_grad_near_max": (
+        "Average the loss instead of summing it: `reduction=\"mean\"` (the default of "
+        "`F.cross_entropy`), or divide a sum by the number of tokens or samples it adds up, "
+        "so that it is of order 1. If the sum is meant, start the scale lower instead: "
+        "`torch.amp.GradScaler(device_type, init_scale=...)` at the scale the run settled at "
+        "(the report's Scaler line), so that no step is skipped backing off. A GradScaler "
+        "then keeps a useful scale, and no layer needs float32 for it."
+    ),
     "missing_scaler": (
         "float16 autocast without a GradScaler lets small gradients flush to zero. Create "
         "`scaler = torch.amp.GradScaler(device_type)` and use `scaler.scale(loss).backward()`, "

@@ -24,6 +24,8 @@ from amp_doctor.analysis.detect_scaler import (
     loss_bad_steps,
     loss_steps_not_skipped,
     normal_backoff_steps,
+    scaled_grad_arrival,
+    scaled_grad_text,
 )
 from amp_doctor.analysis.messages import CAST_OPS, event_message, zero_denominator
 from amp_doctor.analysis.thresholds import (
@@ -226,6 +228,17 @@ def event_findings(session: Session) -> Iterable[Finding]:
             # skips by design (its backoff finding says "nothing to fix" too).
             first = dataclasses.replace(first, data={
                 **first.data, "advice": ADVICE["scaled_backward_probe"]})
+        arrival = scaled_grad_arrival(session, first) if kind == "nonfinite_backward" else None
+        arrived = ""
+        if arrival is not None and module is not None:
+            # The gradient it was given was near the max already: the loss times the scale
+            # made the overflow, not this op, whose advice (float32 for it, a clamp) would
+            # send the user to the wrong place (review 57g: a summed loss, lm_head's mm).
+            arrived = " But " + scaled_grad_text(arrival, module) + "."
+            first = dataclasses.replace(first, data={
+                **first.data, "grad_arrived_absmax": arrival.absmax,
+                "loss_scale": arrival.scale, "loss": arrival.loss, "loss_too_large": True,
+                "advice": first.data.get("advice") or ADVICE["scaled_grad_near_max"]})
         batch = _batch_of_the_cast(session, first) if kind == "nonfinite_forward" else None
         if batch is not None:
             # Autocast's cast of the batch for its first layer: the data's values, as the
@@ -265,7 +278,7 @@ def event_findings(session: Session) -> Iterable[Finding]:
             kind=kind, severity=_severity(session, kind, [first, *es[1:]], n), module=module,
             op=op,
             step=first.step,
-            message=event_message(first, n, steps),
+            message=event_message(first, n, steps) + arrived,
             advice=first.data.get("advice") or _advice(session, first),
             frame=first.frame, count=n, steps=steps[:MAX_STEPS_KEPT],
             data={k: v for k, v in first.data.items() if k not in ("message", "advice")},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from amp_doctor import format as F
 from amp_doctor.analysis.advice import ADVICE
@@ -28,13 +28,15 @@ from amp_doctor.analysis.thresholds import (
     LARGE_LOSS,
     LOSS_NOT_LARGE,
     SCALE_COLLAPSE_MIN,
+    SCALED_GRAD_NEAR_MAX,
     SETTLING_BACKOFFS,
     STUCK_INTERVALS,
 )
 from amp_doctor.dtypes import FORMAT_MAX
-from amp_doctor.records import Finding, ScalerEvent, ScalerTimeline, Session
+from amp_doctor.records import Event, Finding, ScalerEvent, ScalerTimeline, Session
 
-__all__ = ["scaler_findings", "normal_backoff_steps", "ORIGIN_RANK"]
+__all__ = ["scaler_findings", "normal_backoff_steps", "ORIGIN_RANK", "ScaledGradArrival",
+           "scaled_grad_arrival", "scaled_grad_text"]
 
 # Findings keep at most this many of their steps.
 MAX_STEPS_KEPT = 50
@@ -167,35 +169,116 @@ def _skipped_of_steps(session: Session) -> str:
                                    else "") + ")")
 
 
+@dataclass(frozen=True)
+class ScaledGradArrival:
+    """A backward op that overflowed only because the scaled gradient it was given was
+    already near the format's max (see :func:`scaled_grad_arrival`)."""
+
+    absmax: float  # the largest |value| of the layer's scaled output gradient that step
+    fmax: float  # the format's max
+    dtype: str
+    scale: float | None  # the loss scale of that step's backward, when known
+    loss: float | None  # the median |loss| over the recorded steps, when known
+    model_output: bool  # the layer returns the model's output: the loss's gradient itself
+
+
+def scaled_grad_arrival(session: Session, e: Event) -> ScaledGradArrival | None:
+    """Whether anomaly mode's first non-finite backward op ``e`` overflowed a gradient that
+    arrived within :data:`SCALED_GRAD_NEAR_MAX` of the format's max, with a GradScaler on:
+    its layer's recorded output gradient (scaled, what the backward ran on) was finite and
+    that large in the op's step, and so was the op's largest input (the gradient reached
+    the op). Then the op only added up terms too large already; the loss times the scale
+    made them (review 57g: a summed cross-entropy, whose lm_head matmul was blamed)."""
+    d = e.data
+    sc = session.scaler
+    if (e.kind != "nonfinite_backward" or not e.module or d.get("nan")
+            or not session.amp.scaler or sc is None or not sc.enabled):
+        return None
+    dtype = str(d.get("dtype"))
+    fmax = FORMAT_MAX.get(dtype)
+    top = d.get("input_absmax")
+    if fmax is None or not isinstance(top, (int, float)) or not math.isfinite(top) \
+            or top * SCALED_GRAD_NEAR_MAX < fmax:
+        return None
+    rec = next((r for r in session.history if r.step == e.step), None)
+    ls = rec.layers.get(e.module) if rec is not None else None
+    g = ls.grad if ls is not None else None
+    if g is None or g.nonfinite_frac > 0 or not math.isfinite(g.absmax) \
+            or g.absmax * SCALED_GRAD_NEAR_MAX < fmax:
+        return None
+    scale = next((x.scale_before for x in sc.events if x.step == e.step
+                  and not math.isnan(x.scale_before)), None)
+    lay = next((x for x in session.layers if x.name == e.module), None)
+    return ScaledGradArrival(absmax=g.absmax, fmax=fmax, dtype=dtype, scale=scale,
+                             loss=median_loss(session),
+                             model_output=lay is not None and lay.model_output)
+
+
+def scaled_grad_text(a: ScaledGradArrival, module: str, loss: bool = True) -> str:
+    """Why the op is not the cause, in words: where the near-max gradient came from.
+    ``loss``: name the loss's size (not where a sentence of its own says it)."""
+    scale = f" {_scale(a.scale)}" if a.scale is not None else ""
+    size = f" (the loss was {F.num(a.loss)})" if a.loss is not None and loss else ""
+    came = ("the loss's gradient" if a.model_output
+            else "the loss's gradient, passed back by the layers after it,")
+    return (f"the gradient arriving at {F.layer(module)} was already up to {F.num(a.absmax)}, "
+            f"against {a.dtype}'s max {a.fmax:g}: {came} times "
+            f"the loss scale{scale}{size}. Its backward only added up values that large; the "
+            f"scaled loss gradient is too large for {a.dtype}, not {F.layer(module)}")
+
+
 # Anomaly-mode origins, in the order they happen within a step.
 ORIGIN_RANK = {"nonfinite_input": 0, "nonfinite_forward": 1, "activation_overflow": 2,
                 "nonfinite_backward": 3}
 
 
-def _origins_by_step(session: Session) -> dict[int, tuple[str, str]]:
-    """Per step, where anomaly mode saw the NaN/Inf begin: (module, how, in words)."""
-    best: dict[int, tuple[int, str, str]] = {}
+def _origin_events(session: Session) -> dict[int, Event]:
+    """Per step, the anomaly-mode event where the NaN/Inf began (the earliest kind)."""
+    best: dict[int, tuple[int, Event]] = {}
     for e in session.events:
         rank = ORIGIN_RANK.get(e.kind)
         if rank is None or not e.module or (
                 e.kind == "activation_overflow" and not e.data.get("hidden")):
             continue
-        if e.kind == "nonfinite_input":
-            how = f"the batch given to {F.layer(e.module)} already held NaN/Inf"
-        elif e.kind == "nonfinite_backward":
-            how = (f"the backward of {e.data.get('forward_op')} in {F.layer(e.module)} "
-                   f"({e.op}) was the first op to go non-finite")
-        elif e.kind == "activation_overflow":
-            how = f"{e.op} overflowed inside {F.layer(e.module)} in the forward pass"
-        else:
-            how = f"{e.op} in {F.layer(e.module)} was the first op to produce NaN/Inf"
         # A batch finding moved to an earlier unrecorded step keeps its recorded step too.
         steps = {e.step, e.data.get("recorded_first")} - {None}
         for step in steps:
             assert isinstance(step, int)
             if step not in best or rank < best[step][0]:
-                best[step] = (rank, e.module, how)
-    return {step: (m, how) for step, (_, m, how) in best.items()}
+                best[step] = (rank, e)
+    return {step: e for step, (_, e) in best.items()}
+
+
+def _origins_by_step(session: Session) -> dict[int, tuple[str, str]]:
+    """Per step, where anomaly mode saw the NaN/Inf begin: (module, how, in words)."""
+    out: dict[int, tuple[str, str]] = {}
+    for step, e in _origin_events(session).items():
+        assert e.module is not None
+        if e.kind == "nonfinite_input":
+            how = f"the batch given to {F.layer(e.module)} already held NaN/Inf"
+        elif e.kind == "nonfinite_backward":
+            how = (f"the backward of {e.data.get('forward_op')} in {F.layer(e.module)} "
+                   f"({e.op}) was the first op to go non-finite")
+            arrival = scaled_grad_arrival(session, e)
+            if arrival is not None:
+                how += ", but only because " + scaled_grad_text(
+                    arrival, e.module, loss=_large_loss(session) is None)
+        elif e.kind == "activation_overflow":
+            how = f"{e.op} overflowed inside {F.layer(e.module)} in the forward pass"
+        else:
+            how = f"{e.op} in {F.layer(e.module)} was the first op to produce NaN/Inf"
+        out[step] = (e.module, how)
+    return out
+
+
+def _arrivals_by_step(session: Session) -> dict[int, ScaledGradArrival]:
+    """The steps whose first origin is a backward op given a scaled gradient already near
+    the format's max (:func:`scaled_grad_arrival`): the loss's doing, not the op's."""
+    out: dict[int, ScaledGradArrival] = {}
+    for step, e in _origin_events(session).items():
+        if (a := scaled_grad_arrival(session, e)) is not None:
+            out[step] = a
+    return out
 
 
 def _backoff_origins(session: Session, backoffs: list[ScalerEvent],
@@ -445,6 +528,27 @@ def made_by(session: Session, name: str) -> str | None:
     return users[0]
 
 
+def made_in_parent(session: Session, name: str) -> str | None:
+    """The module whose own forward code made culprit ``name``'s non-finite output
+    gradient, when that is its parent's: ``name``'s output stayed finite (never non-finite,
+    never past the max) and fed no watched layer, so the parent's code took it (a
+    hand-written GELU's ``h.pow(3)`` between ``c_fc`` and ``c_proj``), and the parent's own
+    output gradient stayed finite, so the inf did not come in from after the parent: the
+    backward of that code made it. Float32 for the parent runs that code in float32
+    whatever it casts; float32 for ``name`` does only while the code keeps its float32
+    output (elementwise ops do, a matmul is cast back). None when the parent is a watched
+    model itself: float32 for all of it is no mixed precision left to try."""
+    by = {lay.name: lay for lay in session.layers}
+    lay = by.get(name)
+    if (lay is None or "." not in name or not lay.grad_nonfinite_steps or lay.consumers
+            or lay.model_output or lay.nonfinite_steps or lay.overflow_frac > 0):
+        return None
+    parent = by.get(name.rsplit(".", 1)[0])
+    if parent is None or parent.name in session.run.models or parent.grad_nonfinite_steps:
+        return None
+    return parent.name
+
+
 def made_outside(session: Session, name: str, evs: list[ScalerEvent]) -> bool:
     """Whether culprit ``name`` returns the watched model's output and, in most recorded
     backoffs of ``evs`` it led with a finite loss, its output gradient itself was
@@ -475,6 +579,12 @@ def made_in(session: Session, name: str, evs: list[ScalerEvent]) -> str:
                 f"temperature, a large loss), times the scale, not in {name}, so running "
                 f"{name} in float32 does not help")
     c = made_by(session, name)
+    parent = made_in_parent(session, name) if c is None else None
+    if parent is not None:
+        return (f"; {name}'s output stayed finite and fed no watched layer but {parent}'s own "
+                f"code, and {parent}'s output gradient stayed finite: the overflow is in the "
+                f"backward of {parent}'s code after {name} (an op of its forward, such as a "
+                f"power or an exp), and shows first in {name} (anomaly mode names the op)")
     if c is None:
         return ""
     via = passed_through(session, name)
@@ -512,7 +622,8 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
                   loss_bad: bool = False, every: int = 0,
                   unplaced: list[str] | None = None,
                   made: Callable[[str], str] = lambda n: "",
-                  models: Iterable[str] = (), recorded: bool = True) -> str:
+                  models: Iterable[str] = (), recorded: bool = True,
+                  loss_made: bool = False) -> str:
     if loss_bad and not origin:
         # The loss itself was NaN/inf: the first layer with non-finite gradients is only
         # where it entered the backward pass (the layer the loss is computed from), not
@@ -557,7 +668,10 @@ def _culprit_text(culprits: list[str], origin: tuple[str, str] | None,
                      "before it stopped overflowing as the scale fell)"
                      + ((made(top) if top else "") or ": look there"))
     if origin:
-        text += f". They began at {F.layer(origin[0])}: {origin[1]}; look there"
+        # Not "look there" when the origin's own gradient came in near the max: the scaled
+        # loss gradient is what to change (``loss_made``), which its words say.
+        text += (f". They began at {F.layer(origin[0])}: {origin[1]}"
+                 + ("" if loss_made else "; look there"))
     return text
 
 
@@ -742,6 +856,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
     classified = _classified(session, backoffs, growths)
     groups = [g for _, g in classified]
     origins = _origins_by_step(session)
+    arrivals = _arrivals_by_step(session)
     normal: list[tuple[str, list[ScalerEvent]]] = []
     # The start-up backoffs of each new scaler that replaced the old one: its finding's.
     recal = [g for why, g in classified if why == "recalibration"]
@@ -783,6 +898,10 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                     f"{first.step}), and was {_scale(sc.scale[-1][1] if sc.scale else None)} "
                     "at the end")
         origin = _origin_of(evs, origins)
+        # The origin a backward op given a scaled gradient already near the max: the loss
+        # times the scale made the overflow, no layer (review 57g).
+        at = next((e.step for e in evs if e.step in origins), None)
+        arrival = arrivals.get(at) if at is not None else None
         top_lead, n_lead = _top_lead(evs, with_params)
         loss_bad = all(e.loss_nonfinite for e in evs) and _loss_counts(session)
         lead = top_lead or (culprits[0] if culprits else None)
@@ -801,13 +920,15 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                                            unplaced_culprits(session, culprits),
                                            functools.partial(made_in, session, evs=evs),
                                            session.run.models,
-                                           recorded=any(e.recorded for e in evs)))
+                                           recorded=any(e.recorded for e in evs),
+                                           loss_made=arrival is not None))
                      + "." + _large_loss_text(session)),
             advice=(loss_code_advice(session, evs) if outside and not loss_bad
                     and _unskipped(session, steps) != set(steps) else
                     ADVICE["scaler_backoff_unskipped" if _unskipped(session, steps) == set(steps)
                            else "nonfinite_loss" if loss_bad and not origin
                            else "scale_collapse_loss_gradient" if outside
+                           else "scaled_grad_near_max" if arrival is not None
                            else "scale_collapse_large_loss" if _large_loss(session)
                            else "scaler_backoff"]),
             steps=steps[:MAX_STEPS_KEPT],
@@ -816,8 +937,9 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                   "episodes": [[g[0].step, g[-1].step] for g in episodes][:MAX_STEPS_KEPT],
                   "forward_origin": origin[0] if origin else None,
                   "loss_nonfinite": loss_bad,
-                  # Made by the code after the model: no layer to run in float32.
-                  "loss_too_large": outside},
+                  # Made by the code after the model, or the scaled loss gradient
+                  # overflowing in the first backward op it met: no layer to run in float32.
+                  "loss_too_large": outside or arrival is not None},
         )
     if normal:
         steps = [e.step for _, g in normal for e in g]
@@ -919,6 +1041,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
     if reasons:
         traced = [known[e.step][0] for e in backoffs if e.step in known]
         top: str | None = None
+        collapse_arrival: ScaledGradArrival | None = None
         loss_nonfinite = _all_loss_nonfinite(session, backoffs)
         if traced:
             top = max(dict.fromkeys(traced), key=traced.count)
@@ -931,8 +1054,17 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                         + ("other" if session.run.every == 1 else "unrecorded")
                         + " steps whose gradients went non-finite in the same layers"
                         if len(hows) > seen_n
-                        else "") + ")"
-                     + _untraced_text(backoffs, known))
+                        else "") + ")")
+            seen = [arrivals.get(e.step) for e in backoffs if e.step in known
+                    and known[e.step] == (top, "anomaly")]
+            if seen and all(seen):
+                # Each step it was seen in, the scaled loss gradient reached it near the
+                # max already: the loss's doing, as the backoff finding says (review 57g).
+                assert seen[0] is not None
+                collapse_arrival = seen[0]
+                where += ", but only because " + scaled_grad_text(
+                    collapse_arrival, top, loss=_large_loss(session) is None)
+            where += _untraced_text(backoffs, known)
         elif loss_nonfinite:
             # The layer the NaN loss is computed from, which tells one loss term from
             # another (a second head's), not a culprit to run in float32 (review 45c).
@@ -969,6 +1101,7 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             advice=(ADVICE["scaler_backoff_unskipped"] if backoffs and not sc.skipped_steps
                     else loss_code_advice(session, backoffs) if from_loss or outside
                     else ADVICE["nonfinite_loss"] if loss_nonfinite and not traced
+                    else ADVICE["scaled_grad_near_max"] if collapse_arrival is not None
                     else ADVICE["scale_collapse_large_loss"] if _large_loss(session)
                     else ADVICE["scale_collapse"]),
             steps=[e.step for e in backoffs][:MAX_STEPS_KEPT],
@@ -977,7 +1110,8 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
                   "origin": top if traced else None,
                   # The loss is too large (or the code after the model overflowed in
                   # backward), not the culprit layer: no layer to run in float32.
-                  "loss_too_large": from_loss is not None or outside,
+                  "loss_too_large": (from_loss is not None or outside
+                                     or collapse_arrival is not None),
                   # Every backoff but GradScaler's own (calibration, probes) in a step whose
                   # loss was NaN/inf: the loss's doing.
                   "loss_nonfinite": loss_nonfinite},

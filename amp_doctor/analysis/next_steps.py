@@ -56,15 +56,36 @@ def _same_code(session: Session, f: Finding) -> str | None:
     (review 56b: a hand-written ``exp`` in every block's attention)."""
     if not (f.op and f.module and f.kind in ("nonfinite_forward", "activation_overflow")):
         return None
+    return _siblings(session, f.module)
+
+
+def _siblings(session: Session, module: str) -> str | None:
+    """The ``--fp32`` pattern of ``module`` and its numbered siblings of the same class
+    (``h.*.mlp``), which run the same code; None when it has none."""
     by_name = {lay.name: lay for lay in session.layers}
-    lay = by_name.get(f.module)
-    pattern = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", f.module)
-    if lay is None or pattern == f.module:
+    lay = by_name.get(module)
+    pattern = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", module)
+    if lay is None or pattern == module:
         return None
     alike = [x for x in session.layers if fnmatch.fnmatchcase(x.name, pattern)]
     if len(alike) < 2 or any(x.type != lay.type for x in alike):
         return None
     return pattern
+
+
+def _parent_code(session: Session, f: Finding) -> str | None:
+    """For backoffs whose first culprit's gradient went non-finite in its parent's own
+    forward code (:func:`~amp_doctor.analysis.detect_scaler.made_in_parent`): that parent,
+    or the pattern of it and its numbered siblings, whose code is the same (review 57g:
+    a hand-written GELU in every block's MLP; `--fp32 h.1.mlp` left h.0.mlp's cube)."""
+    from amp_doctor.analysis.detect_scaler import made_in_parent
+
+    if f.op is not None or f.kind not in ("scaler_backoff", "scale_collapse") or not f.module:
+        return None
+    parent = made_in_parent(session, f.module)
+    if parent is None:
+        return None
+    return _siblings(session, parent) or parent
 
 
 def next_steps(session: Session, here: str | None = None,
@@ -74,6 +95,7 @@ def next_steps(session: Session, here: str | None = None,
     finding names an op yet, find the op and the line (--anomaly). ``here``: this run's
     folder; ``before``: the run a successful --fp32 try came from, when known."""
     from amp_doctor.analysis.advice import WIDE_FORMATS, spread_nan
+    from amp_doctor.analysis.detect_scaler import made_in_parent
     from amp_doctor.analysis.folding import steps_of
     from amp_doctor.analysis.messages import inputs_held_inf
     from amp_doctor.fix import DEFAULT_MAX_STEPS, ERROR_KINDS_FIXED_BY_FP32
@@ -128,15 +150,25 @@ def next_steps(session: Session, here: str | None = None,
         and not (f.kind in ("nonfinite_forward", "nonfinite_backward")
                  and f.data.get("dtype") in WIDE_FORMATS)
         and not (f.kind == "nonfinite_forward" and spread_nan(f.op, f.data))
-        for name in (_same_code(session, f) or _fp32_target(session, f),
-                     *map(str, f.data.get("also") or ()))))
+        for name in (_parent_code(session, f) or _same_code(session, f)
+                     or _fp32_target(session, f), *map(str, f.data.get("also") or ()))))
+    # Where a culprit's parent took its place, why: float32 for the culprit itself would
+    # leave the code that made the inf as it is.
+    moved = {p: (f.module, str(made_in_parent(session, f.module))) for f in errors
+             if f.module and (p := _parent_code(session, f))}
     # Each error is an independent cause (follow-ons were folded): try them together.
     layers = [n for n in layers if not any(n.startswith(m + ".") for m in layers)]
     layers = layers[:MAX_NEXT_FP32]
     if layers:
         names = F.and_list(layers)
         flags = " ".join(f"--fp32 {shlex.quote(n)}" for n in layers)
-        out.append(f"amp-doctor: next: try {names} in float32 without editing the code: "
+        why = "".join(
+            f" ({moved[n][0]}'s output stayed finite: its gradient went non-finite in the "
+            f"backward of {moved[n][1]}'s own code after it, which float32 for {moved[n][1]} "
+            "runs in float32 whatever it casts"
+            + ("" if n == moved[n][1] else f"; every {n} runs the same code") + ")"
+            for n in layers if n in moved)
+        out.append(f"amp-doctor: next: try {names} in float32 without editing the code{why}: "
                    f"amp-doctor diagnose {flags} {script}")
         # The trials stop after DEFAULT_MAX_STEPS steps: a problem that begins later
         # needs longer ones, or the baseline shows no error to fix.

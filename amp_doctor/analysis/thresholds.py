@@ -44,6 +44,7 @@ __all__ = [
     "RISK_HEADROOM_BITS",
     "LOWP_UNCHANGED_WARN",
     "MADE_INF_HEADROOM_BITS",
+    "SCALED_GRAD_NEAR_MAX",
     "DIVERGED_INPUT_ABSMAX",
     "F16_SMALLEST_NORMAL",
     "DEFAULT_INIT_SCALE",
@@ -167,6 +168,15 @@ LOWP_UNCHANGED_WARN = 0.5
 # max did not overflow: values do not jump from 256x below the max to beyond it in one
 # tensor. An op made the inf (log(0), x/0, exp of a large value).
 MADE_INF_HEADROOM_BITS = 8.0
+# Anomaly mode: a backward op that overflowed while the gradient it was given (its layer's
+# scaled output gradient) was already within this factor of the format's max did not make
+# the overflow: a matmul's backward adds up one term per token or sample, and more than 4
+# same-signed terms this large pass the max whatever the layer's weights are (a summed
+# cross-entropy at the default scale 2**16 sends ~3.2e4, within 2x). The scaled loss
+# gradient is too large; two halvings of the scale are what such a gradient lacks to leave
+# room for a sum. An op that turns a gradient 2**8 or more below the max into inf (huge
+# weights, 1/x near 0) is the origin, as before.
+SCALED_GRAD_NEAR_MAX = 4.0
 
 # An op that ran in float32 and went non-finite on inputs this large: the values grew
 # out of any sane range (diverging weights), which no precision change fixes.
