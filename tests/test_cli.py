@@ -397,6 +397,11 @@ def test_missing_script_and_unknown_module(request: pytest.FixtureRequest, work:
     r = _amp_doctor(request, entry, work, ["diagnose", "-m", "no_such_module_xyz"])
     assert r.returncode == 1 and "no_such_module_xyz" in r.stderr
     assert "Traceback" not in r.stderr
+    # `python folder` without a __main__.py exits 1 ("can't find '__main__' module").
+    (work / "folder").mkdir()
+    r = _amp_doctor(request, entry, work, ["diagnose", "folder"])
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "No __main__.py in 'folder'" in r.stderr
 
 
 def test_unwritable_logdir_fails_before_the_script_runs(work: Path, cli: Cli) -> None:
