@@ -37,6 +37,7 @@ from amp_doctor.commands.launch import launch
 from amp_doctor.commands.paths import (
     DEFAULT_RUNS_DIR,
     check_output_file,
+    check_outputs_apart,
     check_tensorboard_path,
     check_writable,
     default_logdir,
@@ -169,6 +170,9 @@ def diagnose(
         check_output_file(json_out, "--json", JSON_NAME)
     if report_out is not None:
         check_output_file(report_out, "--report", TEXT_NAME)
+    check_outputs_apart([(o, p, n) for o, p, n in (("--json", json_out, JSON_NAME),
+                                                    ("--report", report_out, TEXT_NAME))
+                         if p is not None], resolved.file)
     throwaway = logdir is None and json_path is None and report_path is None
     # Folders this run makes, to remove again if it leaves nothing in them (a
     # script's --help): its own, and runs/amp-doctor and runs if they are new.
