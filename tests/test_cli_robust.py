@@ -479,8 +479,8 @@ def term():
 """
 
 
-@pytest.mark.parametrize("case", ["before_torch", "swallowed", "thread_wait", "pool",
-                                  "workers"])
+@pytest.mark.parametrize("case", ["before_torch", "swallowed", "swallowed_in_loop",
+                                  "thread_wait", "pool", "workers"])
 def test_sigterm_in_every_phase_of_a_run(work: Path, case: str) -> None:
     # Review 33: each of these crashed the run, printed amp-doctor's tracebacks, wrote no
     # report, or reported a completed run or an amp-doctor bug.
@@ -491,6 +491,15 @@ def test_sigterm_in_every_phase_of_a_run(work: Path, case: str) -> None:
         # The script's bare except swallows it: still reported, still the end.
         "swallowed": TRAIN + "for i in range(3):\n    step()\ntry:\n    term()\n"
                              "except:\n    pass\nstep()\n",
+        # Review 58c: a bare except inside the loop swallowed it and training went on
+        # until the scheduler's SIGKILL, with no report. Python dies at the signal; the
+        # run ends at its next step, with the report.
+        "swallowed_in_loop": TRAIN + "t0 = time.time()\ni = 0\n"
+                                     "while time.time() - t0 < 20:\n    try:\n"
+                                     "        step()\n        i += 1\n"
+                                     "        if i == 3:\n            term()\n"
+                                     "    except:\n        pass\n"
+                                     "print('not reached')\n",
         # While diagnose waits for the script's training thread, as python would.
         "thread_wait": TRAIN + "def train():\n    for i in range(3):\n        step()\n"
                                "    term()\n    print('not reached')\n"
@@ -528,6 +537,8 @@ def test_sigterm_in_every_phase_of_a_run(work: Path, case: str) -> None:
     s = Session.load(work / "out" / "amp_doctor.json")
     assert s.run.outcome == "interrupted" and s.run.error == "SIGTERM (signal 15)"
     assert s.steps >= 3 and s.run.exit_code == 143
+    if case == "swallowed_in_loop":
+        assert s.steps == 3  # the step the swallowed signal let start ended the run
     assert "amp-doctor: the script was stopped by SIGTERM" in r.stderr
     assert not (work / "out" / ".amp-doctor.lock").exists()
 
