@@ -54,7 +54,7 @@ from amp_doctor.dtypes import (
     limits,
     parse_dtype,
 )
-from amp_doctor.errors import AmpDoctorError, UsageError, tensorboard_path_error
+from amp_doctor.errors import AmpDoctorError, StopRun, UsageError, tensorboard_path_error
 from amp_doctor.hooks import interrupts, threaddeaths
 from amp_doctor.hooks.compiled import dynamo_compiled_something
 from amp_doctor.hooks.discovery import (
@@ -594,7 +594,9 @@ class Watch:
         training stopped there, which neither the exit code nor the outcome shows."""
         thread = args.thread
         probes = self._probes
-        if (self.closed or thread is None or probes is None or args.exc_type is SystemExit
+        # (SystemExit ends a thread silently; StopRun is --stop-after's own end.)
+        if (self.closed or thread is None or probes is None
+                or issubclass(args.exc_type, (SystemExit, StopRun))
                 or thread.ident not in probes.trainer_threads):
             return
         error = F.error_line(args.exc_value) if args.exc_value is not None else str(
