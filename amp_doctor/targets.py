@@ -25,6 +25,7 @@ __all__ = [
     "ModuleNotFound",
     "ResolvedTarget",
     "ScriptNotFound",
+    "NoMainModule",
     "Target",
     "install_path0",
     "resolve",
@@ -37,6 +38,12 @@ class ScriptNotFound(Exception):
     """The script path does not name a runnable file, directory or zip archive."""
 
     exit_code = 2  # as ``python missing.py`` exits
+
+
+class NoMainModule(ScriptNotFound):
+    """A directory or zip archive without a ``__main__`` module to run."""
+
+    exit_code = 1  # as ``python folder`` exits ("can't find '__main__' module")
 
 
 class ModuleNotFound(Exception):
@@ -162,7 +169,7 @@ def _resolve_archive(target: Target, location: str, cwd: str) -> ResolvedTarget:
     # PathFinder ignores sys.modules, where "__main__" is already taken by the caller.
     spec = importlib.machinery.PathFinder.find_spec("__main__", [location])
     if spec is None or spec.loader is None:
-        raise ScriptNotFound(
+        raise NoMainModule(
             f"No __main__.py in {target.name!r} (cwd {cwd}). "
             "Point at the script itself, or add a __main__.py to it."
         )

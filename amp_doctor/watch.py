@@ -54,8 +54,8 @@ from amp_doctor.dtypes import (
     limits,
     parse_dtype,
 )
-from amp_doctor.errors import AmpDoctorError, UsageError, tensorboard_path_error
-from amp_doctor.hooks import interrupts
+from amp_doctor.errors import AmpDoctorError, StopRun, UsageError, tensorboard_path_error
+from amp_doctor.hooks import interrupts, threaddeaths
 from amp_doctor.hooks.compiled import dynamo_compiled_something
 from amp_doctor.hooks.discovery import (
     GlobalDiscovery,
@@ -420,6 +420,7 @@ class Watch:
             self._set_recording()
             interrupts.hold()
             self._holds_interrupts = True
+            threaddeaths.listen(self._on_thread_death)
         except BaseException:
             self._teardown()
             if self._tb is not None:
@@ -586,6 +587,32 @@ class Watch:
         if self._holds_interrupts:
             self._holds_interrupts = False
             interrupts.let_go()
+        threaddeaths.stop(self._on_thread_death)
+
+    def _on_thread_death(self, args: Any) -> None:
+        """A thread ended with an uncaught exception: if it trained a watched model, its
+        training stopped there, which neither the exit code nor the outcome shows."""
+        thread = args.thread
+        probes = self._probes
+        # (SystemExit ends a thread silently; StopRun is --stop-after's own end.)
+        if (self.closed or thread is None or probes is None
+                or issubclass(args.exc_type, (SystemExit, StopRun))
+                or thread.ident not in probes.trainer_threads):
+            return
+        error = F.error_line(args.exc_value) if args.exc_value is not None else str(
+            args.exc_type.__name__)
+        self._extra_events.append(Event(kind="thread_died", step=self.step_index, data={
+            "severity": "warning", "thread": thread.name, "error": error,
+            "message": (
+                f"The script's thread {thread.name!r}, which trained the watched model, ended "
+                f"with an uncaught exception at step {self.step_index} ({error}): training "
+                "in it stopped there. Python prints a thread's traceback and goes on, so "
+                "neither the exit code nor the run's outcome shows it."),
+            "advice": (
+                "Fix the error (the thread's traceback is printed above the report). For a "
+                "run that fails when its training thread dies, keep the exception in the "
+                "thread and re-raise it in the main thread after `join()`."),
+        }))
 
     # -- public API ------------------------------------------------------------
     @as_own_work

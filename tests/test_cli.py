@@ -397,6 +397,11 @@ def test_missing_script_and_unknown_module(request: pytest.FixtureRequest, work:
     r = _amp_doctor(request, entry, work, ["diagnose", "-m", "no_such_module_xyz"])
     assert r.returncode == 1 and "no_such_module_xyz" in r.stderr
     assert "Traceback" not in r.stderr
+    # `python folder` without a __main__.py exits 1 ("can't find '__main__' module").
+    (work / "folder").mkdir()
+    r = _amp_doctor(request, entry, work, ["diagnose", "folder"])
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "No __main__.py in 'folder'" in r.stderr
 
 
 def test_unwritable_logdir_fails_before_the_script_runs(work: Path, cli: Cli) -> None:
@@ -492,6 +497,30 @@ def test_a_json_path_under_a_file_names_the_file(work: Path, cli: Cli) -> None:
     r = cli(["diagnose", "--json", "afile/x.json", "train_tiny.py"])
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "/afile' is a file, not a directory; pass another path with --json." in r.stderr
+
+
+def test_a_report_path_that_would_overwrite_the_script_or_the_other_report_fails(
+        work: Path, cli: Cli) -> None:
+    # Review 58c: `--json victim.py victim.py` replaced the user's source with the JSON, and
+    # `--json same.out --report same.out` kept only one of the two reports; both exited 0.
+    script = (work / "train_tiny.py").read_text()
+    (work / "helper.py").write_text("X = 1\n")
+    for args, says in (
+            (["--json", "train_tiny.py"], "--json '" + str(work / "train_tiny.py")
+             + "' is the script being run: the report would overwrite it; pass another "
+             "path, e.g. --json " + str(work / "amp_doctor.json") + "."),
+            (["--report", "./helper.py"], "is a Python source file: the report would "
+             "overwrite it"),
+            (["--json", "same.out", "--report", "same.out"], "--json and --report name the "
+             "same file '" + str(work / "same.out") + "', which would hold only the last "
+             "report written")):
+        r = cli(["diagnose", *args, "train_tiny.py"])
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert says in r.stderr
+        assert "trained" not in r.stdout  # the script never started
+    assert (work / "train_tiny.py").read_text() == script
+    assert (work / "helper.py").read_text() == "X = 1\n"
+    assert not (work / "same.out").exists()
 
 
 def test_report_on_a_run_killed_before_its_report_says_so(work: Path, cli: Cli) -> None:

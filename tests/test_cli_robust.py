@@ -479,8 +479,8 @@ def term():
 """
 
 
-@pytest.mark.parametrize("case", ["before_torch", "swallowed", "thread_wait", "pool",
-                                  "workers"])
+@pytest.mark.parametrize("case", ["before_torch", "swallowed", "swallowed_in_loop",
+                                  "thread_wait", "pool", "workers"])
 def test_sigterm_in_every_phase_of_a_run(work: Path, case: str) -> None:
     # Review 33: each of these crashed the run, printed amp-doctor's tracebacks, wrote no
     # report, or reported a completed run or an amp-doctor bug.
@@ -491,6 +491,15 @@ def test_sigterm_in_every_phase_of_a_run(work: Path, case: str) -> None:
         # The script's bare except swallows it: still reported, still the end.
         "swallowed": TRAIN + "for i in range(3):\n    step()\ntry:\n    term()\n"
                              "except:\n    pass\nstep()\n",
+        # Review 58c: a bare except inside the loop swallowed it and training went on
+        # until the scheduler's SIGKILL, with no report. Python dies at the signal; the
+        # run ends at its next step, with the report.
+        "swallowed_in_loop": TRAIN + "t0 = time.time()\ni = 0\n"
+                                     "while time.time() - t0 < 20:\n    try:\n"
+                                     "        step()\n        i += 1\n"
+                                     "        if i == 3:\n            term()\n"
+                                     "    except:\n        pass\n"
+                                     "print('not reached')\n",
         # While diagnose waits for the script's training thread, as python would.
         "thread_wait": TRAIN + "def train():\n    for i in range(3):\n        step()\n"
                                "    term()\n    print('not reached')\n"
@@ -528,8 +537,55 @@ def test_sigterm_in_every_phase_of_a_run(work: Path, case: str) -> None:
     s = Session.load(work / "out" / "amp_doctor.json")
     assert s.run.outcome == "interrupted" and s.run.error == "SIGTERM (signal 15)"
     assert s.steps >= 3 and s.run.exit_code == 143
+    if case == "swallowed_in_loop":
+        assert s.steps == 3  # the step the swallowed signal let start ended the run
     assert "amp-doctor: the script was stopped by SIGTERM" in r.stderr
     assert not (work / "out" / ".amp-doctor.lock").exists()
+
+
+@pytest.mark.parametrize("dies", [True, False])
+def test_a_training_thread_that_dies_is_a_finding_not_a_completed_run(work: Path,
+                                                                      dies: bool) -> None:
+    # Review 58c: a thread that trained died of an exception at step 3 of 6; python printed
+    # its traceback and exited 0, and the report said "completed" with nothing about it.
+    (work / "t.py").write_text(TRAIN + f"""
+def train():
+    for i in range(6):
+        step()
+        if i == 2 and {dies!r}:
+            raise RuntimeError("the data ran out")
+t = threading.Thread(target=train, name="trainer")
+t.start()
+t.join()
+print("main done")
+""")
+    r = subprocess.run([AMP_DOCTOR, "diagnose", "--every", "1", "--logdir", "out", "t.py"],
+                       cwd=work, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "main done" in r.stdout, r.stderr  # python's code, as python
+    assert ("Exception in thread trainer" in r.stderr) is dies  # its traceback, as python's
+    s = Session.load(work / "out" / "amp_doctor.json")
+    assert s.run.outcome == "completed" and s.steps == (3 if dies else 6)
+    died = [f for f in s.findings if f.kind == "thread_died"]
+    if not dies:
+        assert not died
+        return
+    assert len(died) == 1 and died[0].severity == "warning" and died[0].step == 3
+    assert died[0].data["thread"] == "trainer"
+    assert died[0].data["error"] == "RuntimeError: the data ran out"
+    assert "training in it stopped there" in died[0].message
+
+
+def test_a_watch_puts_the_thread_excepthook_back() -> None:
+    import threading
+
+    from torch import nn
+
+    import amp_doctor
+
+    mine = threading.excepthook
+    with amp_doctor.watch(nn.Linear(2, 2)):
+        assert threading.excepthook is not mine
+    assert threading.excepthook is mine
 
 
 @pytest.mark.parametrize("when", ["torch_init", "watch_start"])

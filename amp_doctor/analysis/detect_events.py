@@ -75,6 +75,8 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "unsummarized": "info",
     "scripted_module": "info",
     "nonfinite_unlocated": "warning",
+    # A thread that trained a watched model died of an uncaught exception.
+    "thread_died": "warning",
 }
 # An optimizer stepped outside the scaler's recipe: its message names every optimizer.
 _OPTIMIZER_MISUSE = ("scaled_grads_stepped", "step_after_unscale", "stepped_twice",

@@ -37,6 +37,7 @@ from amp_doctor.commands.launch import launch
 from amp_doctor.commands.paths import (
     DEFAULT_RUNS_DIR,
     check_output_file,
+    check_outputs_apart,
     check_tensorboard_path,
     check_writable,
     default_logdir,
@@ -169,6 +170,9 @@ def diagnose(
         check_output_file(json_out, "--json", JSON_NAME)
     if report_out is not None:
         check_output_file(report_out, "--report", TEXT_NAME)
+    check_outputs_apart([(o, p, n) for o, p, n in (("--json", json_out, JSON_NAME),
+                                                    ("--report", report_out, TEXT_NAME))
+                         if p is not None], resolved.file)
     throwaway = logdir is None and json_path is None and report_path is None
     # Folders this run makes, to remove again if it leaves nothing in them (a
     # script's --help): its own, and runs/amp-doctor and runs if they are new.
@@ -223,10 +227,20 @@ def diagnose(
         try:
             console = Console()
             try:
+                def end_now(signum: int) -> None:
+                    # A SIGTERM the script swallowed: its report is out; what the
+                    # finally blocks below do, then the end python's would have been.
+                    console.close()
+                    if claimed is not None:
+                        claimed()
+                    _remove_if_empty(made)
+                    die_by_signal(signum)
+
                 code, signum = _diagnose(resolved, target, logdir, every, anomaly, json_out,
                                          report_out, fail_on, max_steps, quiet,
                                          not no_tensorboard, console, fp32, stop_after,
-                                         target_dtype, on_nonfinite, script, throwaway)
+                                         target_dtype, on_nonfinite, script, throwaway,
+                                         end_now)
             finally:
                 console.close()
         finally:
@@ -265,9 +279,12 @@ def _diagnose(
     quiet: bool, tensorboard: bool, console: Console, fp32: tuple[str, ...] = (),
     stop_after: int | None = None, target_dtype: str | None = None,
     on_nonfinite: str = "record", script: list[Any] | None = None, throwaway: bool = False,
+    end_now: Callable[[int], None] | None = None,
 ) -> tuple[int, int | None]:
     """The exit code, and the signal that ended the script (then the process must end by
-    it, once every file is written: :func:`die_by_signal`)."""
+    it, once every file is written: :func:`die_by_signal`). ``end_now(signum)``: the
+    caller's last words before that end, for a SIGTERM the script swallowed and trained
+    on after (the report is written first, here)."""
     from amp_doctor import runner
     from amp_doctor.merge import rank_dir, rank_env
 
@@ -370,6 +387,18 @@ def _diagnose(
         script.append(state)  # for the caller to put back before the process exits
     # Through the wait for the script's threads:
     with _stop_quietly_in_threads(), sigterm_unwinds() as term:
+
+        def swallowed(signum: int) -> None:
+            # The script caught the Terminated (a bare except) and its training went on:
+            # python would have died at the signal. The report, then that end.
+            try:
+                finish(Terminated(signum))
+            finally:
+                if end_now is not None:
+                    end_now(signum)
+                die_by_signal(signum)
+
+        term.end_run = swallowed
 
         def start_watching() -> None:
             start()

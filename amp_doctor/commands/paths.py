@@ -18,7 +18,8 @@ from amp_doctor.runfiles import make_writable_dir
 if TYPE_CHECKING:
     from amp_doctor import runner
 
-__all__ = ["DEFAULT_RUNS_DIR", "check_output_file", "check_tensorboard_path", "check_writable",
+__all__ = ["DEFAULT_RUNS_DIR", "check_output_file", "check_outputs_apart",
+           "check_tensorboard_path", "check_writable",
            "default_logdir", "logdir_option", "output_file_option"]
 
 DEFAULT_RUNS_DIR = Path("runs") / "amp-doctor"
@@ -110,6 +111,26 @@ def output_file_option(ctx: click.Context, param: click.Parameter,
         raise click.BadParameter(f"'-' would be a file named '-'; to print it, pass "
                                  f"{name} /dev/stdout.")
     return Path(value)
+
+
+def check_outputs_apart(outputs: list[tuple[str, Path, str]], script: str | None) -> None:
+    """Fail before the script runs if a report would overwrite the script itself, another
+    Python source, or the other report: ``outputs`` are ``(option, path, example name)``.
+    Streams and devices (``/dev/stdout`` for both) are written into, not replaced."""
+    seen: dict[str, str] = {}
+    own = os.path.realpath(script) if script else None
+    for option, p, example in outputs:
+        if (p.exists() and not p.is_file()) or p.parts[1:2] in (("dev",), ("proc",)):
+            continue  # (/dev/stdout is a file when the shell redirected it to one)
+        real = os.path.realpath(p)
+        hint = f"pass another path, e.g. {option} {shlex.quote(str(p.parent / example))}"
+        if real in seen:
+            fail(f"{seen[real]} and {option} name the same file {str(p)!r}, which would hold "
+                 f"only the last report written; {hint}.")
+        seen[real] = option
+        if real == own or (p.suffix == ".py" and p.exists()):
+            what = "the script being run" if real == own else "a Python source file"
+            fail(f"{option} {str(p)!r} is {what}: the report would overwrite it; {hint}.")
 
 
 def check_output_file(p: Path, option: str, example: str) -> None:

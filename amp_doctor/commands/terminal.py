@@ -14,10 +14,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from amp_doctor.errors import Terminated
+from amp_doctor.hooks import interrupts
 
 if TYPE_CHECKING:
     from amp_doctor.records import StepRecord
@@ -316,6 +317,9 @@ class SigtermUnwinds:
         self.received: int | None = None  # the signal, once it came (if it ever does)
         self._pid = os.getpid()
         self._armed = False
+        # Writes the report and ends the process by the signal (does not return): for a
+        # script that swallowed the exception and trains on (see hooks.interrupts).
+        self.end_run: Callable[[int], None] | None = None
 
     def arm(self) -> None:
         """From now on, SIGTERM raises :class:`~amp_doctor.errors.Terminated` in the main
@@ -329,6 +333,7 @@ class SigtermUnwinds:
         if self._armed:
             give_back_sigterm(self._unwind)
         self._armed = False
+        interrupts.end_when_training_resumes(None)
 
     def _unwind(self, signum: int, frame: Any) -> None:
         del frame
@@ -342,6 +347,10 @@ class SigtermUnwinds:
         self.received = signum
         if first:  # a second one while the script unwinds changes nothing
             _quiet_other_threads()
+            end = self.end_run
+            if end is not None:
+                # If a bare except swallows it and the loop trains on, the run ends there.
+                interrupts.end_when_training_resumes(lambda: end(signum))
             raise Terminated(signum)
 
 

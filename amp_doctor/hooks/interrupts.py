@@ -1,4 +1,5 @@
-"""A Ctrl-C that Python dropped, delivered again.
+"""A Ctrl-C that Python dropped, delivered again; and a SIGTERM the script swallowed,
+carried out when its training goes on.
 
 A ``KeyboardInterrupt`` raised while Python runs a weakref callback or a ``__del__``
 cannot propagate: Python reports it ("Exception ignored in ...") through
@@ -14,6 +15,14 @@ bytecode, inside the callback machinery, and is dropped again. One landing in an
 callback is caught here again. Every other unraisable exception goes to the hook that
 was there. One installation for every live watch, restored when the last one ends,
 unless the program replaced it meanwhile.
+
+A SIGTERM under ``amp-doctor diagnose`` unwinds the script with an exception, so that the
+report holds what ran; a bare ``except:`` in the training loop swallowed it, and the script
+trained on until the scheduler's SIGKILL, leaving no report (review 58c; python would have
+died at once). The runner registers how to end the run (:func:`end_when_training_resumes`);
+the next backward pass or optimizer step in the main thread carries it out
+(:func:`training_resumed`). Not a forward pass: a ``finally`` block that evaluates the
+model while the script unwinds runs to its end, as it did before.
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ from __future__ import annotations
 import _thread
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["hold", "let_go"]
+__all__ = ["hold", "let_go", "end_when_training_resumes", "training_resumed"]
 
 # Seconds between a dropped Ctrl-C and its second delivery: the main thread has left the
 # callback by then (a pause the user does not notice).
@@ -32,6 +42,8 @@ REDELIVER_DELAY_S = 0.02
 _lock = threading.Lock()
 _holders = 0
 _previous: Any = None
+# How to end a run whose SIGTERM the script swallowed (None: no such run).
+_end_run: Callable[[], None] | None = None
 
 
 def _deliver() -> None:
@@ -69,3 +81,20 @@ def let_go() -> None:
             if sys.unraisablehook is _redeliver:
                 sys.unraisablehook = _previous
             _previous = None
+
+
+def end_when_training_resumes(end: Callable[[], None] | None) -> None:
+    """``end`` (which does not return: it writes the report and ends the process) runs at
+    the next training event in the main thread; None forgets it."""
+    global _end_run
+    _end_run = end
+
+
+def training_resumed() -> None:
+    """A backward pass or an optimizer step starts: a swallowed SIGTERM's end, if one is
+    due and this is the main thread. A module global's check when none is."""
+    global _end_run
+    end = _end_run
+    if end is not None and threading.current_thread() is threading.main_thread():
+        _end_run = None
+        end()

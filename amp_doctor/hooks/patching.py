@@ -56,12 +56,15 @@ from torch.optim.optimizer import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from amp_doctor.devicework import iter_tensors, own_ops
+from amp_doctor.hooks import interrupts
 from amp_doctor.hooks.weakhooks import own_hooks_lifted, state_without_own_hooks
 
 __all__ = ["ApiSubscriber", "Subscription", "subscribe", "patches_installed",
            "in_scaler_step", "in_closure_step", "in_scaled_backward", "scaled_backwards"]
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update", "load_state_dict")
+# The events that mean the loop trains on (not a forward: evaluation while it unwinds).
+_TRAINING_EVENTS = frozenset(("on_backward", "on_optimizer_pre", "on_scaler_step_begin"))
 
 # The code of every wrapper the hub installs: frames a warning's stacklevel steps over.
 _WRAPPER_CODES: set[CodeType] = set()
@@ -142,6 +145,8 @@ class _ApiHub:
                 self._uninstall()
 
     def emit(self, method: str, *args: Any) -> None:
+        if method in _TRAINING_EVENTS:
+            interrupts.training_resumed()
         with own_ops:
             for sub in list(self.subscribers):
                 try:

@@ -373,6 +373,8 @@ class Probes:
         # Roots whose training forward ran since the last backward or boundary, and the
         # thread it ran in (another thread's no_grad inference is never the step's).
         self._trained_this_step: dict[int, int] = {}
+        # Every thread a root's training forward ran in (the script's training threads).
+        self.trainer_threads: set[int] = set()
         self._roots_called: set[int] = set()  # any outermost call, training or not
         self._handles: list[RemovableHandle] = []
         # Hooks on non-root modules, present only while armed.
@@ -689,7 +691,8 @@ class Probes:
         calls.in_backward = torch._C._current_graph_task_id() != -1
         if calls.training:
             self._roots_trained.add(id(model))
-            self._trained_this_step[id(model)] = threading.get_ident()
+            self._trained_this_step[id(model)] = ident = threading.get_ident()
+            self.trainer_threads.add(ident)
         name = self._names.get(id(model))
         if calls.depth == 0 and name is not None:
             # As its pre-hook would have: its layers are inside a training call (a
@@ -1001,7 +1004,8 @@ class Probes:
             if id(module) in self._roots:
                 if torch.is_grad_enabled() or ckpt:
                     self._roots_trained.add(id(module))
-                    self._trained_this_step[id(module)] = threading.get_ident()
+                    self._trained_this_step[id(module)] = ident = threading.get_ident()
+                    self.trainer_threads.add(ident)
                 self._on_root_forward(module, given)
                 if self.armed and self.recording:
                     self._armed_root_calls[id(module)] = \
