@@ -123,6 +123,13 @@ def _outside(f: Finding) -> bool:
     return f.kind in OP_KINDS and f.module is None and f.op is not None
 
 
+def _loss_made(f: Finding) -> bool:
+    """An error the loss's size made (a summed loss, the loss gradient times the scale past
+    the format's max), not a layer: its finding's fix is in the loss, and a float32 set
+    that removes it turns mixed precision off where the overflow passes (review 57g)."""
+    return bool(f.data.get("loss_too_large"))
+
+
 def _error_keys(s: Session | None) -> tuple[str, ...]:
     if s is None:
         return ("no_report",)
@@ -144,12 +151,23 @@ def _not_searched_notes(errors: Sequence[Finding]) -> list[str]:
     and the fix of each kind of them."""
     notes: list[str] = []
     wide = [f for f in errors if _ran_wide(f)]
-    outside = [f for f in errors if not _ran_wide(f)]
+    loss = [f for f in errors if not _ran_wide(f) and _loss_made(f)]
+    outside = [f for f in errors if not _ran_wide(f) and not _loss_made(f)]
     if wide:
         ops = ", ".join(dict.fromkeys(str(f.op) for f in wide))
         notes.append(
             f"The baseline's errors are in ops that ran in float32 already ({ops}): float32 "
             f"layers cannot fix them, so none is searched for. Their fix: {wide[0].advice}")
+    if loss:
+        kinds = ", ".join(dict.fromkeys(f"{f.kind}" + (f" ({f.module})" if f.module else "")
+                                        for f in loss))
+        notes.append(
+            f"The baseline's {'errors' if len(loss) > 1 else 'error'} ({kinds}) "
+            f"{'come' if len(loss) > 1 else 'comes'} from the loss's size, not from a layer: "
+            "the loss's gradient times the loss scale passes the format's max in whatever "
+            "layer it reaches first, so no set of float32 layers is searched for (one that "
+            "removed it would run every layer it passes through in float32). Fix the loss: "
+            f"{loss[0].advice}")
     if outside:
         where = ", ".join(dict.fromkeys(
             f"{f.op}" + (f" at {f.frame}" if f.frame else "") for f in outside))
@@ -317,10 +335,12 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
             "run `amp-doctor fix` again if AMP errors remain.")
         return result
     errors = [f for f in bs.findings if _blocking(f)]
-    if errors and all(_ran_wide(f) or _outside(f) for f in errors):
+    if errors and all(_ran_wide(f) or _outside(f) or _loss_made(f) for f in errors):
         # Review 55b: a CTC loss inf for targets longer than their input was "searched" with
         # every float32 layer set, none of which could change an op that ran in float32.
-        # Review 56b: an op in the loop's own code (outside every module) likewise.
+        # Review 56b: an op in the loop's own code (outside every module) likewise; and
+        # an error the loss's size made (a summed loss: review 57g, "keep proj, head in
+        # float32", every matmul of the model).
         result.notes.extend(_not_searched_notes(errors))
         result.not_searched = True
         return result

@@ -207,3 +207,22 @@ def test_the_first_next_puts_the_mlp_whose_code_overflowed_in_float32_not_its_li
     scales = [float(line.split()[-1]) for line in tried.stdout.splitlines()]
     # It settles (GradScaler's search from 2**16) and trains, where it skipped every step.
     assert max(after["scaler"]["skipped_steps"]) <= 5 and scales[-1] >= 1024.0, scales
+
+
+def test_fix_searches_no_float32_layers_for_an_error_the_summed_loss_made(
+        tmp_path: Path) -> None:
+    # `amp-doctor fix` on the collapse above ran seven trials and answered "keep proj, head
+    # in float32": every matmul of the model, for an error whose fix is the loss's reduction.
+    script = (_SUM_LOSS_SCRIPT.replace("VOCAB, DIM, TOKENS = 32, 32, 2048",
+                                       "VOCAB, DIM, TOKENS = 2, 32, 8192")
+              .replace("range(12)", "range(24)"))
+    (tmp_path / "collapse.py").write_text(script)
+    r = subprocess.run([console_script(), "fix", "collapse.py"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stderr  # the error is still there: fix found no float32 set
+    out = " ".join(r.stdout.split())
+    assert ("The baseline's error (scale_collapse (head)) comes from the loss's size, not "
+            "from a layer") in out, out
+    assert "Fix the loss: Average the loss instead of summing it" in out
+    assert "Smallest fix found" not in out and "keep_in_float32" not in out
+    assert r.stderr.count("amp-doctor fix: float32 [") == 1  # the baseline alone
