@@ -1150,8 +1150,6 @@ class Watch:
             if self._bounds.trained_roots:
                 self._search.step_ended(ended, trained, backward)
         if self._opts.stop_after is not None and self.step_index >= self._opts.stop_after:
-            from amp_doctor.errors import StopRun
-
             self.stopped_at = self.step_index
             raise StopRun(self.step_index)
 

@@ -394,9 +394,7 @@ def _diagnose(
             try:
                 finish(Terminated(signum))
             finally:
-                if end_now is not None:
-                    end_now(signum)
-                die_by_signal(signum)
+                (end_now or die_by_signal)(signum)  # the caller's ends by die_by_signal too
 
         term.end_run = swallowed
 
