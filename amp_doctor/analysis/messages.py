@@ -453,10 +453,28 @@ def _lowp_update_nonfinite(a: MessageArgs) -> str:
             "0/0. Every NaN after it (outputs, loss, gradients) follows from these weights.")
 
 
+def _between_searches(d: dict[str, Any]) -> list[int]:
+    """The listed non-finite steps after the last searched step: the value came back,
+    between searches, rather than not at all."""
+    searched = [s for s in d.get("searched_steps") or [] if isinstance(s, int)]
+    steps = [s for s in d.get("steps") or [] if isinstance(s, int)]
+    return [s for s in steps if searched and s > max(searched)]
+
+
 @message_for("nonfinite_unlocated")
 def _nonfinite_unlocated(a: MessageArgs) -> str:
     d = a.event.data
     if d.get("scaler_skipped_only") and d.get("loss_nonfinite"):
+        later = _between_searches(d)
+        if later:
+            return (f"The GradScaler skipped steps whose loss was already NaN/inf (first at "
+                    f"step {a.event.step}; see the NaN/inf loss): the forward pass made it. "
+                    "Anomaly mode's op-level search ran at steps "
+                    f"{F.steps_list(d.get('searched_steps') or [])}, which stayed finite, and "
+                    f"the value came back at steps {F.steps_list(later)}, between its searches "
+                    "(each waits longer than the last, so that a value on every step costs "
+                    "few searched steps), so no op is named. Checking every op of every step "
+                    "(`--on-nonfinite raise`) stops at the first one.")
         return (f"The GradScaler skipped steps whose loss was already NaN/inf (first at step "
                 f"{a.event.step}; see the NaN/inf loss): the forward pass made it. Anomaly "
                 "mode's op-level search ran in the steps after them and saw no op make "

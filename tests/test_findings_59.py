@@ -1,0 +1,105 @@
+"""Session 59: review 59a's checkpointed trainer with a hand-written softmax.
+
+Its ``exp`` overflowed float16 on a few steps only: 23, then 31, 32, 35 and 38 of 40.
+Anomaly mode's op-level search ran at 24-26, which stayed finite; its cool-down (16
+steps, for a value on every step) then waited past every later NaN, and the finding said
+the value "did not recur there". After a search that found nothing, a value back on
+steps close together arms an ordinary search at once (from the aimed searches' budget),
+and a value that comes back only between searches is said to have come back.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from amp_doctor.analysis.messages import event_message
+from amp_doctor.records import Event
+from tests.helpers import console_script
+
+# A softmax written by hand, without the max subtracted: exp overflows float16 past 11.1.
+# The batch is large on the steps of BAD only (finite values, within float16's range).
+_SCRIPT = '''
+import sys
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+torch.set_num_threads(1)
+BAD = {int(s) for s in sys.argv[1].split(",")}
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(16, 16)
+    def forward(self, x):
+        w = torch.exp(self.score(x))  # no max subtracted
+        return w / w.sum(-1, keepdim=True)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.attn = Attn()
+        self.out = nn.Linear(16, 4)
+    def forward(self, x):
+        return self.out(self.attn(self.inp(x)))
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu")
+g = torch.Generator().manual_seed(1)
+for step in range(int(sys.argv[2])):
+    x = torch.randn(32, 16, generator=g) * (400.0 if step in BAD else 1.0)
+    y = torch.randint(0, 4, (32,), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x).float(), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    print("step", step, repr(loss.item()), scaler.get_scale())
+'''
+
+
+def _run(tmp_path: Path, bad: str, steps: int) -> tuple[str, str, dict[str, Any]]:
+    (tmp_path / "softmax.py").write_text(_SCRIPT)
+    args = ["softmax.py", bad, str(steps)]
+    plain = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    out = tmp_path / "out"
+    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", "--anomaly",
+                        "--logdir", str(out), *args], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    return plain.stdout, r.stdout, json.loads((out / "amp_doctor.json").read_text())
+
+
+def test_a_nan_back_on_close_steps_after_a_search_that_found_nothing_is_searched_at_once(
+        tmp_path: Path) -> None:
+    plain, watched, report = _run(tmp_path, "5,13,14,17,20", 24)
+    assert watched == plain  # the script's numerics, bit for bit
+    losses = [line.split()[2] for line in plain.splitlines()]
+    assert [i for i, v in enumerate(losses) if v == "nan"] == [5, 13, 14, 17, 20]
+    (op,) = [f for f in report["findings"] if f["kind"] == "nonfinite_forward"]
+    # Step 5's search (6-8) saw finite steps only; 14 came a step after 13: searched at
+    # once (15-17), where the cool-down would have waited until step 25.
+    assert (op["module"], op["op"], op["step"]) == ("attn", "aten.exp", 17)
+    assert op["frame"].endswith("softmax.py:12 in forward"), op["frame"]
+    assert op["severity"] == "error"
+    assert not [f for f in report["findings"] if f["kind"] == "nonfinite_unlocated"]
+
+
+def test_a_nan_that_came_back_between_searches_is_not_said_to_have_stopped() -> None:
+    d = {"steps": [23, 31, 32, 35, 38], "count": 5, "searched_steps": [24, 25, 26],
+         "scaler_skipped_only": True, "loss_nonfinite": True}
+    text = " ".join(event_message(Event(kind="nonfinite_unlocated", step=23, data=d),
+                                  1).split())
+    assert "did not recur" not in text, text
+    assert "ran at steps 24, 25, 26, which stayed finite" in text, text
+    assert "came back at steps 31, 32, 35, 38, between its searches" in text, text
+    assert "--on-nonfinite raise" in text
+    d["steps"] = [23]  # it never came back: as before
+    text = " ".join(event_message(Event(kind="nonfinite_unlocated", step=23, data=d),
+                                  1).split())
+    assert "it did not recur there" in text
