@@ -131,6 +131,40 @@ def test_filing_many_at_once_equals_filing_one_at_a_time() -> None:
                                rtol=0, atol=0, equal_nan=True)
 
 
+def test_gradients_of_every_shape_and_layout_filed_at_once_give_their_own_rows() -> None:
+    # add_many joins the gradients of one shape and dtype by one cat along their first
+    # dimension, with no view per tensor: each tensor must still be one line of the
+    # stage. Conv weights' gradients of a channels_last model (the join is channels_last
+    # too), transposed ones, 0-d ones (a scalar parameter: stacked, cat needs a
+    # dimension), 2-D ones, a gradient that requires grad (create_graph=True), float16
+    # and bfloat16 ones beside float32 ones of the same shape.
+    g = torch.Generator().manual_seed(9)
+    conv = [torch.randn(8, 3, 3, 3, generator=g).to(memory_format=torch.channels_last)
+            for _ in range(5)]
+    conv[2][0, 1, 2, 0] = 0.0
+    conv[3][7, 2, 0, 1] = math.nan
+    plain = [torch.randn(8, 3, 3, 3, generator=g) for _ in range(3)]  # joined with conv
+    mats = [torch.randn(6, 10, generator=g) * 10.0 ** i for i in range(4)]
+    mats.append(torch.randn(10, 6, generator=g).t())  # shape (6, 10), not contiguous
+    scalars = [torch.tensor(v) for v in (0.0, -2.5, 3e-8, math.inf)]
+    low = [torch.randn(6, 10, generator=g).to(dt) for dt in
+           (torch.float16, torch.bfloat16, torch.float16)]
+    with torch.enable_grad():
+        w = torch.randn(6, 10, generator=g, requires_grad=True)
+        graphed = torch.autograd.grad((w * w).sum(), w, create_graph=True)[0]
+    assert graphed.requires_grad
+    ts = conv + plain + mats + scalars + low + [graphed] + conv[:2]
+    many = S.Batch()
+    rows = many.add_many(ts)
+    assert sorted(rows) == list(range(len(ts)))
+    assert [many.numel[r] for r in rows] == [t.numel() for t in ts]
+    got = S.host_rows(many.finish(), many.numel, many.sampled)[rows]
+    expected = _one_by_one([t.detach() for t in ts])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    _assert_raw_figures(got, [t.detach() for t in ts])
+    assert got[3, S.NANS].item() == 1 and got[2, S.ZEROS].item() == 1
+
+
 def test_passes_of_mixed_lengths_and_formats_give_the_raw_figures() -> None:
     # Lengths sharing a divisor (a transformer's), runs of equal rows, many short rows of
     # two lengths; float16, float32 and bfloat16 rows in turn, a float32 subnormal, a

@@ -57,6 +57,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from amp_doctor.devicework import own_ops
@@ -439,50 +440,57 @@ class Batch:
         (the parameters' gradients): a small one is filed with no op of its own.
 
         Whole-sampled tensors (at most :data:`SAMPLE_LIMIT` values, float16, bfloat16 or
-        float32: exact in the float32 stage) are filed by size, on consecutive rows: the
-        tensors of one size are copied into the stage by one ``cat`` and reduced there
-        as the lines of a 2-D view (``aminmax`` along a dim), so their exact min and max
-        cost two ops for all of them, where :meth:`add` pays two per tensor. A model
-        repeats a few parameter shapes (a GPT's 646 are of six sizes). Others are filed
-        by :meth:`add`.
+        float32: exact in the float32 stage) are filed by shape and dtype, on consecutive
+        rows: the tensors of one shape are joined by one ``cat`` (no view per tensor, in
+        their own dtype), copied into the stage and reduced there as the lines of a 2-D
+        view (``aminmax`` along a dim), so their exact min and max cost a few ops for all
+        of them, where :meth:`add` pays two per tensor. A model repeats a few parameter
+        shapes (a GPT's 646 are of seven). Others are filed by :meth:`add`.
+
+        Why the ``cat`` is not written straight into the stage: on the CPU a ``cat`` of
+        float16 or bfloat16 tensors into a float32 ``out`` takes a slow path, about ten
+        times a same-dtype ``cat`` and a ``copy_`` (review of issue 15, session 59).
         """
         rows = [0] * len(xs)
-        by_size: dict[int, list[int]] = {}
-        with own_ops:
+        by_shape: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
+        with own_ops, torch.no_grad():  # a create_graph gradient: no graph for the cat
             for i, x in enumerate(xs):
                 if x.numel() <= SAMPLE_LIMIT and x.dtype in _STAGED_EXACT:
-                    by_size.setdefault(x.numel(), []).append(i)
+                    by_shape.setdefault((x.shape, x.dtype), []).append(i)
                 else:
                     rows[i] = self._add(x)
-            for k, group in by_size.items():
+            for (shape, _), group in by_shape.items():
                 first = len(self.numel)
-                self._file_equal([_flat(xs[i].detach()) for i in group], k)
+                self._file_equal([xs[i] for i in group], shape)
                 for r, i in enumerate(group, start=first):
                     rows[i] = r
         return rows
 
-    def _file_equal(self, flats: list[torch.Tensor], k: int) -> None:
-        """File whole-sampled 1-D tensors of ``k`` values each, as many per ``cat`` as the
-        stage takes, reduced as the ``[n, k]`` lines of their part of the stage."""
+    def _file_equal(self, ts: list[torch.Tensor], shape: tuple[int, ...]) -> None:
+        """File whole-sampled tensors of one ``shape`` and dtype, as many per ``cat`` as
+        the stage takes, reduced as the ``[n, k]`` lines of their part of the stage."""
+        k = math.prod(shape)
+        join = torch.stack if len(shape) == 0 else torch.cat  # cat needs a dimension
+        nbytes = k * ts[0].element_size()
         i = 0
-        while i < len(flats):
-            dev = flats[i].device
+        while i < len(ts):
             stage = self._stage
             if stage is None or (self._used + k > stage.numel()
                                  or len(self._lengths) >= ROWS_PER_PASS):
-                self._make_room(dev)
+                self._make_room(ts[i].device)
                 stage = self._stage
                 assert stage is not None
-            n = min(len(flats) - i, (stage.numel() - self._used) // k,
+            n = min(len(ts) - i, (stage.numel() - self._used) // k,
                     ROWS_PER_PASS - len(self._lengths))
-            part = flats[i : i + n]
             seg = stage.narrow(0, self._used, n * k)
-            torch.cat(part, out=seg)
+            # Joined along the first dimension, each tensor is one block of k values in
+            # logical order (``reshape`` copies a channels_last join): a line each.
+            seg.copy_(join(ts[i : i + n]).reshape(-1))
             lines = seg.view(n, k)
             mn, mx = torch.aminmax(lines, dim=1)
             self._mins.extend(mn)
             self._maxs.extend(mx)
-            self._filed_bytes += sum(f.numel() * f.element_size() for f in part)
+            self._filed_bytes += n * nbytes
             self._used += n * k
             self._lengths.extend([k] * n)
             self.numel.extend([k] * n)
@@ -677,13 +685,13 @@ def decode_many(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int]) -> lis
 DECODED_FIELDS = ("numel", "min", "max", "absmax", "zero_frac", "nonfinite_frac", "nan_count",
                   "inf_count", "overflow_frac", "underflow_frac", "headroom", "over_count")
 
-_BINS = torch.arange(N_EXP_BINS, device="cpu")  # not the user's default device
+_BINS = np.arange(N_EXP_BINS - 1, dtype=np.float64)
 # Counts below this are no value: the float rounding of a difference of scaled counts.
 _HALF_VALUE = 0.5
 
 
-def _band_sums(hist: torch.Tensor, index: torch.Tensor, shifts: torch.Tensor,
-               fmt: FormatLimits) -> tuple[torch.Tensor, torch.Tensor]:
+def _band_sums(hist: np.ndarray, index: np.ndarray, shifts: np.ndarray,
+               fmt: FormatLimits) -> tuple[np.ndarray, np.ndarray]:
     """For each ``(index[k], shifts[k])``, the counts of row ``index[k]`` of ``hist`` at
     or below the format's smallest normal, and above its max, after the shift.
 
@@ -691,8 +699,8 @@ def _band_sums(hist: torch.Tensor, index: torch.Tensor, shifts: torch.Tensor,
     (none, the loss scale): one matrix product of the histograms with a band mask
     per shift, then a gather. No copy of the rows.
     """
-    distinct = shifts.unique()
-    masks = torch.zeros(N_EXP_BINS, 2 * len(distinct), dtype=torch.float64)
+    distinct, which = np.unique(shifts, return_inverse=True)
+    masks = np.zeros((N_EXP_BINS, 2 * len(distinct)))
     for j, sh in enumerate(distinct.tolist()):
         # Bin b holds [2**(b-127), 2**(b-126)): it underflows when its top edge,
         # after the shift, is at or below the smallest normal; fmt.max_exponent is
@@ -701,8 +709,9 @@ def _band_sums(hist: torch.Tensor, index: torch.Tensor, shifts: torch.Tensor,
         over_bin = min(max(sh + fmt.max_exponent + _F32_BIAS, 0), N_EXP_BINS - 1)
         masks[:under_bin, 2 * j] = 1.0
         masks[over_bin : N_EXP_BINS - 1, 2 * j + 1] = 1.0
-    bands = hist @ masks  # [rows, 2 * distinct]
-    col = 2 * torch.searchsorted(distinct, shifts)
+    # torch's product, as the sums' order (their last bit) was before numpy's ops.
+    bands = (torch.from_numpy(hist) @ torch.from_numpy(masks)).numpy()  # [rows, 2 * distinct]
+    col = 2 * which.reshape(-1)
     return bands[index, col], bands[index, col + 1]
 
 
@@ -714,51 +723,60 @@ def decode_table(rows: torch.Tensor, fmt: FormatLimits, shifts: list[int],
 
     With ``index``, output row ``k`` decodes ``rows[index[k]]`` with ``shifts[k]``
     (one row may be read under several shifts), without copying the rows.
+
+    Host data, in numpy (a zero-copy view of the host rows): each of its thirty-odd
+    whole-table ops on a step's few hundred rows costs about a microsecond, where a
+    torch op costs several (a decode of the transformer's step took 0.44 ms in torch,
+    0.13 ms here). The headroom's ``log2`` stays torch's, whose last bit numpy's does
+    not always match, and so is the band sums' matrix product (its order of sums):
+    a figure does not change with the library that computes it.
     """
-    f64 = torch.float64
-    idx = torch.tensor(index if index is not None else range(rows.shape[0]), dtype=torch.long)
-    if idx.numel() == 0:
-        return torch.zeros(0, len(DECODED_FIELDS), dtype=f64)
-    rows = rows.to(f64)
-    hist = rows[:, HIST:]
-    sh = torch.tensor(shifts, dtype=torch.long)
+    idx = np.asarray(index if index is not None else range(rows.shape[0]), dtype=np.int64)
+    if idx.size == 0:
+        return torch.zeros(0, len(DECODED_FIELDS), dtype=torch.float64)
+    r = rows.detach().to("cpu", torch.float64).numpy()
+    hist = r[:, HIST:]
+    sh = np.asarray(shifts, dtype=np.int64)
     under_all, over_fin = _band_sums(hist, idx, sh, fmt)
-    numel, mn, mx, zeros, nans = rows[:, :HIST].index_select(0, idx).unbind(1)
-    infs = (hist[idx, N_EXP_BINS - 1] - nans).clamp(min=0)
-    # A sampled histogram can miss a lone NaN or inf; the exact min/max
-    # never do (aminmax propagates NaN, and an inf is an extreme).
-    nans = torch.where((mn.isnan() | mx.isnan()) & (nans < 1), 1.0, nans)
-    infs = torch.where(((mx == math.inf) | (mn == -math.inf)) & (infs < 1), 1.0, infs)
-    div = torch.exp2(sh.to(f64))
-    has = numel > 0
-    absmax = torch.where(has, torch.maximum(mn.abs(), mx.abs()), 0.0)
-    over = over_fin + infs
-    over = torch.where((over < 1) & has & (absmax / div > fmt.max), 1.0, over)
-    absmax = torch.where(infs > 0, math.inf, absmax)
-    with_nan = (nans > 0) & (infs == 0)
-    if bool(with_nan.any()):
-        # aminmax propagates NaN; fall back to the top populated finite bin.
-        sel = with_nan.nonzero().squeeze(1)
-        populated = hist.index_select(0, idx[sel])[:, : N_EXP_BINS - 1] > 0
-        # Bin 0 holds the zeros too: populated only by values besides them (subnormals),
-        # at least one (a sampled count is at least n / sampled; below half a value the
-        # difference is the float rounding of two scaled counts).
-        populated[:, 0] = hist[idx[sel], 0] - zeros[sel] >= _HALF_VALUE
-        top_bin = torch.where(populated, _BINS[: N_EXP_BINS - 1].to(f64), -math.inf).amax(1)
-        absmax[sel] = torch.where(top_bin >= 0, torch.exp2(top_bin - _F32_BIAS + 1), 0.0)
-    # log2(max / 0) = inf (all zeros), log2(max / inf) = -inf, NaN stays NaN.
-    headroom = torch.log2(fmt.max / (absmax / div))
-    n = numel.clamp(min=1)
-    return torch.stack([
-        numel, mn / div, mx / div, absmax / div,
-        (zeros / n).clamp(max=1.0),
-        ((nans + infs) / n).clamp(max=1.0),
-        nans.round(), infs.round(),
-        (over / n).clamp(max=1.0),
-        (torch.where(under_all - zeros >= _HALF_VALUE, under_all - zeros, 0.0) / n
-         ).clamp(max=1.0),
-        headroom, over,
-    ], dim=1)
+    numel, mn, mx, zeros, nans = r[idx, :HIST].T
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        infs = np.maximum(hist[idx, N_EXP_BINS - 1] - nans, 0.0)
+        # A sampled histogram can miss a lone NaN or inf; the exact min/max
+        # never do (aminmax propagates NaN, and an inf is an extreme).
+        nans = np.where((np.isnan(mn) | np.isnan(mx)) & (nans < 1), 1.0, nans)
+        infs = np.where(((mx == math.inf) | (mn == -math.inf)) & (infs < 1), 1.0, infs)
+        div = np.exp2(sh.astype(np.float64))
+        has = numel > 0
+        absmax = np.where(has, np.maximum(np.abs(mn), np.abs(mx)), 0.0)
+        over = over_fin + infs
+        over = np.where((over < 1) & has & (absmax / div > fmt.max), 1.0, over)
+        absmax = np.where(infs > 0, math.inf, absmax)
+        with_nan = (nans > 0) & (infs == 0)
+        if with_nan.any():
+            # aminmax propagates NaN; fall back to the top populated finite bin.
+            sel = with_nan.nonzero()[0]
+            populated = hist[idx[sel], : N_EXP_BINS - 1] > 0
+            # Bin 0 holds the zeros too: populated only by values besides them
+            # (subnormals), at least one (a sampled count is at least n / sampled;
+            # below half a value the difference is the float rounding of two scaled
+            # counts).
+            populated[:, 0] = hist[idx[sel], 0] - zeros[sel] >= _HALF_VALUE
+            top_bin = np.where(populated, _BINS, -math.inf).max(1)
+            absmax[sel] = np.where(top_bin >= 0, np.exp2(top_bin - _F32_BIAS + 1), 0.0)
+        n = np.maximum(numel, 1.0)
+        under = under_all - zeros
+        table = np.stack([
+            numel, mn / div, mx / div, absmax / div,
+            np.minimum(zeros / n, 1.0),
+            np.minimum((nans + infs) / n, 1.0),
+            np.round(nans), np.round(infs),
+            np.minimum(over / n, 1.0),
+            np.minimum(np.where(under >= _HALF_VALUE, under, 0.0) / n, 1.0),
+            # log2(max / 0) = inf (all zeros), log2(max / inf) = -inf, NaN stays NaN.
+            # (torch's ``max / t`` is ``t.reciprocal() * max``: its rounding, as before.)
+            torch.from_numpy(np.reciprocal(absmax / div) * fmt.max).log2_().numpy(), over,
+        ], axis=1)
+    return torch.from_numpy(table)
 
 
 def _absmax_from_hist(hist: list[float]) -> float:

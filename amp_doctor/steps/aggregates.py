@@ -2,10 +2,12 @@
 
 The run-long aggregates behind each :class:`~amp_doctor.records.LayerSummary`
 (extremes, least headroom, mean fractions, non-finite step counts) are a few
-host tensors with one row per layer. A recorded step updates them all with a
-handful of tensor ops over its :class:`~amp_doctor.steps.table.StepTable`,
+host arrays with one row per layer. A recorded step updates them all with a
+handful of whole-table ops over its :class:`~amp_doctor.steps.table.StepTable`,
 whatever the number of layers (an update object per layer cost about 5 us a layer:
-3 ms a recorded step on the benchmark GPT). Host data only.
+3 ms a recorded step on the benchmark GPT). Host data only, in numpy: on a step's
+few hundred rows each op costs about a microsecond, a torch op several (0.34 ms a
+recorded transformer step in torch).
 
 A figure that is NaN in a step (an absent tensor, an all-NaN output's headroom)
 is left out of that figure's mean and extremes, as if the step had not had it.
@@ -17,7 +19,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-import torch
+import numpy as np
 
 from amp_doctor.dtypes import LOW_PRECISION_NAMES
 from amp_doctor.records import LayerSummary
@@ -42,7 +44,6 @@ from amp_doctor.steps.table import (
 
 __all__ = ["LayerAggregates"]
 
-_F64 = torch.float64
 _W = len(TS_FIELDS)
 # A step's figures read, as (slot, field): the slots' unscaled views fall back to the
 # scaled slot where the step had no loss scale (see StepTable.filled).
@@ -61,9 +62,8 @@ _LOS = ((ACT, MIN), (ACT, HEAD), (GRAD, HEAD))
 L_MIN, L_HEAD, L_GHEAD = range(len(_LOS))
 # Steps with a non-finite output / gradient / parameter gradient.
 _NFS = ((ACT, NONFINITE), (GRAD, NONFINITE), (PG, NONFINITE))
-# Host tensors made at import name the CPU: the user may have set another default device.
-_COLS = torch.tensor([s * _W + f for s, f in (*_MEANS, *_HIS, *_LOS, *_NFS)], device="cpu")
-_SPLIT = (len(_MEANS), len(_HIS), len(_LOS), len(_NFS))
+_COLS = np.array([s * _W + f for s, f in (*_MEANS, *_HIS, *_LOS, *_NFS)])
+_SPLIT_AT = np.cumsum((len(_MEANS), len(_HIS), len(_LOS)))
 # The summed block: the means' sums and counts, the non-finite step counts, steps with
 # a gradient headroom, steps seen, steps whose output's only non-finite values were -inf.
 _N_SUMS = 2 * len(_MEANS) + len(_NFS) + 3
@@ -82,11 +82,11 @@ class LayerAggregates:
 
     def __init__(self) -> None:
         self._slot: dict[str, int] = {}
-        self._sums = torch.zeros(0, _N_SUMS, dtype=_F64)
-        self._ext = torch.zeros(0, len(_EXT_START), dtype=_F64)  # greatest, -least
+        self._sums = np.zeros((0, _N_SUMS))
+        self._ext = np.zeros((0, len(_EXT_START)))  # greatest, -least
         # Per layer: the sum and count of its output's relative range, over the steps its
         # output kept one sign (see add).
-        self._rel = torch.zeros(0, 2, dtype=_F64)
+        self._rel = np.zeros((0, 2))
         self._origin_steps: dict[str, int] = {}
         self._cache: dict[str, LayerFigures] | None = None
 
@@ -103,30 +103,37 @@ class LayerAggregates:
         if not n:
             return
         self._cache = None
-        idx = torch.tensor(self._rows(table.names))
-        filled = table.filled().view(n, -1)
-        got = filled.index_select(1, _COLS)
-        means, hi, lo, nonfinite = got.split(_SPLIT, 1)
+        # A layer is in a step's table once: each row of ``idx`` is a distinct layer, so
+        # fancy-indexed ``+=`` adds every value (as index_add would, in the same order).
+        idx = np.asarray(self._rows(table.names))
+        filled = table.filled().view(n, -1).numpy()
+        got = filled[:, _COLS]
+        means, hi, lo, nonfinite = np.split(got, _SPLIT_AT, axis=1)
         seen = means == means  # not NaN
         g_head = lo[:, L_GHEAD : L_GHEAD + 1]
-        # min and max are NaN when the output held a NaN (aminmax propagates it).
-        neg_inf = (lo[:, L_MIN : L_MIN + 1] == -math.inf) & (hi[:, H_MAX : H_MAX + 1] < math.inf)
-        self._sums.index_add_(0, idx, torch.cat([
-            means.nan_to_num(0.0), seen, nonfinite > 0, g_head == g_head,
-            torch.ones(n, 1, dtype=_F64), neg_inf], 1))
-        # The output's range relative to its size, (max - min) / absmax, in a step where
-        # it kept one sign: how many of a format's steps it spans. An output on a large
-        # offset (a regression head near 300) spans a few bfloat16 steps (review 46b).
-        mn, mx = filled[:, ACT * _W + MIN], filled[:, ACT * _W + MAX]
-        # A constant output of several values counts (rounded to one value: range 0).
-        one_sign = (((mn > 0) | (mx < 0)) & mn.isfinite() & mx.isfinite()
-                    & (filled[:, ACT * _W + NUMEL] > 1))
-        rel = torch.where(one_sign, (mx - mn) / torch.maximum(mn.abs(), mx.abs()), 0.0)
-        self._rel.index_add_(0, idx, torch.stack([rel, one_sign.to(_F64)], 1))
-        ext = torch.cat([hi, -lo], 1)
-        ext[:, _FINITE_ONLY].masked_fill_(ext[:, _FINITE_ONLY].isinf(), math.nan)
-        ext.nan_to_num_(-math.inf, math.inf, -math.inf)  # NaN: not a candidate
-        self._ext[idx] = torch.maximum(self._ext[idx], ext)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            # min and max are NaN when the output held a NaN (aminmax propagates it).
+            neg_inf = ((lo[:, L_MIN : L_MIN + 1] == -math.inf)
+                       & (hi[:, H_MAX : H_MAX + 1] < math.inf))
+            self._sums[idx] += np.concatenate([
+                np.nan_to_num(means, nan=0.0), seen, nonfinite > 0, g_head == g_head,
+                np.ones((n, 1)), neg_inf], axis=1)
+            # The output's range relative to its size, (max - min) / absmax, in a step
+            # where it kept one sign: how many of a format's steps it spans. An output on
+            # a large offset (a regression head near 300) spans a few bfloat16 steps
+            # (review 46b).
+            mn, mx = filled[:, ACT * _W + MIN], filled[:, ACT * _W + MAX]
+            # A constant output of several values counts (rounded to one value: range 0).
+            one_sign = (((mn > 0) | (mx < 0)) & np.isfinite(mn) & np.isfinite(mx)
+                        & (filled[:, ACT * _W + NUMEL] > 1))
+            rel = np.where(one_sign, (mx - mn) / np.maximum(np.abs(mn), np.abs(mx)), 0.0)
+        self._rel[idx] += np.stack([rel, one_sign], axis=1)
+        ext = np.concatenate([hi, -lo], axis=1)
+        fin = ext[:, _FINITE_ONLY]
+        fin[np.isinf(fin)] = math.nan
+        # NaN: not a candidate.
+        np.nan_to_num(ext, copy=False, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        self._ext[idx] = np.maximum(self._ext[idx], ext)
 
     def note_origin(self, name: str) -> None:
         """``name`` was the first layer to overflow in a recorded step's forward."""
@@ -139,9 +146,9 @@ class LayerAggregates:
         n = self._sums.shape[0]
         if len(slot) > n:
             grow = max(len(slot), 2 * n) - n
-            self._sums = torch.cat([self._sums, torch.zeros(grow, _N_SUMS, dtype=_F64)])
-            self._ext = torch.cat([self._ext, torch.tensor([_EXT_START] * grow, dtype=_F64)])
-            self._rel = torch.cat([self._rel, torch.zeros(grow, 2, dtype=_F64)])
+            self._sums = np.concatenate([self._sums, np.zeros((grow, _N_SUMS))])
+            self._ext = np.concatenate([self._ext, np.array([_EXT_START] * grow)])
+            self._rel = np.concatenate([self._rel, np.zeros((grow, 2))])
         return rows
 
     def figures(self, name: str) -> LayerFigures | None:
