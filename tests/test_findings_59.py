@@ -1,6 +1,8 @@
 """Session 59: review 59a's checkpointed trainer with a hand-written softmax.
 
 Its ``exp`` overflowed float16 on a few steps only: 23, then 31, 32, 35 and 38 of 40.
+(And on those steps, layers whose outputs held a NaN among finite values showed the
+histogram's bound as their absmax: see the last test.)
 Anomaly mode's op-level search ran at 24-26, which stayed finite; its cool-down (16
 steps, for a value on every step) then waited past every later NaN, and the finding said
 the value "did not recur there". After a search that found nothing, a value back on
@@ -11,13 +13,20 @@ and a value that comes back only between searches is said to have come back.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from amp_doctor.analysis.messages import event_message
-from amp_doctor.records import Event
+from amp_doctor.device import stats as S
+from amp_doctor.dtypes import limits
+from amp_doctor.records import Event, LayerStep, TensorStats
+from amp_doctor.steps.aggregates import LayerAggregates
+from amp_doctor.steps.table import StepTable
 from tests.helpers import console_script
 
 # A softmax written by hand, without the max subtracted: exp overflows float16 past 11.1.
@@ -103,3 +112,31 @@ def test_a_nan_that_came_back_between_searches_is_not_said_to_have_stopped() -> 
     text = " ".join(event_message(Event(kind="nonfinite_unlocated", step=23, data=d),
                                   1).split())
     assert "it did not recur there" in text
+
+
+def _stats(x: torch.Tensor) -> TensorStats:
+    d = S.decode(S.summary_row(x).tolist(), limits(torch.float16))
+    return TensorStats(d.numel, d.min, d.max, d.absmax, d.zero_frac, d.nonfinite_frac,
+                       d.overflow_frac, d.underflow_frac, d.headroom)
+
+
+def test_a_step_whose_output_held_a_nan_does_not_stand_for_the_layers_absmax() -> None:
+    # Review 59a: on the NaN steps a layer's absmax was its histogram's top bin's upper
+    # edge (4.0 for outputs up to 2.42), and the layer table showed absmax 4, headroom 14.
+    x = torch.linspace(-2.42, 2.42, 101, dtype=torch.float16)
+    with_nan = x.clone()
+    with_nan[7] = math.nan
+    bounded = _stats(with_nan)
+    assert math.isnan(bounded.min) and bounded.absmax == 4.0  # the bound, as recorded
+    agg = LayerAggregates()
+    agg.add(StepTable.from_layers({"fc": LayerStep(act=_stats(x), grad=_stats(x)),
+                                   "only_nan": LayerStep(act=bounded)}))
+    agg.add(StepTable.from_layers({"fc": LayerStep(act=bounded, grad=bounded),
+                                   "only_nan": LayerStep(act=bounded)}))
+    fc = agg.summary("fc", "Linear", 0, 2, set(), {"float16"}, set(), {}, ([], []))
+    assert fc.absmax == float(x.abs().max()) and fc.grad_absmax == fc.absmax
+    assert fc.headroom == math.log2(65504 / fc.absmax) == fc.grad_headroom
+    assert fc.nonfinite_steps == 1
+    # A layer with no step of exact extremes keeps the bound: all that is known.
+    only = agg.summary("only_nan", "Linear", 1, 2, set(), {"float16"}, set(), {}, ([], []))
+    assert only.absmax == 4.0 and only.headroom == math.log2(65504 / 4.0)

@@ -10,6 +10,7 @@ import heapq
 import math
 import pickle
 import random
+from collections.abc import Callable
 
 from amp_doctor.records import LayerStep, StepRecord, TensorStats
 from amp_doctor.steps.aggregates import LayerAggregates
@@ -165,17 +166,34 @@ def _reference_summary(steps: list[dict[str, LayerStep]], name: str) -> dict[str
         return lambda ls: None if slot(ls) is None else getattr(slot(ls), f)  # type: ignore
 
     act, grad, pg = (lambda ls: ls.act), (lambda ls: ls.grad), (lambda ls: ls.param_grad)
-    g_abs = [v for v in vals(fld(grad, "absmax")) if math.isfinite(v)]
+    def held_nan(ls: LayerStep, slot: object) -> bool:
+        # Its absmax and headroom are the histogram's bound, not exact (aminmax gave NaN).
+        t = slot(ls)  # type: ignore[operator]
+        return t is not None and (math.isnan(t.min) or math.isnan(t.max))
+
+    def exact_first(get: object, slot: object,
+                    keep: Callable[[float], bool] = lambda v: True) -> list[float]:
+        """The values of the steps whose tensor held no NaN, or, if none has one, all."""
+        def ok(v: float | None) -> bool:
+            return v is not None and not math.isnan(v) and keep(v)
+        values = [(get(ls), held_nan(ls, slot)) for ls in seen]  # type: ignore[operator]
+        exact = [v for v, bound in values if not bound and ok(v)]
+        return exact or [v for v, _ in values if ok(v)]
+
+    g_abs = exact_first(fld(grad, "absmax"), grad, math.isfinite)
     p_abs = [v for v in vals(fld(pu, "absmax")) if math.isfinite(v)]
-    g_head = vals(fld(grad, "headroom"))
+    g_head = exact_first(fld(grad, "headroom"), grad, lambda v: v != math.inf)
+    g_head = g_head or vals(fld(grad, "headroom"))
+    a_abs = exact_first(fld(act, "absmax"), act)
+    a_head = exact_first(fld(act, "headroom"), act, lambda v: v != math.inf)
     # The steps it ran in (had an output); a layer that never had one: every step it is in.
     ran = sum(1 for ls in seen if ls.act is not None)
     return dict(
         recorded_steps=ran or len(seen),
-        absmax=max([0.0, *vals(fld(act, "absmax"))]),
+        absmax=max([0.0, *a_abs]),
         min=min([math.inf, *vals(fld(act, "min"))]),
         max=max([-math.inf, *vals(fld(act, "max"))]),
-        headroom=min([math.inf, *vals(fld(act, "headroom"))]),
+        headroom=min([math.inf, *a_head]),
         zero_frac=mean(fld(act, "zero_frac")) or 0.0,
         overflow_frac=max([0.0, *vals(fld(act, "overflow_frac"))]),
         underflow_frac=mean(fld(act, "underflow_frac")) or 0.0,

@@ -62,6 +62,11 @@ _LOS = ((ACT, MIN), (ACT, HEAD), (GRAD, HEAD))
 L_MIN, L_HEAD, L_GHEAD = range(len(_LOS))
 # Steps with a non-finite output / gradient / parameter gradient.
 _NFS = ((ACT, NONFINITE), (GRAD, NONFINITE), (PG, NONFINITE))
+# Extremes (columns of the greatest and negated least block) that a tensor holding a NaN
+# only bounds: the outputs' and their gradients' absmax and headroom; with the (min, max)
+# columns of their slot, which are NaN in such a step.
+_ESTIMATED = np.array([H_ABSMAX, len(_HIS) + L_HEAD, H_GABS, len(_HIS) + L_GHEAD])
+_EST_SLOT_COLS = np.array([[s * _W + MIN, s * _W + MAX] for s in (ACT, ACT, GRAD, GRAD)])
 _COLS = np.array([s * _W + f for s, f in (*_MEANS, *_HIS, *_LOS, *_NFS)])
 _SPLIT_AT = np.cumsum((len(_MEANS), len(_HIS), len(_LOS)))
 # The summed block: the means' sums and counts, the non-finite step counts, steps with
@@ -87,6 +92,10 @@ class LayerAggregates:
         # Per layer: the sum and count of its output's relative range, over the steps its
         # output kept one sign (see add).
         self._rel = np.zeros((0, 2))
+        # The extremes of _ESTIMATED from steps whose tensor held a NaN, and how many steps
+        # gave an exact one (see add).
+        self._est = np.zeros((0, len(_ESTIMATED)))
+        self._exact = np.zeros((0, len(_ESTIMATED)), dtype=np.int64)
         self._origin_steps: dict[str, int] = {}
         self._cache: dict[str, LayerFigures] | None = None
 
@@ -133,7 +142,17 @@ class LayerAggregates:
         fin[np.isinf(fin)] = math.nan
         # NaN: not a candidate.
         np.nan_to_num(ext, copy=False, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        # A tensor that held a NaN has no exact extremes (aminmax propagates NaN): its
+        # absmax, and the headroom from it, are its histogram's top bin's upper edge, up to
+        # twice the finite values' (review 59a: 4.0 for outputs up to 2.42, shown as the
+        # layer's absmax). Kept apart: they stand only for a layer with no exact one.
+        slots = filled[:, _EST_SLOT_COLS]
+        est_rows = np.isnan(slots[:, :, 0]) | np.isnan(slots[:, :, 1])  # [n, estimated]
+        est = np.where(est_rows, ext[:, _ESTIMATED], -math.inf)
+        ext[:, _ESTIMATED] = np.where(est_rows, -math.inf, ext[:, _ESTIMATED])
         self._ext[idx] = np.maximum(self._ext[idx], ext)
+        self._est[idx] = np.maximum(self._est[idx], est)
+        self._exact[idx] += ~est_rows & (ext[:, _ESTIMATED] > -math.inf)
 
     def note_origin(self, name: str) -> None:
         """``name`` was the first layer to overflow in a recorded step's forward."""
@@ -149,6 +168,9 @@ class LayerAggregates:
             self._sums = np.concatenate([self._sums, np.zeros((grow, _N_SUMS))])
             self._ext = np.concatenate([self._ext, np.array([_EXT_START] * grow)])
             self._rel = np.concatenate([self._rel, np.zeros((grow, 2))])
+            self._est = np.concatenate([self._est, np.full((grow, len(_ESTIMATED)), -math.inf)])
+            self._exact = np.concatenate([self._exact, np.zeros((grow, len(_ESTIMATED)),
+                                                                dtype=np.int64)])
         return rows
 
     def figures(self, name: str) -> LayerFigures | None:
@@ -159,7 +181,11 @@ class LayerAggregates:
 
     def _all(self) -> dict[str, LayerFigures]:
         n = len(self._slot)
-        sums, exts = self._sums[:n].tolist(), self._ext[:n].tolist()
+        ext = self._ext[:n].copy()
+        # A layer whose every such figure came from a step with a NaN: the estimate.
+        ext[:, _ESTIMATED] = np.where(self._exact[:n] > 0, ext[:, _ESTIMATED],
+                                      np.maximum(ext[:, _ESTIMATED], self._est[:n]))
+        sums, exts = self._sums[:n].tolist(), ext.tolist()
         rels = self._rel[:n].tolist()
         out: dict[str, LayerFigures] = {}
         for name, i in self._slot.items():
