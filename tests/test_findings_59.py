@@ -1,8 +1,9 @@
 """Session 59: review 59a's checkpointed trainer with a hand-written softmax.
 
 Its ``exp`` overflowed float16 on a few steps only: 23, then 31, 32, 35 and 38 of 40.
-(And on those steps, layers whose outputs held a NaN among finite values showed the
-histogram's bound as their absmax: see the last test.)
+On those steps, layers whose outputs held a NaN among finite values showed the
+histogram's bound as their absmax; and backoffs at 31 (begun in block 2) and 32 (block 0),
+one GradScaler episode, were charged to block 2 alone.
 Anomaly mode's op-level search ran at 24-26, which stayed finite; its cool-down (16
 steps, for a value on every step) then waited past every later NaN, and the finding said
 the value "did not recur there". After a search that found nothing, a value back on
@@ -140,3 +141,68 @@ def test_a_step_whose_output_held_a_nan_does_not_stand_for_the_layers_absmax() -
     # A layer with no step of exact extremes keeps the bound: all that is known.
     only = agg.summary("only_nan", "Linear", 1, 2, set(), {"float16"}, set(), {}, ([], []))
     assert only.absmax == 4.0 and only.headroom == math.log2(65504 / 4.0)
+
+
+# Two branches with a hand-written softmax each; the batch's half for branch a is large on
+# the steps of BAD_A, the other's on those of BAD_B.
+_TWO_SITES = '''
+import sys
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+torch.set_num_threads(1)
+BAD_A = {int(s) for s in sys.argv[1].split(",")}
+BAD_B = {int(s) for s in sys.argv[2].split(",")}
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(16, 16)
+    def forward(self, x):
+        w = torch.exp(self.score(x))  # no max subtracted
+        return w / w.sum(-1, keepdim=True)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Attn()
+        self.b = Attn()
+        self.out = nn.Linear(16, 4)
+    def forward(self, x):
+        return self.out(self.a(x[:, :16]) + self.b(x[:, 16:]))
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu")
+g = torch.Generator().manual_seed(1)
+for step in range(16):
+    x = torch.randn(32, 32, generator=g)
+    x[:, :16] *= 400.0 if step in BAD_A else 1.0
+    x[:, 16:] *= 400.0 if step in BAD_B else 1.0
+    y = torch.randint(0, 4, (32,), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x).float(), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    print("step", step, repr(loss.item()), scaler.get_scale())
+'''
+
+
+def test_consecutive_backoffs_that_began_in_two_layers_are_each_their_own_layers(
+        tmp_path: Path) -> None:
+    # Backoffs at 8 (made in b) and 9 (made in a) are one GradScaler episode; a's finding
+    # missed step 9, and b's claimed it, while the collapse counted it as a's.
+    (tmp_path / "two.py").write_text(_TWO_SITES)
+    args = ["two.py", "4,9", "8"]
+    plain = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    out = tmp_path / "out"
+    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", "--every", "1",
+                        "--logdir", str(out), *args], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout
+    report = json.loads((out / "amp_doctor.json").read_text())
+    assert report["scaler"]["backoff_steps"] == [4, 8, 9]
+    backoffs = {f["module"]: f for f in report["findings"] if f["kind"] == "scaler_backoff"}
+    assert sorted(backoffs) == ["a", "b"], list(backoffs)
+    assert backoffs["a"]["steps"] == [4, 9] and backoffs["b"]["steps"] == [8]

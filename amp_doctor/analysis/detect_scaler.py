@@ -846,6 +846,24 @@ def scaler_findings(session: Session) -> Iterable[Finding]:
             yield replace(f, message=msg, data={**f.data, "scaler": name})
 
 
+def _split_at_new_origins(g: list[ScalerEvent], known: dict[int, tuple[str, str]]
+                          ) -> list[list[ScalerEvent]]:
+    """An episode cut where a step's known origin differs from the one before it: each
+    part is its origin's (review 59a: backoffs at 31 and 32 made by two blocks were one
+    episode charged to the first, and step 32 was missing from the other's finding,
+    which the loss-scale collapse counted as its own). A step of no known origin stays
+    with the part before it."""
+    parts: list[list[ScalerEvent]] = []
+    origin: str | None = None
+    for e in g:
+        now = known[e.step][0] if e.step in known else None
+        if not parts or (now is not None and origin is not None and now != origin):
+            parts.append([])
+        parts[-1].append(e)
+        origin = now or origin
+    return parts
+
+
 def _one_scaler_findings(session: Session) -> Iterable[Finding]:
     sc = session.scaler
     if sc is None or not sc.enabled:
@@ -875,10 +893,11 @@ def _one_scaler_findings(session: Session) -> Iterable[Finding]:
             continue
         # Episodes are one problem when they began at the same place: the same origin,
         # or else the same first culprit (recorded and unrecorded steps alike).
-        # (A group spanning several origins is keyed by its first.)
-        began = next((known[e.step][0] for e in g if e.step in known), None)
-        key = ("origin", began) if began else ("lead", _top_lead(g, with_params)[0] or "")
-        by_culprits.setdefault(key, []).append(g)
+        for part in _split_at_new_origins(g, known):
+            began = next((known[e.step][0] for e in part if e.step in known), None)
+            key = ("origin", began) if began else ("lead", _top_lead(part, with_params)[0]
+                                                   or "")
+            by_culprits.setdefault(key, []).append(part)
     for episodes in by_culprits.values():
         evs = [e for g in episodes for e in g]
         culprits = _culprits_of(evs)
