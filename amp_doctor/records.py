@@ -162,6 +162,22 @@ class LayerSummary:
     # Mean over recorded steps of its output's (max - min) / absmax, when the output kept
     # one sign in every one of them (None otherwise): the share of its size it spans.
     range_rel: float | None = None
+    # FP8 delayed scaling's view of its amaxes (steps.amaxes), over the recorded steps
+    # whose tensor was finite, of every layer (None: a report written before they were).
+    # Its outputs': steps with a non-zero amax, the largest, its spread in bits (None: fewer
+    # than two), steps whose amax outran the window's scale by more than 2x, of those
+    # compared (a recorded step right after another). Its output gradients' likewise, as
+    # if unscaled (the largest: as scaled, as the step ran).
+    fp8_act_amax_steps: int | None = None
+    fp8_act_amax_max: float | None = None
+    fp8_act_amax_spread_bits: float | None = None
+    fp8_act_amax_beyond: int = 0
+    fp8_act_amax_compared: int = 0
+    fp8_grad_amax_steps: int | None = None
+    fp8_grad_amax_max: float | None = None  # as scaled, as the step ran
+    fp8_grad_amax_spread_bits: float | None = None
+    fp8_grad_amax_beyond: int = 0
+    fp8_grad_amax_compared: int = 0
     ops: dict[str, dict[str, int]] = field(default_factory=dict)  # op -> dtype -> count
     act_exp_hist: list[int] = field(default_factory=list)  # summed float32-exponent bins
     grad_exp_hist: list[int] = field(default_factory=list)

@@ -3,7 +3,9 @@
 Its ``exp`` overflowed float16 on a few steps only: 23, then 31, 32, 35 and 38 of 40.
 On those steps, layers whose outputs held a NaN among finite values showed the
 histogram's bound as their absmax; and backoffs at 31 (begun in block 2) and 32 (block 0),
-one GradScaler episode, were charged to block 2 alone.
+one GradScaler episode, were charged to block 2 alone. And the review's T5 (recorded every
+step) had FP8 amax columns of "-" and "0/1": they came from the step history, which keeps
+each step's 32 worst layers.
 Anomaly mode's op-level search ran at 24-26, which stayed finite; its cool-down (16
 steps, for a value on every step) then waited past every later NaN, and the finding said
 the value "did not recur there". After a search that found nothing, a value back on
@@ -17,12 +19,16 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+import amp_doctor
 from amp_doctor.analysis.messages import event_message
+from amp_doctor.analysis.whatif import fp8_rows
 from amp_doctor.device import stats as S
 from amp_doctor.dtypes import limits
 from amp_doctor.records import Event, LayerStep, TensorStats
@@ -206,3 +212,45 @@ def test_consecutive_backoffs_that_began_in_two_layers_are_each_their_own_layers
     backoffs = {f["module"]: f for f in report["findings"] if f["kind"] == "scaler_backoff"}
     assert sorted(backoffs) == ["a", "b"], list(backoffs)
     assert backoffs["a"]["steps"] == [4, 9] and backoffs["b"]["steps"] == [8]
+
+
+def test_fp8_amax_columns_cover_every_layer_of_a_deep_model_recorded_every_step() -> None:
+    # Review 59a: a T5's FP8 table showed "-" and "0/1" for layers recorded every step: the
+    # amaxes came from the step history, which keeps each step's 32 worst layers. 40
+    # blocks (80 leaf modules), every step recorded: each row compares 9 of 10 steps.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(40) for m in (nn.Linear(8, 8), nn.Tanh())])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for step in range(10):
+            x = torch.randn(16, 8) * (1.0 + 3 * (step % 2))  # amax jumps every other step
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = w.session
+    assert len([lay for lay in s.layers if lay.type in ("Linear", "Tanh")]) == 80
+    assert all(len(r.layers) <= 32 for r in s.history)
+    acts = {r.layer: r for r in fp8_rows(s) if r.tensor == "activation"}
+    assert len(acts) == 80  # every leaf ran in float16
+    assert {(r.recorded, r.compared) for r in acts.values()} == {(10, 9)}
+    grads = [r for r in fp8_rows(s) if r.tensor == "gradient"]
+    # (Deep in the stack some gradients are exact zeros in some steps: no amax there.)
+    full = [r for r in grads if r.recorded == 10]
+    assert len(full) >= 40 and {r.compared for r in full} == {9}
+    # The first Linear's outputs quadruple every other step: step 1's outran the scale
+    # that step 0 set (later windows hold a large amax already).
+    first = acts["0"]
+    assert first.amax_spread_bits is not None and first.amax_spread_bits > 1.5
+    assert first.steps_amax_beyond_scale >= 1
+    # Its figures are those a full history gives: the report of a run written before
+    # them (no such fields) reads them from the history, for the layers it kept.
+    kept = [name for name in acts if all(name in r.layers for r in s.history)]
+    old = replace(s, layers=[replace(lay, fp8_act_amax_steps=None, fp8_grad_amax_steps=None)
+                             for lay in s.layers])
+    for row in fp8_rows(old):
+        if row.layer in kept and row.tensor == "activation":
+            assert row == acts[row.layer], row.layer

@@ -25,15 +25,13 @@ from dataclasses import asdict, dataclass
 
 from amp_doctor import format as F
 from amp_doctor.records import Finding, LayerSummary, Session, Severity
+from amp_doctor.steps.amaxes import AMAX_OUTRUN_FACTOR, FP8_AMAX_WINDOW
 
 __all__ = ["Format", "FORMATS", "Fp8Row", "fp8_rows", "float16_rows", "render_fp8_table",
            "whatif_findings", "TARGET_DTYPES"]
 
 F32_BIAS = 127
 N_BINS = 256
-# Training steps of amax history behind each delayed scale (TransformerEngine's
-# amax_history_len is longer), of which the recorded ones are known.
-FP8_AMAX_WINDOW = 16
 # A layer is listed when at least this share of its values overflows, flushes to zero
 # (FP8), or falls below the smallest normal (float16; small outputs are common, so
 # the bar is higher).
@@ -42,9 +40,6 @@ UNDERFLOW_SHARE = 0.01
 # A float16 run would scale its gradients with a GradScaler; judge them at its default
 # init_scale (2**16), not unscaled as a bfloat16 run holds them.
 FP16_GRAD_SCALE_LOG2 = 16
-# Delayed scaling saturates the values above the window's amax; a step counts as
-# "outran the scale" only when its amax exceeds the window's by more than this factor.
-AMAX_OUTRUN_FACTOR = 2.0
 # The listed layers in a finding's message; the rest are in its data.
 MAX_LISTED = 8
 TARGET_DTYPES = ("float16", "float8")
@@ -155,20 +150,32 @@ def _fp8_row(s: Session, lay: LayerSummary, grad: bool) -> Fp8Row | None:
     # The amaxes in the histogram's terms (a gradient's as the GradScaler scaled it), for
     # the scale against it; and as FP8 training would see them, for how they move: a loss
     # scale that fell 2^150 is no spread of the gradients' own.
-    stepped = _amaxes(s, lay.name, grad)
-    own = _amaxes(s, lay.name, grad, unscaled=True) if grad else stepped
-    amaxes = [a for _, a in stepped]
-    amax = max(amaxes) if amaxes else (lay.grad_absmax if grad else lay.absmax)
+    tracked = lay.fp8_grad_amax_steps if grad else lay.fp8_act_amax_steps
+    if tracked is not None:
+        # Every layer's amaxes over every recorded step (steps.amaxes).
+        n_amaxes = tracked
+        amax = ((lay.fp8_grad_amax_max if grad else lay.fp8_act_amax_max) if tracked
+                else lay.grad_absmax if grad else lay.absmax)
+        spread = lay.fp8_grad_amax_spread_bits if grad else lay.fp8_act_amax_spread_bits
+        beyond, compared = ((lay.fp8_grad_amax_beyond, lay.fp8_grad_amax_compared) if grad
+                            else (lay.fp8_act_amax_beyond, lay.fp8_act_amax_compared))
+    else:
+        # A report written before they were: from the step history, its kept layers only.
+        stepped = _amaxes(s, lay.name, grad)
+        own = _amaxes(s, lay.name, grad, unscaled=True) if grad else stepped
+        amaxes = [a for _, a in stepped]
+        n_amaxes = len(amaxes)
+        amax = max(amaxes) if amaxes else (lay.grad_absmax if grad else lay.absmax)
+        beyond, compared = _outran(own)
+        moved = [a for _, a in own]
+        spread = math.log2(max(moved) / min(moved)) if len(moved) >= 2 else None
     if amax is None or not math.isfinite(amax) or amax <= 0:
         return None
     # The most conservative scale the window ever had: the run's largest amax.
     shift = math.log2(fmt.max / amax)
     zero, sub, _ = _shares(hist, fmt, shift)
-    beyond, compared = _outran(own)
-    moved = [a for _, a in own]
-    spread = math.log2(max(moved) / min(moved)) if len(moved) >= 2 else None
     return Fp8Row(lay.name, "gradient" if grad else "activation", fmt.name, zero, sub,
-                  spread, beyond, len(amaxes), compared,
+                  spread, beyond, n_amaxes, compared,
                   lay.grad_nonfinite_steps if grad else lay.nonfinite_steps, lay.recorded_steps)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from amp_doctor.dtypes import LOW_PRECISION_NAMES
 from amp_doctor.records import LayerSummary
+from amp_doctor.steps.amaxes import AmaxTracks
 from amp_doctor.steps.table import (
     ABSMAX,
     ACT,
@@ -96,6 +97,8 @@ class LayerAggregates:
         # gave an exact one (see add).
         self._est = np.zeros((0, len(_ESTIMATED)))
         self._exact = np.zeros((0, len(_ESTIMATED)), dtype=np.int64)
+        self._amaxes = AmaxTracks()
+        self._step = -1
         self._origin_steps: dict[str, int] = {}
         self._cache: dict[str, LayerFigures] | None = None
 
@@ -105,9 +108,11 @@ class LayerAggregates:
     def __len__(self) -> int:
         return len(self._slot)
 
-    def add(self, table: StepTable) -> None:
+    def add(self, table: StepTable, step: int | None = None) -> None:
         """Fold one recorded step's figures in: about twenty whole-table ops, no
-        per-layer Python beyond finding each layer's row."""
+        per-layer Python beyond finding each layer's row. ``step``: its number (default:
+        one more than the last), for the amaxes' windows."""
+        self._step = step if step is not None else self._step + 1
         n = len(table)
         if not n:
             return
@@ -151,6 +156,7 @@ class LayerAggregates:
         est = np.where(est_rows, ext[:, _ESTIMATED], -math.inf)
         ext[:, _ESTIMATED] = np.where(est_rows, -math.inf, ext[:, _ESTIMATED])
         self._ext[idx] = np.maximum(self._ext[idx], ext)
+        self._amaxes.add(idx, filled, self._step)
         self._est[idx] = np.maximum(self._est[idx], est)
         self._exact[idx] += ~est_rows & (ext[:, _ESTIMATED] > -math.inf)
 
@@ -171,6 +177,7 @@ class LayerAggregates:
             self._est = np.concatenate([self._est, np.full((grow, len(_ESTIMATED)), -math.inf)])
             self._exact = np.concatenate([self._exact, np.zeros((grow, len(_ESTIMATED)),
                                                                 dtype=np.int64)])
+            self._amaxes.grow(self._sums.shape[0])
         return rows
 
     def figures(self, name: str) -> LayerFigures | None:
@@ -229,6 +236,7 @@ class LayerAggregates:
                 # Only when every step it ran in kept one sign: else some step spread it.
                 range_rel=(rels[i][0] / rels[i][1] if rels[i][1] and rels[i][1] >= (ran or steps)
                            else None),
+                **self._amaxes.figures(i),
             )
         return out
 

@@ -166,7 +166,7 @@ class StepFolder:
         grad_scale = hs.scalars.get(GRAD_SCALE_KEY)
         layers, hists = decode_step(hs, fmt, grad_scale,
                                     grad_scale if param_grads_scaled else None, formats)
-        self.aggregates.add(layers)
+        self.aggregates.add(layers, step)
         for h in hists:
             self.hists.add(h)
         bad_outputs = self._bad_outputs(hs, layers, fmt, formats)
