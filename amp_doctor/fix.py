@@ -8,13 +8,15 @@ trials:
 1. a baseline (twice: the search relies on the script being deterministic for
    the steps it runs, and says so when it is not);
 2. the culprits the baseline's error findings name; when a trial moves an error to
-   a layer outside its set (the same overflow in the next block), that layer is added;
+   a layer outside its set (the same overflow in the next block), that layer is added,
+   or the next block's copy of the member it is inside;
 3. their origin chain: each culprit's enclosing modules, innermost first (a container
    that is never called, a ``ModuleList``, stands for its members);
 4. bisection over the model's blocks (the list of numbered siblings that holds the
    most layers);
-5. once a set works, a smaller one: each member's children in its place, and
-   each member dropped in turn.
+5. once a set works, a smaller one: each member's children in its place (not the
+   children of another block's copy of a member whose children did not do), and each
+   member dropped in turn.
 
 It stops at the smallest set found, prints a table of the trials, the cost
 (how many layers and matmul/conv layers now run in float32) and a snippet
@@ -262,12 +264,30 @@ def _merged(current: Iterable[str], new: Iterable[str]) -> list[str]:
     return [n for n in union if not _inside(n, [m for m in union if m != n])]
 
 
+def _shape(name: str) -> str:
+    """``name`` with its numbered parts as ``*``: the same place in every block."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
 def _moved_to(s: Session | None, fp32: Sequence[str]) -> list[str]:
     """The culprits a trial's errors name outside its float32 set: where the error went
-    once the set removed it from its members (the next block's copy of the same op)."""
+    once the set removed it from its members (the next block's copy of the same op). A
+    culprit inside the next block's copy of a member is that copy (review 59a: with
+    ``blocks.0.attn`` in float32 the error moved to ``blocks.1.attn.proj``, whose own
+    float32 left it there: the op is in ``blocks.1.attn``'s own code, as it was in
+    ``blocks.0.attn``'s)."""
     if s is None:
         return []
-    return [c for c in _culprits(s) if not _inside(c, fp32)]
+    shapes = {_shape(m) for m in fp32 if _shape(m) != m}
+    out: list[str] = []
+    for c in _culprits(s):
+        if _inside(c, fp32):
+            continue
+        parts = c.split(".")
+        copies = [a for a in (".".join(parts[:i]) for i in range(1, len(parts)))
+                  if _shape(a) in shapes]
+        out.append(copies[-1] if copies else c)
+    return list(dict.fromkeys(out))
 
 
 def _enclosing(s: Session, level: Sequence[str]) -> list[str]:
@@ -423,13 +443,15 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
             continue
         attempt(blocks, f"all of {group} bisected, {_span(blocks)}")
         break
-    # Smaller: a member's children instead of it, then each member dropped.
+    # Smaller: a member's children instead of it, then each member dropped. Another
+    # block's copy of a member whose children did not do (the same code) is not narrowed.
     improved = True
+    not_narrowed: set[str] = set()
     while result.best is not None and improved and not result.budget_exhausted:
         improved = False
         current = list(result.best.fp32)
         for m in current:
-            kids = _children(bs, m)
+            kids = _children(bs, m) if _shape(m) not in not_narrowed else []
             rest = [x for x in current if x != m]
             for kid in kids:
                 t = attempt([*rest, kid], f"narrow {m} to {kid}")
@@ -438,6 +460,8 @@ def find_fix(run: Runner, max_trials: int = DEFAULT_TRIALS,
                     break
             if improved:
                 break
+            if kids and _shape(m) != m:
+                not_narrowed.add(_shape(m))
             if len(current) > 1:
                 t = attempt(rest, f"drop {m}")
                 if t is not None and t.ok:

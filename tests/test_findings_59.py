@@ -254,3 +254,26 @@ def test_fp8_amax_columns_cover_every_layer_of_a_deep_model_recorded_every_step(
     for row in fp8_rows(old):
         if row.layer in kept and row.tensor == "activation":
             assert row == acts[row.layer], row.layer
+
+
+def test_fix_follows_the_error_into_the_next_blocks_copy_of_what_it_forced() -> None:
+    # Review 59a: with blocks.0.attn in float32 the error moved to blocks.1.attn.proj, and
+    # `fix` added that Linear (and the next block's), which left it there: the exp is in
+    # attn's own code. 14 trials of 40 s for a 4-second script. The next block's copy of
+    # the forced member is what to add; and the children of a copy of a member whose
+    # children did not do are not tried again.
+    from amp_doctor.fix import find_fix
+    from tests.test_findings_56b import _run_attention
+
+    result = find_fix(lambda fp32: (_run_attention(fp32, anomaly=False), 0), max_trials=12)
+    tried = [(t.fp32, t.why) for t in result.trials]
+    assert tried == [
+        ((), "baseline, repeated"),
+        (("blocks.0.attn.proj",), "the culprits the errors name"),
+        (("blocks.0.attn",), "their enclosing modules"),
+        (("blocks.0.attn", "blocks.1.attn"), "add blocks.1.attn: the error moved there"),
+        (("blocks.0.attn.qkv", "blocks.1.attn"), "narrow blocks.0.attn to blocks.0.attn.qkv"),
+        (("blocks.0.attn.proj", "blocks.1.attn"), "narrow blocks.0.attn to blocks.0.attn.proj"),
+        (("blocks.1.attn",), "drop blocks.0.attn"),
+    ], tried
+    assert result.best is not None and result.best.fp32 == ("blocks.0.attn", "blocks.1.attn")
