@@ -23,6 +23,8 @@ from amp_doctor.errors import ReportFormatError
 from amp_doctor.jsoncodec import check_report_version, from_jsonable, to_jsonable
 
 __all__ = [
+    "FP8_AMAX_WINDOW",
+    "AMAX_OUTRUN_FACTOR",
     "TensorStats",
     "LayerStep",
     "StepRecord",
@@ -56,6 +58,15 @@ SEVERITY_RANK: dict[str, int] = {s: i for i, s in enumerate(SEVERITIES)}
 Outcome = Literal["completed", "stopped", "exception", "interrupted", "exit", "running"]
 OUTCOMES: tuple[Outcome, ...] = ("completed", "stopped", "exception", "interrupted", "exit",
                                  "running")
+
+
+# The FP8 figures of a LayerSummary, as TransformerEngine's per-tensor delayed scaling
+# would follow them: training steps of amax history behind each delayed scale (its
+# amax_history_len is longer), of which the recorded ones are known; and the factor by
+# which a step's amax must exceed the window's to count as having "outrun the scale"
+# (delayed scaling saturates the values above the window's amax).
+FP8_AMAX_WINDOW = 16
+AMAX_OUTRUN_FACTOR = 2.0
 
 
 @dataclass(frozen=True)

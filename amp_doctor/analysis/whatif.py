@@ -24,8 +24,14 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from amp_doctor import format as F
-from amp_doctor.records import Finding, LayerSummary, Session, Severity
-from amp_doctor.steps.amaxes import AMAX_OUTRUN_FACTOR, FP8_AMAX_WINDOW
+from amp_doctor.records import (
+    AMAX_OUTRUN_FACTOR,
+    FP8_AMAX_WINDOW,
+    Finding,
+    LayerSummary,
+    Session,
+    Severity,
+)
 
 __all__ = ["Format", "FORMATS", "Fp8Row", "fp8_rows", "float16_rows", "render_fp8_table",
            "whatif_findings", "TARGET_DTYPES"]

@@ -17,16 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from amp_doctor.records import AMAX_OUTRUN_FACTOR, FP8_AMAX_WINDOW
 from amp_doctor.steps.table import ABSMAX, ACT, GRAD, GRAD_U, MAX, MIN, TS_FIELDS
 
-__all__ = ["AmaxTracks", "FP8_AMAX_WINDOW", "AMAX_OUTRUN_FACTOR"]
-
-# Training steps of amax history behind each delayed scale (TransformerEngine's
-# amax_history_len is longer), of which the recorded ones are known.
-FP8_AMAX_WINDOW = 16
-# Delayed scaling saturates the values above the window's amax; a step counts as
-# "outran the scale" only when its amax exceeds the window's by more than this factor.
-AMAX_OUTRUN_FACTOR = 2.0
+__all__ = ["AmaxTracks"]
 
 _W = len(TS_FIELDS)
 # The tensors followed: a layer's output, and its output gradient as FP8 training would
