@@ -180,11 +180,12 @@ def _reference_summary(steps: list[dict[str, LayerStep]], name: str) -> dict[str
         exact = [v for v, bound in values if not bound and ok(v)]
         return exact or [v for v, _ in values if ok(v)]
 
-    g_abs = exact_first(fld(grad, "absmax"), grad, math.isfinite)
+    g_abs = exact_first(fld(grad, "absmax"), grad, lambda v: math.isfinite(v) and v > 0)
+    g_abs = g_abs or [v for v in vals(fld(grad, "absmax")) if math.isfinite(v)]
     p_abs = [v for v in vals(fld(pu, "absmax")) if math.isfinite(v)]
     g_head = exact_first(fld(grad, "headroom"), grad, lambda v: v != math.inf)
     g_head = g_head or vals(fld(grad, "headroom"))
-    a_abs = exact_first(fld(act, "absmax"), act)
+    a_abs = exact_first(fld(act, "absmax"), act, lambda v: v > 0)
     a_head = exact_first(fld(act, "headroom"), act, lambda v: v != math.inf)
     # The steps it ran in (had an output); a layer that never had one: every step it is in.
     ran = sum(1 for ls in seen if ls.act is not None)

@@ -68,6 +68,9 @@ _NFS = ((ACT, NONFINITE), (GRAD, NONFINITE), (PG, NONFINITE))
 # columns of their slot, which are NaN in such a step.
 _ESTIMATED = np.array([H_ABSMAX, len(_HIS) + L_HEAD, H_GABS, len(_HIS) + L_GHEAD])
 _EST_SLOT_COLS = np.array([[s * _W + MIN, s * _W + MAX] for s in (ACT, ACT, GRAD, GRAD)])
+# An exact figure of theirs is above this: a non-zero absmax (an all-zero step's 0 beside
+# a NaN step's bound would read as "absmax 0" with the bound's headroom), a headroom.
+_EXACT_ABOVE = np.array([0.0, -math.inf, 0.0, -math.inf])
 _COLS = np.array([s * _W + f for s, f in (*_MEANS, *_HIS, *_LOS, *_NFS)])
 _SPLIT_AT = np.cumsum((len(_MEANS), len(_HIS), len(_LOS)))
 # The summed block: the means' sums and counts, the non-finite step counts, steps with
@@ -158,7 +161,7 @@ class LayerAggregates:
         self._ext[idx] = np.maximum(self._ext[idx], ext)
         self._amaxes.add(idx, filled, self._step)
         self._est[idx] = np.maximum(self._est[idx], est)
-        self._exact[idx] += ~est_rows & (ext[:, _ESTIMATED] > -math.inf)
+        self._exact[idx] += ~est_rows & (ext[:, _ESTIMATED] > _EXACT_ABOVE)
 
     def note_origin(self, name: str) -> None:
         """``name`` was the first layer to overflow in a recorded step's forward."""
