@@ -668,7 +668,7 @@ class AnomalyMode:
 
     def _recurs_densely(self, steps: list[int]) -> bool:
         """Whether the newest of ``steps`` came within :data:`MAX_SEARCH_STEPS` of the
-        non-finite step before it, after a search missed (and while one may be armed)."""
+        non-finite step before it, after a search missed, with no search armed or running."""
         if (not self._missed or self._aims_left <= 0 or self.searching or self._armed
                 or self._weights_bad_at is not None or len(self._recent_bad) < 2):
             return False
