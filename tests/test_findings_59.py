@@ -36,14 +36,15 @@ from amp_doctor.steps.aggregates import LayerAggregates
 from amp_doctor.steps.table import StepTable
 from tests.helpers import console_script
 
-# A softmax written by hand, without the max subtracted: exp overflows float16 past 11.1.
-# The batch is large on the steps of BAD only (finite values, within float16's range).
+# Two branches with a softmax written by hand, without the max subtracted: exp overflows
+# float16 past 11.1. The batch's half for branch a is large (finite, within float16's
+# range) on the steps listed in argv[1], branch b's on those in argv[2].
 _SCRIPT = '''
 import sys
 import torch, torch.nn as nn, torch.nn.functional as F
 torch.manual_seed(0)
 torch.set_num_threads(1)
-BAD = {int(s) for s in sys.argv[1].split(",")}
+BAD_A, BAD_B = ({int(s) for s in arg.split(",") if s} for arg in sys.argv[1:3])
 class Attn(nn.Module):
     def __init__(self):
         super().__init__()
@@ -54,17 +55,19 @@ class Attn(nn.Module):
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.inp = nn.Linear(16, 16)
-        self.attn = Attn()
+        self.a = Attn()
+        self.b = Attn()
         self.out = nn.Linear(16, 4)
     def forward(self, x):
-        return self.out(self.attn(self.inp(x)))
+        return self.out(self.a(x[:, :16]) + self.b(x[:, 16:]))
 model = Net()
 opt = torch.optim.SGD(model.parameters(), lr=1e-2)
 scaler = torch.amp.GradScaler("cpu")
 g = torch.Generator().manual_seed(1)
-for step in range(int(sys.argv[2])):
-    x = torch.randn(32, 16, generator=g) * (400.0 if step in BAD else 1.0)
+for step in range(int(sys.argv[3])):
+    x = torch.randn(32, 32, generator=g)
+    x[:, :16] *= 400.0 if step in BAD_A else 1.0
+    x[:, 16:] *= 400.0 if step in BAD_B else 1.0
     y = torch.randint(0, 4, (32,), generator=g)
     with torch.autocast("cpu", dtype=torch.float16):
         loss = F.cross_entropy(model(x).float(), y)
@@ -76,14 +79,16 @@ for step in range(int(sys.argv[2])):
 '''
 
 
-def _run(tmp_path: Path, bad: str, steps: int) -> tuple[str, str, dict[str, Any]]:
+def _run(tmp_path: Path, bad_a: str, bad_b: str, steps: int, *flags: str
+         ) -> tuple[str, str, dict[str, Any]]:
+    """The script run plainly, then through the CLI with ``flags``; and its JSON report."""
     (tmp_path / "softmax.py").write_text(_SCRIPT)
-    args = ["softmax.py", bad, str(steps)]
+    args = ["softmax.py", bad_a, bad_b, str(steps)]
     plain = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True,
                            text=True, timeout=300)
     assert plain.returncode == 0, plain.stderr
     out = tmp_path / "out"
-    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", "--anomaly",
+    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", *flags,
                         "--logdir", str(out), *args], cwd=tmp_path, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -93,14 +98,14 @@ def _run(tmp_path: Path, bad: str, steps: int) -> tuple[str, str, dict[str, Any]
 
 def test_a_nan_back_on_close_steps_after_a_search_that_found_nothing_is_searched_at_once(
         tmp_path: Path) -> None:
-    plain, watched, report = _run(tmp_path, "5,13,14,17,20", 24)
+    plain, watched, report = _run(tmp_path, "5,13,14,17,20", "", 24, "--anomaly")
     assert watched == plain  # the script's numerics, bit for bit
     losses = [line.split()[2] for line in plain.splitlines()]
     assert [i for i, v in enumerate(losses) if v == "nan"] == [5, 13, 14, 17, 20]
     (op,) = [f for f in report["findings"] if f["kind"] == "nonfinite_forward"]
     # Step 5's search (6-8) saw finite steps only; 14 came a step after 13: searched at
     # once (15-17), where the cool-down would have waited until step 25.
-    assert (op["module"], op["op"], op["step"]) == ("attn", "aten.exp", 17)
+    assert (op["module"], op["op"], op["step"]) == ("a", "aten.exp", 17)
     assert op["frame"].endswith("softmax.py:12 in forward"), op["frame"]
     assert op["severity"] == "error"
     assert not [f for f in report["findings"] if f["kind"] == "nonfinite_unlocated"]
@@ -149,65 +154,12 @@ def test_a_step_whose_output_held_a_nan_does_not_stand_for_the_layers_absmax() -
     assert only.absmax == 4.0 and only.headroom == math.log2(65504 / 4.0)
 
 
-# Two branches with a hand-written softmax each; the batch's half for branch a is large on
-# the steps of BAD_A, the other's on those of BAD_B.
-_TWO_SITES = '''
-import sys
-import torch, torch.nn as nn, torch.nn.functional as F
-torch.manual_seed(0)
-torch.set_num_threads(1)
-BAD_A = {int(s) for s in sys.argv[1].split(",")}
-BAD_B = {int(s) for s in sys.argv[2].split(",")}
-class Attn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.score = nn.Linear(16, 16)
-    def forward(self, x):
-        w = torch.exp(self.score(x))  # no max subtracted
-        return w / w.sum(-1, keepdim=True)
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = Attn()
-        self.b = Attn()
-        self.out = nn.Linear(16, 4)
-    def forward(self, x):
-        return self.out(self.a(x[:, :16]) + self.b(x[:, 16:]))
-model = Net()
-opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-scaler = torch.amp.GradScaler("cpu")
-g = torch.Generator().manual_seed(1)
-for step in range(16):
-    x = torch.randn(32, 32, generator=g)
-    x[:, :16] *= 400.0 if step in BAD_A else 1.0
-    x[:, 16:] *= 400.0 if step in BAD_B else 1.0
-    y = torch.randint(0, 4, (32,), generator=g)
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = F.cross_entropy(model(x).float(), y)
-    opt.zero_grad()
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    print("step", step, repr(loss.item()), scaler.get_scale())
-'''
-
-
 def test_consecutive_backoffs_that_began_in_two_layers_are_each_their_own_layers(
         tmp_path: Path) -> None:
     # Backoffs at 8 (made in b) and 9 (made in a) are one GradScaler episode; a's finding
     # missed step 9, and b's claimed it, while the collapse counted it as a's.
-    (tmp_path / "two.py").write_text(_TWO_SITES)
-    args = ["two.py", "4,9", "8"]
-    plain = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr
-    out = tmp_path / "out"
-    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", "--every", "1",
-                        "--logdir", str(out), *args], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == plain.stdout
-    report = json.loads((out / "amp_doctor.json").read_text())
+    plain, watched, report = _run(tmp_path, "4,9", "8", 16, "--every", "1")
+    assert watched == plain
     assert report["scaler"]["backoff_steps"] == [4, 8, 9]
     backoffs = {f["module"]: f for f in report["findings"] if f["kind"] == "scaler_backoff"}
     assert sorted(backoffs) == ["a", "b"], list(backoffs)
