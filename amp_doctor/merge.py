@@ -146,7 +146,7 @@ def merge_sessions(sessions: dict[int, Session], world: int | None = None) -> Se
         steps=max(s.steps for s in sessions.values()),
         recorded_steps=max(s.recorded_steps for s in sessions.values()),
         layers=layers, scaler=first.scaler, history=first.history, events=events,
-        findings=findings, run=run,
+        findings=findings, run=run, heatmaps=first.heatmaps,
     )
 
 

@@ -32,6 +32,8 @@ __all__ = [
     "ScalerEvent",
     "ScalerReset",
     "ScalerTimeline",
+    "LayerHeatmaps",
+    "HEATMAP_FIGURES",
     "Event",
     "Finding",
     "AmpConfig",
@@ -259,6 +261,32 @@ class ScalerTimeline:
         return f"{self.name} (params of {self.stepping})" if self.stepping else self.name
 
 
+# The figures of a heatmap cell (:class:`LayerHeatmaps`), in their byte order: the output's
+# headroom (bits to the format's max) and underflow share, its gradient's (as scaled), and
+# the gradient's share of exact zeros (a gradient flushed whole shows as all underflow).
+HEATMAP_FIGURES = ("headroom", "underflow", "grad_headroom", "grad_underflow", "grad_zero")
+
+
+@dataclass(frozen=True)
+class LayerHeatmaps:
+    """Every layer's heatmap cells over the run (``steps.heatmaps``); the history keeps
+    only each step's worst layers, and a 500-layer model's heatmaps were grey holes.
+
+    Column ``c`` holds the worst of up to ``span`` consecutive recorded steps from
+    ``steps[c]`` on (least headroom, most underflow, any inf/NaN or overflow): at most
+    ``steps.heatmaps.HEATMAP_COLUMNS`` columns, halved as the run grows. ``cells`` is
+    base64 of ``len(layers) x len(steps) x (len(HEATMAP_FIGURES) + 1)`` bytes, row-major:
+    per figure a byte (255: no such tensor in those steps), headroom in quarter bits (254:
+    +inf, an all-zero tensor), shares in units of 1/250; then a flag byte (1: the output
+    held inf/NaN, 2: beyond the max; 4 and 8: the same for its gradient).
+    """
+
+    layers: list[str]
+    steps: list[int]
+    span: int
+    cells: str
+
+
 @dataclass(frozen=True)
 class Event:
     """Something observed at run time that analysis turns into a finding.
@@ -348,6 +376,8 @@ class Session:
     # Further enabled GradScalers of the watched models (a GAN with one per network):
     # ``scaler`` is the first seen, whose updates end the steps.
     other_scalers: list[ScalerTimeline] = field(default_factory=list)
+    # Every layer x recorded step, for the heatmaps (None: a report from before them).
+    heatmaps: LayerHeatmaps | None = None
 
     def to_json(self) -> str:
         # Compact separators: indentation was ~40% of the bytes of a large report.

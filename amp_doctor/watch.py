@@ -392,7 +392,7 @@ class Watch:
             )
             self._sub = subscribe(self._monitor)
             if self._opts.discover:
-                self._discovery = GlobalDiscovery(self._wants, self._found)
+                self._discovery = GlobalDiscovery(self._wants, self._found, owners=True)
                 self._discovery.start()
             if self._opts.anomaly:
                 from amp_doctor.anomaly.mode import AnomalyMode
@@ -715,7 +715,8 @@ class Watch:
                 and any(type(model) is type(m) for m in self._set.models.values()))
 
     def _found_replacement(self, module: nn.Module, name: str | None,
-                           args: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+                           args: tuple[Any, ...] | None, called: nn.Module | None = None
+                           ) -> tuple[Any, ...] | None:
         """Take ``module`` as the new object of the idle watched model of its architecture,
         if there is one; returns the inputs its call under way should take instead."""
         model = unwrap(module)
@@ -799,12 +800,18 @@ class Watch:
         # ("model.enc.fc2"). It is found if it ever runs a forward with grad.
         return torch.is_grad_enabled() or self.step_index == 0 or not probes.trained_any()
 
-    def _found(self, module: nn.Module, name: str | None,
-               args: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
-        """Watch a model the loop called; returns the inputs its call under way should
-        take instead (a forced ``fp32`` model's, cast up), or None."""
+    def _found(self, module: nn.Module, name: str | None, args: tuple[Any, ...] | None,
+               called: nn.Module | None = None) -> tuple[Any, ...] | None:
+        """Watch a model the loop called (``called``: the part of it the loop called);
+        returns the inputs the call under way should take instead (a forced ``fp32``
+        model's, cast up), or None."""
         self.add_model(module, name)
-        return self._join_call(module, args)
+        if called is None:
+            return self._join_call(module, args)
+        if args is None or self._probes is None:
+            return None
+        self._probes.join_part_call(called, args)
+        return self._fp32.enter_call(called, args) if self._fp32 is not None else None
 
     def _join_call(self, module: nn.Module, args: tuple[Any, ...] | None
                    ) -> tuple[Any, ...] | None:
@@ -1311,6 +1318,7 @@ class Watch:
             layers=layers, scaler=timeline, history=history,
             events=events, findings=[], run=run,
             other_scalers=mon.other_timelines() if mon is not None else [],
+            heatmaps=self._folder.aggregates.heatmaps(),
         )
         return Session(**{**draft.__dict__, "findings": analyze(draft)})
 

@@ -375,6 +375,10 @@ def test_markdown_keeps_code_spans_as_written_and_lists_render() -> None:
 def test_a_heatmaps_grey_cells_say_when_the_history_left_layers_out() -> None:
     # Review 56d: on a 100-layer model more than half of the heatmap was grey, "not
     # recorded", in a run that recorded every step: the history keeps each step's 32 worst.
+    # Since session 60 every layer's cells are kept (Session.heatmaps): no grey cell at all;
+    # a report from before them still says why its cells are grey.
+    import dataclasses
+
     from amp_doctor.dtypes import limits
     from amp_doctor.sinks.tb_session import MISSING_KEPT, heatmap_grids
     from amp_doctor.steps.history import HISTORY_LAYERS
@@ -393,7 +397,13 @@ def test_a_heatmaps_grey_cells_say_when_the_history_left_layers_out() -> None:
     s = doctor.session
     assert s is not None and all(rec.dropped_layers > 0 for rec in s.history)
     grids = heatmap_grids(s, limits(torch.float16))
-    assert grids and all(g.missing == MISSING_KEPT for g in grids.values())
+    assert len(grids) == 4 and all(g.missing == "not recorded" for g in grids.values())
+    for g in grids.values():
+        assert len(g.names) == HISTORY_LAYERS + 8 and g.steps == [0, 1]
+        assert all(v is not None for row in g.values for v in row), g.figure
+    old = heatmap_grids(dataclasses.replace(s, heatmaps=None), limits(torch.float16))
+    assert old and all(g.missing == MISSING_KEPT for g in old.values())
+    assert any(v is None for row in old["heatmap/headroom"].values for v in row)
     small = _count_div_run(steps=2)[0]
     kept_all = heatmap_grids(small, limits(torch.float16))
     assert kept_all and all(g.missing == "not recorded" for g in kept_all.values())

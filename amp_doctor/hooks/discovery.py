@@ -26,7 +26,7 @@ from amp_doctor.hooks.probes import run_eagerly_when_called_by_dynamo
 
 __all__ = ["Models", "ModelSet", "GlobalDiscovery", "as_models", "unwrap",
            "compile_wrappers", "compiled_by_method", "variable_name", "is_parametrization",
-           "same_architecture"]
+           "same_architecture", "owning_model"]
 
 Models = nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module]
 # Wrappers whose inner module is the user's model.
@@ -152,6 +152,36 @@ def slice_source(module: nn.Module) -> tuple[nn.Module, str] | None:
                     return sub, path or type(sub).__name__
                 return sub, f"{name}.{path}" if path else name
     return None
+
+
+def owning_model(module: nn.Module, wanted: Callable[[nn.Module], bool]
+                 ) -> tuple[nn.Module, str | None] | None:
+    """The model ``module`` is part of, and its name, when the loop calls the part itself:
+    ``model.actor(obs)`` runs ``self.pi(self.trunk(obs))``, and the model's own forward
+    never runs (review 60a: its layers were named ``Linear1``, ``Sequential.0``, which
+    match nothing in the user's code). The user's frames are searched (``self`` too) for
+    a module that is ``wanted`` and holds ``module``; the outermost one is the model. A
+    ``ModuleDict`` or ``ModuleList`` (no forward: its members are the models) is not one."""
+    best: tuple[int, nn.Module] | None = None
+    seen: set[int] = set()
+    for _, value in _user_locals():
+        if (not isinstance(value, nn.Module) or value is module or id(value) in seen
+                or isinstance(value, _CONTAINERS)):
+            continue
+        seen.add(id(value))
+        n = 0
+        holds = False
+        for sub in value.modules():
+            n += 1
+            if sub is module:
+                holds = True
+            if n >= SLICE_SEARCH_MODULES:
+                break
+        if holds and (best is None or n > best[0]) and wanted(value):
+            best = (n, value)
+    if best is None:
+        return None
+    return best[1], variable_name(best[1])
 
 
 def _key_in(holder: Any, module: nn.Module) -> str | None:
@@ -294,16 +324,21 @@ class GlobalDiscovery:
     """Finds the models a loop calls, for a watch started without them.
 
     ``wanted(module)`` says whether a module is a new root model (not watched,
-    with parameters); ``found(module, name, args)`` adds it, ``args`` being the
-    call's inputs when the call is already under way (None: before the call), and
-    returns the inputs that call should take instead, or None.
+    with parameters); ``found(model, name, args, called)`` adds it, ``args`` being the
+    call's inputs when the call is already under way (None: before the call) and
+    ``called`` the part of the model being called (None: the model itself, see
+    :func:`owning_model`), and returns the inputs that call should take instead, or None.
     """
 
     def __init__(self, wanted: Callable[[nn.Module], bool],
-                 found: Callable[[nn.Module, str | None, tuple[Any, ...] | None],
-                                 tuple[Any, ...] | None]) -> None:
+                 found: Callable[[nn.Module, str | None, tuple[Any, ...] | None,
+                                  nn.Module | None], tuple[Any, ...] | None],
+                 owners: bool = False) -> None:
+        """``owners``: a module called by the loop may be part of a model it holds (see
+        :func:`owning_model`); otherwise each module called is a model of its own."""
         self._wanted = wanted
         self._found = found
+        self._owners = owners
         self._handles: list[Any] = []
         self._depth = 0
         self._unpatch: Callable[[], None] | None = None
@@ -354,11 +389,14 @@ class GlobalDiscovery:
                 # A slice's layers are its source's: watch the source once (its layers'
                 # own hooks then see every slice's call), not each new slice.
                 if self._wanted(source[0]):
-                    self._found(source[0], source[1], args)
+                    self._found(source[0], source[1], args, None)
                 return None
         # This call's own pre-hooks were collected before we added ours: pass its inputs
         # (a global pre-hook's return value replaces them).
-        return self._found(module, variable_name(module), args)
+        owner = owning_model(module, self._wanted) if self._owners else None
+        if owner is not None:
+            return self._found(owner[0], owner[1], args, module)
+        return self._found(module, variable_name(module), args, None)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if capturing():
@@ -390,7 +428,7 @@ class GlobalDiscovery:
             try:
                 if disc._depth == 0 and not disc._stopped and disc._wanted(module):
                     # Hooked before the call: its root hooks see this very call.
-                    disc._found(module, variable_name(module), None)
+                    disc._found(module, variable_name(module), None, None)
                 return orig(module, *args, **kwargs)
             finally:
                 if not disc._stopped and disc._unpatch is not None:

@@ -434,7 +434,7 @@ class _ApiHub:
         @functools.wraps(orig)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             with hub.outermost("backward") as outer:
-                if not outer:
+                if not outer or _in_functorch_transform():
                     return orig(tensors, *args, **kwargs)
                 flows = hub._total_flows
                 hub.emit("on_backward", tensors)
@@ -457,7 +457,7 @@ class _ApiHub:
         @functools.wraps(orig)
         def grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
             with hub.outermost("backward") as outer:
-                if not outer:
+                if not outer or _in_functorch_transform():
                     return orig(outputs, *args, **kwargs)
                 with hub._backward_pass(outputs) as scaled:
                     result = orig(outputs, *args, **kwargs)
@@ -468,6 +468,15 @@ class _ApiHub:
                 return result
 
         return grad
+
+
+def _in_functorch_transform() -> bool:
+    """Inside ``torch.func.grad``/``vmap``/``jvp`` (which take gradients through
+    ``torch.autograd.grad``): its losses and gradients are the transform's wrapped
+    tensors, which must not escape it (review 60a: a flag kept from a vmapped loss raised
+    at the step's end, and lost the step), and its backward is not the training step's."""
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return level is not None and level() is not None
 
 
 def _warn_past_wrappers(orig: Callable[..., Any]) -> Callable[..., Any]:

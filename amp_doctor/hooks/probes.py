@@ -702,6 +702,14 @@ class Probes:
             calls.stack.append(name)
             self._roots_called.add(id(model))
 
+    def join_part_call(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """``module``, part of a model discovery watched during this very call of it (the
+        loop calls the part itself), missed its pre-hook: run it as it would have run.
+        Only when the part's post-hook is registered, which closes the call at its end."""
+        mid = id(module)
+        if mid in self._sub_handles or mid in self._entries:
+            self._pre(module, args, {})
+
     def root_id(self, module: nn.Module) -> int:
         """The ``id()`` of the watched model ``module`` belongs to (itself for a root)."""
         return self._root_of(id(module))

@@ -40,14 +40,15 @@ SEARCH_BACKWARDS = 3
 # one is a loop's last optimizer step with nothing of the model in it.
 STOPPED_MIN_STEPS = 2
 
-Found = Callable[[nn.Module, str | None, tuple[Any, ...] | None], tuple[Any, ...] | None]
+Found = Callable[[nn.Module, str | None, tuple[Any, ...] | None, nn.Module | None],
+                 tuple[Any, ...] | None]
 
 
 class ReplacementSearch:
     """Counts untrained steps and, after one, looks for the model's new object.
 
     ``wanted(module)``: a module the loop called may be a watched model's new object
-    (cheap: the class). ``found(module, name, args)``: the watch takes it or not, as
+    (cheap: the class). ``found(module, name, args, None)``: the watch takes it or not, as
     :class:`~amp_doctor.hooks.discovery.GlobalDiscovery` calls it.
     """
 

@@ -9,17 +9,33 @@ numbers only); :mod:`amp_doctor.sinks.tensorboard` writes it.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from typing import Any
 
+import numpy as np
 import torch
 
 from amp_doctor import format as F
 from amp_doctor.analysis.thresholds import ALL_ZERO_SHOWN
 from amp_doctor.dtypes import FormatLimits, limits
-from amp_doctor.records import ScalerEvent, ScalerTimeline, Session, TensorStats
+from amp_doctor.records import (
+    HEATMAP_FIGURES,
+    LayerHeatmaps,
+    ScalerEvent,
+    ScalerTimeline,
+    Session,
+    TensorStats,
+)
 from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
+from amp_doctor.steps.heatmaps import (
+    ACT_NONFINITE,
+    ACT_OVERFLOW,
+    GRAD_NONFINITE,
+    GRAD_OVERFLOW,
+    decode_cells,
+)
 from amp_doctor.steps.history import HISTORY_LAYERS
 
 __all__ = ["CULPRIT_GROUPS", "CULPRIT_HEADROOM_TITLE", "CULPRIT_GRAD_HEADROOM_TITLE",
@@ -305,8 +321,12 @@ MISSING_KEPT = f"not recorded, or not among the step's {HISTORY_LAYERS} worst la
 
 
 def heatmap_grids(session: Session, fmt: FormatLimits) -> dict[str, HeatmapGrid]:
-    """What each heatmap shows, keyed by tag (empty when nothing was recorded)."""
+    """What each heatmap shows, keyed by tag (empty when nothing was recorded): from
+    every layer's cells (``Session.heatmaps``), or from the history in a report made
+    before them (each step's worst layers only)."""
     names = heatmap_layers(session)
+    if session.heatmaps is not None:
+        return _grids_of_cells(session, session.heatmaps, names, fmt)
     recs = session.history
     if not names or not recs:
         return {}
@@ -356,6 +376,52 @@ def heatmap_grids(session: Session, fmt: FormatLimits) -> dict[str, HeatmapGrid]
     return out
 
 
+# Per heatmap (tag order of _HEATMAPS): its figure's index in HEATMAP_FIGURES, and the
+# flag bits of inf/NaN and of overflow in its tensor.
+_CELL_SOURCES = ((0, ACT_NONFINITE, ACT_OVERFLOW), (1, ACT_NONFINITE, ACT_OVERFLOW),
+                 (2, GRAD_NONFINITE, GRAD_OVERFLOW), (3, GRAD_NONFINITE, GRAD_OVERFLOW))
+_GRAD_ZERO = HEATMAP_FIGURES.index("grad_zero")
+
+
+def _grids_of_cells(session: Session, h: LayerHeatmaps, names: list[str],
+                    fmt: FormatLimits) -> dict[str, HeatmapGrid]:
+    """The heatmaps' grids from every layer's cells (see :class:`LayerHeatmaps`)."""
+    if not names or not h.steps:
+        return {}
+    vals, flags = decode_cells(h)
+    row_in = {n: i for i, n in enumerate(h.layers)}
+    at = [row_in.get(n, -1) for n in names]
+    row_of = {n: r for r, n in enumerate(names)}
+    culprits = culprit_layers(session)
+    origin_rows = {row_of[n]: op for n, op in culprits.items() if n in row_of}
+    # A column holds the steps from its own first one to the next column's.
+    cells = {(row_of[n], bisect.bisect_right(h.steps, st) - 1)
+             for n, st in origin_cells(session) if n in row_of and st >= h.steps[0]}
+    cols = len(h.steps)
+    none_row: list[float | None] = [None] * cols
+    no_flags = [False] * cols
+    out: dict[str, HeatmapGrid] = {}
+    for (tag, _, figure, title), (k, bad_bit, over_bit) in zip(_HEATMAPS, _CELL_SOURCES,
+                                                               strict=True):
+        v = vals[:, :, k]
+        if tag == "heatmap/grad_underflow":
+            # Flushed all the way (the table's "100% zero"): every value lost.
+            v = np.where(vals[:, :, _GRAD_ZERO] >= ALL_ZERO_SHOWN, 1.0, v)
+        # An all-zero output has +inf headroom: as safe as it gets.
+        v = np.where(v == math.inf, HEATMAP_MAX_BITS, v)
+        shown = [[None if x != x else x for x in row] for row in v.tolist()]
+        bad = ((flags & bad_bit) > 0).tolist()
+        over = ((flags & over_bit) > 0).tolist()
+        out[tag] = HeatmapGrid(
+            names=names, steps=list(h.steps),
+            values=[shown[i] if i >= 0 else list(none_row) for i in at],
+            nonfinite=[bad[i] if i >= 0 else list(no_flags) for i in at],
+            overflow=[over[i] if i >= 0 else list(no_flags) for i in at],
+            figure=figure, title=title.format(name=fmt.name),
+            origin_rows=origin_rows, origin_cells=cells, missing="not recorded")
+    return out
+
+
 def heatmap_images(session: Session, fmt: FormatLimits) -> dict[str, torch.Tensor]:
     """Labelled layer x step pictures as uint8 ``[H, W, 3]`` (HWC) images, keyed by tag.
 
@@ -367,9 +433,22 @@ def heatmap_images(session: Session, fmt: FormatLimits) -> dict[str, torch.Tenso
 def heatmap_legend(session: Session, fmt: FormatLimits) -> str:
     """Markdown key for the heatmaps (the images carry their own key; this adds the list)."""
     names = heatmap_layers(session)
-    steps = [rec.step for rec in session.history]
+    h = session.heatmaps
+    steps = h.steps if h is not None else [rec.step for rec in session.history]
     bits = min(HEATMAP_MAX_BITS, float(fmt.max_exponent - fmt.normal_exponent))
     culprits = culprit_layers(session)
+    grey = ("grey = not recorded (the layer did not run, or had no such tensor, in those "
+            "steps)." if h is not None else
+            f"grey = not recorded, or (more than {HISTORY_LAYERS} layers) not among the "
+            f"{HISTORY_LAYERS} worst layers of its step, which are all the history keeps of "
+            "a step (every layer is in the totals).")
+    if h is not None and h.span > 1:
+        columns = (f"Columns: {len(steps)}, each the worst of {h.span} consecutive recorded "
+                   f"steps (the last of up to {h.span}), from step {steps[0]} (left) on; "
+                   "a long run's columns are merged in pairs to keep the picture bounded.")
+    else:
+        columns = (f"Columns: {len(steps)} recorded steps"
+                   + (f", step {steps[0]} (left) to {steps[-1]} (right)." if steps else "."))
     lines = [
         f"**Heatmaps: layers (rows, model order: first to run at the top) x recorded "
         f"steps (columns), judged against {fmt.name}.**",
@@ -384,15 +463,12 @@ def heatmap_legend(session: Session, fmt: FormatLimits) -> str:
         "(the values a larger loss scale would lift); a gradient that was all exact zeros "
         f"(at least {ALL_ZERO_SHOWN:.0%}: flushed, the table's 'N% zero') is yellow too.",
         "* red = inf/NaN; magenta = values beyond the max (overflow, or "
-        "would-overflow for a float32 layer); grey = not recorded, or (more than "
-        f"{HISTORY_LAYERS} layers) not among the {HISTORY_LAYERS} worst layers of its step, "
-        "which are all the history keeps of a step (every layer is in the totals).",
+        "would-overflow for a float32 layer); " + grey,
         "* blue frame and highlighted name = where inf/NaN or overflow started (the "
         "origin); red rows without it only passed the values on.",
         "* containers whose output is their last child's are left out (same row).",
         "",
-        f"Columns: {len(steps)} recorded steps"
-        + (f", step {steps[0]} (left) to {steps[-1]} (right)." if steps else "."),
+        columns,
     ]
     if culprits:
         lines += ["", "Origin: " + ", ".join(

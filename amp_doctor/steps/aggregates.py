@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from amp_doctor.dtypes import LOW_PRECISION_NAMES
-from amp_doctor.records import LayerSummary
+from amp_doctor.records import LayerHeatmaps, LayerSummary
 from amp_doctor.steps.amaxes import AmaxTracks
+from amp_doctor.steps.heatmaps import HeatmapTrack
 from amp_doctor.steps.table import (
     ABSMAX,
     ACT,
@@ -101,6 +102,7 @@ class LayerAggregates:
         self._est = np.zeros((0, len(_ESTIMATED)))
         self._exact = np.zeros((0, len(_ESTIMATED)), dtype=np.int64)
         self._amaxes = AmaxTracks()
+        self._heatmaps = HeatmapTrack()
         self._step = -1
         self._origin_steps: dict[str, int] = {}
         self._cache: dict[str, LayerFigures] | None = None
@@ -160,6 +162,7 @@ class LayerAggregates:
         ext[:, _ESTIMATED] = np.where(est_rows, -math.inf, ext[:, _ESTIMATED])
         self._ext[idx] = np.maximum(self._ext[idx], ext)
         self._amaxes.add(idx, filled, self._step)
+        self._heatmaps.add(idx, filled, self._step)
         self._est[idx] = np.maximum(self._est[idx], est)
         self._exact[idx] += ~est_rows & (ext[:, _ESTIMATED] > _EXACT_ABOVE)
 
@@ -181,7 +184,12 @@ class LayerAggregates:
             self._exact = np.concatenate([self._exact, np.zeros((grow, len(_ESTIMATED)),
                                                                 dtype=np.int64)])
             self._amaxes.grow(self._sums.shape[0])
+            self._heatmaps.grow(self._sums.shape[0])
         return rows
+
+    def heatmaps(self) -> LayerHeatmaps | None:
+        """Every layer's heatmap cells (None: nothing recorded)."""
+        return self._heatmaps.export(self._slot)
 
     def figures(self, name: str) -> LayerFigures | None:
         """The layer's aggregates as :class:`LayerSummary` fields (None: never recorded)."""

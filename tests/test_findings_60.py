@@ -1,0 +1,264 @@
+"""Session 60: review 60a's torch.func and actor-critic scripts, and every layer's heatmaps.
+
+A DP-SGD-style loop took per-sample gradients with ``vmap(grad(...))``: the patched
+``torch.autograd.grad`` that ``torch.func.grad`` calls noted the vmapped loss, whose flag
+raised "tensor may have escaped from inside a function being vmapped" at the step's end
+(an internal error), which lost the step's record, and the run whose weights went NaN at
+step 0 had no error. An actor-critic loop called ``model.actor(obs)`` and
+``model.critic(obs)``, never ``model(...)``: the CLI found the parts as models of their
+own, named ``Linear1`` and ``Sequential.0``, and mixed their target pass under no_grad
+into their figures. And on a model with more than 32 layers the heatmaps were mostly grey
+(the history keeps each step's worst 32 layers): every layer's cells are kept now.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import amp_doctor
+from amp_doctor.dtypes import limits
+from amp_doctor.records import HEATMAP_FIGURES, Session
+from amp_doctor.sinks.heatmap import MISSING_RGB, fit_columns, geometry
+from amp_doctor.sinks.tb_session import heatmap_grids
+from amp_doctor.steps.heatmaps import HEATMAP_COLUMNS, HeatmapTrack, decode_cells
+from amp_doctor.steps.table import ACT, GRAD, HEAD, NONFINITE, NUMEL, OVER, TS_FIELDS, UNDER, ZERO
+from tests.helpers import console_script
+
+_FUNC_SCRIPT = '''
+import os, sys
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+torch.manual_seed(0)
+torch.set_num_threads(1)
+XS = float(sys.argv[1])
+model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def loss_one(params, x, y):
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = functional_call(model, params, (x.unsqueeze(0) * XS,))
+    return F.cross_entropy(out.float(), y.unsqueeze(0))
+for step in range(6):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(4, 8, generator=g)
+    y = torch.randint(0, 3, (4,), generator=g)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_sample = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)  # the loss logged
+    opt.zero_grad()
+    for k, p in model.named_parameters():
+        p.grad = per_sample[k].mean(0)  # DP-SGD would clip each sample's first
+    opt.step()
+print("finite", all(bool(torch.isfinite(p).all()) for p in model.parameters()))
+print("params", sum(float(p.detach().double().sum()) for p in model.parameters()))
+'''
+
+# The loop calls the model's parts by its methods; v_next is a target under no_grad.
+_AC_SCRIPT = '''
+import json, sys
+import torch, torch.nn as nn
+torch.manual_seed(0)
+torch.set_num_threads(1)
+class AC(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(6, 16), nn.Tanh())
+        self.pi = nn.Linear(16, 3)
+        self.v = nn.Linear(16, 1)
+    def actor(self, o):
+        return self.pi(self.trunk(o))
+    def critic(self, o):
+        return self.v(self.trunk(o)).squeeze(-1)
+model = AC()
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu")
+trained_v = 0.0  # the largest |output| of v in the training calls
+for step in range(4):
+    g = torch.Generator().manual_seed(step)
+    obs = torch.randn(8, 6, generator=g)
+    nxt = torch.randn(8, 6, generator=g) * 50  # the target pass sees larger values
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = model.actor(obs)
+        v = model.critic(obs)
+        trained_v = max(trained_v, float(v.detach().abs().max()))
+        with torch.no_grad():
+            v_next = model.critic(nxt)
+        loss = (v.float() - v_next.float()).pow(2).mean() + logits.float().pow(2).mean()
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+print(json.dumps({"trained_v": trained_v,
+                  "params": sum(float(p.double().sum()) for p in model.parameters())}))
+'''
+
+
+def _diagnose(tmp_path: Path, name: str, script: str, args: list[str], *flags: str
+              ) -> tuple[str, subprocess.CompletedProcess[str], dict[str, Any]]:
+    """The script run plainly, then through the CLI with ``flags``; and its JSON report."""
+    (tmp_path / name).write_text(script)
+    plain = subprocess.run([sys.executable, name, *args], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    out = tmp_path / ("out" + "".join(flags).replace("-", "_").replace(" ", ""))
+    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", *flags,
+                        "--logdir", str(out), name, *args], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    return plain.stdout, r, json.loads((out / "amp_doctor.json").read_text())
+
+
+def test_a_torch_func_transform_in_the_loop_loses_no_step_and_hides_no_nan(
+        tmp_path: Path) -> None:
+    # Healthy: every step recorded, the run's numbers as without amp-doctor.
+    plain, r, report = _diagnose(tmp_path, "dpsgd.py", _FUNC_SCRIPT, ["1"], "--every", "1")
+    assert "finite True" in plain and r.stdout.startswith(plain)
+    assert report["steps"] == 6 and report["recorded_steps"] == 6
+    assert not [f for f in report["findings"] if f["severity"] == "error"]
+    # x * 1e5 overflows float16 inside the vmapped forward: the per-sample gradients are
+    # NaN from step 0, and the update takes them.
+    plain, r, report = _diagnose(tmp_path, "dpsgd.py", _FUNC_SCRIPT, ["1e5"], "--every", "1")
+    assert "finite False" in plain and r.stdout.startswith(plain)
+    assert report["recorded_steps"] == 6
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert errors and errors[0]["kind"] == "nonfinite_grads_applied", errors
+    assert errors[0]["step"] == 0
+
+
+def test_a_model_the_loop_calls_by_its_parts_is_named_and_measured_as_its_own(
+        tmp_path: Path) -> None:
+    plain, r, report = _diagnose(tmp_path, "ac.py", _AC_SCRIPT, [], "--every", "1")
+    assert r.stdout.startswith(plain)
+    truth = json.loads(plain)
+    names = {lay["name"] for lay in report["layers"]}
+    assert {"trunk", "trunk.0", "trunk.1", "pi", "v"} <= names, names
+    assert not any(n.startswith(("Linear", "Sequential")) for n in names), names
+    # The training calls only: the target pass under no_grad (inputs 50x larger) is not
+    # a training forward.
+    v = next(lay for lay in report["layers"] if lay["name"] == "v")
+    assert v["recorded_steps"] == 4
+    assert math.isclose(v["absmax"], truth["trained_v"], rel_tol=0, abs_tol=0), (v, truth)
+
+
+# -- every layer's heatmap cells ------------------------------------------------------------
+
+_W = len(TS_FIELDS)
+
+
+def _table(rows: list[dict[str, float]]) -> np.ndarray:
+    """A step table's filled figures ``[n, slots * fields]``: NaN but what ``rows`` give
+    as ``"<act|grad>_<field>"``."""
+    out = np.full((len(rows), 5 * _W), math.nan)
+    cols = {"numel": NUMEL, "head": HEAD, "under": UNDER, "zero": ZERO, "nonfinite": NONFINITE,
+            "over": OVER, "absmax": 3}
+    for i, row in enumerate(rows):
+        for key, value in row.items():
+            slot, fld = key.split("_")
+            out[i, (ACT if slot == "act" else GRAD) * _W + cols[fld]] = value
+    return out
+
+
+def _cell(head: float, under: float, **more: float) -> dict[str, float]:
+    return {"act_numel": 10.0, "act_head": head, "act_under": under, "act_zero": 0.0,
+            "act_nonfinite": 0.0, "act_over": 0.0, "act_absmax": 1.0, **more}
+
+
+def test_heatmap_columns_keep_the_worst_of_their_steps_and_span_the_run() -> None:
+    track = HeatmapTrack(columns=4)
+    track.grow(2)
+    # Layer 0 every step; layer 1 only in steps 1 and 4. Six steps into four columns:
+    # halved after four, each column then the worst of two steps.
+    heads = [9.0, 3.0, 7.0, 5.0, 8.0, 6.0]
+    for step, h in enumerate(heads):
+        rows = [0, 1] if step in (1, 4) else [0]
+        cells = [_cell(h, step / 10)] + ([_cell(1.0 + step, 0.9, grad_numel=4.0,
+                                                grad_head=2.0, grad_under=0.0,
+                                                grad_zero=1.0, grad_nonfinite=0.0,
+                                                grad_over=0.0, grad_absmax=0.0)]
+                                         if len(rows) == 2 else [])
+        track.add(np.array(rows), _table(cells), step)
+    assert track.steps == [0, 2, 4] and track.span == 2
+    h = track.export({"a": 0, "b": 1})
+    assert h is not None and h.layers == ["a", "b"] and h.steps == [0, 2, 4] and h.span == 2
+    vals, flags = decode_cells(h)
+    head, under = HEATMAP_FIGURES.index("headroom"), HEATMAP_FIGURES.index("underflow")
+    assert vals[0, :, head].tolist() == [3.0, 5.0, 6.0]  # least of (9, 3), (7, 5), (8, 6)
+    assert vals[0, :, under].tolist() == [0.1, 0.3, 0.5]  # greatest, in 1/250 steps
+    # Layer 1: its one step in each of the first and last column; none in the middle.
+    assert vals[1, 0, head] == 2.0 and math.isnan(vals[1, 1, head]) and vals[1, 2, head] == 5.0
+    g_zero = HEATMAP_FIGURES.index("grad_zero")
+    assert vals[1, 0, g_zero] == 1.0 and math.isnan(vals[0, 0, g_zero])
+    assert not flags.any()
+
+
+def test_heatmap_cells_mark_nan_overflow_and_all_zero_tensors() -> None:
+    track = HeatmapTrack()
+    track.grow(3)
+    track.add(np.array([0, 1, 2]), _table([
+        _cell(math.nan, 0.0, act_nonfinite=0.5, act_absmax=math.nan),
+        _cell(-1.5, 0.0, act_over=0.25, act_absmax=9e4),
+        _cell(math.inf, 0.0, act_absmax=0.0),
+    ]), 0)
+    h = track.export({"nan": 0, "over": 1, "zero": 2})
+    assert h is not None
+    vals, flags = decode_cells(h)
+    assert flags[:, 0].tolist() == [1, 2, 0]
+    # No headroom left for the NaN and the overflowing output; +inf for the all-zero one.
+    assert vals[:, 0, 0].tolist() == [0.0, 0.0, math.inf]
+    s = Session.from_json(_session_with(h).to_json())
+    assert s.heatmaps == h
+
+
+def _session_with(h: Any) -> Session:
+    from amp_doctor.records import AmpConfig, RunInfo
+    return Session(version=amp_doctor.__version__,
+                   amp=AmpConfig(device_type="cpu", dtype="float16", scaler=False),
+                   steps=1, recorded_steps=1, layers=[], scaler=None, history=[], events=[],
+                   findings=[], run=RunInfo(torch_version=torch.__version__, started="",
+                                            duration_s=0.0, every=1, models=[]),
+                   heatmaps=h)
+
+
+def test_a_wide_models_heatmap_images_have_no_grey_cell(tmp_path: Path) -> None:
+    # 48 layers (the history keeps 32 a step), recorded every step for long enough that
+    # the columns are merged: the TensorBoard image, read back, has no "not recorded" cell.
+    from PIL import Image
+    from tensorboard.backend.event_processing import event_accumulator
+
+    model = nn.Sequential(*[m for _ in range(24) for m in (nn.Linear(8, 8), nn.Tanh())])
+    steps = HEATMAP_COLUMNS + 12
+    with amp_doctor.watch(model, every=1, logdir=str(tmp_path)) as doctor:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s is not None and s.heatmaps is not None and s.heatmaps.span == 2
+    assert len(s.heatmaps.steps) == (steps + 1) // 2 and len(s.heatmaps.layers) == 49
+    grid = heatmap_grids(s, limits(torch.float16))["heatmap/headroom"]
+    assert len(grid.names) == 48 and all(v is not None for row in grid.values for v in row)
+    acc = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    acc.Reload()
+    img = Image.open(io.BytesIO(acc.Images("heatmap/headroom")[-1].encoded_image_string))
+    geo = geometry(fit_columns(grid))
+    cols = len(fit_columns(grid).steps)
+    plot = img.convert("RGB").crop((geo.x0, geo.y0, geo.x0 + cols * geo.cw,
+                                    geo.y0 + len(grid.names) * geo.ch))
+    colours = {c for _, c in plot.getcolors(maxcolors=1 << 16)}
+    assert MISSING_RGB not in colours and len(colours) > 3
