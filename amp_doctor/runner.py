@@ -179,7 +179,11 @@ def user_traceback(exc: BaseException) -> str:
     package and runpy/importlib plumbing are dropped; chained exceptions and exception
     groups keep their usual layout. A ``SyntaxError`` from :func:`resolve` gets python's
     caret display with no "Traceback" header, exactly as ``python bad.py`` prints it.
+    With ``AMP_DOCTOR_DEBUG`` set, every frame is kept: that traceback is the one an
+    internal error asks to be reported with (review 60a: it showed no amp_doctor frame).
     """
+    if os.environ.get("AMP_DOCTOR_DEBUG"):
+        return "".join(traceback.format_exception(exc))
     summary = traceback.TracebackException.from_exception(exc)
     seen: set[int] = set()
     pending: list[tuple[traceback.TracebackException, BaseException]] = [(summary, exc)]

@@ -262,3 +262,68 @@ def test_a_wide_models_heatmap_images_have_no_grey_cell(tmp_path: Path) -> None:
                                     geo.y0 + len(grid.names) * geo.ch))
     colours = {c for _, c in plot.getcolors(maxcolors=1 << 16)}
     assert MISSING_RGB not in colours and len(colours) > 3
+
+
+# -- a float32 output that went inf: no what-if ------------------------------------------------
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ff = nn.Linear(16, 16)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ff(x) * self.gain  # float16 under autocast
+        return x + 0.5 * (y * y)  # the square overflows float16; x is float32: so is the sum
+
+
+class _LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.block = _Block()
+        self.head = nn.Linear(16, 20)
+        self.head_gain = 1.0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.emb(idx)) * self.head_gain)
+
+
+def test_a_float32_output_that_went_inf_first_is_an_origin_not_a_what_if() -> None:
+    # Review 60a: a block returning float32 (x + 0.5 * z, x float32) whose float16 square
+    # overflowed inside it was "stayed in float32; cast to float16 its output would
+    # overflow (0.011%)", an info, and its step's backoff was charged to the head. And the
+    # head's own overflow at another step, another cause with another fix, hid it in one
+    # group of the text report.
+    from amp_doctor.sinks.text import render_text
+
+    torch.manual_seed(0)
+    model = _LM()
+    with amp_doctor.watch(model, every=1, tensorboard=False) as doctor:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        for step in range(10):
+            model.block.gain = 1e4 if step == 3 else 1.0  # the square: up to ~1e8
+            model.head_gain = 1e5 if step == 6 else 1.0  # the head's matmul, from finite input
+            idx = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(idx).float().reshape(-1, 20),
+                                                   idx.reshape(-1))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = doctor.session
+    assert s is not None and s.scaler is not None
+    assert s.scaler.backoff_steps == [3, 6]
+    block = s.layer("block")
+    assert block.output_dtypes == ["float32"] and block.nonfinite_steps == 1
+    errors = {f.module: f for f in s.findings if f.severity == "error"}
+    assert set(errors) == {"block", "head"}, [(f.kind, f.module) for f in s.findings]
+    assert errors["block"].kind == "activation_overflow" and "float32" in errors["block"].message
+    assert "would overflow" not in errors["block"].message
+    assert "scale 256 -> 128" in errors["block"].message  # step 3's backoff is its
+    assert "scale 128 -> 64" in errors["head"].message
+    text = render_text(s)
+    assert "ERROR  activation_overflow  block" in text
+    assert "ERROR  activation_overflow  head" in text

@@ -43,12 +43,14 @@ ADVICE: dict[str, str] = {
         "with `dtype=torch.bfloat16`."
     ),
     "activation_overflow_output": (
-        "This layer returns the model's output: a prediction beyond float16's max means "
-        "targets that large (prices, counts, raw sensor units). Standardise the targets, "
-        "`y = (y - mean) / std`, and un-scale the predictions; that also keeps the loss "
-        "and its gradients, times the scale, within float16. Or keep this layer and the "
-        "loss in float32 (`with torch.autocast(device_type, enabled=False): out = "
-        "layer(x.float())`), or train with `dtype=torch.bfloat16`."
+        "This layer returns the model's output. A regression's prediction beyond float16's "
+        "max means targets that large (prices, counts, raw sensor units): standardise the "
+        "targets, `y = (y - mean) / std`, and un-scale the predictions; that also keeps the "
+        "loss and its gradients, times the scale, within float16. Logits that large (a "
+        "classifier's or a language model's head) mean the hidden states it takes grew: "
+        "normalise them before the head (a final LayerNorm) and look at what made them grow. "
+        "Or keep this layer and the loss in float32 (`with torch.autocast(device_type, "
+        "enabled=False): out = layer(x.float())`), or train with `dtype=torch.bfloat16`."
     ),
     "nonfinite_loss_finite_grads": (
         "Compute the loss's terms in float32: `term.float()` before the square, exp or sum "

@@ -529,6 +529,24 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             advice=ADVICE["activation_headroom"],
             data={"headroom": lay.headroom, "absmax": lay.absmax, "dtype": fmt},
         )
+    elif (not lay.ran_low_precision and lay.nonfinite_steps and lay.overflow_origin_steps
+          and session.amp.dtype):
+        # A float32 output that went inf/NaN first (review 60a: a block whose float16
+        # ``y * y`` overflowed inside it, returned as ``x + 0.5 * z`` in float32): real
+        # non-finite values, not what a cast to float16 would do to it.
+        yield Finding(
+            kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
+            message=(f"{F.layer(lay.name)} ({lay.type}) output went non-finite (inf/NaN) in "
+                     f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps (the first "
+                     f"of the watched layers in {lay.overflow_origin_steps}), "
+                     f"though it returns {'/'.join(lay.output_dtypes)}: an op in its own "
+                     f"forward code ran in {fmt} under autocast (its layers' outputs stayed "
+                     f"finite) and made inf/NaN, a product or a square past {fmt}'s max, "
+                     "an exp, a log(0) or a division by 0."),
+            advice=ADVICE["activation_overflow_own_code"],
+            data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt,
+                  "output_dtypes": list(lay.output_dtypes)},
+        )
     elif lay.what_if and fmt == "float16" and lay.overflow_frac > 0 and session.amp.dtype:
         # Itself, or inside a module --fp32 forced (a whole model: every layer).
         forced = any(lay.name == m or lay.name.startswith(m + ".")

@@ -143,10 +143,13 @@ def group_findings(findings: list[Finding],
     ``layers`` (the layer table's order), else in the analysis order.
     """
     groups: list[list[Finding]] = []
-    index: dict[tuple[str, str, str], int] = {}
+    index: dict[tuple[str, str, str, str], int] = {}
     for f in findings:
-        # Another GradScaler's findings are its own group: a group shows one message.
-        key = (f.kind, f.severity, str(f.data.get("scaler", "")))
+        # Another GradScaler's findings are its own group: a group shows one message. So
+        # are errors with another fix (review 60a: a head's overflow and a block's own
+        # float16 square, two causes, showed the head's fix alone).
+        key = (f.kind, f.severity, str(f.data.get("scaler", "")),
+               (f.advice or "") if f.severity == "error" else "")
         # A group lists layers and shows one message: a second finding on a layer already
         # in it (another op of the same module, at another step) would be hidden there.
         if f.module is None or key not in index or any(
