@@ -44,7 +44,7 @@ ADVICE: dict[str, str] = {
     ),
     "activation_overflow_output": (
         "This layer returns the model's output. A regression's prediction beyond float16's "
-        "max means targets that large (prices, counts, raw sensor units): standardise the "
+        "max means targets that large (prices, counts, raw sensor units). Standardise the "
         "targets, `y = (y - mean) / std`, and un-scale the predictions; that also keeps the "
         "loss and its gradients, times the scale, within float16. Logits that large (a "
         "classifier's or a language model's head) mean the hidden states it takes grew: "

@@ -422,6 +422,10 @@ def _zeros_made_by_a_consumer(session: Session, lay: LayerSummary,
         and (c.grad_underflow_frac or 0.0) <= GRAD_UNDERFLOW_WARN for c in took)
 
 
+# Anomaly mode's events that name the op inside a layer: its finding explains the layer.
+_OP_FOUND = ("nonfinite_forward", "nonfinite_backward", "nonfinite_discarded")
+
+
 def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
                     source: LayerSummary | None = None) -> Iterable[Finding]:
     if lay.recorded_steps == 0:
@@ -530,7 +534,8 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             data={"headroom": lay.headroom, "absmax": lay.absmax, "dtype": fmt},
         )
     elif (not lay.ran_low_precision and lay.nonfinite_steps and lay.overflow_origin_steps
-          and session.amp.dtype):
+          and lay.overflow_frac > 0 and session.amp.dtype and not any(
+              e.module == lay.name and e.kind in _OP_FOUND for e in session.events)):
         # A float32 output that went inf/NaN first (review 60a: a block whose float16
         # ``y * y`` overflowed inside it, returned as ``x + 0.5 * z`` in float32): real
         # non-finite values, not what a cast to float16 would do to it.
