@@ -396,6 +396,11 @@ class Probes:
         self._want_armed = False
         # Outermost watched forwards running, in every thread.
         self._inflight = 0
+        # Held while a root call reads _inflight and arms or disarms by it, and while it
+        # counts itself in or out: else a thread about to run inference read 0 while
+        # the training thread was between passes, and disarmed in the middle of the
+        # training forward that began meanwhile (its layers' calls went unrecorded).
+        self._arm_lock = threading.RLock()
         self._buffer = buffer_provider
         self._on_root_forward = on_root_forward
         self._on_root_output = on_root_output
@@ -752,8 +757,14 @@ class Probes:
             self.apply_armed()
 
     def apply_armed(self) -> None:
+        with self._arm_lock:
+            self._apply_armed()
+
+    def _apply_armed(self) -> None:
         want = self._want_armed and not self._calls.inference
-        if want == self.armed:
+        if want == self.armed or (not want and self._inflight > 0):
+            # (Not while another thread is inside a watched forward: it would lose its
+            # layers' post-hooks. A later root call applies it.)
             return
         if want:
             for mod in self._subs:
@@ -997,11 +1008,12 @@ class Probes:
             # without amp-doctor: a hook turns off TransformerEncoderLayer's fast path,
             # which changes its results (review 46a). Only when no other thread is inside
             # a watched forward, whose post-hooks removing them would lose.
-            calls.inference = (not calls.training and id(module) in self._roots
-                               and self._inflight == 0)
-            if (self._want_armed and not calls.inference) != self.armed:
-                self.apply_armed()
-            self._inflight += 1
+            with self._arm_lock:
+                calls.inference = (not calls.training and id(module) in self._roots
+                                   and self._inflight == 0)
+                if (self._want_armed and not calls.inference) != self.armed:
+                    self.apply_armed()
+                self._inflight += 1
         calls.depth += 1
         calls.stack.append(name)
         if calls.depth == 1:
@@ -1054,7 +1066,8 @@ class Probes:
         calls = self._calls
         calls.depth = max(0, calls.depth - 1)
         if calls.depth == 0:
-            self._inflight = max(0, self._inflight - 1)
+            with self._arm_lock:
+                self._inflight = max(0, self._inflight - 1)
             calls.inference = False
         if calls.stack:
             calls.stack.pop()
