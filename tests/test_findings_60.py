@@ -13,6 +13,7 @@ into their figures. And on a model with more than 32 layers the heatmaps were mo
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -28,8 +29,8 @@ from torch import nn
 import amp_doctor
 from amp_doctor.dtypes import limits
 from amp_doctor.records import HEATMAP_FIGURES, Session
-from amp_doctor.sinks.heatmap import MISSING_RGB, fit_columns, geometry
-from amp_doctor.sinks.tb_session import heatmap_grids
+from amp_doctor.sinks.heatmap import MISSING_RGB, fit_columns, geometry, merged_columns
+from amp_doctor.sinks.tb_session import heatmap_grids, heatmap_legend
 from amp_doctor.steps.heatmaps import HEATMAP_COLUMNS, HeatmapTrack, decode_cells
 from amp_doctor.steps.table import ACT, GRAD, HEAD, NONFINITE, NUMEL, OVER, TS_FIELDS, UNDER, ZERO
 from tests.helpers import console_script
@@ -151,6 +152,54 @@ def test_a_model_the_loop_calls_by_its_parts_is_named_and_measured_as_its_own(
     assert math.isclose(v["absmax"], truth["trained_v"], rel_tol=0, abs_tol=0), (v, truth)
 
 
+# A frozen backbone, part of the model, called under no_grad; its features overflow at 3.
+_FROZEN_SCRIPT = '''
+import torch, torch.nn as nn
+torch.manual_seed(0)
+torch.set_num_threads(1)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32))
+        self.head = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+model = Net()
+for p in model.backbone.parameters():
+    p.requires_grad_(False)
+with torch.no_grad():
+    model.backbone[2].weight.mul_(40.0)
+opt = torch.optim.SGD(model.head.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(6):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 8, generator=g) * (5000.0 if step == 3 else 1.0)  # finite in float16
+    y = torch.randint(0, 4, (8,), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        with torch.no_grad():
+            feats = model.backbone(x)
+        loss = nn.functional.cross_entropy(model.head(feats).float(), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+print("feats3 finite", bool(torch.isfinite(feats).all()))
+'''
+
+
+def test_a_frozen_part_the_loop_calls_under_no_grad_is_recorded_as_the_steps_work(
+        tmp_path: Path) -> None:
+    # Review 60b: with the model watched whole, its frozen backbone's no_grad call was
+    # neither recorded nor checked, and its float16 overflow at step 3 read "the batch
+    # given to head already held inf ... check the data pipeline".
+    plain, r, report = _diagnose(tmp_path, "frozen.py", _FROZEN_SCRIPT, [], "--every", "1")
+    assert r.stdout.startswith(plain)
+    layers = {lay["name"]: lay for lay in report["layers"]}
+    assert layers["backbone.2"]["recorded_steps"] == 6 and layers["backbone.2"]["calls"] == 6
+    assert layers["backbone.2"]["nonfinite_steps"] == 1
+    errors = [(f["kind"], f["module"]) for f in report["findings"] if f["severity"] == "error"]
+    assert errors == [("activation_overflow", "backbone.2")], errors
+    assert not [f for f in report["findings"] if f["kind"] == "nonfinite_input"]
+
+
 # -- every layer's heatmap cells ------------------------------------------------------------
 
 _W = len(TS_FIELDS)
@@ -262,6 +311,15 @@ def test_a_wide_models_heatmap_images_have_no_grey_cell(tmp_path: Path) -> None:
                                     geo.y0 + len(grid.names) * geo.ch))
     colours = {c for _, c in plot.getcolors(maxcolors=1 << 16)}
     assert MISSING_RGB not in colours and len(colours) > 3
+    # The legend counts the columns as drawn (review 60b: "160, each the worst of 2" beside
+    # a picture of 80 columns of 4).
+    drawn = fit_columns(grid)
+    span = 2 * merged_columns(grid)
+    assert (f"Columns: {len(drawn.steps)}, each the worst of {span} consecutive recorded "
+            "steps") in heatmap_legend(s, limits(torch.float16))
+    # Long names leave the steps fewer pixels: the picture merges its columns again.
+    named = dataclasses.replace(grid, names=[f"encoder.layers.{i}.mlp.fc" for i in range(48)])
+    assert merged_columns(named) > 1 and len(fit_columns(named).steps) < len(grid.steps)
 
 
 # -- a float32 output that went inf: no what-if ------------------------------------------------

@@ -594,8 +594,14 @@ def _num(x: object) -> str:
 
 
 def _where(e: Event) -> str:
-    return (f"in {F.layer(e.module)}" if e.module
-            else "outside the watched model (in the training loop)")
+    if e.module:
+        return f"in {F.layer(e.module)}"
+    # "file:line in func": code of a function, maybe a method of the model the loop calls
+    # (review 60b: ``exp`` in ``AC.actor`` was "in the training loop").
+    func = (e.frame or "").rsplit(" in ", 1)[-1] if e.frame and " in " in e.frame else ""
+    if func and func != "<module>":
+        return f"in {func} (code outside every watched layer's forward)"
+    return "outside the watched model (in the training loop)"
 
 
 def _op_steps(a: MessageArgs) -> str:

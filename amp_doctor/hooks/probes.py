@@ -303,6 +303,15 @@ def in_reentrant_checkpoint() -> bool:
     return False
 
 
+def _frozen_part_call(module: nn.Module) -> bool:
+    """A call of ``module`` under no_grad (not inference_mode) whose parameters, it has
+    some, take no gradient: a frozen part whose outputs feed the trained part."""
+    if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return False
+    params = list(module.parameters())
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
 def _first_tensors(obj: Any) -> list[torch.Tensor]:
     # Most modules take and return one plain tensor: skip the walker's generator.
     if type(obj) is torch.Tensor:
@@ -642,7 +651,8 @@ class Probes:
         if mid in self._entries:
             return True
         root = self._root_of(mid)
-        if (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
+        if ((not torch.is_grad_enabled() and not _frozen_part_call(module))
+                or torch._C._current_graph_task_id() != -1
                 or root in self._roots_trained or root in self._frozen
                 or mid not in self._sub_handles):
             # Inference; a checkpoint's recompute in backward; a model whose own forward
@@ -665,6 +675,12 @@ class Probes:
         root = self._root_of(id(module))
         if torch._C._current_graph_task_id() != -1:
             return False
+        if id(module) not in self._roots and _frozen_part_call(module):
+            # A frozen part of a watched model the loop calls itself (``feats =
+            # model.backbone(x)`` under no_grad, then ``model.head(feats)``): its outputs
+            # are the trained part's input, as a teacher's are (review 60b: a backbone's
+            # float16 overflow read as "the batch given to head already held inf").
+            return True
         if (self._trained_this_step.get(root) == threading.get_ident() and module.training
                 and not torch.is_inference_mode_enabled()):
             # The trained model itself, in train mode, called under no_grad between its

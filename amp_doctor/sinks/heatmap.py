@@ -33,6 +33,7 @@ __all__ = [
     "PlotGeometry",
     "geometry",
     "fit_columns",
+    "merged_columns",
     "plot_width",
     "render_heatmap",
     "step_ticks",
@@ -206,6 +207,12 @@ def geometry(grid: HeatmapGrid) -> PlotGeometry:
     return PlotGeometry(x0=_PAD + label_w, y0=_PAD + title_h, cw=cw, ch=ch, labels=labels)
 
 
+def merged_columns(grid: HeatmapGrid) -> int:
+    """How many of ``grid``'s neighbouring columns :func:`fit_columns` draws as one."""
+    cols = len(grid.steps)
+    return max(1, math.ceil(cols * _MIN_COL / plot_width(grid))) if cols else 1
+
+
 def fit_columns(grid: HeatmapGrid) -> HeatmapGrid:
     """Merge neighbouring steps until each column is at least ``_MIN_COL`` pixels wide.
 
@@ -214,7 +221,7 @@ def fit_columns(grid: HeatmapGrid) -> HeatmapGrid:
     step of the group.
     """
     cols = len(grid.steps)
-    k = math.ceil(cols * _MIN_COL / plot_width(grid)) if cols else 1
+    k = merged_columns(grid)
     if k <= 1:
         return grid
     worst = min if grid.figure == "headroom" else max

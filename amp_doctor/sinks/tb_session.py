@@ -28,7 +28,12 @@ from amp_doctor.records import (
     Session,
     TensorStats,
 )
-from amp_doctor.sinks.heatmap import HEATMAP_MAX_BITS, HeatmapGrid, render_heatmap
+from amp_doctor.sinks.heatmap import (
+    HEATMAP_MAX_BITS,
+    HeatmapGrid,
+    merged_columns,
+    render_heatmap,
+)
 from amp_doctor.steps.heatmaps import (
     ACT_NONFINITE,
     ACT_OVERFLOW,
@@ -442,10 +447,18 @@ def heatmap_legend(session: Session, fmt: FormatLimits) -> str:
             f"grey = not recorded, or (more than {HISTORY_LAYERS} layers) not among the "
             f"{HISTORY_LAYERS} worst layers of its step, which are all the history keeps of "
             "a step (every layer is in the totals).")
-    if h is not None and h.span > 1:
-        columns = (f"Columns: {len(steps)}, each the worst of {h.span} consecutive recorded "
-                   f"steps (the last of up to {h.span}), from step {steps[0]} (left) on; "
-                   "a long run's columns are merged in pairs to keep the picture bounded.")
+    # As drawn: a long run's columns are merged again to fit the picture (fit_columns).
+    grid = next(iter(heatmap_grids(session, fmt).values()), None)
+    k = merged_columns(grid) if grid is not None else 1
+    span = (h.span if h is not None else 1) * k
+    if span > 1:
+        drawn = -(-len(steps) // k)
+        columns = (f"Columns: {drawn}, each the worst of {span} consecutive "
+                   + ("recorded steps" if h is not None else "history rows (recorded steps "
+                      "kept)")
+                   + f" (the last of up to {span}), from step {steps[0]} (left) on: a long "
+                   "run's columns are merged to keep the picture bounded; the step under a "
+                   "column is its first.")
     else:
         columns = (f"Columns: {len(steps)} recorded steps"
                    + (f", step {steps[0]} (left) to {steps[-1]} (right)." if steps else "."))
