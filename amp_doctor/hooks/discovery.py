@@ -113,10 +113,22 @@ def _user_locals() -> Iterator[tuple[str, Any]]:
         if frame is None:
             return
         if not frame.f_code.co_filename.startswith(skip):
+            code = frame.f_code
+            first = code.co_varnames[0] if code.co_argcount else None
             for name, value in frame.f_locals.items():
-                if not name.startswith("_"):
+                if name == first and _method_of(value, code):
+                    yield "self", value  # however the method names it (``def forward(s, x)``)
+                elif not name.startswith("_"):
                     yield name, value
         frame = frame.f_back
+
+
+def _method_of(value: Any, code: Any) -> bool:
+    """``code`` is a method of ``value``'s class, of which ``value`` is the instance."""
+    if not isinstance(value, nn.Module):
+        return False
+    fn = getattr(type(value), code.co_name, None)
+    return getattr(fn, "__code__", None) is code
 
 
 def variable_name(module: nn.Module) -> str | None:
