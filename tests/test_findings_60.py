@@ -200,6 +200,47 @@ def test_a_frozen_part_the_loop_calls_under_no_grad_is_recorded_as_the_steps_wor
     assert not [f for f in report["findings"] if f["kind"] == "nonfinite_input"]
 
 
+# A DQN whose methods name their self ``s``; the target network is called by a method.
+_DQN_SCRIPT = '''
+import copy
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+torch.set_num_threads(1)
+class QNet(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.body = nn.Sequential(nn.Linear(6, 16), nn.ReLU())
+        s.q = nn.Linear(16, 3)
+    def forward(s, x):
+        return s.q(s.body(x))
+    def value(s, x):
+        return s.forward(x).max(-1).values
+qnet = QNet()
+target = copy.deepcopy(qnet)
+opt = torch.optim.Adam(qnet.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(3):
+    obs, nxt = torch.randn(8, 6), torch.randn(8, 6)
+    with torch.autocast("cpu", dtype=torch.float16):
+        q = qnet(obs).max(-1).values
+        with torch.no_grad():
+            tq = 0.99 * target.value(nxt)
+        loss = F.smooth_l1_loss(q.float(), tq.float())
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+'''
+
+
+def test_a_method_names_its_self_as_it_likes(tmp_path: Path) -> None:
+    # Review 60b: ``def forward(s, x)`` made the target network's layers ``s.q``.
+    _, _, report = _diagnose(tmp_path, "dqn.py", _DQN_SCRIPT, [], "--every", "1")
+    names = {lay["name"] for lay in report["layers"]}
+    assert {"target.q", "target.body.0", "qnet.q", "qnet.body.0"} <= names, names
+    assert not any(n.startswith("s.") for n in names), names
+
+
 # -- every layer's heatmap cells ------------------------------------------------------------
 
 _W = len(TS_FIELDS)
