@@ -533,7 +533,10 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             advice=ADVICE["activation_headroom"],
             data={"headroom": lay.headroom, "absmax": lay.absmax, "dtype": fmt},
         )
-    elif (not lay.ran_low_precision and lay.nonfinite_steps and lay.overflow_origin_steps
+    elif (not lay.ran_low_precision and lay.nonfinite_steps
+          # First to go non-finite in a step beyond those it held only -inf (a mask added
+          # to the logits: ``out.float() + mask``).
+          and lay.overflow_origin_steps > (lay.neg_inf_steps or 0)
           and lay.overflow_frac > 0 and session.amp.dtype and not any(
               e.module == lay.name and e.kind in _OP_FOUND for e in session.events)):
         # A float32 output that went inf/NaN first (review 60a: a block whose float16
