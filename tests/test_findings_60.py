@@ -31,7 +31,7 @@ from amp_doctor.dtypes import limits
 from amp_doctor.records import HEATMAP_FIGURES, Session
 from amp_doctor.sinks.heatmap import MISSING_RGB, fit_columns, geometry, merged_columns
 from amp_doctor.sinks.tb_session import heatmap_grids, heatmap_legend
-from amp_doctor.steps.heatmaps import HEATMAP_COLUMNS, HeatmapTrack, decode_cells
+from amp_doctor.steps.heatmaps import HeatmapTrack, decode_cells
 from amp_doctor.steps.table import ACT, GRAD, HEAD, NONFINITE, NUMEL, OVER, TS_FIELDS, UNDER, ZERO
 from tests.helpers import console_script
 
@@ -321,13 +321,13 @@ def _session_with(h: Any) -> Session:
 
 
 def test_a_wide_models_heatmap_images_have_no_grey_cell(tmp_path: Path) -> None:
-    # 48 layers (the history keeps 32 a step), recorded every step for long enough that
-    # the columns are merged: the TensorBoard image, read back, has no "not recorded" cell.
+    # 48 layers (the history keeps 32 a step), recorded every step: the TensorBoard image,
+    # read back, has no "not recorded" cell. (Merged columns: the test above.)
     from PIL import Image
     from tensorboard.backend.event_processing import event_accumulator
 
     model = nn.Sequential(*[m for _ in range(24) for m in (nn.Linear(8, 8), nn.Tanh())])
-    steps = HEATMAP_COLUMNS + 12
+    steps = 12
     with amp_doctor.watch(model, every=1, logdir=str(tmp_path)) as doctor:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = torch.amp.GradScaler("cpu")
@@ -339,8 +339,8 @@ def test_a_wide_models_heatmap_images_have_no_grey_cell(tmp_path: Path) -> None:
             scaler.step(opt)
             scaler.update()
     s = doctor.session
-    assert s is not None and s.heatmaps is not None and s.heatmaps.span == 2
-    assert len(s.heatmaps.steps) == (steps + 1) // 2 and len(s.heatmaps.layers) == 49
+    assert s is not None and s.heatmaps is not None and s.heatmaps.span == 1
+    assert s.heatmaps.steps == list(range(steps)) and len(s.heatmaps.layers) == 49
     grid = heatmap_grids(s, limits(torch.float16))["heatmap/headroom"]
     assert len(grid.names) == 48 and all(v is not None for row in grid.values for v in row)
     acc = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"images": 0})
@@ -354,13 +354,20 @@ def test_a_wide_models_heatmap_images_have_no_grey_cell(tmp_path: Path) -> None:
     assert MISSING_RGB not in colours and len(colours) > 3
     # The legend counts the columns as drawn (review 60b: "160, each the worst of 2" beside
     # a picture of 80 columns of 4).
-    drawn = fit_columns(grid)
-    span = 2 * merged_columns(grid)
-    assert (f"Columns: {len(drawn.steps)}, each the worst of {span} consecutive recorded "
-            "steps") in heatmap_legend(s, limits(torch.float16))
+    assert "Columns: 12 recorded steps, step 0 (left) to 11 (right)." in heatmap_legend(
+        s, limits(torch.float16))
+    long_run = dataclasses.replace(s, heatmaps=dataclasses.replace(s.heatmaps, span=4))
+    assert ("Columns: 12, each the worst of 4 consecutive recorded steps"
+            in heatmap_legend(long_run, limits(torch.float16)))
     # Long names leave the steps fewer pixels: the picture merges its columns again.
-    named = dataclasses.replace(grid, names=[f"encoder.layers.{i}.mlp.fc" for i in range(48)])
-    assert merged_columns(named) > 1 and len(fit_columns(named).steps) < len(grid.steps)
+    cols = 300
+    named = dataclasses.replace(
+        grid, names=[f"encoder.layers.{i}.mlp.fc" for i in range(48)], steps=list(range(cols)),
+        values=[[1.0] * cols for _ in range(48)], nonfinite=[[False] * cols] * 48,
+        overflow=[[False] * cols] * 48)
+    k = merged_columns(named)
+    assert k > merged_columns(dataclasses.replace(named, names=grid.names)) >= 1
+    assert len(fit_columns(named).steps) == -(-cols // k)
 
 
 # -- a float32 output that went inf: no what-if ------------------------------------------------
