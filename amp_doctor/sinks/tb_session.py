@@ -10,6 +10,7 @@ numbers only); :mod:`amp_doctor.sinks.tensorboard` writes it.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import re
 from typing import Any
@@ -26,7 +27,6 @@ from amp_doctor.records import (
     ScalerEvent,
     ScalerTimeline,
     Session,
-    TensorStats,
 )
 from amp_doctor.sinks.heatmap import (
     HEATMAP_MAX_BITS,
@@ -39,9 +39,11 @@ from amp_doctor.steps.heatmaps import (
     ACT_OVERFLOW,
     GRAD_NONFINITE,
     GRAD_OVERFLOW,
+    HeatmapTrack,
     decode_cells,
 )
 from amp_doctor.steps.history import HISTORY_LAYERS
+from amp_doctor.steps.table import StepTable
 
 __all__ = ["CULPRIT_GROUPS", "CULPRIT_HEADROOM_TITLE", "CULPRIT_GRAD_HEADROOM_TITLE",
            "CULPRITS_GROUP", "LAYOUT", "LOSS_TAG", "LOSS_TITLE", "culprit_headroom",
@@ -328,57 +330,30 @@ MISSING_KEPT = f"not recorded, or not among the step's {HISTORY_LAYERS} worst la
 def heatmap_grids(session: Session, fmt: FormatLimits) -> dict[str, HeatmapGrid]:
     """What each heatmap shows, keyed by tag (empty when nothing was recorded): from
     every layer's cells (``Session.heatmaps``), or from the history in a report made
-    before them (each step's worst layers only)."""
+    before them (each step's worst layers only, folded into cells the same way)."""
     names = heatmap_layers(session)
-    if session.heatmaps is not None:
-        return _grids_of_cells(session, session.heatmaps, names, fmt)
-    recs = session.history
-    if not names or not recs:
+    h = session.heatmaps if session.heatmaps is not None else _cells_of_history(session)
+    if h is None:
         return {}
-    row_of = {n: r for r, n in enumerate(names)}
-    col_of = {rec.step: c for c, rec in enumerate(recs)}
-    culprits = culprit_layers(session)
-    origin_rows = {row_of[n]: op for n, op in culprits.items() if n in row_of}
-    cells = {(row_of[n], col_of[st]) for n, st in origin_cells(session)
-             if n in row_of and st in col_of}
-    out: dict[str, HeatmapGrid] = {}
-    for tag, fld, figure, title in _HEATMAPS:
-        values: list[list[float | None]] = []
-        nonfinite: list[list[bool]] = []
-        overflow: list[list[bool]] = []
-        for name in names:
-            vr: list[float | None] = []
-            nr: list[bool] = []
-            orow: list[bool] = []
-            for rec in recs:
-                ls = rec.layers.get(name)
-                ts: TensorStats | None = getattr(ls, fld) if ls is not None else None
-                if ts is None or not ts.numel:
-                    vr.append(None)
-                    nr.append(False)
-                    orow.append(False)
-                    continue
-                v = ts.headroom if figure == "headroom" else ts.underflow_frac
-                if fld == "grad" and figure == "underflow" and ts.zero_frac >= ALL_ZERO_SHOWN:
-                    # Flushed all the way (the table's "100% zero"): every value lost,
-                    # where the share of non-zero values below the normal range reads 0.
-                    v = 1.0
-                # An all-zero output has +inf headroom: as safe as it gets.
-                vr.append(HEATMAP_MAX_BITS if v == math.inf else
-                          (v if math.isfinite(v) else 0.0))
-                nr.append(ts.nonfinite_frac > 0 or not math.isfinite(ts.absmax))
-                orow.append(ts.overflow_frac > 0)
-            values.append(vr)
-            nonfinite.append(nr)
-            overflow.append(orow)
-        out[tag] = HeatmapGrid(
-            names=names, steps=[rec.step for rec in recs], values=values,
-            nonfinite=nonfinite, overflow=overflow, figure=figure,
-            title=title.format(name=fmt.name),
-            origin_rows=origin_rows, origin_cells=cells,
-            missing=MISSING_KEPT if any(rec.dropped_layers for rec in recs) else
-            "not recorded")
-    return out
+    grids = _grids_of_cells(session, h, names, fmt)
+    if session.heatmaps is None and any(rec.dropped_layers for rec in session.history):
+        grids = {tag: dataclasses.replace(g, missing=MISSING_KEPT) for tag, g in grids.items()}
+    return grids
+
+
+def _cells_of_history(session: Session) -> LayerHeatmaps | None:
+    """The history's rows as heatmap cells, one column a row (no merging)."""
+    recs = session.history
+    track = HeatmapTrack(columns=max(2, len(recs) + len(recs) % 2))
+    rows: dict[str, int] = {}
+    for rec in recs:
+        table = StepTable.from_layers(rec.layers)
+        if not len(table):
+            continue
+        idx = np.array([rows.setdefault(n, len(rows)) for n in table.names])
+        track.grow(len(rows))
+        track.add(idx, table.filled().view(len(table), -1).numpy(), rec.step)
+    return track.export(rows)
 
 
 # Per heatmap (tag order of _HEATMAPS): its figure's index in HEATMAP_FIGURES, and the
@@ -399,9 +374,12 @@ def _grids_of_cells(session: Session, h: LayerHeatmaps, names: list[str],
     row_of = {n: r for r, n in enumerate(names)}
     culprits = culprit_layers(session)
     origin_rows = {row_of[n]: op for n, op in culprits.items() if n in row_of}
-    # A column holds the steps from its own first one to the next column's.
-    cells = {(row_of[n], bisect.bisect_right(h.steps, st) - 1)
-             for n, st in origin_cells(session) if n in row_of and st >= h.steps[0]}
+    # A column holds the steps from its own first one to the next column's (one step, in
+    # a column of one: the history's rows skip steps).
+    at_col = {(n, st): bisect.bisect_right(h.steps, st) - 1
+              for n, st in origin_cells(session) if n in row_of and st >= h.steps[0]}
+    cells = {(row_of[n], c) for (n, st), c in at_col.items()
+             if h.span > 1 or h.steps[c] == st}
     cols = len(h.steps)
     none_row: list[float | None] = [None] * cols
     no_flags = [False] * cols
