@@ -377,6 +377,7 @@ class Watch:
                 callbacks=LoopCallbacks(
                     boundary=self._auto_boundary, param_grads=self._on_param_grads,
                     unscaled=self._on_unscaled,
+                    step_after_unscale=self._on_step_after_unscale,
                     skip=self._on_skip, scale=self._on_scale, backward=self._on_backward,
                     backward_done=self._on_backward_done,
                     optimizer_done=self._on_optimizer_done,
@@ -949,6 +950,14 @@ class Watch:
         if self._anomaly is not None and not in_closure_step():
             self._anomaly.note_found_inf(found)
 
+    def _on_step_after_unscale(self, params: list[torch.Tensor],
+                               found: list[torch.Tensor]) -> None:
+        buf = self._buffer
+        if buf is None or self._probes is None:
+            return  # an unrecorded step: what NaN weights make next is seen later
+        with own_ops:
+            self._probes.check_grads_after_unscale(params, found, buf)
+
     def _on_skip(self, params: list[torch.Tensor]) -> None:
         """A GradScaler skipped a step: name the layers whose grads are not finite."""
         probes = self._probes
@@ -1226,6 +1235,7 @@ class Watch:
                 folded = self._folder.fold(
                     hs, fmt=limits(run_fmt), formats=self._layer_formats(dtype_name(run_fmt)),
                     param_grads_scaled=buf.param_grads_scaled, skipped=skipped,
+                    after_unscale_layers=buf.after_unscale_layers,
                     scale=outcome.scale_after if outcome else None,
                     check_input=self._anomaly is None, input_module=input_module,
                     input_codes=input_codes,

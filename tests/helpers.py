@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -107,3 +112,19 @@ def marked_line(path: str, marker: str) -> int:
             if line.rstrip().endswith("# " + marker):
                 return i
     raise AssertionError(marker)
+
+
+def diagnose_pair(tmp_path: Path, name: str, script: str, args: list[str], *flags: str
+                  ) -> tuple[str, subprocess.CompletedProcess[str], dict[str, Any]]:
+    """The script run plainly, then through the CLI with ``flags``; and its JSON report."""
+    (tmp_path / name).write_text(script)
+    plain = subprocess.run([sys.executable, name, *args], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    out = tmp_path / ("out" + "".join(flags).replace("-", "_").replace(" ", ""))
+    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", *flags,
+                        "--logdir", str(out), name, *args], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    return plain.stdout, r, json.loads((out / "amp_doctor.json").read_text())

@@ -17,8 +17,6 @@ import dataclasses
 import io
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ from amp_doctor.sinks.heatmap import MISSING_RGB, fit_columns, geometry, merged_
 from amp_doctor.sinks.tb_session import heatmap_grids, heatmap_legend
 from amp_doctor.steps.heatmaps import HeatmapTrack, decode_cells
 from amp_doctor.steps.table import ACT, GRAD, HEAD, NONFINITE, NUMEL, OVER, TS_FIELDS, UNDER, ZERO
-from tests.helpers import console_script
+from tests.helpers import diagnose_pair
 
 _FUNC_SCRIPT = '''
 import os, sys
@@ -104,32 +102,16 @@ print(json.dumps({"trained_v": trained_v,
 '''
 
 
-def _diagnose(tmp_path: Path, name: str, script: str, args: list[str], *flags: str
-              ) -> tuple[str, subprocess.CompletedProcess[str], dict[str, Any]]:
-    """The script run plainly, then through the CLI with ``flags``; and its JSON report."""
-    (tmp_path / name).write_text(script)
-    plain = subprocess.run([sys.executable, name, *args], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr
-    out = tmp_path / ("out" + "".join(flags).replace("-", "_").replace(" ", ""))
-    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", *flags,
-                        "--logdir", str(out), name, *args], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert "internal error" not in r.stderr and "Traceback" not in r.stderr, r.stderr
-    return plain.stdout, r, json.loads((out / "amp_doctor.json").read_text())
-
-
 def test_a_torch_func_transform_in_the_loop_loses_no_step_and_hides_no_nan(
         tmp_path: Path) -> None:
     # Healthy: every step recorded, the run's numbers as without amp-doctor.
-    plain, r, report = _diagnose(tmp_path, "dpsgd.py", _FUNC_SCRIPT, ["1"], "--every", "1")
+    plain, r, report = diagnose_pair(tmp_path, "dpsgd.py", _FUNC_SCRIPT, ["1"], "--every", "1")
     assert "finite True" in plain and r.stdout.startswith(plain)
     assert report["steps"] == 6 and report["recorded_steps"] == 6
     assert not [f for f in report["findings"] if f["severity"] == "error"]
     # x * 1e5 overflows float16 inside the vmapped forward: the per-sample gradients are
     # NaN from step 0, and the update takes them.
-    plain, r, report = _diagnose(tmp_path, "dpsgd.py", _FUNC_SCRIPT, ["1e5"], "--every", "1")
+    plain, r, report = diagnose_pair(tmp_path, "dpsgd.py", _FUNC_SCRIPT, ["1e5"], "--every", "1")
     assert "finite False" in plain and r.stdout.startswith(plain)
     assert report["recorded_steps"] == 6
     errors = [f for f in report["findings"] if f["severity"] == "error"]
@@ -139,7 +121,7 @@ def test_a_torch_func_transform_in_the_loop_loses_no_step_and_hides_no_nan(
 
 def test_a_model_the_loop_calls_by_its_parts_is_named_and_measured_as_its_own(
         tmp_path: Path) -> None:
-    plain, r, report = _diagnose(tmp_path, "ac.py", _AC_SCRIPT, [], "--every", "1")
+    plain, r, report = diagnose_pair(tmp_path, "ac.py", _AC_SCRIPT, [], "--every", "1")
     assert r.stdout.startswith(plain)
     truth = json.loads(plain)
     names = {lay["name"] for lay in report["layers"]}
@@ -190,7 +172,7 @@ def test_a_frozen_part_the_loop_calls_under_no_grad_is_recorded_as_the_steps_wor
     # Review 60b: with the model watched whole, its frozen backbone's no_grad call was
     # neither recorded nor checked, and its float16 overflow at step 3 read "the batch
     # given to head already held inf ... check the data pipeline".
-    plain, r, report = _diagnose(tmp_path, "frozen.py", _FROZEN_SCRIPT, [], "--every", "1")
+    plain, r, report = diagnose_pair(tmp_path, "frozen.py", _FROZEN_SCRIPT, [], "--every", "1")
     assert r.stdout.startswith(plain)
     layers = {lay["name"]: lay for lay in report["layers"]}
     assert layers["backbone.2"]["recorded_steps"] == 6 and layers["backbone.2"]["calls"] == 6
@@ -235,7 +217,7 @@ for step in range(3):
 
 def test_a_method_names_its_self_as_it_likes(tmp_path: Path) -> None:
     # Review 60b: ``def forward(s, x)`` made the target network's layers ``s.q``.
-    _, _, report = _diagnose(tmp_path, "dqn.py", _DQN_SCRIPT, [], "--every", "1")
+    _, _, report = diagnose_pair(tmp_path, "dqn.py", _DQN_SCRIPT, [], "--every", "1")
     names = {lay["name"] for lay in report["layers"]}
     assert {"target.q", "target.body.0", "qnet.q", "qnet.body.0"} <= names, names
     assert not any(n.startswith("s.") for n in names), names

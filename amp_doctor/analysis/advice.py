@@ -433,6 +433,13 @@ ADVICE: dict[str, str] = {
         "not finite: `norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, "
         "then step only `if torch.isfinite(norm)`."
     ),
+    "nonfinite_grads_after_unscale": (
+        "Keep what the loop does to `.grad` between `scaler.unscale_(optimizer)` and "
+        "`scaler.step(optimizer)` finite (the noise's scale, a clip coefficient from a norm "
+        "that can be 0 or inf), or make the scaler see it: change the gradients first, "
+        "then call unscale_ (it checks what it unscales), or skip the update yourself when "
+        "`not torch.isfinite(torch.nn.utils.clip_grad_norm_(params, float('inf')))`."
+    ),
     "constant_overflow": (
         "Write a value the format holds: `torch.finfo(scores.dtype).min` instead of -1e9 "
         "(it is float16's -65504 under autocast and float32's in float32, so the mask "
@@ -605,6 +612,9 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
     """
     op_fix = OP_ADVICE.get(e.op or "")
     bf16 = dtype == "bfloat16"
+    if e.kind == "nonfinite_grads_applied" and e.data.get("after_unscale"):
+        # The loop's code did it, in any format: not "add a GradScaler" to a loop with one.
+        return ADVICE["nonfinite_grads_after_unscale"]
     if e.kind == "nonfinite_forward" and inputs_held_inf(e.data):
         # Not a precision problem: float32 or bfloat16 make the same NaN of an inf.
         if e.op in SOFTMAX_OPS:

@@ -860,6 +860,16 @@ def _nonfinite_grads_applied(a: MessageArgs) -> str:
     culprits = [c for c in d.get("culprits") or [] if c != e.module]
     loss = d.get("loss")
     again = int(d.get("occurrences") or 1) - 1
+    if d.get("after_unscale"):
+        n = int(d.get("grads_bad") or 0)
+        return (f"At step {e.step}, {n} parameter gradient(s) went NaN/inf after the loop's "
+                f"`scaler.unscale_(optimizer)` and before `scaler.step(optimizer)`, first "
+                f"{F.layer(e.module)}'s, while the backward pass gave finite ones. "
+                "GradScaler checks the gradients for NaN/inf inside unscale_ only: it found "
+                "none, so its step did not skip this update, and the update took them (the "
+                "weights they touched are NaN/inf from here on). The code between the two "
+                "calls made them: noise added to `.grad`, a custom clip or rescale."
+                + (f" It happened in {again} later recorded step(s) too." if again else ""))
     return (f"The gradients went NaN/inf in the backward pass of step {e.step}, first in "
             f"{F.layer(e.module)}'s gradients (in backward order"
             + (f"; then {', '.join(culprits[:6])}" if culprits else "") + "), while the "

@@ -17,7 +17,13 @@ from amp_doctor.device import stats as S
 from amp_doctor.devicework import count_sync
 
 __all__ = ["StepBuffer", "HostCopy", "HistSums", "StepHists", "HIST_FIELDS", "merge_rows",
-           "scale_log2_of"]
+           "scale_log2_of", "AFTER_UNSCALE_BAD_KEY", "AFTER_UNSCALE_FIRST_KEY"]
+
+# Step scalars: how many of the gradients a scaler's step applied went NaN/inf after the
+# loop's own unscale_ found none, and the first of them (an index into
+# ``StepBuffer.after_unscale_layers``).
+AFTER_UNSCALE_BAD_KEY = "after_unscale_bad"
+AFTER_UNSCALE_FIRST_KEY = "after_unscale_first"
 
 
 class StepBuffer:
@@ -46,6 +52,8 @@ class StepBuffer:
         self.backward_order: list[str] = []
         self.param_grads_done: set[str] = set()
         self.param_grads_scaled = False
+        # The layer of each gradient AFTER_UNSCALE_FIRST_KEY counts.
+        self.after_unscale_layers: list[str] = []
         # Layers called in this step on empty inputs only (an MoE expert no token chose):
         # their weights' gradients are exact zeros that say nothing of their values.
         self.empty_outputs: set[str] = set()

@@ -67,6 +67,7 @@ __all__ = [
     "SUMMARY_LEN",
     "bad_batch",
     "merged_extremes",
+    "nonfinite_since_check",
     "N_EXP_BINS",
     "SAMPLE_LIMIT",
     "STAGE_MIN",
@@ -330,6 +331,25 @@ def merged_extremes(extremes: torch.Tensor) -> torch.Tensor:
     out = torch.stack((torch.where(mask, math.inf, lo).min(),
                        torch.where(mask, -math.inf, hi).max()))
     return torch.where(mask.all(), 0.0, out)
+
+
+def nonfinite_since_check(grads: list[torch.Tensor], found: list[torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(how many of ``grads`` hold NaN/inf, the index of the first) where the check that
+    ``found`` holds (a GradScaler's ``found_inf_per_device``) found none, else (0, ...):
+    gradients the loop made non-finite after the scaler looked, which its step applies.
+
+    One ``_foreach_norm`` per device (one launch for many tensors on CUDA); the grads are
+    only read. On the device of the first gradient, no sync."""
+    # Runs of one device in the given order, so that the index counts ``grads`` as given.
+    runs = [list(gs) for _, gs in itertools.groupby(grads, key=lambda g: g.device)]
+    dev0 = grads[0].device
+    flags = torch.cat([(~torch.stack(torch._foreach_norm(gs, math.inf)).isfinite()).to(
+        dev0, non_blocking=True) for gs in runs])
+    clean = torch.stack([f.to(dev0, non_blocking=True).float().sum() for f in found]
+                        ).sum() == 0 if found else torch.ones((), dtype=torch.bool,
+                                                               device=dev0)
+    return flags.sum() * clean, flags.int().argmax()
 
 
 def upload(values: list[int] | list[float], device: torch.device,

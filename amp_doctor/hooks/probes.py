@@ -50,7 +50,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from amp_doctor.device.recorder import StepBuffer
+from amp_doctor.device.recorder import (
+    AFTER_UNSCALE_BAD_KEY,
+    AFTER_UNSCALE_FIRST_KEY,
+    StepBuffer,
+)
+from amp_doctor.device.stats import nonfinite_since_check
 from amp_doctor.devicework import iter_tensors, without_subclasses
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, dtype_name
 from amp_doctor.hooks.compiled import (
@@ -1233,6 +1238,25 @@ class Probes:
         buf.param_grads_done.update(by_layer)
         for name, row in zip(names, rows, strict=True):
             buf.assign(name, "param_grad", row)
+
+    def check_grads_after_unscale(self, params: list[torch.Tensor],
+                                  found: list[torch.Tensor], buf: StepBuffer) -> None:
+        """Whether the gradients ``scaler.step`` is about to apply went NaN/inf after the
+        loop's own ``unscale_`` found none (``found``): noise or a custom clip applied to
+        ``.grad`` in between, which the scaler no longer checks. Kept as two step scalars
+        (see ``stats.nonfinite_since_check``), the layers in ``buf.after_unscale_layers``;
+        the step's summaries of these gradients were taken at that unscale_."""
+        pairs = [(name, p.grad) for p in params
+                 if (name := self.param_owner.get(id(p))) is not None and p.grad is not None
+                 and p.grad.is_floating_point() and p.grad.numel()
+                 and unsummarizable(p.grad) is None]
+        if not pairs:
+            return
+        pairs.sort(key=lambda ng: str(ng[1].device))  # stable: one run per device
+        bad, first = nonfinite_since_check([g for _, g in pairs], found)
+        buf.put_scalar(AFTER_UNSCALE_BAD_KEY, bad)
+        buf.put_scalar(AFTER_UNSCALE_FIRST_KEY, first)
+        buf.after_unscale_layers = [name for name, _ in pairs]
 
     def low_precision_outputs(self) -> set[str]:
         return {d for m in self.layers.values() for d in m.output_dtypes

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from amp_doctor.device.recorder import HistSums, HostCopy
+from amp_doctor.device.recorder import (
+    AFTER_UNSCALE_BAD_KEY,
+    AFTER_UNSCALE_FIRST_KEY,
+    HistSums,
+    HostCopy,
+)
 from amp_doctor.devicework import count_sync
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, FormatLimits
 from amp_doctor.hooks.tensorkinds import input_label, values_of
@@ -150,7 +155,8 @@ class StepFolder:
              input_codes: Mapping[int, tuple[str, str, int]] | None = None,
              formats: Mapping[str, FormatLimits] | None = None,
              lp_param: Callable[[int], tuple[str | None, str]] | None = None,
-             update_dropped: bool = False) -> FoldedStep:
+             update_dropped: bool = False,
+             after_unscale_layers: Sequence[str] = ()) -> FoldedStep:
         """One recorded step's host copy -> its record, folded into the run's aggregates.
 
         ``fmt``: the run's low-precision format; ``formats``: the layers judged against
@@ -160,7 +166,8 @@ class StepFolder:
         as given to ``input_module`` (default: the model). ``input_codes``: the inputs that
         held NaN/inf, by code: (model, key, how many inputs it takes); None if not known.
         ``update_dropped``: the loop took no update in this step (it skipped the optimizer
-        on a non-finite norm).
+        on a non-finite norm). ``after_unscale_layers``: see
+        ``StepBuffer.after_unscale_layers``.
         """
         step = hs.step
         grad_scale = hs.scalars.get(GRAD_SCALE_KEY)
@@ -261,6 +268,8 @@ class StepFolder:
             # No loss scale: a GradScaler would skip such a step (or raise in it), and
             # optimizer.step() on scaled gradients is a misuse with a finding of its own.
             self._note_grads_applied(step, hs, layers, loss)
+        if hs.scalars.get(AFTER_UNSCALE_BAD_KEY) and not skipped and not update_dropped:
+            self._note_changed_after_unscale(step, hs.scalars, after_unscale_layers, loss)
         self._last_recorded = step
         rec = StepRecord(step=step, loss=loss, scale=scale, skipped=skipped,
                          layers=layers)
@@ -309,6 +318,24 @@ class StepFolder:
                                   module=culprits[0], data={
                                       "culprits": culprits[:MAX_CULPRITS_KEPT], "loss": loss,
                                       "occurrences": 1}))
+
+    def _note_changed_after_unscale(self, step: int, scalars: Mapping[str, float],
+                                    layers: Sequence[str], loss: float | None) -> None:
+        """The loop's own ``scaler.unscale_`` found the gradients finite, then code before
+        ``scaler.step`` (noise, a custom clip) made some NaN/inf: the scaler, which does
+        not look again, applied them. A ``nonfinite_grads_applied`` of its own kind of
+        cause; the gradients' summaries, taken at unscale_, were finite."""
+        first = int(scalars.get(AFTER_UNSCALE_FIRST_KEY, 0))
+        module = layers[first] if 0 <= first < len(layers) else None
+        e = next((e for e in self._events if e.kind == "nonfinite_grads_applied"), None)
+        if e is not None:
+            e.data["occurrences"] = int(e.data["occurrences"]) + 1
+            return
+        self._events.append(Event(kind="nonfinite_grads_applied", step=step, module=module,
+                                  data={"after_unscale": True, "loss": loss,
+                                        "grads_bad": int(scalars[AFTER_UNSCALE_BAD_KEY]),
+                                        "culprits": [module] if module else [],
+                                        "occurrences": 1}))
 
     def _note_input_beyond(self, step: int, scalars: dict[str, float], fmt: FormatLimits,
                            origin: str, in_output: bool) -> None:

@@ -55,6 +55,10 @@ class LoopCallbacks:
     # A GradScaler's unscale_ of those gradients found NaN/Inf where these device
     # tensors (its found_inf_per_device) are 1.
     unscaled: Callable[[list[torch.Tensor]], None]
+    # scaler.step is about to apply these parameters' gradients, which the loop had
+    # unscaled itself (``scaler.unscale_(optimizer)``) and may have changed since: that
+    # unscale_ found NaN/Inf where these tensors are 1.
+    step_after_unscale: Callable[[Params, list[torch.Tensor]], None]
     # GradScaler skipped the optimizer step of these parameters.
     skip: Callable[[Params], None]
     # scaler.scale(outputs): the scale tensor (None when disabled or not created yet).
@@ -147,6 +151,9 @@ class AmpMonitor:
         # The layers whose parameters a scaler stepped, kept after their optimizer is gone
         # (a loop that drops the scaler may make a new optimizer for the same model).
         self._scaled_layers: set[str] = set()
+        # Per optimizer: what the loop's own scaler.unscale_ found (its found_inf tensors),
+        # until the scaler's step applies those gradients (see step_after_unscale).
+        self._unscaled_by_loop: dict[int, list[torch.Tensor]] = {}
 
     @property
     def drives_steps(self) -> bool:
@@ -198,6 +205,8 @@ class AmpMonitor:
             return
         state = scaler._per_optimizer_states.get(id(optimizer)) or {}
         found = list((state.get("found_inf_per_device") or {}).values())
+        if not in_scaler_step():
+            self._unscaled_by_loop[id(optimizer)] = found
         if found:
             self._cb.unscaled(found)
 
@@ -380,6 +389,9 @@ class AmpMonitor:
                 if is_deferred(optimizer) and optimizer_stage(
                         scaler, optimizer) is OptState.READY:
                     self._cb.param_grads(params, st.scale)
+                found = self._unscaled_by_loop.pop(id(optimizer), None)
+                if found is not None:
+                    self._cb.step_after_unscale(params, found)
                 return
         self._cb.param_grads(params, None)
 
@@ -562,6 +574,7 @@ class AmpMonitor:
         scaler's joins its own, or at its ``update()`` if that is still to come. The
         step's culprits are every skip's: its gradients are flagged whichever scaler
         skipped."""
+        self._unscaled_by_loop.clear()
         self._timeline.end_step(step, outcome, recorded=recorded, culprits=culprits,
                                 forward_origin=forward_origin, loss_nonfinite=loss_nonfinite)
         self._ended = (step, recorded, culprits, forward_origin, loss_nonfinite)

@@ -1,0 +1,66 @@
+"""Session 61: gradients the loop changes between ``scaler.unscale_`` and ``scaler.step``.
+
+GradScaler looks for NaN/inf inside ``unscale_`` only. A DP-SGD-style loop that adds
+noise to ``.grad`` after it (or a custom clip) can make the gradients NaN there: the
+scaler's step does not skip, the update takes them, and every weight is NaN from the next
+step on. amp-doctor said "the loss was NaN from step 1, where it appeared is unknown", an
+error with nothing to fix; the step that did it, and what did it, were not named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.helpers import diagnose_pair
+
+_NOISE_SCRIPT = '''
+import sys
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+torch.set_num_threads(1)
+SIGMA = float(sys.argv[1])  # the noise's scale at step 0 (nan: a sigma computed as 0/0)
+model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(6):
+    x = torch.randn(4, 8)
+    y = torch.randint(0, 3, (4,))
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for p in model.parameters():
+        p.grad = p.grad + torch.randn_like(p.grad) * (SIGMA if step == 0 else 0.01)
+    scaler.step(opt)
+    scaler.update()
+    print(step, float(loss.detach()))
+print("params", sum(float(p.detach().double().sum()) for p in model.parameters()))
+'''
+
+
+def test_nan_noise_added_after_unscale_is_named_at_its_step(tmp_path: Path) -> None:
+    plain, r, report = diagnose_pair(tmp_path, "noise.py", _NOISE_SCRIPT, ["nan"])
+    assert r.stdout.startswith(plain) and "params nan" in plain
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["step"]) for f in errors] == [("nonfinite_grads_applied", 0)]
+    err = errors[0]
+    # All four parameter gradients, the first layer's first.
+    assert err["data"]["after_unscale"] is True and err["data"]["grads_bad"] == 4
+    assert err["module"] == "0"
+    assert "unscale_" in err["message"] and "unscale_" in err["advice"]
+    assert "GradScaler:" not in err["advice"]  # not "add a scaler" to a loop with one
+    # What the NaN weights made next is the error's, not a cause of its own.
+    loss = next(f for f in report["findings"] if f["kind"] == "nonfinite_loss")
+    assert loss["severity"] == "info" and loss["step"] == 1
+    assert "nonfinite_grads_applied" in loss["advice"]
+
+
+def test_finite_noise_after_unscale_and_clipping_is_no_finding(tmp_path: Path) -> None:
+    plain, r, report = diagnose_pair(tmp_path, "noise.py", _NOISE_SCRIPT, ["0.01"],
+                                     "--every", "1")
+    assert r.stdout.startswith(plain) and "params nan" not in plain
+    assert report["recorded_steps"] == 6
+    assert not [f for f in report["findings"] if f["severity"] == "error"]
+    assert not [f for f in report["findings"] if f["kind"] == "nonfinite_grads_applied"]
