@@ -12,6 +12,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import TypeVar
 
 from amp_doctor.records import Event, Finding, LayerSummary, RunInfo, Session
 from amp_doctor.runfiles import JSON_NAME
@@ -19,6 +20,8 @@ from amp_doctor.sinks.jsonfile import write_json
 
 __all__ = ["rank_env", "rank_dir", "merge_sessions", "merge_run_dir", "wait_for_ranks",
            "RANK_WAIT_S"]
+
+_N = TypeVar("_N", int, float)
 
 # How long rank 0 waits for the other ranks' reports when it merges them.
 RANK_WAIT_S = 60.0
@@ -54,7 +57,7 @@ def _worse(a: float | None, b: float | None) -> float | None:
     return max(vals) if vals else a if a is not None else b
 
 
-def _least(a: float | None, b: float | None) -> float | None:
+def _least(a: _N | None, b: _N | None) -> _N | None:
     vals = [v for v in (a, b) if v is not None]
     return min(vals) if vals else None
 
@@ -80,6 +83,7 @@ def _merge_layer(items: list[tuple[int, LayerSummary]]) -> LayerSummary:
             param_grad_nonfinite_steps=max(merged.param_grad_nonfinite_steps,
                                            lay.param_grad_nonfinite_steps),
             range_rel=_least(merged.range_rel, lay.range_rel),
+            first_overflow_step=_least(merged.first_overflow_step, lay.first_overflow_step),
             input_dtypes=sorted(set(merged.input_dtypes) | set(lay.input_dtypes)),
             output_dtypes=sorted(set(merged.output_dtypes) | set(lay.output_dtypes)),
         )

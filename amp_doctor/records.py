@@ -175,6 +175,9 @@ class LayerSummary:
     # Mean over recorded steps of its output's (max - min) / absmax, when the output kept
     # one sign in every one of them (None otherwise): the share of its size it spans.
     range_rel: float | None = None
+    # The first recorded step whose output held values beyond its format's max or NaN/inf
+    # (None: none did, or a report written before this was kept).
+    first_overflow_step: int | None = None
     # FP8 delayed scaling's view of its amaxes (steps.amaxes), over the recorded steps
     # whose tensor was finite, of every layer (None: a report written before they were).
     # Its outputs': steps with a non-zero amax, the largest, its spread in bits (None: fewer

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from torch import nn
+
+import amp_doctor
 from tests.helpers import diagnose_pair
 
 _NOISE_SCRIPT = '''
@@ -64,3 +68,29 @@ def test_finite_noise_after_unscale_and_clipping_is_no_finding(tmp_path: Path) -
     assert report["recorded_steps"] == 6
     assert not [f for f in report["findings"] if f["severity"] == "error"]
     assert not [f for f in report["findings"] if f["kind"] == "nonfinite_grads_applied"]
+
+
+def test_a_run_long_overflow_finding_says_when_it_began() -> None:
+    # Review 60b: "activation_overflow proj" stood for the whole run with no step: a user
+    # could not tell whether it began at step 0 or late in training. From step 3 on the
+    # batch (within float16's range) makes the first layer's output pass its max.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    with torch.no_grad():
+        model[0].weight.fill_(2.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for step in range(6):
+            x = torch.randn(16, 8).abs() * (1e4 if step >= 3 else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = w.session
+    first = {lay.name: lay.first_overflow_step for lay in s.layers}
+    assert first["0"] == 3 and first["1"] == 3
+    f = next(f for f in s.findings if f.kind == "activation_overflow" and f.module == "0")
+    assert "first at step 3" in f.message, f.message

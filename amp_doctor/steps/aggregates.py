@@ -101,6 +101,8 @@ class LayerAggregates:
         # gave an exact one (see add).
         self._est = np.zeros((0, len(_ESTIMATED)))
         self._exact = np.zeros((0, len(_ESTIMATED)), dtype=np.int64)
+        # Per layer: its first recorded step with an output beyond its format (-1: none).
+        self._first_over = np.zeros(0, dtype=np.int64)
         self._amaxes = AmaxTracks()
         self._heatmaps = HeatmapTrack()
         self._step = -1
@@ -165,6 +167,9 @@ class LayerAggregates:
         self._heatmaps.add(idx, filled, self._step)
         self._est[idx] = np.maximum(self._est[idx], est)
         self._exact[idx] += ~est_rows & (ext[:, _ESTIMATED] > _EXACT_ABOVE)
+        over = (hi[:, H_OVER] > 0) | (nonfinite[:, 0] > 0)
+        first = idx[over & (self._first_over[idx] < 0)]
+        self._first_over[first] = self._step
 
     def note_origin(self, name: str) -> None:
         """``name`` was the first layer to overflow in a recorded step's forward."""
@@ -183,6 +188,8 @@ class LayerAggregates:
             self._est = np.concatenate([self._est, np.full((grow, len(_ESTIMATED)), -math.inf)])
             self._exact = np.concatenate([self._exact, np.zeros((grow, len(_ESTIMATED)),
                                                                 dtype=np.int64)])
+            self._first_over = np.concatenate([self._first_over,
+                                               np.full(grow, -1, dtype=np.int64)])
             self._amaxes.grow(self._sums.shape[0])
             self._heatmaps.grow(self._sums.shape[0])
         return rows
@@ -205,6 +212,7 @@ class LayerAggregates:
                                       np.maximum(ext[:, _ESTIMATED], self._est[:n]))
         sums, exts = self._sums[:n].tolist(), ext.tolist()
         rels = self._rel[:n].tolist()
+        firsts = self._first_over[:n].tolist()
         out: dict[str, LayerFigures] = {}
         for name, i in self._slot.items():
             s, hi = sums[i], exts[i]
@@ -247,6 +255,7 @@ class LayerAggregates:
                 # Only when every step it ran in kept one sign: else some step spread it.
                 range_rel=(rels[i][0] / rels[i][1] if rels[i][1] and rels[i][1] >= (ran or steps)
                            else None),
+                first_overflow_step=firsts[i] if firsts[i] >= 0 else None,
                 **self._amaxes.figures(i),
             )
         return out
