@@ -1,4 +1,5 @@
-"""Session 61: gradients the loop changes between ``scaler.unscale_`` and ``scaler.step``.
+"""Session 61: gradients the loop changes between ``scaler.unscale_`` and ``scaler.step``;
+a run-long finding's first step; a frozen part called in a validation loop.
 
 GradScaler looks for NaN/inf inside ``unscale_`` only. A DP-SGD-style loop that adds
 noise to ``.grad`` after it (or a custom clip) can make the gradients NaN there: the
@@ -94,3 +95,53 @@ def test_a_run_long_overflow_finding_says_when_it_began() -> None:
     assert first["0"] == 3 and first["1"] == 3
     f = next(f for f in s.findings if f.kind == "activation_overflow" and f.module == "0")
     assert "first at step 3" in f.message, f.message
+
+
+# A frozen backbone the loop calls itself (under no_grad) in training, and again in a
+# validation pass in eval mode, whose outlier batch overflows float16 there only.
+_VALIDATION_SCRIPT = """import torch
+from torch import nn
+torch.manual_seed(0)
+torch.set_num_threads(1)
+class Net(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.backbone = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64))
+        s.head = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 5))
+model = Net()
+for p in model.backbone.parameters():
+    p.requires_grad_(False)
+opt = torch.optim.SGD(model.head.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(12):
+    model.train()
+    x = torch.randn(16, 16); y = torch.randint(0, 5, (16,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        with torch.no_grad():
+            feats = model.backbone(x)
+        loss = nn.functional.cross_entropy(model.head(feats).float(), y)
+    opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+    if step % 5 == 4:
+        model.eval()  # validation: an outlier batch whose features overflow float16
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            vf = model.backbone(torch.randn(16, 16) * 3e4)
+            acc = (model.head(vf).argmax(-1) == 0).float().mean()
+        print("val", step, bool(torch.isfinite(vf).all()))
+print("params", sum(float(p.detach().double().sum()) for p in model.parameters()))
+"""
+
+
+def test_a_frozen_parts_validation_call_is_not_the_training_steps_work(
+        tmp_path: Path) -> None:
+    # Review 60b: session 60 made a frozen part's no_grad call the step's work (a
+    # backbone feeding the head); the same call in a validation loop was filed too, and
+    # its outlier batch read as an activation_overflow error of training.
+    plain, r, report = diagnose_pair(tmp_path, "val.py", _VALIDATION_SCRIPT, [],
+                                     "--every", "1")
+    assert r.stdout.startswith(plain) and "val 4 False" in plain  # it did overflow
+    assert report["recorded_steps"] == 12
+    assert not report["findings"], [f["kind"] for f in report["findings"]]
+    # The training calls are recorded, with the training batches' range.
+    layers = {lay["name"]: lay for lay in report["layers"]}
+    assert layers["backbone.0"]["recorded_steps"] == 12
+    assert layers["backbone.0"]["absmax"] < 100

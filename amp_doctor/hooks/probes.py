@@ -308,10 +308,14 @@ def in_reentrant_checkpoint() -> bool:
     return False
 
 
-def _frozen_part_call(module: nn.Module) -> bool:
+def _frozen_part_call(module: nn.Module, root: nn.Module | None) -> bool:
     """A call of ``module`` under no_grad (not inference_mode) whose parameters, it has
-    some, take no gradient: a frozen part whose outputs feed the trained part."""
-    if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+    some, take no gradient, while its model ``root`` is in train mode: a frozen part
+    whose outputs feed the trained part. With the model in eval mode it is a validation
+    loop's call (a frozen backbone in a training step may be in eval mode itself, for
+    its BatchNorm, but the model around it is not)."""
+    if (torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+            or (root is not None and not root.training)):
         return False
     params = list(module.parameters())
     return bool(params) and not any(p.requires_grad for p in params)
@@ -380,6 +384,8 @@ class Probes:
         self._step_of = step_of
         self._names: dict[int, str] = {}
         self._roots: set[int] = set()
+        # Weak: the model is the user's, and a finished watch holds none of it.
+        self._root_refs: dict[int, weakref.ref[nn.Module]] = {}
         # Submodules the loop calls directly (see _entry): hooked for the whole watch.
         self._entries: set[int] = set()
         # Roots whose own forward ran with grad enabled: their submodules are no entries.
@@ -472,6 +478,7 @@ class Probes:
         if id(model) in self._names:
             return False
         self._roots.add(id(model))
+        self._root_refs[id(model)] = weakref.ref(model)
         self._root_prefix[id(model)] = prefix
         parts = _parametrization_parts(model)
         scripted = self._skip_scripted(prefix, model, _scripted_parts(model))
@@ -568,6 +575,7 @@ class Probes:
         names = set(old.values())
         self.param_owner = {k: v for k, v in self.param_owner.items() if v not in names}
         self._roots.discard(rid)
+        self._root_refs.pop(rid, None)
         self._root_prefix.pop(rid, None)
         self._roots_called.discard(rid)
         self._frozen.discard(rid)
@@ -605,6 +613,8 @@ class Probes:
         self._entries -= gone
         old_params = {id(p) for meta in by_qual.values() for p in meta.params}
         self.param_owner = {k: v for k, v in self.param_owner.items() if k not in old_params}
+        self._root_refs.pop(rid, None)
+        self._root_refs[nid] = weakref.ref(new)
         # What was learned of the old root holds for the new one: it trained, was called.
         for ids in (self._roots, self._roots_trained, self._roots_called):
             if rid in ids:
@@ -656,7 +666,8 @@ class Probes:
         if mid in self._entries:
             return True
         root = self._root_of(mid)
-        if ((not torch.is_grad_enabled() and not _frozen_part_call(module))
+        if ((not torch.is_grad_enabled() and not _frozen_part_call(module,
+                                                                   self._root_module(root)))
                 or torch._C._current_graph_task_id() != -1
                 or root in self._roots_trained or root in self._frozen
                 or mid not in self._sub_handles):
@@ -680,7 +691,8 @@ class Probes:
         root = self._root_of(id(module))
         if torch._C._current_graph_task_id() != -1:
             return False
-        if id(module) not in self._roots and _frozen_part_call(module):
+        if id(module) not in self._roots and _frozen_part_call(module,
+                                                               self._root_module(root)):
             # A frozen part of a watched model the loop calls itself (``feats =
             # model.backbone(x)`` under no_grad, then ``model.head(feats)``): its outputs
             # are the trained part's input, as a teacher's are (review 60b: a backbone's
@@ -754,6 +766,10 @@ class Probes:
     def freeze(self, model: nn.Module) -> None:
         """``model`` runs under torch.compile: leave its sublayer hooks as they are now."""
         self._frozen.add(id(model))
+
+    def _root_module(self, root_id: int) -> nn.Module | None:
+        ref = self._root_refs.get(root_id)
+        return ref() if ref is not None else None
 
     def _root_of(self, mod_id: int) -> int:
         name = self._names.get(mod_id)
