@@ -117,6 +117,9 @@ def test_a_torch_func_transform_in_the_loop_loses_no_step_and_hides_no_nan(
     errors = [f for f in report["findings"] if f["severity"] == "error"]
     assert errors and errors[0]["kind"] == "nonfinite_grads_applied", errors
     assert errors[0]["step"] == 0
+    # Review 60b: not "the forward pass and the loss were finite": that forward was not seen.
+    assert "torch.func" in errors[0]["message"]
+    assert "forward pass and the loss" not in errors[0]["message"]
 
 
 def test_a_model_the_loop_calls_by_its_parts_is_named_and_measured_as_its_own(

@@ -204,6 +204,10 @@ def event_findings(session: Session) -> Iterable[Finding]:
             first = dataclasses.replace(first, data={
                 **first.data, "made_here": True,
                 "inputs_watched": not _overflowed_itself(session, module)})
+        if kind == "nonfinite_grads_applied" and _forward_in_torch_func(session):
+            # Review 60b: "the forward pass and the loss were finite" of a loop whose
+            # gradients came from vmap(grad(...)), a forward amp-doctor cannot read.
+            first = dataclasses.replace(first, data={**first.data, "forward_unseen": True})
         if kind == "nonfinite_loss" and module is not None and module in session.run.models:
             first = dataclasses.replace(first, data={**first.data, "root": True})
         elif kind == "nonfinite_loss" and module is not None:
@@ -346,6 +350,13 @@ def _bad_loss_values(session: Session, steps: list[int]) -> str | None:
 
 # Ops of a Linear, a matmul: what a layer that returns the model's output computes it with.
 PRODUCT_OPS = frozenset({"aten.mm", "aten.addmm", "aten.matmul", "aten.linear", "aten.bmm"})
+
+
+def _forward_in_torch_func(session: Session) -> bool:
+    """Some watched layer ran under a torch.func transform (vmap, grad): its tensors are
+    wrapped, not summarised, and a forward pass there was not seen."""
+    return any(e.kind == "unsummarized" and e.data.get("tensor") == "functorch"
+               for e in session.events)
 
 
 def _returns_model_output(session: Session, module: str) -> bool:

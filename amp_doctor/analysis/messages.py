@@ -872,10 +872,14 @@ def _nonfinite_grads_applied(a: MessageArgs) -> str:
                 + (f" It happened in {again} later recorded step(s) too." if again else ""))
     return (f"The gradients went NaN/inf in the backward pass of step {e.step}, first in "
             f"{F.layer(e.module)}'s gradients (in backward order"
-            + (f"; then {', '.join(culprits[:6])}" if culprits else "") + "), while the "
-            "forward pass and the loss"
-            + (f" ({F.num(loss)})" if isinstance(loss, float) else "")
-            + " were finite. Nothing skipped that step (no GradScaler is on): its update "
+            + (f"; then {', '.join(culprits[:6])}" if culprits else "") + "), while "
+            + ("the loss" + (f" ({F.num(loss)})" if isinstance(loss, float) else "")
+               + " was finite (the forward pass that made these gradients ran under "
+               "torch.func, vmap or grad, whose values amp-doctor cannot read: an "
+               "overflow there is possible)" if d.get("forward_unseen") else
+               "the forward pass and the loss"
+               + (f" ({F.num(loss)})" if isinstance(loss, float) else "") + " were finite")
+            + ". Nothing skipped that step (no GradScaler is on): its update "
             "took them, which makes the weights it touched NaN/inf unless the loop drops "
             "such gradients itself. A layer's output gradient is made by the backward of "
             "the layer that uses its output, so the op that made it is there or in the "
