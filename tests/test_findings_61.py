@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import amp_doctor
-from tests.helpers import diagnose_pair
+from tests.helpers import diagnose_pair, marked_line
 
 _NOISE_SCRIPT = '''
 import sys
@@ -145,3 +145,60 @@ def test_a_frozen_parts_validation_call_is_not_the_training_steps_work(
     layers = {lay["name"]: lay for lay in report["layers"]}
     assert layers["backbone.0"]["recorded_steps"] == 12
     assert layers["backbone.0"]["absmax"] < 100
+
+
+# An actor-critic whose actor method takes a float16 exp under a tanh (its forward stays
+# finite, its backward is 0 x inf = NaN) from step 20 on, when the observations grow: the
+# critic's Linear meets the NaN gradients first in backward.
+_EXP_IN_A_METHOD = '''
+import torch
+from torch import nn
+torch.set_num_threads(1)
+torch.manual_seed(0)
+class AC(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.pi = nn.Linear(32, 4)
+        self.v = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    def actor(self, obs):
+        h = self.trunk[0](obs)
+        e = torch.exp(h)  # exp
+        return self.pi(self.trunk[3](self.trunk[2](torch.tanh(e))))
+    def critic(self, obs):
+        return self.v(obs)
+model = AC()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(40):
+    obs = torch.randn(16, 8) * (20 if step >= 20 else 1)
+    act = torch.randint(0, 4, (16,))
+    ret = torch.randn(16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = model.actor(obs)
+        v = model.critic(obs).squeeze(-1)
+        lp = torch.log_softmax(logits.float(), -1).gather(1, act[:, None]).squeeze(1)
+        adv = (ret - v.float()).detach()
+        loss = -(lp * adv).mean() + 0.5 * (ret - v.float()).pow(2).mean()
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+print("scale", scaler.get_scale())
+print("params", sum(float(p.detach().double().sum()) for p in model.parameters()))
+'''
+
+
+def test_a_collapse_below_one_is_the_forward_ops_the_search_found(tmp_path: Path) -> None:
+    # Review 60b: two errors that contradicted each other: scale_collapse charged to the
+    # critic's v.2 (the first layer the NaN gradients met in backward), and the actor's
+    # exp that made them. One cause, one error: the exp, with the collapse its consequence.
+    plain, r, report = diagnose_pair(tmp_path, "ac.py", _EXP_IN_A_METHOD, [], "--anomaly")
+    assert r.stdout.startswith(plain) and "scale 0.0625" in plain
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["op"]) for f in errors] == [("nonfinite_forward", "aten.exp")]
+    line = marked_line(str(tmp_path / "ac.py"), "exp")
+    assert errors[0]["frame"].endswith(f"ac.py:{line} in actor"), errors[0]["frame"]
+    collapse = next(f for f in report["findings"] if f["kind"] == "scale_collapse")
+    assert collapse["severity"] == "info" and "aten.exp" in collapse["advice"]
+    assert any("collapsed" in c for c in errors[0]["data"]["consequences"])

@@ -238,6 +238,13 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             steps = set(steps_of(f))
             root = next((e for e in errors if e.kind == "nonfinite_backward"
                          and e.step in steps), None)
+            if root is None:
+                # Or a forward op the search found make inf/NaN in one of them, the loss
+                # finite all the same (an exp under a tanh: its backward is 0 x inf), where
+                # the culprit layer named only met the gradients first (review 60b: a
+                # collapse below 1 charged to a critic's Linear, an actor's exp beside it).
+                root = next((e for e in errors if e.kind == "nonfinite_forward"
+                             and e.step in steps), None)
         if root is None and f.kind == "nonfinite_loss" and f.data.get("began_unrecorded"):
             # It began in steps nobody recorded: an origin found in a step before the first
             # recorded one that shows it (the batch an op made NaN, anomaly mode's op).
