@@ -56,6 +56,10 @@ def test_nan_noise_added_after_unscale_is_named_at_its_step(tmp_path: Path) -> N
     assert err["module"] == "0"
     assert "unscale_" in err["message"] and "unscale_" in err["advice"]
     assert "GradScaler:" not in err["advice"]  # not "add a scaler" to a loop with one
+    # Review 60a: no FP8 what-if table beside an error of this format.
+    text = (tmp_path / "out" / "report.txt").read_text()
+    assert "FP8 readiness (simulated) is left out" in text
+    assert "FP8 readiness, simulated" not in text
     # What the NaN weights made next is the error's, not a cause of its own.
     loss = next(f for f in report["findings"] if f["kind"] == "nonfinite_loss")
     assert loss["severity"] == "info" and loss["step"] == 1
@@ -69,6 +73,8 @@ def test_finite_noise_after_unscale_and_clipping_is_no_finding(tmp_path: Path) -
     assert report["recorded_steps"] == 6
     assert not [f for f in report["findings"] if f["severity"] == "error"]
     assert not [f for f in report["findings"] if f["kind"] == "nonfinite_grads_applied"]
+    text = (tmp_path / "out__every1" / "report.txt").read_text()
+    assert "FP8 readiness, simulated" in text  # a healthy run's next step
 
 
 def test_a_run_long_overflow_finding_says_when_it_began() -> None:

@@ -366,7 +366,13 @@ def render_text(s: Session, max_layers: int = MAX_LAYERS) -> str:
         from amp_doctor.analysis.whatif import render_fp8_table
 
         fp8 = render_fp8_table(s)
-        if fp8:
+        if fp8 and any(f.severity == "error" for f in s.findings):
+            # Review 60a: a what-if for the next format, beside errors of this one, is
+            # noise: its figures are of a run that does not train as it is.
+            out.extend(["", _wrap("FP8 readiness (simulated) is left out while the run has "
+                                  "errors: fix them first, and the next run's report shows "
+                                  "it.", 0)])
+        elif fp8:
             out.extend(["", fp8])
     return "\n".join(out) + "\n"
 
