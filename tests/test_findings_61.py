@@ -208,3 +208,45 @@ def test_a_collapse_below_one_is_the_forward_ops_the_search_found(tmp_path: Path
     collapse = next(f for f in report["findings"] if f["kind"] == "scale_collapse")
     assert collapse["severity"] == "info" and "aten.exp" in collapse["advice"]
     assert any("collapsed" in c for c in errors[0]["data"]["consequences"])
+
+
+# A frozen feature extractor and a trained head, two models; from step 13 on the batch
+# (finite, within float16's range) makes the backbone's last Linear overflow float16.
+_FROZEN_BACKBONE = '''
+import torch
+from torch import nn
+torch.set_num_threads(1)
+torch.manual_seed(0)
+backbone = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64))
+head = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 5))
+for p in backbone.parameters():
+    p.requires_grad_(False)
+with torch.no_grad():
+    backbone[2].weight.mul_(40.0)
+opt = torch.optim.SGD(head.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(24):
+    x = torch.randn(16, 16) * (5000.0 if step >= 13 else 1.0)
+    y = torch.randint(0, 5, (16,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        with torch.no_grad():
+            feats = backbone(x)
+        loss = nn.functional.cross_entropy(head(feats).float(), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+print("scale", scaler.get_scale())
+'''
+
+
+def test_a_feature_extractors_overflow_is_not_advised_as_a_prediction(tmp_path: Path) -> None:
+    # Review 60b: the backbone returns its model's output, so its overflow got the output
+    # head's advice ("standardise the regression targets"); the head takes that output.
+    plain, r, report = diagnose_pair(tmp_path, "fb.py", _FROZEN_BACKBONE, [])
+    assert r.stdout.startswith(plain)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["module"]) for f in errors] == [("activation_overflow", "backbone.2")]
+    assert "targets" not in errors[0]["advice"] and "float32" in errors[0]["advice"]
+    layers = {lay["name"]: lay for lay in report["layers"]}
+    assert layers["backbone.2"]["model_output"] and "head.0" in layers["backbone.2"]["consumers"]

@@ -19,6 +19,7 @@ from amp_doctor.analysis.detect_layers import (
     largest_finite,
     loss_reaching_mask,
     low_format,
+    predicts,
 )
 from amp_doctor.analysis.detect_scaler import (
     loss_bad_steps,
@@ -361,7 +362,7 @@ def _forward_in_torch_func(session: Session) -> bool:
 
 def _returns_model_output(session: Session, module: str) -> bool:
     lay = next((x for x in session.layers if x.name == module), None)
-    return lay is not None and lay.model_output and not lay.passthrough
+    return lay is not None and predicts(session, lay) and not lay.passthrough
 
 
 def _inputs_watched(session: Session, module: str) -> bool:

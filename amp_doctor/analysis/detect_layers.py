@@ -315,6 +315,25 @@ def _batch_beyond_in_step_check(e: Event) -> Finding:
 _CHAINING = frozenset({"Sequential"})
 
 
+def predicts(session: Session, lay: LayerSummary) -> bool:
+    """``lay`` returns its model's output, and that output is what the loop predicts
+    with: not a frozen feature extractor's, which another watched model takes as its
+    input (review 60b: a backbone's overflow advised to standardise regression targets)."""
+    if not lay.model_output:
+        return False
+    own = _model_of(session, lay.name)
+    return not any(_model_of(session, c) != own for c in lay.consumers)
+
+
+def _model_of(session: Session, name: str) -> str | None:
+    """The watched model ``name`` belongs to (None with one model: its names have no
+    prefix)."""
+    if len(session.run.models) < 2:
+        return None
+    return max((m for m in session.run.models if name == m or name.startswith(m + ".")),
+               key=len, default=None)
+
+
 def code_before(session: Session, name: str) -> str:
     """Whose forward code runs just before layer ``name`` gets its input: the nearest
     ancestor that is a layer with code of its own ("x's"), or "the model's". A
@@ -528,7 +547,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             # model's own code made it from a fine batch: there, the op is to be found.
             advice=ADVICE["activation_overflow_own_code" if _batch_was_fine(session, lay)
                           and not lay.inputs_known
-                          else "activation_overflow_output" if lay.model_output
+                          else "activation_overflow_output" if predicts(session, lay)
                           else "activation_overflow"],
             data={"overflow_frac": lay.overflow_frac, "absmax": lay.absmax, "dtype": fmt},
         )
