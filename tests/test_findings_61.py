@@ -250,3 +250,42 @@ def test_a_feature_extractors_overflow_is_not_advised_as_a_prediction(tmp_path: 
     assert "targets" not in errors[0]["advice"] and "float32" in errors[0]["advice"]
     layers = {lay["name"]: lay for lay in report["layers"]}
     assert layers["backbone.2"]["model_output"] and "head.0" in layers["backbone.2"]["consumers"]
+
+
+class _Float32Block(nn.Module):
+    """A block kept in float32 whose output goes inf (by float32's own max) at step 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return self.lin(x.float()) * self.gain
+
+
+def test_the_table_stars_no_real_overflow_of_a_float32_layer() -> None:
+    # Review 60b: '*' marks a what-if (a float32 layer's values as if cast to float16); a
+    # float32 output that held inf itself showed its overflow starred all the same.
+    from amp_doctor.sinks.text import layer_table
+
+    torch.manual_seed(0)
+    block = _Float32Block()
+    model = nn.Sequential(nn.Linear(8, 8), block, nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for step in range(4):
+            block.gain = 1e39 if step == 2 else 1.0
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 8)).float().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    s = w.session
+    lay = next(lay for lay in s.layers if lay.name == "1")
+    assert lay.what_if and lay.nonfinite_steps == 1 and lay.overflow_frac > 0.5
+    row = next(line.split() for line in layer_table(s).splitlines() if line.startswith("1 "))
+    assert row[5].endswith("%") and row[6].endswith("%*"), row  # overflow real, underflow what-if

@@ -271,7 +271,9 @@ def layer_table(s: Session, max_layers: int = MAX_LAYERS, fmt: str = "simple") -
             max(lay.grad_nonfinite_steps, lay.param_grad_nonfinite_steps))
         gu = shown_grad_underflow(lay)
         star = "*" if lay.what_if else ""
-        over, under = F.pct(lay.overflow_frac) + star, F.pct(lay.underflow_frac) + star
+        # A float32 output that held inf/NaN itself overflowed for real (review 60b).
+        over_star = star if not lay.nonfinite_steps else ""
+        over, under = F.pct(lay.overflow_frac) + over_star, F.pct(lay.underflow_frac) + star
         mask_max = neg_inf_mask(lay, low, s)
         if mask_max is not None:
             over = "-inf mask"
@@ -305,8 +307,9 @@ _TABLE_KEY = (
     f"{RISK_HEADROOM_BITS:g} bits (least first), then the largest underflow share (of "
     "outputs or gradients). headroom: bits between the largest |output| and the format's "
     "max (< 0 = overflow). overflow / underflow: share of output values beyond the max / "
-    "below the smallest normal (* = what-if for a float32 layer). grad underflow: the same "
-    "for its output gradients, as scaled (a float32 layer: for its weight gradients; - if it "
+    "below the smallest normal (* = what-if for a float32 layer; no * on the overflow of "
+    "one whose output held inf/NaN itself). grad underflow: the same for its output "
+    "gradients, as scaled (a float32 layer: for its weight gradients; - if it "
     "has none; 'N% zero' when nearly all were exactly zero, flushed or zero already). "
     f"{NONFINITE_HEADER}: how many recorded steps had inf or "
     "NaN in the outputs / in the gradients."
