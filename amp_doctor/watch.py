@@ -952,11 +952,19 @@ class Watch:
 
     def _on_step_after_unscale(self, params: list[torch.Tensor],
                                found: list[torch.Tensor]) -> None:
-        buf = self._buffer
-        if buf is None or self._probes is None:
-            return  # an unrecorded step: what NaN weights make next is seen later
+        if self._probes is None:
+            return
         with own_ops:
-            self._probes.check_grads_after_unscale(params, found, buf)
+            got = self._probes.grads_after_unscale(params, found)
+            if got is None:
+                return
+            bad, first, layers = got
+            # Every step: the run's first such step, read with a recorded step's copy or
+            # at the end; a recorded step also keeps which layer's gradient was first.
+            self._loop.note_applied(bad, self.step_index)
+            buf = self._buffer
+            if buf is not None:
+                buf.add_applied_after_unscale(bad, first, layers)
 
     def _on_skip(self, params: list[torch.Tensor]) -> None:
         """A GradScaler skipped a step: name the layers whose grads are not finite."""
@@ -1277,6 +1285,8 @@ class Watch:
         # The run's one read of its batch checks, dropped forwards and NaN/inf losses.
         self._totals = self._loop.run_totals(
             want_loss=self._folder.any_loss_bad or dropped_inputs)
+        if self._totals.applied_first is not None:
+            self._folder.note_applied_first(self._totals.applied_first)
         if anomaly is not None:
             events.extend(anomaly.events(training_clean=dropped_inputs and self._ended_well()
                                          and not self._folder.any_loss_bad

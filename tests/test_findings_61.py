@@ -23,7 +23,8 @@ import sys
 import torch, torch.nn as nn, torch.nn.functional as F
 torch.manual_seed(0)
 torch.set_num_threads(1)
-SIGMA = float(sys.argv[1])  # the noise's scale at step 0 (nan: a sigma computed as 0/0)
+SIGMA = float(sys.argv[1])  # the noise's scale at step AT (nan: a sigma computed as 0/0)
+AT = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 scaler = torch.amp.GradScaler("cpu")
@@ -37,7 +38,7 @@ for step in range(6):
     scaler.unscale_(opt)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     for p in model.parameters():
-        p.grad = p.grad + torch.randn_like(p.grad) * (SIGMA if step == 0 else 0.01)
+        p.grad = p.grad + torch.randn_like(p.grad) * (SIGMA if step == AT else 0.01)
     scaler.step(opt)
     scaler.update()
     print(step, float(loss.detach()))
@@ -64,6 +65,20 @@ def test_nan_noise_added_after_unscale_is_named_at_its_step(tmp_path: Path) -> N
     loss = next(f for f in report["findings"] if f["kind"] == "nonfinite_loss")
     assert loss["severity"] == "info" and loss["step"] == 1
     assert "nonfinite_grads_applied" in loss["advice"]
+
+
+def test_nan_noise_after_unscale_in_a_step_not_recorded_is_named_too(tmp_path: Path) -> None:
+    # Review 61b: at step 3 (every=10 records 0 and 10) the NaN loss from step 4 on was
+    # charged to layer 2 ("an op in its own forward code made it"), with `--fp32 2` next.
+    plain, r, report = diagnose_pair(tmp_path, "noise.py", _NOISE_SCRIPT, ["nan", "3"])
+    assert r.stdout.startswith(plain) and "params nan" in plain
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["step"], f["module"]) for f in errors] == [
+        ("nonfinite_grads_applied", 3, None)]
+    assert errors[0]["data"]["unrecorded"] is True
+    assert "--fp32" not in r.stderr
+    loss = next(f for f in report["findings"] if f["kind"] == "nonfinite_loss")
+    assert loss["severity"] == "info" and loss["step"] == 4
 
 
 def test_finite_noise_after_unscale_and_clipping_is_no_finding(tmp_path: Path) -> None:

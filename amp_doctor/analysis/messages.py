@@ -862,9 +862,15 @@ def _nonfinite_grads_applied(a: MessageArgs) -> str:
     again = int(d.get("occurrences") or 1) - 1
     if d.get("after_unscale"):
         n = int(d.get("grads_bad") or 0)
-        return (f"At step {e.step}, {n} parameter gradient(s) went NaN/inf after the loop's "
-                f"`scaler.unscale_(optimizer)` and before `scaler.step(optimizer)`, first "
-                f"{F.layer(e.module)}'s, while the backward pass gave finite ones. "
+        which = (f"{n} parameter gradient(s) went NaN/inf" + (
+            f" after the loop's `scaler.unscale_(optimizer)` and before "
+            f"`scaler.step(optimizer)`, first {F.layer(e.module)}'s" if e.module else ""))
+        if d.get("unrecorded"):
+            which = ("the gradients went NaN/inf after the loop's "
+                     "`scaler.unscale_(optimizer)` and before `scaler.step(optimizer)` (a "
+                     "step not recorded: which layers' is not known; `--every 1` records "
+                     "every step)")
+        return (f"At step {e.step}, {which}, while the backward pass gave finite ones. "
                 "GradScaler checks the gradients for NaN/inf inside unscale_ only: it found "
                 "none, so its step did not skip this update, and the update took them (the "
                 "weights they touched are NaN/inf from here on). The code between the two "

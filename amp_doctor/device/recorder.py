@@ -110,6 +110,24 @@ class StepBuffer:
         self._scalars[key] = self._scalars[key] + value.detach().reshape(-1)[:1].to(
             device=self._scalars[key].device, dtype=torch.float64)
 
+    def add_applied_after_unscale(self, bad: torch.Tensor, first: torch.Tensor,
+                                  layers: list[str]) -> None:
+        """One optimizer's gradients made NaN/inf after the loop's unscale_ (``bad``, the
+        index of the ``first`` into ``layers``): kept as AFTER_UNSCALE_BAD_KEY and
+        AFTER_UNSCALE_FIRST_KEY, summed over the step's optimizers (the first stays the
+        first optimizer's that had one). Device ops only."""
+        first = first + len(self.after_unscale_layers)
+        prev = self._scalars.get(AFTER_UNSCALE_BAD_KEY)
+        if prev is None:
+            self.put_scalar(AFTER_UNSCALE_BAD_KEY, bad)
+            self.put_scalar(AFTER_UNSCALE_FIRST_KEY, first)
+        else:
+            self.put_scalar(AFTER_UNSCALE_FIRST_KEY, torch.where(
+                prev > 0, self._scalars[AFTER_UNSCALE_FIRST_KEY],
+                first.reshape(-1)[:1].to(prev.device, torch.float64)))
+            self.add_scalar(AFTER_UNSCALE_BAD_KEY, bad)
+        self.after_unscale_layers += layers
+
     def rename(self, mapping: dict[str, str]) -> None:
         """Layers were renamed mid-step (a second model prefixes the first's names)."""
         self.assigned = {(mapping.get(k, k), f): v for (k, f), v in self.assigned.items()}

@@ -50,11 +50,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from amp_doctor.device.recorder import (
-    AFTER_UNSCALE_BAD_KEY,
-    AFTER_UNSCALE_FIRST_KEY,
-    StepBuffer,
-)
+from amp_doctor.device.recorder import StepBuffer
 from amp_doctor.device.stats import nonfinite_since_check
 from amp_doctor.devicework import iter_tensors, without_subclasses
 from amp_doctor.dtypes import LOW_PRECISION_NAMES, dtype_name
@@ -1255,24 +1251,28 @@ class Probes:
         for name, row in zip(names, rows, strict=True):
             buf.assign(name, "param_grad", row)
 
-    def check_grads_after_unscale(self, params: list[torch.Tensor],
-                                  found: list[torch.Tensor], buf: StepBuffer) -> None:
+    def grads_after_unscale(self, params: list[torch.Tensor], found: list[torch.Tensor]
+                            ) -> tuple[torch.Tensor, torch.Tensor, list[str]] | None:
         """Whether the gradients ``scaler.step`` is about to apply went NaN/inf after the
         loop's own ``unscale_`` found none (``found``): noise or a custom clip applied to
-        ``.grad`` in between, which the scaler no longer checks. Kept as two step scalars
-        (see ``stats.nonfinite_since_check``), the layers in ``buf.after_unscale_layers``;
-        the step's summaries of these gradients were taken at that unscale_."""
-        pairs = [(name, p.grad) for p in params
-                 if (name := self.param_owner.get(id(p))) is not None and p.grad is not None
-                 and p.grad.is_floating_point() and p.grad.numel()
-                 and unsummarizable(p.grad) is None]
+        ``.grad`` in between, which the scaler no longer checks. (how many, the index of
+        the first, each one's layer): device counts, see ``stats.nonfinite_since_check``;
+        None when no watched parameter has a gradient. A sparse gradient is read by its
+        values."""
+        pairs: list[tuple[str, torch.Tensor]] = []
+        for p in params:
+            name, g = self.param_owner.get(id(p)), p.grad
+            if name is None or g is None or not g.is_floating_point():
+                continue
+            if g.layout == torch.sparse_coo:
+                g = g._values()
+            if g.numel() and unsummarizable(g) is None:
+                pairs.append((name, g))
         if not pairs:
-            return
+            return None
         pairs.sort(key=lambda ng: str(ng[1].device))  # stable: one run per device
         bad, first = nonfinite_since_check([g for _, g in pairs], found)
-        buf.put_scalar(AFTER_UNSCALE_BAD_KEY, bad)
-        buf.put_scalar(AFTER_UNSCALE_FIRST_KEY, first)
-        buf.after_unscale_layers = [name for name, _ in pairs]
+        return bad, first, [name for name, _ in pairs]
 
     def low_precision_outputs(self) -> set[str]:
         return {d for m in self.layers.values() for d in m.output_dtypes

@@ -34,6 +34,7 @@ from amp_doctor.steps.aggregates import LayerAggregates
 from amp_doctor.steps.history import History
 from amp_doctor.steps.listeners import StepListener, StepRows
 from amp_doctor.steps.loop import (
+    APPLIED_FIRST_KEY,
     INPUT_ABSMAX,
     INPUT_ATTN_MASK,
     LOSS_BAD_FIRST_KEY,
@@ -268,7 +269,11 @@ class StepFolder:
             # No loss scale: a GradScaler would skip such a step (or raise in it), and
             # optimizer.step() on scaled gradients is a misuse with a finding of its own.
             self._note_grads_applied(step, hs, layers, loss)
-        if hs.scalars.get(AFTER_UNSCALE_BAD_KEY) and not skipped and not update_dropped:
+        first_applied = int(hs.scalars.get(APPLIED_FIRST_KEY, -1))
+        if 0 <= first_applied < step:
+            self.note_applied_first(first_applied)  # in a step nobody recorded
+        # (Not ``skipped``: the device count is of the optimizers the scaler did not skip.)
+        if hs.scalars.get(AFTER_UNSCALE_BAD_KEY) and not update_dropped:
             self._note_changed_after_unscale(step, hs.scalars, after_unscale_layers, loss)
         self._last_recorded = step
         rec = StepRecord(step=step, loss=loss, scale=scale, skipped=skipped,
@@ -336,6 +341,16 @@ class StepFolder:
                                         "grads_bad": int(scalars[AFTER_UNSCALE_BAD_KEY]),
                                         "culprits": [module] if module else [],
                                         "occurrences": 1}))
+
+    def note_applied_first(self, step: int) -> None:
+        """An unrecorded ``step``'s update took gradients the loop made NaN/inf after its
+        own unscale_ (the loop's device record of the first such step): its event, no
+        layer known, unless a recorded step's is there already."""
+        if any(e.kind == "nonfinite_grads_applied" for e in self._events):
+            return
+        self._events.append(Event(kind="nonfinite_grads_applied", step=step, module=None,
+                                  data={"after_unscale": True, "unrecorded": True,
+                                        "loss": None, "culprits": [], "occurrences": 1}))
 
     def _note_input_beyond(self, step: int, scalars: dict[str, float], fmt: FormatLimits,
                            origin: str, in_output: bool) -> None:

@@ -25,7 +25,7 @@ from amp_doctor.steps.dropped import DroppedForwards, DroppedTotals
 from amp_doctor.steps.misuse import reaches_params
 
 __all__ = ["LoopSignals", "RunTotals", "INPUT_BAD_CODE", "INPUT_BAD_CODES", "UPDATE_SAMPLE",
-           "PLAIN_LOSS_KEY", "INPUT_ABSMAX", "INPUT_ATTN_MASK"]
+           "PLAIN_LOSS_KEY", "INPUT_ABSMAX", "INPUT_ATTN_MASK", "APPLIED_FIRST_KEY"]
 
 # Pure low-precision training: parameter elements sampled per tensor on a recorded
 # step to see whether the optimizer's update changed them at all.
@@ -47,6 +47,9 @@ INPUT_ATTN_MASK = "input_attn_mask"
 LOSS_BAD_TOTAL_KEY = "loss_bad_total"
 # The first step whose loss was NaN/inf (meaningful once that count is above 0).
 LOSS_BAD_FIRST_KEY = "loss_bad_first"
+# The first step whose update took gradients the loop made NaN/inf after its own
+# scaler.unscale_ (-1: none yet), for a recorded step's host copy.
+APPLIED_FIRST_KEY = "after_unscale_first_step"
 
 
 class RunTotals(NamedTuple):
@@ -57,6 +60,9 @@ class RunTotals(NamedTuple):
     dropped: DroppedTotals | None
     loss_bad: int | None  # steps whose loss was NaN/inf (None: not read, or no loss)
     loss_first: int | None = None  # the first of them (None: not read, or none bad)
+    # The first step whose update took gradients made NaN/inf after unscale_ (None: not
+    # read, or none did).
+    applied_first: int | None = None
 
 
 class LoopSignals:
@@ -79,6 +85,8 @@ class LoopSignals:
         # The step the count left 0 in: overwritten while the count is 0, then kept.
         self._loss_bad_first: torch.Tensor | None = None
         self.loss_steps = 0
+        # APPLIED_FIRST_KEY on the device, kept over the run (see note_applied).
+        self._applied_first: torch.Tensor | None = None
         # The dtypes the losses that reached backward had (a float32 loss needs no advice
         # to compute it in float32; review 55b).
         self.loss_dtypes: set[torch.dtype] = set()
@@ -143,7 +151,18 @@ class LoopSignals:
         if self._loss_bad_total is not None and self._loss_bad_first is not None:
             flags[LOSS_BAD_TOTAL_KEY] = self._loss_bad_total
             flags[LOSS_BAD_FIRST_KEY] = self._loss_bad_first
+        if self._applied_first is not None:
+            flags[APPLIED_FIRST_KEY] = self._applied_first
         return flags
+
+    def note_applied(self, bad: torch.Tensor, step: int) -> None:
+        """``bad`` (a device count) gradients of step ``step`` that the loop made NaN/inf
+        after its own unscale_ are about to be applied: kept as the run's first such
+        step, on the device (one op, no sync), for every step, recorded or not."""
+        first = self._applied_first
+        self._applied_first = (torch.where(bad > 0, step, -1) if first is None else
+                               torch.where((first < 0) & (bad.to(first.device) > 0), step,
+                                           first))
 
     def end_dangling(self, step: int) -> None:
         """At the end of the run: forwards after the last step that ended (a last
@@ -167,8 +186,9 @@ class LoopSignals:
                                     self._loss_bad_first.to(self._loss_bad_total.device)))
         named = [(k, t) for k, t in (("batches", self.batches.device_totals()),
                                      ("dropped", self.dropped.device_totals()),
-                                     ("loss", loss)) if t is not None]
-        if not named or (not want_loss and all(k == "loss" for k, _ in named)):
+                                     ("loss", loss), ("applied", self._applied_first))
+                 if t is not None]
+        if not named or (not want_loss and all(k in ("loss", "applied") for k, _ in named)):
             return RunTotals(None, None, None)
         with own_ops:
             flat = torch.cat([t.reshape(-1).to(named[0][1].device) for _, t in named])
@@ -180,7 +200,8 @@ class LoopSignals:
             self.batches.totals_from(got["batches"]) if "batches" in got else None,
             self.dropped.totals_from(got["dropped"]) if "dropped" in got else None,
             got["loss"][0] if "loss" in got else None,
-            got["loss"][1] if "loss" in got and got["loss"][0] > 0 else None)
+            got["loss"][1] if "loss" in got and got["loss"][0] > 0 else None,
+            got["applied"][0] if "applied" in got and got["applied"][0] >= 0 else None)
 
     def release(self) -> None:
         """Leave no reference to the user's tensors behind."""
