@@ -384,11 +384,15 @@ def _input_unseen(session: Session, lay: LayerSummary) -> str:
             "mode (`--anomaly`) names the op that made it.")
 
 
-def _first_at(lay: LayerSummary) -> str:
+def _first_at(session: Session, lay: LayerSummary) -> str:
     """", first at step N": when a layer's run-long figures began, for a finding that
     stands for the whole run (no step of its own)."""
     first = lay.first_overflow_step
-    return f", first at step {first}" if first is not None and lay.recorded_steps > 1 else ""
+    if first is None or lay.recorded_steps < 2:
+        return ""
+    # With steps between the recorded ones, it may have begun in one of those (review 61b).
+    return (f", first at step {first}" if session.run.every == 1
+            else f", first recorded at step {first}")
 
 
 def _batch_was_fine(session: Session, lay: LayerSummary) -> bool:
@@ -489,7 +493,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
             message=(f"{F.layer(lay.name)} ({lay.type}) output went non-finite (inf/NaN) in "
                      f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps"
-                     f"{_first_at(lay)} "
+                     f"{_first_at(session, lay)} "
                      f"({F.pct(lay.overflow_frac)} of values in the worst step). bfloat16 has "
                      "float32's range, so this is not an overflow of the format: an op in it "
                      "made inf/NaN, or its weights diverged."),
@@ -520,7 +524,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             kind="activation_overflow", severity="error", module=lay.name, op=None, step=None,
             message=(f"{F.layer(lay.name)} ({lay.type}) output went non-finite (inf/NaN) in "
                      f"{lay.nonfinite_steps} of {lay.recorded_steps} recorded steps"
-                     f"{_first_at(lay)} "
+                     f"{_first_at(session, lay)} "
                      f"({F.pct(lay.overflow_frac)} of values in the worst step), while its "
                      + ("finite values were all 0" if made == 0 else
                         f"finite values stayed below {F.num(made)}")
@@ -540,7 +544,7 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             message=(f"{F.layer(lay.name)} ({lay.type}) output overflows {fmt}: "
                      f"{F.pct(lay.overflow_frac)} of values beyond the format's max "
                      f"(worst step{_pooled_calls(lay)}), non-finite in {lay.nonfinite_steps} of "
-                     f"{lay.recorded_steps} recorded steps{_first_at(lay)}." + (
+                     f"{lay.recorded_steps} recorded steps{_first_at(session, lay)}." + (
                          _unconfirmed(session, lay) or _input_unseen(session, lay))
                      + _cast_input(session, lay, fmt)),
             # The model's output past the max: what it predicts is that large. Unless the
