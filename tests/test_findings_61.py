@@ -263,6 +263,8 @@ def test_a_feature_extractors_overflow_is_not_advised_as_a_prediction(tmp_path: 
     errors = [f for f in report["findings"] if f["severity"] == "error"]
     assert [(f["kind"], f["module"]) for f in errors] == [("activation_overflow", "backbone.2")]
     assert "targets" not in errors[0]["advice"] and "float32" in errors[0]["advice"]
+    # It began at step 13; every=10 recorded 20 first (review 61b: "first at step 20").
+    assert "first recorded at step 20" in errors[0]["message"]
     layers = {lay["name"]: lay for lay in report["layers"]}
     assert layers["backbone.2"]["model_output"] and "head.0" in layers["backbone.2"]["consumers"]
 
