@@ -17,7 +17,8 @@ __all__ = ["risk_order"]
 def risk_order(layers: list[LayerSummary]) -> list[LayerSummary]:
     """Worst layers first: the order of the text report and TensorBoard's top-k.
 
-    Non-finite outputs or gradients, then outputs beyond the format's max, then
+    Non-finite outputs or gradients (the layers where they began first), then outputs
+    beyond the format's max, then
     the layers closest to the max (within ``RISK_HEADROOM_BITS``, least headroom
     first), then underflow (largest share first), then the remaining headroom.
     """
@@ -30,6 +31,9 @@ def risk_order(layers: list[LayerSummary]) -> list[LayerSummary]:
         close = head < RISK_HEADROOM_BITS
         return (
             -float(nonfinite > 0),
+            # Of those, the layers whose output went non-finite first in a step: where it
+            # began, before the layers that carried it on (review 61a: the origin 8th).
+            -float(lay.overflow_origin_steps > 0),
             -float(lay.ran_low_precision and lay.overflow_frac > 0),
             0.0 if close else 1.0,
             head if close else -max(lay.underflow_frac, gu),
