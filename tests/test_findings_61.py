@@ -306,3 +306,37 @@ def test_the_table_stars_no_real_overflow_of_a_float32_layer() -> None:
     assert lay.what_if and lay.nonfinite_steps == 1 and lay.overflow_frac > 0.5
     row = next(line.split() for line in layer_table(s).splitlines() if line.startswith("1 "))
     assert row[5].endswith("%") and row[6].endswith("%*"), row  # overflow real, underflow what-if
+
+
+class _ZeroNorm(nn.Module):
+    """y / its norm with an epsilon float16 rounds to 0: 0/0 = NaN, y being all zero (a
+    dead input); its backward sends NaN to the layers before it (NaN x 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 0.0
+        return y / (y.pow(2).mean(-1, keepdim=True) + 1e-8).sqrt()
+
+
+def test_the_layer_where_nan_began_leads_the_table() -> None:
+    # Review 61a: a PixelNorm whose eps is 0 in float16 made NaN (no overflow, only NaN);
+    # the layers before it, whose gradients were NaN, ranked above it, the origin 8th.
+    from amp_doctor.analysis.risk import risk_order
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), _ZeroNorm(),
+                          nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().mean()
+            opt.zero_grad()
+            loss.backward()
+            for p in model.parameters():
+                p.grad.nan_to_num_(0.0)  # the weights stay finite
+            opt.step()
+    s = w.session
+    lay = {x.name: x for x in s.layers}
+    assert lay["3"].overflow_origin_steps == 3 and lay["3"].overflow_frac == 0
+    assert lay["0"].grad_nonfinite_steps == 3 and lay["0"].nonfinite_steps == 0
+    assert risk_order(list(s.layers))[0].name == "3"
