@@ -340,3 +340,42 @@ def test_the_layer_where_nan_began_leads_the_table() -> None:
     assert lay["3"].overflow_origin_steps == 3 and lay["3"].overflow_frac == 0
     assert lay["0"].grad_nonfinite_steps == 3 and lay["0"].nonfinite_steps == 0
     assert risk_order(list(s.layers))[0].name == "3"
+
+
+class _ExpAttention(nn.Module):
+    """Causal attention with a -inf mask and a hand-written softmax without the max
+    subtracted: float16's exp overflows past 11.1 on the unmasked scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).split(8, -1)
+        att = (q @ k.transpose(-2, -1)).masked_fill(
+            ~torch.tril(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool)), float("-inf"))
+        e = torch.exp(att)
+        return (e / e.sum(-1, keepdim=True)) @ x
+
+
+def test_anomaly_mode_names_an_overflow_beside_a_minus_inf_mask() -> None:
+    # Review 61a: the exp's inputs held the mask's -inf, so its +inf was taken for one
+    # passed on: "saw no op make NaN/Inf", and raise mode did not stop.
+    torch.manual_seed(0)
+    model = nn.Sequential(_ExpAttention(), nn.Linear(8, 4))
+    with torch.no_grad():
+        model[0].qk.weight.mul_(8.0)  # scores up to ~100
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch(model, anomaly=True, tensorboard=False) as w:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(2, 6, 8)).float().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    errors = [f for f in w.session.findings if f.severity == "error"]
+    assert [(f.kind, f.op, f.module) for f in errors] == [("nonfinite_forward", "aten.exp", "0")]
+    assert "overflowed the format" in errors[0].message
+    assert "torch.softmax" in errors[0].advice and "mask" not in errors[0].advice

@@ -500,12 +500,32 @@ _RANGES_SAID = 4
 
 
 def inputs_held_inf(d: dict[str, object]) -> bool:
-    """An origin's inputs held an inf (it made NaN from them: a softmax over a row that
-    a -inf mask covers whole), rather than being finite."""
+    """An origin's inputs held an inf it made NaN of (a softmax over a row that a -inf
+    mask covers whole), rather than being finite. Not an op that made +inf of the finite
+    values beside a mask's -inf (see :func:`overflowed_past_mask`): that inf is its own."""
+    return any_input_inf(d) and not overflowed_past_mask(d)
+
+
+def any_input_inf(d: dict[str, object]) -> bool:
+    """An op's recorded inputs held an inf (so they were not all finite)."""
     ranges = d.get("input_ranges")
     values = ([v for r in ranges for v in r] if isinstance(ranges, list)
               else [d.get("input_min"), d.get("input_max")])
     return any(isinstance(v, (int, float)) and math.isinf(v) for v in values)
+
+
+def overflowed_past_mask(d: dict[str, object]) -> bool:
+    """An op made +inf and no NaN while its inputs' only non-finite values were -inf (an
+    exp of masked attention scores): the +inf came from the finite values, an overflow
+    of the op itself (review 61a)."""
+    if not d.get("pos_inf") or d.get("nan"):
+        return False
+    ranges = d.get("input_ranges")
+    pairs = (ranges if isinstance(ranges, list)
+             else [[d.get("input_min"), d.get("input_max")]])
+    values = [v for r in pairs for v in r if isinstance(v, (int, float))]
+    return (any(v == -math.inf for v in values)
+            and not any(v == math.inf or math.isnan(v) for v in values))
 
 
 
@@ -529,7 +549,7 @@ def zero_denominator(op: str | None, d: dict[str, object]) -> bool:
 def _op_range(d: dict[str, object]) -> str:
     if d.get("input_absmax") is None:
         return ""
-    finite = "inputs without NaN" if inputs_held_inf(d) else "finite inputs"
+    finite = "inputs without NaN" if any_input_inf(d) else "finite inputs"
     ranges = d.get("input_ranges")
     if isinstance(ranges, list) and len(ranges) > 1:
         # Several inputs: each its own range (a float16 denominator of exactly 0 beside a
@@ -955,6 +975,9 @@ def _nonfinite_forward(a: MessageArgs) -> str:
     elif inputs_held_inf(d):
         tail = (" An inf came in (a -inf mask, or an inf passed on), and this op made "
                 "NaN of it (inf - inf, 0 * inf)." + tail)
+    elif overflowed_past_mask(d):
+        tail = (" Its input held -inf too (a mask), but the +inf came from its finite "
+                "values: the op itself overflowed the format." + tail)
     if (big := scalar_beyond(d)) is not None:
         tail = (f" One of its inputs is a single value, {_num(big)}, beyond {d.get('dtype')}'s "
                 f"max: a 0-dim tensor (a learned scale or temperature, the exp of a "

@@ -68,10 +68,10 @@ class EventLog:
 def one_line(ev: Event) -> str:
     """The ``NonFiniteError`` message: where, what, and analysis's fix for it."""
     from amp_doctor.analysis.analyze import event_advice  # analysis sits above anomaly in the flow
-    from amp_doctor.analysis.messages import cast_overflow, inputs_held_inf
+    from amp_doctor.analysis.messages import any_input_inf, cast_overflow
 
     d = ev.data
-    held_inf = inputs_held_inf(d)
+    held_inf = any_input_inf(d)
     where = f"module {ev.module!r}" if ev.module else "code outside the watched model"
     what = "NaN" if d.get("nan") else ("+inf" if d.get("pos_inf") else "-inf")
     at = f" at {ev.frame}" if ev.frame else ""

@@ -33,6 +33,9 @@ _MASK_OPS = frozenset({"aten._to_copy", "aten.copy_", "aten.add"})
 # The lowest finite values an additive mask is filled with (``(1 - mask) *
 # torch.finfo(dtype).min``, as Hugging Face models do), as the float32 summaries hold them.
 _MASK_FILLS = (torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min)
+# Ops that make +inf of a mask's -inf itself, not of its finite values.
+_SIGN_OPS = frozenset({"aten.neg", "aten.abs", "aten.pow", "aten.square", "aten.rsub",
+                       "aten.sub", "aten.reciprocal"})
 
 
 class Summary(NamedTuple):
@@ -122,10 +125,16 @@ def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, tor
     bad_out = torch.where(sel, bad_data[oi], bad_any[oi])
     # In backward, NaN from an inf is what follows a scaled gradient's overflow (inf - inf),
     # which the GradScaler skips: the overflow is the origin there.
-    nan_out = nan[oi] & upload([int(b) for b in is_forward], dev).bool()[oo]
+    fwd = upload([int(b) for b in is_forward], dev).bool()[oo]
+    nan_out = nan[oi] & fwd
+    # +inf made in the forward pass by an op that does not flip signs (an exp of masked
+    # scores: review 61a, a hand-written softmax overflowing float16 past the -inf mask).
+    flips = upload([int(e.op in _SIGN_OPS) for e in entries], dev).bool()[oo]
+    pos_inf_out = (rows[oi, 1] == math.inf) & fwd & ~flips
     zeros = torch.zeros(n, dtype=torch.float32, device=dev)
     out_bad = zeros.index_add(0, oo, bad_out.float()) > 0
     out_nan = zeros.index_add(0, oo, nan_out.float()) > 0
+    out_pos_inf = zeros.index_add(0, oo, pos_inf_out.float()) > 0
     flags = out_bad
     if in_idx:
         owner = upload(in_owner, dev)
@@ -135,8 +144,8 @@ def origin_flags(w: OpWindow, entries: list[OpEntry]) -> tuple[torch.Tensor, tor
         # both signs, and its own op is the origin, earlier in the pass).
         in_masked = zeros.index_add(0, owner, (nan | (rows[:, 1] == math.inf))[ins].float()) == 0
         # An op that made NaN from such inputs is one too: a softmax over a row that the
-        # mask covers whole.
-        flags = (out_bad & ~in_bad) | (out_nan & in_masked)
+        # mask covers whole; and one that made +inf of them, from their finite values.
+        flags = (out_bad & ~in_bad) | ((out_nan | out_pos_inf) & in_masked)
     # One line per input of a cast or a sum of masks (the first of a sum holds the fill).
     masking = [(i, e.ins[0], e.outs[0]) for i, e in enumerate(entries)
                if e.op in _MASK_OPS and e.ins and e.outs]
