@@ -672,6 +672,8 @@ def test_a_group_of_findings_counts_the_layers_the_cap_left_out() -> None:
     from amp_doctor.sinks.text import FindingGroup, _md_group
     worst_capped = FindingGroup(tuple(reversed(group.findings)))
     assert worst_capped.lead.data["more_like_it"] == 8
+    # Review 61a: the JSON names the layers the cap left out.
+    assert worst_capped.lead.data["more_modules"] == [f"l{i}" for i in range(8, 16)]
     for block in (_group_block(worst_capped), _md_group(worst_capped)):
         assert "more like it" not in block and "8 more not listed" in block, block
         assert "l7 underflows." in block

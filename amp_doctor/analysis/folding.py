@@ -743,7 +743,11 @@ def cap_per_kind(findings: list[Finding]) -> list[Finding]:
         if len(fs) > MAX_PER_KIND:
             last = fs[MAX_PER_KIND - 1]
             rest = len(fs) - MAX_PER_KIND + 1
+            # The layers cut are named in the data: a JSON reader sees every one (review
+            # 61a: 16 layers in the text, 8 findings in the JSON).
+            cut = [f.module for f in fs[MAX_PER_KIND:] if f.module]
             out[-1] = Finding(**{**last.__dict__, "count": rest,
                                   "message": last.message + f" (and {rest - 1} more like it)",
-                                  "data": {**last.data, "more_like_it": rest - 1}})
+                                  "data": {**last.data, "more_like_it": rest - 1,
+                                           "more_modules": cut}})
     return out
