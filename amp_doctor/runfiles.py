@@ -4,6 +4,7 @@ check that it takes files, and the claim of one run on it while it writes there.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import socket
@@ -52,7 +53,9 @@ def text_report_path(d: Path) -> Path:
     try:
         with path.open(encoding="utf-8", errors="replace") as f:
             head = f.read(len(_TEXT_HEAD))
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except IsADirectoryError:
+        return d / OWN_TEXT_NAME  # a folder of that name is not ours to replace
+    except (FileNotFoundError, NotADirectoryError):
         return path
     except OSError:
         return path  # unreadable: writing it says why
@@ -67,6 +70,11 @@ def make_writable_dir(d: Path) -> None:
     probe = d / f".amp-doctor-write-test-{os.getpid()}"
     probe.write_text("")
     probe.unlink()
+    if (d / JSON_NAME).is_dir():
+        # The JSON report's own name taken by a folder: the run's end could not write it
+        # (review 61b: found only after the script had run).
+        raise IsADirectoryError(errno.EISDIR, f"{JSON_NAME} in it is a folder",
+                                str(d / JSON_NAME))
 
 
 # Held in a run folder while a run writes there: two runs into one folder would mix

@@ -379,3 +379,25 @@ def test_anomaly_mode_names_an_overflow_beside_a_minus_inf_mask() -> None:
     assert [(f.kind, f.op, f.module) for f in errors] == [("nonfinite_forward", "aten.exp", "0")]
     assert "overflowed the format" in errors[0].message
     assert "torch.softmax" in errors[0].advice and "mask" not in errors[0].advice
+
+
+def test_a_logdir_whose_report_names_are_folders(tmp_path: Path) -> None:
+    # Review 61b: a folder named amp_doctor.json in the logdir was found only after the
+    # script had run, and the JSON was lost; one named report.txt lost the text report.
+    import subprocess
+
+    from tests.helpers import console_script
+
+    (tmp_path / "s.py").write_text("print('ran')\n")
+    (tmp_path / "dj" / "amp_doctor.json").mkdir(parents=True)
+    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", "--logdir",
+                        "dj", "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "ran" not in r.stdout
+    assert r.stderr.strip().splitlines() == [
+        f"amp-doctor: error: cannot write to logdir '{tmp_path / 'dj'}' (amp_doctor.json in "
+        "it is a folder); pass a writable directory with --logdir."]
+    (tmp_path / "dr" / "report.txt").mkdir(parents=True)
+    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", "--logdir",
+                        "dr", "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ran" in r.stdout
+    assert (tmp_path / "dr" / "amp_doctor_report.txt").read_text().startswith("amp-doctor ")
