@@ -20,7 +20,8 @@ except ImportError:  # Windows: no flock(2); the named process's liveness decide
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["JSON_NAME", "SUBDIR", "LOCK_NAME", "TEXT_NAME", "OWN_TEXT_NAME", "check_run_dir_free",
-           "claim_run_dir", "make_writable_dir", "reused_run_note", "text_report_path"]
+           "claim_run_dir", "make_writable_dir", "relocated_run_dir", "reused_run_note",
+           "text_report_path"]
 
 # The machine-readable report: Session.to_json(), read back by `report`, `compare`, merges.
 JSON_NAME = "amp_doctor.json"
@@ -75,6 +76,21 @@ def make_writable_dir(d: Path) -> None:
         # (review 61b: found only after the script had run).
         raise IsADirectoryError(errno.EISDIR, f"{JSON_NAME} in it is a folder",
                                 str(d / JSON_NAME))
+
+
+def relocated_run_dir(d: Path) -> Path | None:
+    """A new folder beside ``d`` for the run's reports when ``d`` is no longer a folder
+    (the script replaced it with a file: a "clean old logs" step gone wrong), or None
+    when ``d`` is a folder or gone (then it is made again). The first free name of
+    ``<d>-amp-doctor``, ``<d>-amp-doctor-2``..."""
+    if not d.exists() or d.is_dir():
+        return None
+    for i in range(1, 1000):
+        new = d.with_name(f"{d.name}-amp-doctor" + (f"-{i}" if i > 1 else ""))
+        if not new.exists():
+            make_writable_dir(new)
+            return new
+    return None
 
 
 # Held in a run folder while a run writes there: two runs into one folder would mix

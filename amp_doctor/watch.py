@@ -72,7 +72,13 @@ from amp_doctor.hooks.probes import COMPILED_NOTE, Probes, in_reentrant_checkpoi
 from amp_doctor.hooks.replacement import ReplacementSearch
 from amp_doctor.hooks.tensorkinds import input_label
 from amp_doctor.records import AmpConfig, Event, RunInfo, Session
-from amp_doctor.runfiles import JSON_NAME, claim_run_dir, make_writable_dir, reused_run_note
+from amp_doctor.runfiles import (
+    JSON_NAME,
+    claim_run_dir,
+    make_writable_dir,
+    relocated_run_dir,
+    reused_run_note,
+)
 from amp_doctor.steps.batches import MASK_CODES, mask_codes
 from amp_doctor.steps.folder import GRAD_SCALE_KEY, StepFolder, StepListener, skip_culprits
 from amp_doctor.steps.loop import INPUT_BAD_CODE, INPUT_BAD_CODES, LoopSignals, RunTotals
@@ -1515,8 +1521,16 @@ class Watch:
 
         assert self.logdir is not None
         deleted = not self.logdir.is_dir()
+        moved_from = None
         if deleted:  # by the script (shutil.rmtree("runs") to clear old TensorBoard logs)
-            _make_logdir(self.logdir)
+            try:
+                new = relocated_run_dir(self.logdir)
+            except OSError:
+                new = None
+            if new is not None:  # a file in its place: the reports go beside it
+                moved_from, self.logdir = self.logdir, new
+            else:
+                _make_logdir(self.logdir)
         try:
             write_json(session, self.logdir / JSON_NAME)
         finally:
@@ -1525,7 +1539,12 @@ class Watch:
                 with warnings.catch_warnings(record=True) as parts:
                     warnings.simplefilter("always")
                     self._tb.finish(session)
-            if deleted:
+            if moved_from is not None:
+                warnings.warn(f"amp-doctor: {moved_from} was replaced by a file while the "
+                              f"run was on (by the script?): its TensorBoard events are "
+                              f"lost; the reports are written to {self.logdir} instead.",
+                              RuntimeWarning, stacklevel=3)
+            elif deleted:
                 warnings.warn(f"amp-doctor: {self.logdir} was deleted while the run was on "
                               "(by the script?): its TensorBoard events are lost; the "
                               "reports are written there again.", RuntimeWarning, stacklevel=3)

@@ -10,6 +10,7 @@ error with nothing to fix; the step that did it, and what did it, were not named
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -401,3 +402,42 @@ def test_a_logdir_whose_report_names_are_folders(tmp_path: Path) -> None:
                         "dr", "s.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ran" in r.stdout
     assert (tmp_path / "dr" / "amp_doctor_report.txt").read_text().startswith("amp-doctor ")
+
+
+_CLOBBER = '''
+import shutil, sys
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    if step == 2:  # a "clean old logs" step gone wrong: the logdir becomes a file
+        shutil.rmtree("logs", ignore_errors=True)
+        open("logs", "w").write("x")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+sys.exit(4)
+'''
+
+
+def test_a_logdir_the_script_replaced_with_a_file(tmp_path: Path) -> None:
+    # Review 61b: "internal error ... Please report this bug" and two "could not write"
+    # lines, and no report anywhere. One note, the user's exit code, the reports beside.
+    import subprocess
+
+    from tests.helpers import console_script
+
+    (tmp_path / "s.py").write_text(_CLOBBER)
+    r = subprocess.run([console_script(), "diagnose", "-q", "--logdir", "logs", "s.py"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4, r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("amp-doctor:")]
+    assert len([x for x in said if "logs" in x and "replaced by a file" in x]) == 1, said
+    assert not [x for x in said if "error" in x], said
+    moved = tmp_path / "logs-amp-doctor"
+    assert (moved / "report.txt").read_text().startswith("amp-doctor ")
+    assert json.loads((moved / "amp_doctor.json").read_text())["run"]["exit_code"] == 4

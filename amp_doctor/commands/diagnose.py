@@ -59,6 +59,7 @@ from amp_doctor.runfiles import (
     TEXT_NAME,
     check_run_dir_free,
     claim_run_dir,
+    relocated_run_dir,
     text_report_path,
 )
 
@@ -583,6 +584,16 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
     if meta["outcome"] == "completed" and doctor.stopped_at is not None:
         meta["outcome"] = "stopped"  # by --stop-after: the script did not end on its own
     doctor.set_run_meta(**meta)
+    try:
+        moved = relocated_run_dir(run_dir) if ranks is None else None
+    except OSError:
+        moved = None
+    if moved is not None:
+        # Review 61b: three lines, one of them "internal error ... report this bug".
+        console.echo(f"amp-doctor: note: {run_dir} was replaced by a file while the script "
+                     f"ran (a cleanup of old logs?): the reports are written to {moved} "
+                     "instead; the run's TensorBoard events are lost.")
+        doctor.logdir = run_dir = logdir = moved
     try:
         with warnings.catch_warnings(record=True) as said, _workers_ending_quietly():
             warnings.simplefilter("always")
