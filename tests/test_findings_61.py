@@ -441,3 +441,44 @@ def test_a_logdir_the_script_replaced_with_a_file(tmp_path: Path) -> None:
     moved = tmp_path / "logs-amp-doctor"
     assert (moved / "report.txt").read_text().startswith("amp-doctor ")
     assert json.loads((moved / "amp_doctor.json").read_text())["run"]["exit_code"] == 4
+
+
+class _PaddedAttention(nn.Module):
+    """Self-attention with a -inf key-padding mask: a batch with an empty document masks a
+    whole row, whose softmax is 0/0 = NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).split(8, -1)
+        att = (q @ k.transpose(-2, -1)).masked_fill(pad[:, None, :], float("-inf"))
+        return torch.softmax(att, -1) @ x
+
+
+def test_a_nan_that_recurs_after_its_origin_was_found_is_that_origins() -> None:
+    # Review 61a: the op-level search named the masked softmax at its second occurrence;
+    # the third, which it no longer looked at, was "did not recur", an unlocated NaN.
+    torch.manual_seed(0)
+    att, head = _PaddedAttention(), nn.Linear(8, 2)
+    opt = torch.optim.SGD([*att.parameters(), *head.parameters()], lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch({"att": att, "head": head}, anomaly=True, tensorboard=False) as w:
+        for step in range(30):
+            pad = torch.zeros(2, 5, dtype=torch.bool)
+            if step in (7, 12, 17, 22, 27):
+                pad[0] = True  # an empty document
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = head(att(torch.randn(2, 5, 8), pad)).float().mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    fs = w.session.findings
+    errors = [f for f in fs if f.severity == "error"]
+    assert [(f.kind, f.op) for f in errors] == [("nonfinite_forward", "aten._softmax")]
+    unlocated = [f for f in fs if f.kind == "nonfinite_unlocated"]
+    assert unlocated and all(f.data.get("follow_on_of") == errors[0].module
+                             and "aten._softmax" in f.advice for f in unlocated)
+    assert any("most likely the same cause" in c for c in errors[0].data["consequences"])

@@ -273,6 +273,12 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             root = next((e for e in errors if e.kind == "nonfinite_input" and e is not f
                          and any(e.data.get(k) for k in ("inf", "pos_inf", "neg_inf"))
                          and f.step in steps_of(e)), None)
+        if root is None and f.kind == "nonfinite_unlocated" and not f.data.get("raise_mode"):
+            # NaN/inf again in steps the op-level search did not see, beside an origin it
+            # did find (review 61a: "did not recur", below the masked softmax it named): most
+            # likely the same cause, sporadic (an empty document now and then).
+            root = next((e for e in errors if e.kind in ("nonfinite_forward",
+                                                         "nonfinite_input")), None)
         if (root is None and f.kind == "nonfinite_output_dropped"
                 and dropped_cause(f.data) == "model"):
             # The steps the loop dropped went NaN where a found forward origin makes it.
@@ -284,6 +290,8 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                                                    "nonfinite_loss"):
                 # Its own advice is for a cause of its own (the culprit layer in float32):
                 # the root's is the fix (review 51: a backoff of a NaN batch).
+                f = replace(f, advice=_follow_advice(root))
+            elif f.kind == "nonfinite_unlocated":
                 f = replace(f, advice=_follow_advice(root))
             f = _with(f, "info", follow_on_of=root.module)
             if f.kind == "nonfinite_loss":
@@ -726,6 +734,9 @@ def _consequence(f: Finding) -> str:
     if f.kind == "nonfinite_output_dropped":
         return (f"the model's output was NaN/inf in {d.get('steps_bad')} more step(s), "
                 "which the loop dropped before backward")
+    if f.kind == "nonfinite_unlocated":
+        return (f"NaN/inf again from step {f.step}, in steps the op-level search did not "
+                "look at (most likely the same cause, recurring)")
     return f.kind
 
 
