@@ -482,3 +482,24 @@ def test_a_nan_that_recurs_after_its_origin_was_found_is_that_origins() -> None:
     assert unlocated and all(f.data.get("follow_on_of") == errors[0].module
                              and "aten._softmax" in f.advice for f in unlocated)
     assert any("most likely the same cause" in c for c in errors[0].data["consequences"])
+
+
+def test_nan_the_loop_adds_to_grad_without_a_scaler_is_not_called_a_backward_nan() -> None:
+    # Review 61b: bfloat16, no GradScaler, NaN added to .grad before the step: "the
+    # gradients went NaN/inf in the backward pass", where every output gradient was finite.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for step in range(4):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(8, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if step == 1:
+                model[2].weight.grad.add_(float("nan"))
+            opt.step()
+    f = next(f for f in w.session.findings if f.kind == "nonfinite_grads_applied")
+    assert f.severity == "error" and f.step == 1 and f.module == "2"
+    assert f.data["weights_only"] is True
+    assert "backward pass of step" not in f.message and "custom clip" in f.message

@@ -896,9 +896,20 @@ def _nonfinite_grads_applied(a: MessageArgs) -> str:
                 "weights they touched are NaN/inf from here on). The code between the two "
                 "calls made them: noise added to `.grad`, a custom clip or rescale."
                 + (f" It happened in {again} later recorded step(s) too." if again else ""))
-    return (f"The gradients went NaN/inf in the backward pass of step {e.step}, first in "
+    went = (f"The gradients went NaN/inf in the backward pass of step {e.step}, first in "
             f"{F.layer(e.module)}'s gradients (in backward order"
-            + (f"; then {', '.join(culprits[:6])}" if culprits else "") + "), while "
+            + (f"; then {', '.join(culprits[:6])}" if culprits else "") + ")")
+    where = ("A layer's output gradient is made by the backward of the layer that uses "
+             "its output, so the op that made it is there or in the loss's gradient.")
+    if d.get("weights_only"):
+        went = (f"At step {e.step} the weights' gradients of {F.layer(e.module)}"
+                + (f" (then {', '.join(culprits[:6])})" if culprits else "")
+                + " were NaN/inf when the optimizer stepped, every layer's output gradient "
+                "finite")
+        where = ("A weight-gradient op of the backward pass made them (the input times an "
+                 "output gradient), or the loop's own code between backward and the step: "
+                 "noise added to `.grad`, a custom clip.")
+    return (went + ", while "
             + ("the loss" + (f" ({F.num(loss)})" if isinstance(loss, float) else "")
                + " was finite (the forward pass that made these gradients ran under "
                "torch.func, vmap or grad, whose values amp-doctor cannot read: an "
@@ -907,9 +918,7 @@ def _nonfinite_grads_applied(a: MessageArgs) -> str:
                + (f" ({F.num(loss)})" if isinstance(loss, float) else "") + " were finite")
             + ". Nothing skipped that step (no GradScaler is on): its update "
             "took them, which makes the weights it touched NaN/inf unless the loop drops "
-            "such gradients itself. A layer's output gradient is made by the backward of "
-            "the layer that uses its output, so the op that made it is there or in the "
-            "loss's gradient."
+            f"such gradients itself. {where}"
             + (f" It happened in {again} later recorded step(s) too." if again else ""))
 
 

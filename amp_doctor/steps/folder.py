@@ -319,10 +319,14 @@ class StepFolder:
         if e is not None:
             e.data["occurrences"] = int(e.data["occurrences"]) + 1
             return
+        # Every output gradient finite, only the weights' went bad: a weight-gradient op,
+        # or the loop's own code between backward and the update (review 61b: NaN noise
+        # read as "went NaN/inf in the backward pass").
+        weights_only = not layers.where(layers.column(GRAD, NONFINITE) > 0)
         self._events.append(Event(kind="nonfinite_grads_applied", step=step,
                                   module=culprits[0], data={
                                       "culprits": culprits[:MAX_CULPRITS_KEPT], "loss": loss,
-                                      "occurrences": 1}))
+                                      "occurrences": 1, "weights_only": weights_only}))
 
     def _note_changed_after_unscale(self, step: int, scalars: Mapping[str, float],
                                     layers: Sequence[str], loss: float | None) -> None:
