@@ -961,7 +961,8 @@ class Watch:
         if self._probes is None:
             return
         with own_ops:
-            got = self._probes.grads_after_unscale(params, found)
+            got = self._probes.grads_after_unscale(params, found,
+                                                   named=self._buffer is not None)
             if got is None:
                 return
             bad, first, layers = got

@@ -1251,28 +1251,46 @@ class Probes:
         for name, row in zip(names, rows, strict=True):
             buf.assign(name, "param_grad", row)
 
-    def grads_after_unscale(self, params: list[torch.Tensor], found: list[torch.Tensor]
-                            ) -> tuple[torch.Tensor, torch.Tensor, list[str]] | None:
+    def grads_after_unscale(self, params: list[torch.Tensor], found: list[torch.Tensor],
+                            named: bool) -> tuple[torch.Tensor, torch.Tensor, list[str]] | None:
         """Whether the gradients ``scaler.step`` is about to apply went NaN/inf after the
         loop's own ``unscale_`` found none (``found``): noise or a custom clip applied to
         ``.grad`` in between, which the scaler no longer checks. (how many, the index of
         the first, each one's layer): device counts, see ``stats.nonfinite_since_check``;
-        None when no watched parameter has a gradient. A sparse gradient is read by its
-        values."""
-        pairs: list[tuple[str, torch.Tensor]] = []
+        None when no parameter has a gradient it can read. A sparse gradient is read by
+        its values. ``named``: each gradient's layer is wanted (a recorded step); else the
+        list is empty, and the check is one pass over the parameters (every step pays it)."""
+        owner = self.param_owner
+        grads: list[torch.Tensor] = []
+        names: list[str] = []
         for p in params:
-            name, g = self.param_owner.get(id(p)), p.grad
-            if name is None or g is None or not g.is_floating_point():
+            g = p.grad
+            if g is None or not g.is_floating_point():
                 continue
-            if g.layout == torch.sparse_coo:
+            if g.layout != torch.strided:
+                if g.layout != torch.sparse_coo:
+                    continue
                 g = g._values()
-            if g.numel() and unsummarizable(g) is None:
-                pairs.append((name, g))
-        if not pairs:
+            # Not a tensor subclass's (a DTensor's norm would be a collective).
+            if not g.numel() or type(g) is not torch.Tensor:
+                continue
+            if named:
+                name = owner.get(id(p))
+                if name is None or unsummarizable(g) is not None:
+                    continue
+                names.append(name)
+            grads.append(g)
+        if not grads:
             return None
-        pairs.sort(key=lambda ng: str(ng[1].device))  # stable: one run per device
-        bad, first = nonfinite_since_check([g for _, g in pairs], found)
-        return bad, first, [name for name, _ in pairs]
+        if len({g.device for g in grads}) > 1:  # one run per device, in a stable order
+            order = sorted(range(len(grads)), key=lambda i: str(grads[i].device))
+            grads = [grads[i] for i in order]
+            names = [names[i] for i in order] if named else names
+        try:
+            bad, first = nonfinite_since_check(grads, found)
+        except (RuntimeError, NotImplementedError):
+            return None  # a dtype _foreach_norm does not take (float8): no check, no harm
+        return bad, first, names
 
     def low_precision_outputs(self) -> set[str]:
         return {d for m in self.layers.values() for d in m.output_dtypes
