@@ -503,3 +503,30 @@ def test_nan_the_loop_adds_to_grad_without_a_scaler_is_not_called_a_backward_nan
     assert f.severity == "error" and f.step == 1 and f.module == "2"
     assert f.data["weights_only"] is True
     assert "backward pass of step" not in f.message and "custom clip" in f.message
+
+
+def test_a_sparse_gradient_made_nan_after_unscale_is_seen() -> None:
+    # Review 61b: a sparse embedding gradient made NaN after unscale_ was left out of the
+    # check (sparse tensors are not summarised): "an op in emb's own forward code".
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(50, 8, sparse=True), nn.Linear(8, 2)
+    o_sp = torch.optim.SparseAdam(list(emb.parameters()), lr=1e-2)
+    o_head = torch.optim.SGD(head.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with amp_doctor.watch({"emb": emb, "head": head}, every=1, tensorboard=False) as w:
+        for step in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = head(emb(torch.randint(0, 50, (4, 3))).mean(1)).float().pow(2).mean()
+            for o in (o_sp, o_head):
+                o.zero_grad()
+            scaler.scale(loss).backward()
+            for o in (o_sp, o_head):
+                scaler.unscale_(o)
+            if step == 1:
+                emb.weight.grad = emb.weight.grad * float("nan")  # still sparse
+            for o in (o_sp, o_head):
+                scaler.step(o)
+            scaler.update()
+    f = next(f for f in w.session.findings if f.kind == "nonfinite_grads_applied")
+    assert (f.severity, f.step, f.module) == ("error", 1, "emb")
+    assert f.data["after_unscale"] is True
