@@ -530,3 +530,22 @@ def test_a_sparse_gradient_made_nan_after_unscale_is_seen() -> None:
     f = next(f for f in w.session.findings if f.kind == "nonfinite_grads_applied")
     assert (f.severity, f.step, f.module) == ("error", 1, "emb")
     assert f.data["after_unscale"] is True
+
+
+def test_a_disabled_scaler_is_told_to_be_enabled_not_created() -> None:
+    # Review 61a: "Create `scaler = torch.amp.GradScaler(...)`" to a loop that has one,
+    # made with enabled=False ("not needed on CPU").
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().mean() * 1e-6
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    fs = [f for f in w.session.findings if f.kind == "missing_scaler"]
+    assert fs and all("enabled=True" in f.advice and "Create" not in f.advice for f in fs)

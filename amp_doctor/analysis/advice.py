@@ -149,6 +149,15 @@ ADVICE: dict[str, str] = {
         "`scaler = torch.amp.GradScaler(device_type)` and use `scaler.scale(loss).backward()`, "
         "`scaler.step(optimizer)`, `scaler.update()`; or use `dtype=torch.bfloat16`."
     ),
+    # The same, for a loop whose GradScaler is there but disabled (review 61a: "Create
+    # `scaler = ...`" to a script that had one).
+    "missing_scaler_disabled": (
+        "float16 autocast with a disabled GradScaler lets small gradients flush to zero. "
+        "Enable it: `torch.amp.GradScaler(device_type, enabled=True)` for the device the "
+        "model trains on (`torch.cuda.amp.GradScaler()` disables itself without CUDA); the "
+        "loop's `scaler.scale(loss).backward()`, `scaler.step(optimizer)` and "
+        "`scaler.update()` then work as they are. Or use `dtype=torch.bfloat16`."
+    ),
     # The same, for float16 weights (`model.half()`): a GradScaler refuses their gradients.
     "missing_scaler_half_params": (
         "Small gradients flush to zero in float16, and a GradScaler cannot help while the "

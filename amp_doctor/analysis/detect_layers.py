@@ -693,6 +693,8 @@ def _layer_findings(session: Session, lay: LayerSummary, fmt: str,
             message=f"{F.layer(lay.name)} ({lay.type}): {what}.",
             advice=ADVICE["missing_scaler_half_params" if half else
                           "gradient_underflow_tiny_loss" if tiny is not None and scaled
+                          else "missing_scaler_disabled" if kind == "missing_scaler"
+                          and session.scaler is not None and not session.scaler.enabled
                           else kind],
             # The figures the message gives, of the one gradient it names (``gradient``):
             # a weight gradient's absmax is as the optimizer gets it, unscaled.
