@@ -549,3 +549,54 @@ def test_a_disabled_scaler_is_told_to_be_enabled_not_created() -> None:
             scaler.update()
     fs = [f for f in w.session.findings if f.kind == "missing_scaler"]
     assert fs and all("enabled=True" in f.advice and "Create" not in f.advice for f in fs)
+
+
+# A VAE whose logvar head starts at 12: float16's exp(logvar) overflows in the loop's KL
+# term; the loss is summed in float16 too, so the loss scale's own cast (65536 > 65504)
+# is the first backward op to overflow at step 0.
+_VAE = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+torch.set_num_threads(1)
+class VAE(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.enc = nn.Sequential(nn.Linear(32, 64), nn.SiLU())
+        s.mu, s.logvar = nn.Linear(64, 8), nn.Linear(64, 8)
+        s.dec = nn.Linear(8, 32)
+    def forward(s, x):
+        h = s.enc(x)
+        mu, logvar = s.mu(h), s.logvar(h)
+        return s.dec(mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)), mu, logvar
+model = VAE()
+with torch.no_grad():
+    model.logvar.bias.fill_(12.0)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(12):
+    x = torch.randn(16, 32)
+    with torch.autocast("cpu", dtype=torch.float16):
+        recon, mu, logvar = model(x)
+        rec = F.mse_loss(recon, x, reduction="sum") / x.shape[0]
+        kl = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / x.shape[0]
+        loss = rec + kl
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+print("scale", scaler.get_scale())
+'''
+
+
+def test_the_loss_scales_own_cast_is_nothing_to_fix_beside_a_real_error(
+        tmp_path: Path) -> None:
+    # Review 61a: the cast of 1 x 65536 to float16 at step 0 got "keep the loss O(1)" in
+    # the broken run and "nothing to fix" in the healthy one: the same op, line and value.
+    plain, r, report = diagnose_pair(tmp_path, "vae.py", _VAE, [], "--anomaly")
+    assert r.stdout.startswith(plain)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert errors and errors[0]["op"] == "aten.exp"
+    casts = [f for f in report["findings"] if f["kind"] == "nonfinite_backward"
+             and f["op"] == "aten._to_copy" and f["data"].get("input_max") == 65536.0]
+    assert casts and all(f["severity"] == "info" and f["advice"].startswith("Nothing to fix")
+                         for f in casts), [(f["severity"], f["advice"]) for f in casts]

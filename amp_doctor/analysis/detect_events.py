@@ -235,6 +235,12 @@ def event_findings(session: Session) -> Iterable[Finding]:
             # skips by design (its backoff finding says "nothing to fix" too).
             first = dataclasses.replace(first, data={
                 **first.data, "advice": ADVICE["scaled_backward_probe"]})
+        if kind == "nonfinite_backward" and _casts_the_scale(session, first):
+            # The loss's gradient, 1 times the scale, cast to float16 (2^16 > 65504): the
+            # GradScaler's own start, whatever else went wrong in the run (review 61a: "keep
+            # the loss O(1)" here, "nothing to fix" in the healthy run, same op and line).
+            first = dataclasses.replace(first, data={
+                **first.data, "advice": ADVICE["scaled_backward_probe"]})
         arrival = scaled_grad_arrival(session, first) if kind == "nonfinite_backward" else None
         arrived = ""
         if arrival is not None and module is not None:
@@ -351,6 +357,16 @@ def _bad_loss_values(session: Session, steps: list[int]) -> str | None:
 
 # Ops of a Linear, a matmul: what a layer that returns the model's output computes it with.
 PRODUCT_OPS = frozenset({"aten.mm", "aten.addmm", "aten.matmul", "aten.linear", "aten.bmm"})
+
+
+def _casts_the_scale(session: Session, e: Event) -> bool:
+    """A backward cast whose every input value was the step's loss scale itself: the
+    loss's gradient (1) times the scale, cast to a format the scale is beyond."""
+    sc = session.scaler
+    lo, hi = e.data.get("input_min"), e.data.get("input_max")
+    if e.op not in CAST_OPS or sc is None or lo != hi or not isinstance(hi, (int, float)):
+        return False
+    return any(x.step == e.step and x.scale_before == hi for x in sc.events)
 
 
 def _forward_in_torch_func(session: Session) -> bool:
