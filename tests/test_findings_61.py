@@ -600,3 +600,21 @@ def test_the_loss_scales_own_cast_is_nothing_to_fix_beside_a_real_error(
              and f["op"] == "aten._to_copy" and f["data"].get("input_max") == 65536.0]
     assert casts and all(f["severity"] == "info" and f["advice"].startswith("Nothing to fix")
                          for f in casts), [(f["severity"], f["advice"]) for f in casts]
+
+
+def test_sys_exit_with_a_message_keeps_it_in_the_report(tmp_path: Path) -> None:
+    # Review 61b: `sys.exit("fatal: config wrong")` printed its message and exited 1, and
+    # the JSON said `error: null`.
+    import subprocess
+
+    from tests.helpers import console_script
+
+    (tmp_path / "s.py").write_text(
+        "import sys, torch\nm = torch.nn.Linear(2, 2)\nsys.exit('fatal: config wrong')\n")
+    r = subprocess.run([console_script(), "diagnose", "-q", "--no-tensorboard", "--logdir",
+                        "out", "s.py"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "fatal: config wrong" in r.stderr
+    run = json.loads((tmp_path / "out" / "amp_doctor.json").read_text())["run"]
+    assert (run["outcome"], run["exit_code"], run["error"]) == (
+        "exit", 1, "SystemExit: fatal: config wrong")

@@ -705,6 +705,10 @@ def _run_meta(exc: BaseException | None, code: int, command: list[str],
     elif isinstance(exc, SystemExit):
         # sys.exit(0) / sys.exit(None), as in `sys.exit(main())`, is a normal end.
         outcome = "exit" if code != 0 else "completed"
+        if isinstance(exc.code, str):
+            # sys.exit("fatal: config wrong"): python prints it and exits 1; the report
+            # keeps why (review 61b: `error: null`).
+            error = f"SystemExit: {exc.code}"
     elif exc is not None:
         outcome = "exception"
         error = F.error_line(exc)
