@@ -618,3 +618,49 @@ def test_sys_exit_with_a_message_keeps_it_in_the_report(tmp_path: Path) -> None:
     run = json.loads((tmp_path / "out" / "amp_doctor.json").read_text())["run"]
     assert (run["outcome"], run["exit_code"], run["error"]) == (
         "exit", 1, "SystemExit: fatal: config wrong")
+
+
+# A linear probe: the model stays in eval mode (its frozen backbone's BatchNorm-like
+# statistics), only the head trains; from step 6 on the training batches overflow the
+# backbone in float16.
+_LINEAR_PROBE = '''
+import torch
+from torch import nn
+torch.manual_seed(0)
+torch.set_num_threads(1)
+class Net(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.backbone = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64))
+        s.head = nn.Linear(64, 5)
+model = Net()
+for p in model.backbone.parameters():
+    p.requires_grad_(False)
+model.eval()
+model.head.train()
+opt = torch.optim.SGD(model.head.parameters(), lr=1e-2)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(10):
+    x = torch.randn(16, 16) * (3e4 if step >= 6 else 1.0)
+    y = torch.randint(0, 5, (16,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        with torch.no_grad():
+            feats = model.backbone(x)
+        loss = nn.functional.cross_entropy(model.head(feats).float(), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+print("scale", scaler.get_scale())
+'''
+
+
+def test_a_linear_probes_frozen_backbone_is_the_steps_work(tmp_path: Path) -> None:
+    # Review 61c: the model in eval mode with only its head training read as a validation
+    # loop: the backbone's overflow was charged to the head ("--fp32 head").
+    plain, r, report = diagnose_pair(tmp_path, "probe.py", _LINEAR_PROBE, [], "--every", "1")
+    assert r.stdout.startswith(plain)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert errors and errors[0]["module"].startswith("backbone"), [
+        (f["kind"], f["module"]) for f in errors]
+    assert "--fp32 head" not in r.stderr

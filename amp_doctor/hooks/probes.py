@@ -306,12 +306,15 @@ def in_reentrant_checkpoint() -> bool:
 
 def _frozen_part_call(module: nn.Module, root: nn.Module | None) -> bool:
     """A call of ``module`` under no_grad (not inference_mode) whose parameters, it has
-    some, take no gradient, while its model ``root`` is in train mode: a frozen part
-    whose outputs feed the trained part. With the model in eval mode it is a validation
-    loop's call (a frozen backbone in a training step may be in eval mode itself, for
-    its BatchNorm, but the model around it is not)."""
-    if (torch.is_grad_enabled() or torch.is_inference_mode_enabled()
-            or (root is not None and not root.training)):
+    some, take no gradient, while its model ``root`` trains: a frozen part whose outputs
+    feed the trained part. With the model and each of its parts in eval mode it is a
+    validation loop's call. A frozen backbone in a training step may be in eval mode
+    itself (for its BatchNorm), and a linear probe may leave the model in eval mode with
+    only its head in train mode (review 61c): some part of it trains."""
+    if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return False
+    if root is not None and not root.training and not any(
+            c.training for c in root.children()):
         return False
     params = list(module.parameters())
     return bool(params) and not any(p.requires_grad for p in params)
