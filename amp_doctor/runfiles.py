@@ -79,17 +79,20 @@ def make_writable_dir(d: Path) -> None:
 
 
 def relocated_run_dir(d: Path) -> Path | None:
-    """A new folder beside ``d`` for the run's reports when ``d`` is no longer a folder
-    (the script replaced it with a file: a "clean old logs" step gone wrong), or None
-    when ``d`` is a folder or gone (then it is made again). The first free name of
-    ``<d>-amp-doctor``, ``<d>-amp-doctor-2``..."""
-    if not d.exists() or d.is_dir():
+    """A new folder for the run's reports when ``d``, or a folder above it, is a file now
+    (the script replaced it: a "clean old logs" step gone wrong), or None when ``d`` is a
+    folder or was only deleted (then it is made again). The file's first free sibling
+    ``<name>-amp-doctor``, ``<name>-amp-doctor-2``..., with the rest of ``d``'s path
+    under it."""
+    blocker = next((a for a in (d, *d.parents) if a.exists()), None)
+    if blocker is None or blocker.is_dir():
         return None
+    rest = d.relative_to(blocker)
     for i in range(1, 1000):
-        new = d.with_name(f"{d.name}-amp-doctor" + (f"-{i}" if i > 1 else ""))
+        new = blocker.with_name(f"{blocker.name}-amp-doctor" + (f"-{i}" if i > 1 else ""))
         if not new.exists():
-            make_writable_dir(new)
-            return new
+            make_writable_dir(new / rest)
+            return new / rest
     return None
 
 

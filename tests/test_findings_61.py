@@ -413,8 +413,8 @@ model = nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(4):
     if step == 2:  # a "clean old logs" step gone wrong: the logdir becomes a file
-        shutil.rmtree("logs", ignore_errors=True)
-        open("logs", "w").write("x")
+        shutil.rmtree(sys.argv[1], ignore_errors=True)
+        open(sys.argv[1], "w").write("x")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(torch.randn(8, 4)).float().pow(2).mean()
     opt.zero_grad()
@@ -432,15 +432,19 @@ def test_a_logdir_the_script_replaced_with_a_file(tmp_path: Path) -> None:
     from tests.helpers import console_script
 
     (tmp_path / "s.py").write_text(_CLOBBER)
-    r = subprocess.run([console_script(), "diagnose", "-q", "--logdir", "logs", "s.py"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 4, r.stderr
-    said = [line for line in r.stderr.splitlines() if line.startswith("amp-doctor:")]
-    assert len([x for x in said if "logs" in x and "replaced by a file" in x]) == 1, said
-    assert not [x for x in said if "error" in x], said
-    moved = tmp_path / "logs-amp-doctor"
-    assert (moved / "report.txt").read_text().startswith("amp-doctor ")
-    assert json.loads((moved / "amp_doctor.json").read_text())["run"]["exit_code"] == 4
+    # The logdir itself, and (review 61c) a folder above it.
+    for logdir, clobbered, moved in (("logs", "logs", "logs-amp-doctor"),
+                                     ("top/amp", "top", "top-amp-doctor/amp")):
+        r = subprocess.run([console_script(), "diagnose", "-q", "--logdir", logdir, "s.py",
+                            clobbered], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 4, r.stderr
+        said = [line for line in r.stderr.splitlines() if line.startswith("amp-doctor:")]
+        assert len([x for x in said if "replaced by a file" in x]) == 1, said
+        assert not [x for x in said if "error" in x], said
+        out = tmp_path / moved
+        assert (out / "report.txt").read_text().startswith("amp-doctor ")
+        assert json.loads((out / "amp_doctor.json").read_text())["run"]["exit_code"] == 4
 
 
 class _PaddedAttention(nn.Module):

@@ -590,9 +590,10 @@ def _finish(doctor: Any, exc: BaseException | None, command: list[str],
         moved = None
     if moved is not None:
         # Review 61b: three lines, one of them "internal error ... report this bug".
-        console.echo(f"amp-doctor: note: {run_dir} was replaced by a file while the script "
-                     f"ran (a cleanup of old logs?): the reports are written to {moved} "
-                     "instead; the run's TensorBoard events are lost.")
+        console.echo(f"amp-doctor: note: {run_dir} (or a folder above it) was replaced by a "
+                     f"file while the script ran (a cleanup of old logs?): the reports are "
+                     f"written to {moved} instead"
+                     + ("; the run's TensorBoard events are lost." if tensorboard else "."))
         doctor.logdir = run_dir = logdir = moved
     try:
         with warnings.catch_warnings(record=True) as said, _workers_ending_quietly():
