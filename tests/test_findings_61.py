@@ -668,3 +668,46 @@ def test_a_linear_probes_frozen_backbone_is_the_steps_work(tmp_path: Path) -> No
     assert errors and errors[0]["module"].startswith("backbone"), [
         (f["kind"], f["module"]) for f in errors]
     assert "--fp32 head" not in r.stderr
+
+
+# Two towers, two optimizers, one scaler; one clip over both towers' parameters. At step
+# 6 tower A's gradients overflow: unscale_ finds it for A's optimizer (skipped), but the
+# shared clip's NaN norm makes B's gradients NaN after B's unscale_ found none.
+_TWO_TOWERS = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+torch.set_num_threads(1)
+A = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+B = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+oA, oB = torch.optim.SGD(A.parameters(), lr=0.01), torch.optim.SGD(B.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(14):
+    xa = torch.randn(16, 16) * (300.0 if step == 6 else 1.0)
+    y = torch.randn(16, 1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.mse_loss(A(xa).float(), y) + F.mse_loss(B(torch.randn(16, 16)).float(), y)
+    oA.zero_grad()
+    oB.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.unscale_(oA)
+    scaler.unscale_(oB)
+    torch.nn.utils.clip_grad_norm_([*A.parameters(), *B.parameters()], 1.0)
+    scaler.step(oA)
+    scaler.step(oB)
+    scaler.update()
+print("scale", scaler.get_scale())
+'''
+
+
+def test_a_shared_clip_that_poisons_the_other_optimizer_is_one_error(tmp_path: Path) -> None:
+    # Review 61c: nonfinite_grads_applied at the step, and beside it a scale_collapse
+    # error "fix the culprit layer A.0" for the backoffs the NaN weights made after it.
+    plain, r, report = diagnose_pair(tmp_path, "tt.py", _TWO_TOWERS, [])
+    assert r.stdout.startswith(plain)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["step"]) for f in errors] == [("nonfinite_grads_applied", 6)]
+    assert "several optimizers" in errors[0]["message"]
+    collapse = [f for f in report["findings"] if f["kind"] == "scale_collapse"]
+    assert all(f["severity"] == "info" for f in collapse)

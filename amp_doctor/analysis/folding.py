@@ -510,9 +510,15 @@ def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
     # backoffs of that very step, and the scaled gradients' overflow in its backward (what
     # the scaler would have skipped, applied), are its too.
     loop = root.kind in _BAD_STEPS[:3]
+    # Gradients the loop made NaN after unscale_: a collapse that runs on after that step
+    # is the NaN weights' skips, wherever its run of backoffs began (review 61c: one that
+    # began at the scaler's start-up, or at the very step, read as a cause of its own).
+    after_unscale = bool(root.data.get("after_unscale"))
     later = [f for f in out if f.kind in _AFTER_NAN_WEIGHTS and f.severity != "info"
              and (f.step is None or f.step > root.step or loop and f.step == root.step and
-                  f.kind in ("scaler_backoff", "scale_collapse", "nonfinite_backward"))
+                  f.kind in ("scaler_backoff", "scale_collapse", "nonfinite_backward")
+                  or after_unscale and f.kind in ("scaler_backoff", "scale_collapse")
+                  and max(steps_of(f), default=-1) > root.step)
              and f is not root]
     if not later:
         return out

@@ -894,7 +894,9 @@ def _nonfinite_grads_applied(a: MessageArgs) -> str:
                 "GradScaler checks the gradients for NaN/inf inside unscale_ only: it found "
                 "none, so its step did not skip this update, and the update took them (the "
                 "weights they touched are NaN/inf from here on). The code between the two "
-                "calls made them: noise added to `.grad`, a custom clip or rescale."
+                "calls made them: noise added to `.grad`, a custom clip or rescale, or one "
+                "`clip_grad_norm_` over several optimizers' parameters while one of them had "
+                "inf gradients (its NaN total norm scales every other gradient to NaN)."
                 + (f" It happened in {again} later recorded step(s) too." if again else ""))
     went = (f"The gradients went NaN/inf in the backward pass of step {e.step}, first in "
             f"{F.layer(e.module)}'s gradients (in backward order"
