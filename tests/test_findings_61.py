@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -359,13 +360,15 @@ class _ExpAttention(nn.Module):
         return (e / e.sum(-1, keepdim=True)) @ x
 
 
-def test_anomaly_mode_names_an_overflow_beside_a_minus_inf_mask() -> None:
+@pytest.mark.parametrize("gain", [3.0, 12.0])
+def test_anomaly_mode_names_an_overflow_beside_a_minus_inf_mask(gain: float) -> None:
     # Review 61a: the exp's inputs held the mask's -inf, so its +inf was taken for one
-    # passed on: "saw no op make NaN/Inf", and raise mode did not stop.
+    # passed on: "saw no op make NaN/Inf", and raise mode did not stop. Review 61c: past
+    # x = 88.7 float32 overflows too, and "compute it in float32" does not help.
     torch.manual_seed(0)
     model = nn.Sequential(_ExpAttention(), nn.Linear(8, 4))
     with torch.no_grad():
-        model[0].qk.weight.mul_(8.0)  # scores up to ~100
+        model[0].qk.weight.mul_(gain)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")
     with amp_doctor.watch(model, anomaly=True, tensorboard=False) as w:
@@ -380,6 +383,11 @@ def test_anomaly_mode_names_an_overflow_beside_a_minus_inf_mask() -> None:
     assert [(f.kind, f.op, f.module) for f in errors] == [("nonfinite_forward", "aten.exp", "0")]
     assert "overflowed the format" in errors[0].message
     assert "torch.softmax" in errors[0].advice and "mask" not in errors[0].advice
+    top = errors[0].data["input_max"]
+    if gain < 5:
+        assert 11.1 < top < 88.7 and "float32" in errors[0].advice, top
+    else:
+        assert top > 88.7 and errors[0].advice.startswith("exp overflows past x = 88.7"), top
 
 
 def test_a_logdir_whose_report_names_are_folders(tmp_path: Path) -> None:

@@ -588,6 +588,10 @@ def spread_nan(op: str | None, d: dict[str, object]) -> bool:
     return op in SPREAD_OPS and _nan_only(d)
 
 
+# ln(float32's max): exp of anything larger is inf in float32 and bfloat16 alike.
+EXP_FLOAT32_LIMIT = 88.72
+
+
 def advice_for(kind: str, dtype: str | None = None) -> str:
     """The fix for a finding of ``kind`` in a run whose low-precision format is ``dtype``."""
     if dtype == "bfloat16" and kind in ADVICE_BF16:
@@ -624,6 +628,15 @@ def event_advice(e: Event, dtype: str | None = None) -> str:
     if e.kind == "nonfinite_grads_applied" and e.data.get("after_unscale"):
         # The loop's code did it, in any format: not "add a GradScaler" to a loop with one.
         return ADVICE["nonfinite_grads_after_unscale"]
+    top = e.data.get("input_max")
+    if (e.kind == "nonfinite_forward" and e.op == "aten.exp" and isinstance(top, (int, float))
+            and top > EXP_FLOAT32_LIMIT):
+        # Past float32's (and bfloat16's) own limit: no format change helps (review 61c:
+        # "compute it in float32" to an exp of 276 in a bfloat16 run).
+        return ("exp overflows past x = 88.7 in float32 too, and this input reached "
+                f"{top:.3g}: no format holds its exp. Subtract the row's max first "
+                "(`torch.softmax` and `torch.logsumexp` do), or clamp the input "
+                "(`x.clamp(max=...)`, as for a log-variance).")
     if e.kind == "nonfinite_forward" and inputs_held_inf(e.data):
         # Not a precision problem: float32 or bfloat16 make the same NaN of an inf.
         if e.op in SOFTMAX_OPS:
