@@ -719,3 +719,49 @@ def test_a_shared_clip_that_poisons_the_other_optimizer_is_one_error(tmp_path: P
     assert "several optimizers" in errors[0]["message"]
     collapse = [f for f in report["findings"] if f["kind"] == "scale_collapse"]
     assert all(f["severity"] == "info" for f in collapse)
+
+
+# Distillation: a frozen teacher in eval mode, run under no_grad, whose over-confident
+# logits overflow float16; its output feeds the loss only.
+_KD = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+torch.set_num_threads(1)
+teacher = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10))
+with torch.no_grad():
+    teacher[2].weight.mul_(1e5)
+teacher.eval()
+for p in teacher.parameters():
+    p.requires_grad_(False)
+student = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
+opt = torch.optim.AdamW(student.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(12):
+    x = torch.randn(16, 16) * (8.0 if step >= 5 else 1.0)
+    y = torch.randint(0, 10, (16,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        with torch.no_grad():
+            t = teacher(x)
+        s = student(x)
+        loss = F.cross_entropy(s.float(), y) + F.kl_div(
+            F.log_softmax(s.float(), -1), F.softmax(t.float(), -1), reduction="batchmean")
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+print("scale", scaler.get_scale())
+'''
+
+
+def test_a_frozen_teachers_overflow_is_the_one_error(tmp_path: Path) -> None:
+    # Review 61c: the teacher's overflow with "standardise the targets", and beside it a
+    # nonfinite_loss error saying every watched output was finite.
+    plain, r, report = diagnose_pair(tmp_path, "kd.py", _KD, [])
+    assert r.stdout.startswith(plain)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["module"]) for f in errors] == [("activation_overflow", "teacher.2")]
+    assert "targets" not in errors[0]["advice"]
+    loss = next(f for f in report["findings"] if f["kind"] == "nonfinite_loss")
+    assert loss["severity"] == "info"

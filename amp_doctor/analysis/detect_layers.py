@@ -319,10 +319,18 @@ def predicts(session: Session, lay: LayerSummary) -> bool:
     """``lay`` returns its model's output, and that output is what the loop predicts
     with: not a frozen feature extractor's, which another watched model takes as its
     input (review 60b: a backbone's overflow advised to standardise regression targets)."""
-    if not lay.model_output:
+    if not lay.model_output or frozen_output(lay):
         return False
     own = _model_of(session, lay.name)
     return not any(_model_of(session, c) != own for c in lay.consumers)
+
+
+def frozen_output(lay: LayerSummary) -> bool:
+    """A model's output layer that never got a gradient: a frozen model's (a distillation
+    teacher's, run under no_grad), whose output feeds the loss but is not trained."""
+    return (lay.model_output and lay.recorded_steps > 0 and lay.grad_absmax is None
+            and lay.grad_nonfinite_steps == 0 and lay.param_grad_absmax is None
+            and lay.param_grad_nonfinite_steps == 0)
 
 
 def _model_of(session: Session, name: str) -> str | None:

@@ -16,6 +16,7 @@ from dataclasses import replace
 from amp_doctor import format as F
 from amp_doctor.analysis.advice import ADVICE
 from amp_doctor.analysis.dataflow import layers_before
+from amp_doctor.analysis.detect_layers import frozen_output
 from amp_doctor.analysis.detect_scaler import normal_backoff_steps
 from amp_doctor.analysis.messages import (
     CAST_OPS,
@@ -219,6 +220,12 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
                 collapse if collapse is not None and collapse.severity == "error"
                 and collapse.data.get("loss_too_large")
                 and not collapse.data.get("loss_nonfinite") else None)
+        if root is None and f.kind == "nonfinite_loss" and _made_in_loss_code(f):
+            # A frozen model's output (a teacher's logits) overflowed: it feeds the loss
+            # only, and the step that showed the loss NaN may not have recorded it (review
+            # 61c: "every watched layer's output was finite" beside the teacher's error).
+            root = next((e for e in errors if e.kind == "activation_overflow" and e.module
+                         and e.module in lay_by and frozen_output(lay_by[e.module])), None)
         if root is None and f.kind == "nonfinite_loss" and isinstance(origin, str):
             # It first showed in a layer fed by an origin whose only non-finite values
             # were -inf (a log of 0 in a weightless front end): the loss's origin skips
