@@ -348,6 +348,12 @@ class Watch:
         self._update_dropped = False
         # The model (its id) called under no_grad as the step's companion, until it returns.
         self._companion: int | None = None
+        # A watched root's forward with grad on in eval mode since the last boundary (a
+        # validation pass with grad, or training after a forgotten model.train()); once a
+        # backward followed one in a step no train-mode forward ran in, the step it was
+        # first seen in: from then on such forwards are training (review 61c).
+        self._eval_grad_forward = False
+        self._eval_trains_since: int | None = None
         self._holds_interrupts = False  # see hooks.interrupts
 
     @property
@@ -853,8 +859,10 @@ class Watch:
         the loop calls itself (counted as its model's call)."""
         # (A model run whole through a reentrant checkpoint trains under no_grad.)
         rows: torch.Tensor | None = None  # the batch's (min, max) rows, once checked
-        training = ((torch.is_grad_enabled() or in_reentrant_checkpoint()) and module.training
-                    and not _in_backward())
+        grad_on = (torch.is_grad_enabled() or in_reentrant_checkpoint()) and not _in_backward()
+        training = grad_on and (module.training or self._eval_trains_since is not None)
+        if grad_on and not module.training:
+            self._eval_grad_forward = True
         if not training and self._probes is not None and self._probes.in_companion_call():
             # A frozen teacher run first in the iteration: the step starts with it, or
             # its work would be filed into the step before.
@@ -1039,7 +1047,13 @@ class Watch:
         self._loop.backward = True
         self._bounds.idle = False
         if self._bounds.trained_roots and not self._bounds.step_roots and not self.closed:
-            self._search.untrained_backward(self.step_index)
+            if self._eval_grad_forward and self._eval_trains_since is None:
+                # The model trains in eval mode: model.eval() for a validation pass, and
+                # no model.train() after it. Its forwards are this loop's training ones.
+                self._eval_trains_since = self.step_index
+                self._extra_events.append(_eval_mode_event(self.step_index))
+            else:
+                self._search.untrained_backward(self.step_index)
         if self._probes is not None:
             self._probes.backward_ran()
         if self._implicit_candidate():
@@ -1163,6 +1177,7 @@ class Watch:
         trained = bool(self._bounds.step_roots)
         backward = self._loop.backward and bool(self._bounds.trained_roots)
         ended = self.step_index
+        self._eval_grad_forward = False
         try:
             self._finish_step(partial=False)
         finally:
@@ -1570,6 +1585,19 @@ def watch(model: Models, **kwargs: Any) -> Watch:
     """
     check_option_names(kwargs, Watch.__init__)
     return Watch(model, **kwargs).start()
+
+
+def _eval_mode_event(step: int) -> Event:
+    """The watched model trains in eval mode from ``step`` on (a forgotten model.train())."""
+    return Event(kind="trains_in_eval_mode", step=step, data={
+        "severity": "warning",
+        "message": (f"The watched model ran its training forwards in eval mode from step "
+                    f"{step} on: a backward and an optimizer step followed forwards made "
+                    "after `model.eval()` (a validation pass) with no `model.train()` since. "
+                    "Its Dropout is off and its BatchNorm normalises with running statistics "
+                    "while it trains. amp-doctor takes those forwards for training ones."),
+        "advice": ("Call `model.train()` after each validation pass, before the next "
+                   "training forward.")})
 
 
 def _make_logdir(logdir: Path) -> None:

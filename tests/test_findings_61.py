@@ -765,3 +765,33 @@ def test_a_frozen_teachers_overflow_is_the_one_error(tmp_path: Path) -> None:
     assert "targets" not in errors[0]["advice"]
     loss = next(f for f in report["findings"] if f["kind"] == "nonfinite_loss")
     assert loss["severity"] == "info"
+
+
+def test_training_after_a_forgotten_model_train_is_still_watched() -> None:
+    # Review 61c: after a validation pass (model.eval()) without model.train() after it,
+    # the training forwards in eval mode were taken for evaluation: nothing recorded from
+    # then on, and a false "model_stopped" (the loop trains another module).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    model.train()
+    with amp_doctor.watch(model, every=1, tensorboard=False) as w:
+        for step in range(8):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if step == 2:
+                model.eval()  # validation; model.train() forgotten after it
+                with torch.no_grad():
+                    model(torch.randn(8, 8))
+    s = w.session
+    kinds = {f.kind: f for f in s.findings}
+    assert "model_stopped" not in kinds
+    f = kinds["trains_in_eval_mode"]
+    assert f.severity == "warning" and f.step == 3 and "model.train()" in f.advice
+    lay = next(x for x in s.layers if x.name == "0")
+    assert lay.recorded_steps == 8

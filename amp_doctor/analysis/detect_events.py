@@ -66,6 +66,8 @@ EVENT_SEVERITY: dict[str, Severity] = {
     "no_step_boundary": "warning",
     "model_not_run": "warning",
     "model_stopped": "warning",
+    # Training forwards in eval mode: a model.train() forgotten after validation.
+    "trains_in_eval_mode": "warning",
     "steps_from_backward": "info",
     "lowp_updates_lost": "error",
     "lowp_update_nonfinite": "error",
