@@ -795,3 +795,57 @@ def test_training_after_a_forgotten_model_train_is_still_watched() -> None:
     assert f.severity == "warning" and f.step == 3 and "model.train()" in f.advice
     lay = next(x for x in s.layers if x.name == "0")
     assert lay.recorded_steps == 8
+
+
+# A GAN, one GradScaler started at 2**24 (its first steps overflow, as designed), a clip
+# after each unscale_; at step 7 the loop divides the generator's gradients by 0 after its
+# unscale_: the generator's weights are NaN from then on, and so is every batch of fakes
+# it gives the discriminator.
+_GAN = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+torch.manual_seed(0)
+torch.set_num_threads(1)
+G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+D = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+oG = torch.optim.Adam(G.parameters(), lr=2e-4)
+oD = torch.optim.Adam(D.parameters(), lr=2e-4)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+for step in range(20):
+    real, z = torch.randn(16, 16) + 2, torch.randn(16, 8)
+    oD.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        fake = G(z)
+        lossD = (F.binary_cross_entropy_with_logits(D(real).float(), torch.ones(16, 1))
+                 + F.binary_cross_entropy_with_logits(D(fake.detach()).float(),
+                                                      torch.zeros(16, 1)))
+    scaler.scale(lossD).backward()
+    scaler.unscale_(oD)
+    torch.nn.utils.clip_grad_norm_(D.parameters(), 1.0)
+    scaler.step(oD)
+    oG.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        lossG = F.binary_cross_entropy_with_logits(D(G(z)).float(), torch.ones(16, 1))
+    scaler.scale(lossG).backward()
+    scaler.unscale_(oG)
+    torch.nn.utils.clip_grad_norm_(G.parameters(), 1.0)
+    if step == 7:
+        for p in G.parameters():
+            p.grad.div_(0.0)
+    scaler.step(oG)
+    scaler.update()
+print("scale", scaler.get_scale())
+'''
+
+
+def test_a_gans_fakes_made_nan_by_a_bad_update_are_that_updates(tmp_path: Path) -> None:
+    # Review 61c: under --anomaly, the NaN update of the generator at step 7 beside a
+    # "nonfinite_input D: it came from the data" error (the generator's fakes) and a
+    # scale_collapse error from the scaler's start-up: three errors for one cause.
+    plain, r, report = diagnose_pair(tmp_path, "gan.py", _GAN, [], "--anomaly")
+    assert r.stdout.startswith(plain)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["step"]) for f in errors] == [("nonfinite_grads_applied", 7)]
+    assert all(f["severity"] == "info" for f in report["findings"]
+               if f["kind"] in ("nonfinite_input", "scale_collapse", "nonfinite_unlocated"))

@@ -285,7 +285,9 @@ def fold_follow_ons(session: Session, out: list[Finding]) -> list[Finding]:
             # did find (review 61a: "did not recur", below the masked softmax it named): most
             # likely the same cause, sporadic (an empty document now and then).
             root = next((e for e in errors if e.kind in ("nonfinite_forward",
-                                                         "nonfinite_input")), None)
+                                                         "nonfinite_input")
+                         and e.step is not None and f.step is not None
+                         and e.step <= f.step), None)
         if (root is None and f.kind == "nonfinite_output_dropped"
                 and dropped_cause(f.data) == "model"):
             # The steps the loop dropped went NaN where a found forward origin makes it.
@@ -493,7 +495,10 @@ def _backoffs_of_the_collapse(out: list[Finding]) -> list[Finding]:
 # What a NaN in the weights makes next: outputs, loss, gradients, skipped steps.
 _AFTER_NAN_WEIGHTS = ("nonfinite_loss", "activation_overflow", "nonfinite_unlocated",
                       "nonfinite_forward", "nonfinite_backward", "scaler_backoff",
-                      "scale_collapse", "input_beyond_format")
+                      "scale_collapse", "input_beyond_format",
+                      # A batch one model made for another (a GAN's fakes for its
+                      # discriminator), NaN from the next step on (review 61c).
+                      "nonfinite_input")
 
 
 # An optimizer step that applied what it should not have: scaled gradients, inf/NaN ones
@@ -525,7 +530,10 @@ def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
              and (f.step is None or f.step > root.step or loop and f.step == root.step and
                   f.kind in ("scaler_backoff", "scale_collapse", "nonfinite_backward")
                   or after_unscale and f.kind in ("scaler_backoff", "scale_collapse")
-                  and max(steps_of(f), default=-1) > root.step)
+                  and max(steps_of(f), default=-1) > root.step
+                  # The op-level search that found the weights NaN after that update.
+                  or f.kind == "nonfinite_unlocated"
+                  and (f.data.get("weights_nonfinite_at") or -1) > root.step)
              and f is not root]
     if not later:
         return out
