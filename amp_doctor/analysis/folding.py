@@ -516,25 +516,8 @@ def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
         (f for f in out if f.kind in _BAD_STEPS and f.severity == "error"), None)
     if root is None or root.step is None:
         return out
-    # A layer's finding (no step: the run's aggregate) goes too: from the next step on
-    # the NaN weights make their layer's output NaN, and the next update every other's.
-    # A step taken outside the scaler is the loop's doing from its first step on: the
-    # backoffs of that very step, and the scaled gradients' overflow in its backward (what
-    # the scaler would have skipped, applied), are its too.
-    loop = root.kind in _BAD_STEPS[:3]
-    # Gradients the loop made NaN after unscale_: a collapse that runs on after that step
-    # is the NaN weights' skips, wherever its run of backoffs began (review 61c: one that
-    # began at the scaler's start-up, or at the very step, read as a cause of its own).
-    after_unscale = bool(root.data.get("after_unscale"))
     later = [f for f in out if f.kind in _AFTER_NAN_WEIGHTS and f.severity != "info"
-             and (f.step is None or f.step > root.step or loop and f.step == root.step and
-                  f.kind in ("scaler_backoff", "scale_collapse", "nonfinite_backward")
-                  or after_unscale and f.kind in ("scaler_backoff", "scale_collapse")
-                  and max(steps_of(f), default=-1) > root.step
-                  # The op-level search that found the weights NaN after that update.
-                  or f.kind == "nonfinite_unlocated"
-                  and (f.data.get("weights_nonfinite_at") or -1) > root.step)
-             and f is not root]
+             and f is not root and _follows_bad_update(f, root, root.step)]
     if not later:
         return out
     cons = [f"{f.kind}" + (f" in {F.layer(f.module)}" if f.module else "")
@@ -552,6 +535,28 @@ def _after_a_bad_update(out: list[Finding]) -> list[Finding]:
                 advice=_follow_advice(root))
         result.append(f)
     return result
+
+
+def _follows_bad_update(f: Finding, root: Finding, at: int) -> bool:
+    """Whether ``f`` is a consequence of the bad update ``root`` made at step ``at``."""
+    # A layer's finding (no step: the run's aggregate) goes too: from the next step on
+    # the NaN weights make their layer's output NaN, and the next update every other's.
+    if f.step is None or f.step > at:
+        return True
+    scaler_kinds = ("scaler_backoff", "scale_collapse")
+    if root.kind in _BAD_STEPS[:3] and f.step == at and f.kind in (
+            *scaler_kinds, "nonfinite_backward"):
+        # A step taken outside the scaler is the loop's doing from its first step on: the
+        # backoffs of that very step, and the scaled gradients' overflow in its backward
+        # (what the scaler would have skipped, applied), are its too.
+        return True
+    if root.data.get("after_unscale") and f.kind in scaler_kinds:
+        # Gradients the loop made NaN after unscale_: a collapse that runs on after that
+        # step is the NaN weights' skips, wherever its run of backoffs began (review 61c:
+        # one that began at the scaler's start-up, or at the very step).
+        return max(steps_of(f), default=-1) > at
+    # The op-level search that found the weights NaN after that update.
+    return f.kind == "nonfinite_unlocated" and (f.data.get("weights_nonfinite_at") or -1) > at
 
 
 def _loss_made_aside(out: list[Finding]) -> tuple[Finding, Finding] | None:

@@ -340,21 +340,21 @@ class StepFolder:
         if e is not None:
             e.data["occurrences"] = int(e.data["occurrences"]) + 1
             return
-        self._events.append(Event(kind="nonfinite_grads_applied", step=step, module=module,
-                                  data={"after_unscale": True, "loss": loss,
-                                        "grads_bad": int(scalars[AFTER_UNSCALE_BAD_KEY]),
-                                        "culprits": [module] if module else [],
-                                        "occurrences": 1}))
+        self._applied_after_unscale(step, module, loss=loss,
+                                    grads_bad=int(scalars[AFTER_UNSCALE_BAD_KEY]))
 
     def note_applied_first(self, step: int) -> None:
         """An unrecorded ``step``'s update took gradients the loop made NaN/inf after its
         own unscale_ (the loop's device record of the first such step): its event, no
         layer known, unless a recorded step's is there already."""
-        if any(e.kind == "nonfinite_grads_applied" for e in self._events):
-            return
-        self._events.append(Event(kind="nonfinite_grads_applied", step=step, module=None,
-                                  data={"after_unscale": True, "unrecorded": True,
-                                        "loss": None, "culprits": [], "occurrences": 1}))
+        if not any(e.kind == "nonfinite_grads_applied" for e in self._events):
+            self._applied_after_unscale(step, None, loss=None, unrecorded=True)
+
+    def _applied_after_unscale(self, step: int, module: str | None, **data: Any) -> None:
+        self._events.append(Event(kind="nonfinite_grads_applied", step=step, module=module,
+                                  data={"after_unscale": True, **data,
+                                        "culprits": [module] if module else [],
+                                        "occurrences": 1}))
 
     def _note_input_beyond(self, step: int, scalars: dict[str, float], fmt: FormatLimits,
                            origin: str, in_output: bool) -> None:
