@@ -478,3 +478,37 @@ def test_the_users_modes_see_none_of_filing_and_amp_doctors_own_sees_it_inside_o
     assert users == ["aten.mul.Tensor"]
     assert len(flags) > 2 and flags.count(False) == 1  # only x * 2
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def _aten_counts(fn: Any) -> dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+def test_a_whole_sampled_tensor_gets_its_exact_extremes_from_its_pass_not_an_op_of_its_own() -> None:
+    # Issue 15: ops per tensor are kernel launches on a GPU. A tensor the stage holds
+    # whole (at most SAMPLE_LIMIT values, exact in float32) has its min and max taken
+    # there, by one amin and one amax per run of rows of one length in each pass. A
+    # sampled tensor, and a float64 one (its stage copy is clamped), keep their own
+    # aminmax, also beside whole ones of the same length in one run.
+    g = torch.Generator().manual_seed(5)
+    whole = [torch.randn(S.SAMPLE_LIMIT, generator=g).to(torch.float16) * (i + 1)
+             for i in range(60)]
+    whole[7][11] = math.nan
+    whole[9][0] = -math.inf
+    sampled = [torch.randn(5 * S.SAMPLE_LIMIT, generator=g) for _ in range(6)]
+    wide = [torch.randn(S.SAMPLE_LIMIT, generator=g, dtype=torch.float64) * 1e300
+            for _ in range(4)]
+    ts = whole[:20] + sampled[:3] + whole[20:40] + wide + whole[40:] + sampled[3:]
+    batch = S.Batch()
+    counts = _aten_counts(lambda: [batch.add(t) for t in ts])
+    rows = batch.finish()
+    assert counts.get("aten::aminmax", 0) == len(sampled) + len(wide)
+    assert counts["aten::amin"] == counts["aten::amax"] <= counts["aten::bincount"] + 4
+    assert counts["aten::amin"] < len(whole) // 2
+    _assert_raw_figures(S.host_rows(rows, batch.numel, batch.sampled), ts)
+    assert math.isnan(rows[7, S.MIN].item()) and rows[9, S.MIN].item() == -math.inf
+    assert rows[43, S.MAX].item() == wide[0].max().item()  # beside whole rows of its length

@@ -160,20 +160,28 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
     return _flat(x)[:: sample_stride(n, tuple(x.shape))]
 
 
-# Codes of the batched histogram: the float32 bit pattern shifted right by 22 (an
-# arithmetic shift, so the sign stays) keeps the sign, the 8-bit exponent and the top
-# mantissa bit, which tells a quiet NaN (set) from an inf (clear) in exponent 255.
-# Each row's codes are offset by ``_CODE_BIAS + row * CODES_PER_ROW`` so that one
-# histogram counts a whole pass; the sign is folded away after counting. An exact zero
-# (either sign) gets a code of its own past them, _ZERO_CODE: the pass counts every row's
-# zeros with the histogram, where a ``count_nonzero`` per tensor (per size of parameter
+# Codes of the batched histogram: the float32 bit pattern without its sign, shifted
+# right by 22, keeps the 8-bit exponent and the top mantissa bit, which tells a quiet
+# NaN (set) from an inf (clear) in exponent 255: codes 0-511. An exact zero (either
+# sign) gets a code of its own past them, _ZERO_CODE: the pass counts every row's zeros
+# with the histogram, where a ``count_nonzero`` per tensor (per size of parameter
 # gradient) was one more op each (review of issue 15: a tenth of a recorded step's
-# device ops on a bfloat16 transformer). (A float64 value below float32's least
-# subnormal is staged as 0 and so counted as a zero; it is far below every format's range.)
-_CODE_BIAS = 2 * N_EXP_BINS  # shifted codes are in [-512, 512)
-_ZERO_CODE = 2 * N_EXP_BINS  # shifted, before the bias: 1024 after it
-CODES_PER_ROW = 4 * N_EXP_BINS + 1
+# device ops on a bfloat16 transformer). Each row's codes are offset by
+# ``row * CODES_PER_ROW`` so that one histogram counts a whole pass. (A float64 value
+# below float32's least subnormal is staged as 0 and so counted as a zero; it is far
+# below every format's range.)
+#
+# How the pass makes them, in place but for one bool per value (session 62: 42-54 us
+# a full stage against 112 us, one CPU thread): clear the sign; ``nonzero`` as bools;
+# shift; subtract _CODE_BIAS from every non-zero value, which leaves a zero at 0 and
+# every other code in [-_CODE_BIAS, 0). The row offset then adds _CODE_BIAS back. The
+# code this replaced kept the sign (twice the bins) and marked the zeros with a
+# ``masked_fill_``, the slowest op of the pass on the CPU.
+_CODE_BIAS = 2 * N_EXP_BINS  # the codes of non-zero values are 0-511
+_ZERO_CODE = 2 * N_EXP_BINS
+CODES_PER_ROW = 2 * N_EXP_BINS + 1
 _CODE_SHIFT = 22
+_NO_SIGN = 0x7FFFFFFF
 # Values staged per device before one batched pass (float32: 256 KB).
 STAGE_LIMIT = 1 << 16
 # The stage's least size (float32: 64 KB): four samples, so that a small model's pass
@@ -190,7 +198,7 @@ STAGE_SHARE = 1 / 16
 # while a small model's stage stays at STAGE_MIN (its peak memory is the constraint).
 STAGE_HEAD_START = 1 / 4
 # Rows per pass: bounds the pass's transient histogram (CODES_PER_ROW int64
-# counts per row, 4 MB at 512 rows) and keeps every code exact in float32 for
+# counts per row, 2 MB at 512 rows) and keeps every code exact in float32 for
 # ``histc`` (< 2**24).
 ROWS_PER_PASS = 512
 # A pass's folded histogram row: the N_EXP_BINS exponent bins, then NaNs, the code-0
@@ -207,12 +215,11 @@ _HIST_COLS = N_EXP_BINS + 3
 def _fold_index(device: torch.device) -> torch.Tensor:
     """The column of a pass's folded row for each of a row's CODES_PER_ROW counts."""
     code = torch.arange(CODES_PER_ROW, device="cpu")  # not the user's default device
-    within = code % (2 * N_EXP_BINS)  # the sign folded away
-    exp, top_bit = within // 2, within % 2
+    exp, top_bit = code // 2, code % 2
     col = exp.clone()
     col[(exp == N_EXP_BINS - 1) & (top_bit == 1)] = _H_NANS
     col[(exp == 0) & (top_bit == 0)] = _H_CODE0
-    col[_CODE_BIAS + _ZERO_CODE] = _H_ZEROS
+    col[_ZERO_CODE] = _H_ZEROS
     return col.to(device)
 @functools.cache
 def _row_offsets(device: torch.device) -> torch.Tensor:
@@ -394,8 +401,17 @@ class Batch:
         self._head_start = head_start_bytes
         self.numel: list[int] = []
         self.sampled: list[int] = []
+        # The exact min and max of a sampled tensor (or one whose stage copy is not
+        # exact), from its own ``aminmax``, and the rows they belong to; a whole-sampled
+        # tensor's come from the stage, by its pass (``_stage_extremes``).
         self._mins = _Column()
         self._maxs = _Column()
+        self._own_rows: list[int] = []
+        self._own_in_stage: list[bool] = []  # per row in the stage: its own aminmax
+        # The min and max the passes took from the stage, and the rows they are of.
+        self._stage_rows: list[int] = []
+        self._stage_mins: list[torch.Tensor] = []
+        self._stage_maxs: list[torch.Tensor] = []
         self._stage: torch.Tensor | None = None
         self._used = 0
         self._filed_bytes = 0  # of every tensor filed in this batch, for the stage's size
@@ -432,9 +448,13 @@ class Batch:
                              or len(self._lengths) >= ROWS_PER_PASS):
             with own_ops:  # the pass and a new stage make tensors: the default device
                 self._make_room(x.device)
-        mn, mx = torch.aminmax(x)
-        self._mins.append(mn)
-        self._maxs.append(mx)
+        own = k != x.numel() or x.dtype not in _STAGED_EXACT
+        if own:
+            mn, mx = torch.aminmax(x)
+            self._mins.append(mn)
+            self._maxs.append(mx)
+            self._own_rows.append(len(self.numel))
+        self._own_in_stage.append(own)
         if x.dtype is torch.float64:
             # Beyond float32's range a float64 value would be staged as inf, and counted
             # as one: the largest finite float32 keeps it finite, and beyond every
@@ -463,9 +483,9 @@ class Batch:
         float32: exact in the float32 stage) are filed by shape and dtype, on consecutive
         rows: the tensors of one shape are joined by one ``cat`` (no view per tensor, in
         their own dtype), copied into the stage and reduced there as the lines of a 2-D
-        view (``aminmax`` along a dim), so their exact min and max cost a few ops for all
-        of them, where :meth:`add` pays two per tensor. A model repeats a few parameter
-        shapes (a GPT's 646 are of seven). Others are filed by :meth:`add`.
+        view by their pass (as every whole-sampled tensor is), so their exact min and
+        max cost a few ops for all of them. A model repeats a few parameter shapes (a
+        GPT's 646 are of seven). Others are filed by :meth:`add`.
 
         Why the ``cat`` is not written straight into the stage: on the CPU a ``cat`` of
         float16 or bfloat16 tensors into a float32 ``out`` takes a slow path, about ten
@@ -505,11 +525,9 @@ class Batch:
             seg = stage.narrow(0, self._used, n * k)
             # Joined along the first dimension, each tensor is one block of k values in
             # logical order (``reshape`` copies a channels_last join): a line each.
+            # (Their min and max are the pass's, as for every whole-sampled tensor.)
             seg.copy_(join(ts[i : i + n]).reshape(-1))
-            lines = seg.view(n, k)
-            mn, mx = torch.aminmax(lines, dim=1)
-            self._mins.extend(mn)
-            self._maxs.extend(mx)
+            self._own_in_stage.extend([False] * n)
             self._filed_bytes += n * nbytes
             self._used += n * k
             self._lengths.extend([k] * n)
@@ -533,18 +551,19 @@ class Batch:
             return
         assert self._stage is not None
         dev = self._stage.device
+        runs = _equal_runs(self._lengths)
+        self._extremes_of_stage(runs)
         # The staged values are not needed once coded: code them in place (fresh
         # 256 KB temporaries would each be a new mmap, page-faulted on first touch),
         # in as few sweeps as possible: the stage has gone cold in the cache since.
-        staged = self._stage[: self._used]
-        # (A bool per value: a quarter of the stage, for this pass only. ``logical_not``, not
-        # ``== 0``: the same mask, both zeros and no NaN, at a sixth of the time on the CPU.)
-        zero = torch.logical_not(staged)
-        codes = staged.view(torch.int32)
+        # (See _CODE_BIAS for the steps. The bools are a quarter of the stage, for this
+        # pass only; ``add_`` of bools, as ``sub_`` refuses them.)
+        codes = self._stage[: self._used].view(torch.int32)
+        codes.bitwise_and_(_NO_SIGN)
+        nonzero = codes.to(torch.bool)
         codes >>= _CODE_SHIFT
-        codes.masked_fill_(zero, _ZERO_CODE)
-        del zero
-        runs = _equal_runs(self._lengths)
+        codes.add_(nonzero, alpha=-_CODE_BIAS)
+        del nonzero
         if len(runs) * _ROW_OP_NS <= _STEPS_FIXED_NS + self._used * _STEPS_NS_PER_VALUE:
             # Few runs of rows of one length (a model's blocks repeat their shapes): one
             # in-place add per run, a row's offset per line of a 2-D view; no buffer.
@@ -578,6 +597,27 @@ class Batch:
         self._hists.append(folded.to(torch.int16))
         self._used = 0
         self._lengths = []
+        self._own_in_stage = []
+
+    def _extremes_of_stage(self, runs: list[tuple[int, int]]) -> None:
+        """The min and max of the staged rows that have no ``aminmax`` of their own,
+        taken from the stage before it is coded: exact, as the stage holds such a row's
+        every value exactly. One ``amin`` and one ``amax`` along a dim per run of rows of
+        one length that holds one (:meth:`finish` then puts the others' own over theirs). It
+        replaced an ``aminmax`` and two appends per tensor (session 62)."""
+        assert self._stage is not None
+        first = len(self.numel) - len(self._lengths)  # the stage's first row
+        start = r = 0
+        for k, n in runs:
+            if not all(self._own_in_stage[r : r + n]):
+                # (``amin`` and ``amax``, not ``aminmax(dim=1)``: a sixth of its time on
+                # the CPU for 16 rows of 4,096; both propagate NaN.)
+                lines = self._stage.narrow(0, start, k * n).view(n, k)
+                self._stage_mins.append(lines.amin(1))
+                self._stage_maxs.append(lines.amax(1))
+                self._stage_rows.extend(range(first + r, first + r + n))
+            start += k * n
+            r += n
 
     def release(self) -> None:
         """Count what is staged and free the stage; a later :meth:`add` makes a new one.
@@ -607,8 +647,23 @@ class Batch:
         if not r:
             return out
         rows = out[:r]
-        rows[:, MIN].copy_(self._mins.stacked())
-        rows[:, MAX].copy_(self._maxs.stacked())
+        # Each row's min and max: from the stage, then a row's own over it (a run
+        # that held both kinds took both from the stage).
+        for where, mins, maxs in (
+                (self._stage_rows, self._stage_mins, self._stage_maxs),
+                (self._own_rows, [self._mins.stacked()] if self._own_rows else [],
+                 [self._maxs.stacked()] if self._own_rows else [])):
+            if not where:
+                continue
+            mn = mins[0] if len(mins) == 1 else torch.cat(mins)
+            mx = maxs[0] if len(maxs) == 1 else torch.cat(maxs)
+            if len(where) == r:  # every row, in order
+                rows[:, MIN].copy_(mn)
+                rows[:, MAX].copy_(mx)
+            else:
+                idx = upload(where, dev)
+                rows[:, MIN].index_copy_(0, idx, mn.to(f64))
+                rows[:, MAX].index_copy_(0, idx, mx.to(f64))
         h = torch.cat(self._hists) if len(self._hists) > 1 else self._hists[0]
         rows[:, HIST:].copy_(h[:, :N_EXP_BINS])
         rows[:, NANS].copy_(h[:, _H_NANS])
@@ -618,6 +673,8 @@ class Batch:
         torch.sub(upload(self.sampled, dev), h[:, _H_ZEROS], out=rows[:, ZEROS])
         self._hists = []
         self._mins, self._maxs = _Column(), _Column()
+        self._own_rows, self._stage_rows = [], []
+        self._stage_mins, self._stage_maxs = [], []
         return out
 
 
