@@ -488,7 +488,7 @@ def _aten_counts(fn: Any) -> dict[str, int]:
     return {e.key: e.count for e in prof.key_averages()}
 
 
-def test_a_whole_sampled_tensor_gets_its_exact_extremes_from_its_pass_not_an_op_of_its_own() -> None:
+def test_a_whole_sampled_tensor_gets_its_exact_extremes_from_its_pass_not_its_own_op() -> None:
     # Issue 15: ops per tensor are kernel launches on a GPU. A tensor the stage holds
     # whole (at most SAMPLE_LIMIT values, exact in float32) has its min and max taken
     # there, by one amin and one amax per run of rows of one length in each pass. A

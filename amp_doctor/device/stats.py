@@ -13,13 +13,14 @@ host by :func:`decode`. That is why a layer that ran in float32 gets its
 what-if figures at no extra cost.
 
 Bounded cost per tensor, batched across tensors. A hook pays for
-:meth:`Batch.add`: the exact min and max over the whole tensor (one ``aminmax``
-pass with no temporary) and a copy of a bounded sample into a staging buffer.
-Everything else is batched: one pass over the staging buffer turns the staged
-values of many tensors into histogram codes (sign, exponent and top mantissa bit
-of the float32 bit pattern, or a code of its own for an exact zero, offset by the
-row) and counts them with one histogram,
-and the step's rows are packed by a handful of ops (:meth:`Batch.finish`). So
+:meth:`Batch.add`: a copy of a bounded sample into a staging buffer and, when
+that sample is not the whole tensor, the exact min and max over the whole tensor
+(one ``aminmax`` pass with no temporary). Everything else is batched: one pass
+over the staging buffer takes the min and max of the tensors it holds whole, then
+turns the staged values of many tensors into histogram codes (exponent and top
+mantissa bit of the float32 bit pattern, or a code of its own for an exact zero,
+offset by the row) and counts them with one histogram, and the step's rows are
+packed by a handful of ops (:meth:`Batch.finish`). So
 the extremes, and whether any NaN, Inf or overflowing value is present, are
 exact; histogram and counts come from an evenly strided sample of at most
 :data:`SAMPLE_LIMIT` elements, scaled to the whole tensor (fractions of larger
@@ -47,7 +48,7 @@ tensors of 256 values they are within 0.7-1.2x of per-tensor ``aminmax``, and fo
 until a later batched call: an in-place op after the layer (``ReLU(inplace=True)``)
 would change what it summarises. Only the parameters' gradients are in hand all at
 once (:meth:`Batch.add_many`): the small ones are copied into the stage by one
-``cat`` and reduced there by ``segment_reduce``, three ops for many tensors.
+``cat`` per shape and reduced there with the other whole ones, by their pass.
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
 # below float32's least subnormal is staged as 0 and so counted as a zero; it is far
 # below every format's range.)
 #
-# How the pass makes them, in place but for one bool per value (session 62: 42-54 us
-# a full stage against 112 us, one CPU thread): clear the sign; ``nonzero`` as bools;
+# How the pass makes them, in four cheap integer ops (session 62: 42 us a full stage
+# against 112 us, one CPU thread): clear the sign; ``nonzero``, 1 or 0, by a clamp;
 # shift; subtract _CODE_BIAS from every non-zero value, which leaves a zero at 0 and
 # every other code in [-_CODE_BIAS, 0). The row offset then adds _CODE_BIAS back. The
 # code this replaced kept the sign (twice the bins) and marked the zeros with a
@@ -385,12 +386,14 @@ def stage_size(filed_bytes: int) -> int:
 class Batch:
     """The summaries of one device's tensors in one step, made with batched ops.
 
-    Per tensor, :meth:`add` pays two small ops: the exact min and max over the
-    whole tensor (one ``aminmax`` pass, no temporary) and a copy of a bounded
-    sample into a float32 staging buffer (a bfloat16 or float16 value is exact in
-    float32). Whenever the stage is full, and at :meth:`finish`, one pass of a few
-    ops turns every staged value of many rows into a histogram code offset by its
-    row and counts them all at once. Memory is bounded by the stage and about
+    Per tensor, :meth:`add` pays one or two small ops: a copy of a bounded sample
+    into a float32 staging buffer (a bfloat16 or float16 value is exact in
+    float32) and, for a sampled tensor, its exact min and max over the whole of it
+    (one ``aminmax`` pass, no temporary). Whenever the stage is full, and at
+    :meth:`finish`, one pass of a few ops takes the min and max of every row the
+    stage holds whole (one ``amin`` and ``amax`` per run of rows of one length), then
+    turns every staged value of many rows into a histogram code offset by its row
+    and counts them all at once. Memory is bounded by the stage and about
     0.5 KB per row, whatever the tensors' sizes; no tensor outlives its ``add``
     call.
     """
@@ -556,13 +559,14 @@ class Batch:
         # The staged values are not needed once coded: code them in place (fresh
         # 256 KB temporaries would each be a new mmap, page-faulted on first touch),
         # in as few sweeps as possible: the stage has gone cold in the cache since.
-        # (See _CODE_BIAS for the steps. The bools are a quarter of the stage, for this
-        # pass only; ``add_`` of bools, as ``sub_`` refuses them.)
+        # (See _CODE_BIAS for the steps. ``nonzero`` is 1 or 0 per value, int32: a
+        # temporary the size of the stage, for this pass only; an ``add_`` of bools
+        # converts them to such a temporary first, and costs more.)
         codes = self._stage[: self._used].view(torch.int32)
         codes.bitwise_and_(_NO_SIGN)
-        nonzero = codes.to(torch.bool)
+        nonzero = codes.clamp(max=1)
         codes >>= _CODE_SHIFT
-        codes.add_(nonzero, alpha=-_CODE_BIAS)
+        codes.sub_(nonzero, alpha=_CODE_BIAS)
         del nonzero
         if len(runs) * _ROW_OP_NS <= _STEPS_FIXED_NS + self._used * _STEPS_NS_PER_VALUE:
             # Few runs of rows of one length (a model's blocks repeat their shapes): one
