@@ -71,6 +71,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--models", default="transformer,gpt")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--modes", default=",".join(MODES), help="of: " + ", ".join(MODES))
     p.add_argument("--inner", nargs=3, metavar=("MODEL", "MODE", "STEPS"),
                    help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -81,12 +82,14 @@ def main() -> None:
         raise SystemExit("valgrind is not on the PATH (Debian: apt-get install valgrind)")
     rows = []
     for key in args.models.split(","):
-        ir = {mode: count(key, mode, args.steps) for mode in MODES}
-        if ir["plain"] == 0:
+        ir = {mode: count(key, mode, args.steps) for mode in args.modes.split(",")}
+        if not any(ir.values()):
             raise SystemExit("callgrind counted nothing: is this Python's binary stripped?")
+        plain = ir.get("plain")
         for mode, n in ir.items():
-            rows.append([key, mode, f"{n / 1e6:.2f}", f"{n / ir['plain']:.3f}x",
-                         f"{(n - ir['plain']) / 1e6:+.2f}"])
+            rows.append([key, mode, f"{n / 1e6:.2f}",
+                         f"{n / plain:.3f}x" if plain else "-",
+                         f"{(n - plain) / 1e6:+.2f}" if plain else "-"])
     print(tabulate(rows, headers=["model", "step", "M instructions", "x plain",
                                   "M added"]))
 

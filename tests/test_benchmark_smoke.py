@@ -228,3 +228,16 @@ def test_the_make_bench_scripts_print_their_help() -> None:
                               capture_output=True, text=True, timeout=120, check=False)
         assert proc.returncode == 0, (name, proc.stderr[-1000:])
         assert proc.stdout.startswith("usage: ") and "--threads" in proc.stdout, name
+
+
+def test_the_instruction_counter_runs_its_counted_steps_and_prints_its_help() -> None:
+    """``count_instructions.py``: the part valgrind runs (``--inner``), without valgrind
+    (counting a real run takes minutes), and its help."""
+    script = str(BENCH / "count_instructions.py")
+    for mode in ("plain", "recorded"):
+        proc = subprocess.run([sys.executable, script, "--inner", "cnn", mode, "1"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, (mode, proc.stderr[-1000:])
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and "callgrind" in proc.stdout, proc.stderr[-1000:]

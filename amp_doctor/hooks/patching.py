@@ -103,6 +103,27 @@ def _all_subclasses(cls: type) -> list[type]:
     return out
 
 
+class _Outermost:
+    """The context of :meth:`_ApiHub.outermost`: one per patched function, reused, as
+    its state is the depth in the hub's dict (a ``contextlib.contextmanager`` made a
+    generator and a context object at every call of the user's; a step makes about
+    ten, each on a cold cache)."""
+
+    __slots__ = ("_depth", "_key")
+
+    def __init__(self, depth: dict[str, int], key: str) -> None:
+        self._depth = depth
+        self._key = key
+
+    def __enter__(self) -> bool:
+        d = self._depth.get(self._key, 0)
+        self._depth[self._key] = d + 1
+        return d == 0
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth[self._key] -= 1
+
+
 class _ApiHub:
     """Process-wide patches, installed once and restored when unused."""
 
@@ -117,6 +138,7 @@ class _ApiHub:
         self.closure_step = False
         # Call depth per patched function (see outermost).
         self._depth: dict[str, int] = {}
+        self._gates: dict[str, _Outermost] = {}
         # Backward passes that went through a scaled output, per scaler id.
         self.flows: dict[int, int] = {}
         self._total_flows = 0
@@ -156,15 +178,12 @@ class _ApiHub:
                         raise  # the process's, not amp-doctor's (see the function)
                     _internal_error(sub, method, e)
 
-    @contextlib.contextmanager
-    def outermost(self, key: str) -> Iterator[bool]:
+    def outermost(self, key: str) -> _Outermost:
         """``with hub.outermost(key) as outer``: True only for the outermost call of ``key``."""
-        d = self._depth.get(key, 0)
-        self._depth[key] = d + 1
-        try:
-            yield d == 0
-        finally:
-            self._depth[key] -= 1
+        gate = self._gates.get(key)
+        if gate is None:
+            gate = self._gates[key] = _Outermost(self._depth, key)
+        return gate
 
     @contextlib.contextmanager
     def _backward_pass(self, roots: Any) -> Iterator[bool]:
