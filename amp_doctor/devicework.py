@@ -45,7 +45,6 @@ __all__ = ["own_ops", "OWN_MODE_FLAG", "pop_dispatch_modes", "push_dispatch_mode
 MAX_OUTPUT_DEPTH = 4
 
 
-
 class _OwnState(threading.local):
     """:data:`own_ops`'s per-thread state, every field present from a thread's first
     use: a ``getattr`` with a default on a ``threading.local`` that lacks the field

@@ -317,6 +317,21 @@ def test_a_batch_holds_a_few_tensor_objects_not_one_per_row() -> None:
     assert rows[:, S.MAX].tolist() == [float(i) for i in range(1000)]
 
 
+def test_whole_rows_of_alternating_lengths_hold_a_few_tensor_objects_too() -> None:
+    # Their extremes come from the passes, a run of equal rows at a time: rows of
+    # alternating lengths are a run each, and each pass keeps one tensor of them.
+    ts = [torch.full((4 + 4 * (i % 2),), float(i), dtype=torch.float16) for i in range(1000)]
+    gc.collect()
+    before = _live_tensors()
+    b = S.Batch()
+    for t in ts:
+        b.add(t)
+    held = _live_tensors() - before
+    assert held <= 3 * S.COMPACT_ROWS + 3 * (1000 // S.COMPACT_ROWS + 1) + 10, held
+    rows = b.finish()
+    assert rows[:, S.MIN].tolist() == rows[:, S.MAX].tolist() == [float(i) for i in range(1000)]
+
+
 def test_a_summary_keeps_no_reference_to_the_tensor_once_added() -> None:
     buf = StepBuffer(0)
     x = torch.randn(64, 64).to(torch.bfloat16)
